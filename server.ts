@@ -1,0 +1,1581 @@
+/**
+ * Latch: an IndieAuth authorization server in one file, on node:http and node:crypto.
+ *
+ * A person's browser is sent to `GET /auth`; the owner signs in and approves; the client gets a
+ * code. The client redeems the code for the owner's profile URL (`POST /auth`) or exchanges it
+ * for an access token (`POST /token`). Resource servers check tokens (`POST /introspect`) and
+ * clients revoke them (`POST /revoke`). PKCE with S256 is required; codes are single use and
+ * bound to `client_id`, `redirect_uri` and `code_challenge`.
+ *
+ * Quick start:
+ *
+ *     npx tsx server.ts            # serves http://127.0.0.1:3000, no configuration needed
+ *     npm install && npm test      # runs the tests
+ *
+ * Embedding (nothing listens and nothing reads `process.env` until you ask):
+ *
+ *     import { createServer } from 'node:http'
+ *     import { createHandler, loadConfig } from './server.ts'
+ *     const config = loadConfig({ ISSUER: 'https://auth.example.com', ME: 'https://example.com/', PASSWORD_HASH: '…' })
+ *     createServer(createHandler({ config })).listen(3000)
+ *
+ * The file reads in the order a flow runs: configuration, errors, helpers, identifiers, storage,
+ * HTTP plumbing, then the endpoints in the order a client meets them, the router, and `main()`.
+ *
+ * @see https://indieauth.spec.indieweb.org/ IndieAuth Living Standard (2024-07-11)
+ * @see https://www.rfc-editor.org/rfc/rfc6749 OAuth 2.0
+ * @see https://www.rfc-editor.org/rfc/rfc7636 PKCE
+ */
+
+// --- Imports ------------------------------------------------------------------
+// node: modules only. Latch has no runtime dependencies.
+
+import { createServer } from 'node:http'
+import type { IncomingMessage, ServerResponse } from 'node:http'
+import { createHash, randomBytes, scrypt, timingSafeEqual } from 'node:crypto'
+import { realpathSync } from 'node:fs'
+import { fileURLToPath } from 'node:url'
+
+// --- Types ----------------------------------------------------------------------
+// The protocol's nouns. Times are milliseconds since the epoch, as `now()` returns them.
+
+/** Everything Latch needs to know to serve; made by `loadConfig`. */
+export type Config = {
+  /** Port to listen on; 0 asks the system for any free port. */
+  port: number
+  /** Interface to bind. */
+  host: string
+  /** Public base URL without a trailing slash; every endpoint URL starts with it. */
+  issuer: string
+  /** The owner's canonical profile URL: every code and token carries it. */
+  me: string
+  /** scrypt hash of the owner's password, or undefined when consent needs no password. */
+  passwordHash: string | undefined
+  /** Where codes and tokens live: `memory` only, until the durable store lands. */
+  dataFile: string
+  codeTtlSeconds: number
+  accessTokenTtlSeconds: number
+  /** When set, `/introspect` callers must send it as a Bearer credential. */
+  introspectionSecret: string | undefined
+}
+
+/** An authorization request that passed validation and waits for the owner's decision. */
+export type PendingRequest = {
+  client_id: string
+  redirect_uri: string
+  state: string | undefined
+  code_challenge: string
+  /** The scopes the client asked for, in its order, without duplicates. */
+  scope: string[]
+  /** The `me` the client suggested: shown to the owner, never trusted. */
+  meHint: string | undefined
+  /** SHA-256 of the CSRF cookie of the browser that opened the request. */
+  csrfHash: string
+  expiresAt: number
+}
+
+/** An authorization code as stored: under the SHA-256 hash of its value. */
+export type AuthorizationCode = {
+  client_id: string
+  redirect_uri: string
+  code_challenge: string
+  /** The scopes the owner granted; empty means the code only proves identity. */
+  scope: string[]
+  me: string
+  issuedAt: number
+  expiresAt: number
+  /** Set once the code has been redeemed; kept so that a replay can be recognised. */
+  usedAt: number | undefined
+}
+
+/** An access token as stored: under the SHA-256 hash of its value. */
+export type AccessToken = {
+  me: string
+  client_id: string
+  scope: string[]
+  issuedAt: number
+  expiresAt: number
+  /** Hash of the code it was issued from: a replayed code revokes its tokens. */
+  codeHash: string
+}
+
+/** Where codes and tokens live. Keys are SHA-256 hashes; raw secrets never reach a store. */
+export interface Store {
+  savePending(id: string, request: PendingRequest, now: number): Promise<void>
+  findPending(id: string, now: number): Promise<PendingRequest | undefined>
+  /** Returns the pending request and deletes it, in one step. */
+  takePending(id: string, now: number): Promise<PendingRequest | undefined>
+  saveCode(hash: string, code: AuthorizationCode, now: number): Promise<void>
+  /** Returns an unexpired code, used or not. */
+  findCode(hash: string, now: number): Promise<AuthorizationCode | undefined>
+  /** Marks an unexpired code used, in one step: true only for the first caller. */
+  takeCode(hash: string, now: number): Promise<boolean>
+  saveToken(hash: string, token: AccessToken, now: number): Promise<void>
+  findToken(hash: string, now: number): Promise<AccessToken | undefined>
+  deleteToken(hash: string): Promise<void>
+  /** Deletes every token issued from one code. */
+  deleteTokensOfCode(codeHash: string): Promise<void>
+}
+
+/** What `createHandler` takes. Only `config` is needed; the rest have defaults. */
+export type HandlerOptions = {
+  config: Config
+  /** Defaults to a new `MemoryStore`. */
+  store?: Store
+  /** The clock, in milliseconds; tests pass one they can advance. Defaults to `Date.now`. */
+  now?: () => number
+  /** Receives one line per request and the details of server errors. Defaults to `console.log`. */
+  log?: (line: string) => void
+}
+
+/** What every endpoint handler receives besides the request and the response. */
+type Context = {
+  config: Config
+  store: Store
+  now: () => number
+  log: (line: string) => void
+  passwordFailures: Map<string, PasswordFailures>
+}
+
+type PasswordFailures = { count: number; lastAt: number; lockedUntil: number }
+
+/** Query or form parameters: every value of every name, in the order sent. */
+export type Params = Map<string, string[]>
+
+// --- Configuration --------------------------------------------------------------
+// Every setting is an environment variable and the same-named flag (`--code-ttl 10m`);
+// a flag wins over the variable, and an empty value counts as unset.
+
+/** The settings with their defaults and one line of help each; `--help` prints this table. */
+export const SETTINGS = [
+  { name: 'PORT', default: '3000', help: 'Port to listen on (0 = any free port; the real one is printed).' },
+  { name: 'HOST', default: '127.0.0.1', help: 'Interface to bind.' },
+  { name: 'ISSUER', default: 'http://HOST:PORT', help: 'Public base URL; every endpoint URL is built from it.' },
+  { name: 'ME', default: 'ISSUER + /', help: "The owner's profile URL." },
+  { name: 'PASSWORD_HASH', default: 'unset', help: 'Owner password hash from `npx tsx server.ts hash-password`. Unset: no password, loopback only.' },
+  { name: 'DATA_FILE', default: 'memory', help: 'Where codes and tokens live; only `memory` for now.' },
+  { name: 'CODE_TTL', default: '300', help: 'Authorization code lifetime (90s, 10m, 12h, 7d; at most 600).' },
+  { name: 'ACCESS_TOKEN_TTL', default: '604800', help: 'Access token lifetime (7 days).' },
+  { name: 'INTROSPECTION_SECRET', default: 'unset', help: 'Unset: /introspect is open. Set: callers send `Authorization: Bearer <secret>`.' },
+] as const
+
+type SettingName = (typeof SETTINGS)[number]['name']
+
+/** A setting that stops start-up; the message names the setting and the fix. */
+export class ConfigError extends Error {}
+
+const LOOPBACK_HOSTS = new Set(['127.0.0.1', '::1', 'localhost'])
+const MAX_CODE_TTL_SECONDS = 600
+const MIN_SECRET_LENGTH = 16
+
+/**
+ * Reads the configuration from environment variables and command-line flags, or throws a
+ * `ConfigError` that says what to fix. Pure: pass `process.env` and `process.argv.slice(2)`.
+ * `boundPort` replaces a `PORT` of 0 in the default issuer once the real port is known.
+ * @see https://indieauth.spec.indieweb.org/#discovery-by-clients IA §4.1 (issuer)
+ */
+export function loadConfig(
+  env: Record<string, string | undefined>,
+  argv: readonly string[] = [],
+  options: { boundPort?: number } = {},
+): Config {
+  const raw = readSettings(env, argv)
+  const port = parsePort(raw.PORT ?? '3000')
+  const host = raw.HOST ?? '127.0.0.1'
+  const issuer = parseIssuer(raw.ISSUER ?? `http://${hostForUrl(host)}:${options.boundPort ?? port}`)
+  const me = parseMe(raw.ME ?? `${issuer}/`)
+  const passwordHash = raw.PASSWORD_HASH
+  if (passwordHash !== undefined && parsePasswordHash(passwordHash) === undefined) {
+    throw new ConfigError('PASSWORD_HASH is not a hash made by Latch: create one with `npx tsx server.ts hash-password`')
+  }
+  if (passwordHash === undefined && !LOOPBACK_HOSTS.has(host)) {
+    throw new ConfigError(
+      `HOST ${host} is not a loopback interface, and without PASSWORD_HASH anyone who reaches it could approve sign-ins: ` +
+        'create a hash with `npx tsx server.ts hash-password` and set PASSWORD_HASH, or bind HOST=127.0.0.1',
+    )
+  }
+  const dataFile = raw.DATA_FILE ?? 'memory'
+  if (dataFile !== 'memory') {
+    throw new ConfigError('DATA_FILE can only be `memory` in this version: remove it, or set DATA_FILE=memory')
+  }
+  const codeTtlSeconds = parseDuration('CODE_TTL', raw.CODE_TTL ?? '300')
+  if (codeTtlSeconds > MAX_CODE_TTL_SECONDS) {
+    throw new ConfigError('CODE_TTL is longer than the 10 minutes IndieAuth allows: use 600 or less')
+  }
+  const accessTokenTtlSeconds = parseDuration('ACCESS_TOKEN_TTL', raw.ACCESS_TOKEN_TTL ?? '604800')
+  const introspectionSecret = raw.INTROSPECTION_SECRET
+  if (introspectionSecret !== undefined && introspectionSecret.length < MIN_SECRET_LENGTH) {
+    throw new ConfigError(
+      `INTROSPECTION_SECRET is shorter than ${MIN_SECRET_LENGTH} characters: use a long random value, such as the output of \`openssl rand -base64 32\``,
+    )
+  }
+  return { port, host, issuer, me, passwordHash, dataFile, codeTtlSeconds, accessTokenTtlSeconds, introspectionSecret }
+}
+
+/** Merges variables and flags into one value per setting; empty values count as unset. */
+function readSettings(env: Record<string, string | undefined>, argv: readonly string[]) {
+  const values: Partial<Record<SettingName, string>> = {}
+  for (const { name } of SETTINGS) {
+    if (env[name] !== undefined && env[name] !== '') values[name] = env[name]
+  }
+  for (let i = 0; i < argv.length; i++) {
+    const arg = argv[i]
+    const equals = arg.indexOf('=')
+    const flag = equals === -1 ? arg : arg.slice(0, equals)
+    const name = SETTINGS.find((setting) => flagName(setting.name) === flag)?.name
+    if (name === undefined) throw new ConfigError(`Unknown option ${flag}: run \`npx tsx server.ts --help\` for the list`)
+    const value = equals === -1 ? argv[++i] : arg.slice(equals + 1)
+    if (value === undefined) throw new ConfigError(`Option ${flag} needs a value, as in \`${flag} VALUE\``)
+    if (value === '') delete values[name]
+    else values[name] = value
+  }
+  return values
+}
+
+/** `CODE_TTL` becomes `--code-ttl`. */
+function flagName(setting: string): string {
+  return `--${setting.toLowerCase().replaceAll('_', '-')}`
+}
+
+function parsePort(value: string): number {
+  const port = /^\d{1,5}$/.test(value) ? Number(value) : NaN
+  if (!(port >= 0 && port <= 65535)) throw new ConfigError(`PORT ${value} is not a port number: use 0 to 65535`)
+  return port
+}
+
+/** Parses plain seconds or a number with a unit (`90s`, `10m`, `12h`, `7d`) into seconds. */
+export function parseDuration(name: string, value: string): number {
+  const match = /^(\d{1,12})([smhd]?)$/.exec(value.trim())
+  const unitSeconds = { '': 1, s: 1, m: 60, h: 3600, d: 86400 }
+  const seconds = match === null ? NaN : Number(match[1]) * unitSeconds[match[2] as keyof typeof unitSeconds]
+  if (!(seconds > 0)) throw new ConfigError(`${name} ${value} is not a positive duration: use seconds or a unit, as in 300, 90s, 10m, 12h or 7d`)
+  return seconds
+}
+
+function hostForUrl(host: string): string {
+  return host.includes(':') ? `[${host}]` : host
+}
+
+function parseIssuer(value: string): string {
+  const url = URL.canParse(value) ? new URL(value) : undefined
+  if (url === undefined || (url.protocol !== 'https:' && url.protocol !== 'http:')) {
+    throw new ConfigError(`ISSUER ${value} is not an http or https URL: use the public base URL, as in https://auth.example.com`)
+  }
+  if (url.search !== '' || url.hash !== '' || value.includes('?') || value.includes('#')) {
+    throw new ConfigError(`ISSUER ${value} has a query or fragment, which RFC 8414 forbids: remove everything from ? or #`)
+  }
+  if (url.username !== '' || url.password !== '') {
+    throw new ConfigError(`ISSUER ${value} contains a user name or password: remove it`)
+  }
+  return url.href.replace(/\/+$/, '')
+}
+
+function parseMe(value: string): string {
+  const problem = profileUrlProblem(value)
+  if (problem !== undefined) throw new ConfigError(`ME ${value} is not a valid profile URL (${problem}): use your site's URL, as in https://example.com/`)
+  return canonicalizeUrl(value)
+}
+
+/** Start-up warnings for settings that work but are not right for real use. */
+export function configWarnings(config: Config): string[] {
+  const warnings: string[] = []
+  const issuer = new URL(config.issuer)
+  if (issuer.protocol === 'http:' && !LOOPBACK_HOSTS.has(issuer.hostname.replace(/^\[|\]$/g, ''))) {
+    warnings.push(`ISSUER ${config.issuer} is http on a non-loopback host; IndieAuth wants https, so put Latch behind TLS and set ISSUER to the https URL`)
+  }
+  const me = new URL(config.me)
+  if (me.port !== '' || isIpAddress(me.hostname)) {
+    warnings.push(`ME ${config.me} has a port or an IP address, which IndieAuth forbids for profile URLs; fine for trying Latch, but set ME to your site's URL for real use`)
+  }
+  return warnings
+}
+
+// --- Errors ---------------------------------------------------------------------
+// RFC 6749 §5.2  https://www.rfc-editor.org/rfc/rfc6749#section-5.2
+// Handlers throw OAuthError; one catch in the router renders it. Anything else is a 500.
+
+const ERROR_STATUS: Record<string, number> = {
+  invalid_request: 400,
+  invalid_client: 401,
+  invalid_grant: 400,
+  invalid_scope: 400,
+  invalid_token: 401,
+  unsupported_grant_type: 400,
+  unsupported_response_type: 400,
+  access_denied: 403,
+  not_found: 404,
+  method_not_allowed: 405,
+  too_many_requests: 429,
+}
+
+/**
+ * An error the client caused, with its OAuth error code, one plain sentence, the HTTP status and
+ * any headers. The description is cleaned to the characters RFC 6749 §5.2 allows.
+ * @see https://www.rfc-editor.org/rfc/rfc6749#section-5.2
+ */
+export class OAuthError extends Error {
+  readonly error: string
+  readonly status: number
+  readonly headers: Record<string, string>
+
+  constructor(error: string, description: string, options: { status?: number; headers?: Record<string, string> } = {}) {
+    super(description.replace(/[^\x20\x21\x23-\x5b\x5d-\x7e]/g, '?'))
+    this.error = error
+    this.status = options.status ?? ERROR_STATUS[error] ?? 400
+    this.headers = options.headers ?? {}
+  }
+}
+
+// --- Pure helpers ---------------------------------------------------------------
+
+/** Base64url without padding (RFC 4648 §5), the encoding of codes, tokens and PKCE. */
+export function base64url(bytes: Buffer): string {
+  return bytes.toString('base64url')
+}
+
+/** SHA-256 of a string, base64url: the key under which a secret is stored. */
+export function sha256(value: string): string {
+  return base64url(createHash('sha256').update(value, 'utf8').digest())
+}
+
+/** A fresh code or token: 32 random bytes, base64url (43 characters). */
+export function createSecret(): string {
+  return base64url(randomBytes(32))
+}
+
+/** Compares two secrets in constant time, whatever their lengths. */
+export function safeEqual(a: string, b: string): boolean {
+  const hashA = createHash('sha256').update(a, 'utf8').digest()
+  const hashB = createHash('sha256').update(b, 'utf8').digest()
+  return timingSafeEqual(hashA, hashB) && a.length === b.length
+}
+
+/**
+ * The PKCE S256 transformation: BASE64URL(SHA256(ASCII(code_verifier))).
+ * @see https://www.rfc-editor.org/rfc/rfc7636#section-4.2
+ */
+export function computeCodeChallenge(verifier: string): string {
+  return base64url(createHash('sha256').update(verifier, 'ascii').digest())
+}
+
+/**
+ * True when a `code_verifier` has the form RFC 7636 requires.
+ * @see https://www.rfc-editor.org/rfc/rfc7636#section-4.1
+ */
+export function isCodeVerifier(value: string): boolean {
+  return /^[A-Za-z0-9\-._~]{43,128}$/.test(value) // 43-128 characters of [A-Z] / [a-z] / [0-9] / "-" / "." / "_" / "~"
+}
+
+/** True when a `code_challenge` is a base64url SHA-256 digest: exactly 43 characters. */
+export function isCodeChallenge(value: string): boolean {
+  return /^[A-Za-z0-9_-]{43}$/.test(value)
+}
+
+/**
+ * True when a scope token uses only the characters RFC 6749 allows.
+ * @see https://www.rfc-editor.org/rfc/rfc6749#section-3.3
+ */
+export function isScopeToken(value: string): boolean {
+  return /^[\x21\x23-\x5b\x5d-\x7e]+$/.test(value) // scope-token = 1*( %x21 / %x23-5B / %x5D-7E )
+}
+
+const utf8 = new TextDecoder('utf-8', { fatal: true })
+
+/**
+ * Parses `application/x-www-form-urlencoded` text (a body or a query string): `+` is a space,
+ * `%XX` a byte, and the bytes must be UTF-8. Throws `invalid_request` on a malformed escape or
+ * invalid UTF-8. Pass a body as latin1 text so that each character is one byte.
+ * @see https://url.spec.whatwg.org/#urlencoded-parsing
+ */
+export function parseForm(text: string): Params {
+  const params: Params = new Map()
+  for (const pair of text.split('&')) {
+    if (pair === '') continue
+    const equals = pair.indexOf('=')
+    const name = decodeFormComponent(equals === -1 ? pair : pair.slice(0, equals))
+    const value = equals === -1 ? '' : decodeFormComponent(pair.slice(equals + 1))
+    const values = params.get(name)
+    if (values === undefined) params.set(name, [value])
+    else values.push(value)
+  }
+  return params
+}
+
+function decodeFormComponent(text: string): string {
+  const bytes = Buffer.alloc(text.length)
+  let length = 0
+  for (let i = 0; i < text.length; i++) {
+    const char = text.charCodeAt(i)
+    if (char === 0x2b) {
+      bytes[length++] = 0x20 // "+" is a space
+    } else if (char === 0x25) {
+      const hex = text.slice(i + 1, i + 3)
+      if (!/^[0-9A-Fa-f]{2}$/.test(hex)) throw new OAuthError('invalid_request', 'The request has a malformed percent-escape')
+      bytes[length++] = parseInt(hex, 16)
+      i += 2
+    } else if (char > 0xff) {
+      throw new OAuthError('invalid_request', 'The request has characters that are not percent-encoded')
+    } else {
+      bytes[length++] = char
+    }
+  }
+  try {
+    return utf8.decode(bytes.subarray(0, length))
+  } catch {
+    throw new OAuthError('invalid_request', 'The request is not valid UTF-8')
+  }
+}
+
+/**
+ * Returns the one value of a parameter, or undefined when it is absent or empty (RFC 6749 §3.1).
+ * Throws `invalid_request` when it was sent more than once.
+ * @see https://www.rfc-editor.org/rfc/rfc6749#section-3.1
+ */
+export function getParam(params: Params, name: string): string | undefined {
+  const values = params.get(name)?.filter((value) => value !== '') ?? []
+  if (values.length > 1) throw new OAuthError('invalid_request', `Parameter ${name} was sent more than once`)
+  return values[0]
+}
+
+/** Like `getParam`, but a missing parameter is `invalid_request` too. */
+export function requireParam(params: Params, name: string): string {
+  const value = getParam(params, name)
+  if (value === undefined) throw new OAuthError('invalid_request', `Parameter ${name} is missing`)
+  return value
+}
+
+/** Splits a `scope` parameter into its tokens, dropping repeats, or throws `invalid_scope`. */
+export function parseScope(value: string | undefined): string[] {
+  const scopes = (value ?? '').split(' ').filter((scope) => scope !== '')
+  for (const scope of scopes) {
+    if (!isScopeToken(scope)) throw new OAuthError('invalid_scope', 'The scope has a character that RFC 6749 does not allow')
+  }
+  return [...new Set(scopes)]
+}
+
+// --- Owner password -------------------------------------------------------------
+// The owner's password is stored as `scrypt:ln=15,r=8,p=1:<salt>:<hash>` (base64url): the
+// string carries its own salt and cost, and has no `$` for a shell to expand.
+
+const SCRYPT_KEY_LENGTH = 32
+const SCRYPT_DEFAULT_COST = { ln: 15, r: 8, p: 1 }
+
+type PasswordHash = { ln: number; r: number; p: number; salt: Buffer; hash: Buffer }
+
+/** Hashes a password with scrypt and a random salt; `ln` is log2 of the cost N. */
+export async function hashPassword(password: string, cost: { ln: number; r: number; p: number } = SCRYPT_DEFAULT_COST): Promise<string> {
+  const salt = randomBytes(16)
+  const hash = await runScrypt(password, { ...cost, salt })
+  return `scrypt:ln=${cost.ln},r=${cost.r},p=${cost.p}:${base64url(salt)}:${base64url(hash)}`
+}
+
+/** Checks a password against a hash from `hashPassword`, comparing in constant time. */
+export async function verifyPassword(password: string, passwordHash: string): Promise<boolean> {
+  const parsed = parsePasswordHash(passwordHash)
+  if (parsed === undefined) return false
+  const hash = await runScrypt(password, parsed)
+  return timingSafeEqual(hash, parsed.hash)
+}
+
+function parsePasswordHash(value: string): PasswordHash | undefined {
+  const match = /^scrypt:ln=(\d+),r=(\d+),p=(\d+):([A-Za-z0-9_-]{16,}):([A-Za-z0-9_-]{43})$/.exec(value)
+  if (match === null) return undefined
+  const [ln, r, p] = [Number(match[1]), Number(match[2]), Number(match[3])]
+  if (ln < 10 || ln > 20 || r < 1 || r > 16 || p < 1 || p > 4) return undefined
+  return { ln, r, p, salt: Buffer.from(match[4], 'base64url'), hash: Buffer.from(match[5], 'base64url') }
+}
+
+function runScrypt(password: string, params: { ln: number; r: number; p: number; salt: Buffer }): Promise<Buffer> {
+  const N = 2 ** params.ln
+  const maxmem = 128 * N * params.r * params.p + 1024 * 1024
+  return new Promise((resolve, reject) => {
+    scrypt(password.normalize('NFC'), params.salt, SCRYPT_KEY_LENGTH, { N, r: params.r, p: params.p, maxmem }, (err, key) => {
+      if (err) reject(err)
+      else resolve(key)
+    })
+  })
+}
+
+// --- Identifiers ----------------------------------------------------------------
+// IndieAuth §3.2 (user profile URL) and §3.3 (client identifier), checked on the raw string:
+// `new URL()` would silently remove dot segments and default ports before we could see them.
+// https://indieauth.spec.indieweb.org/#user-profile-url
+// https://indieauth.spec.indieweb.org/#client-identifier
+
+type UrlParts = { scheme: string; userinfo: boolean; host: string; port: string; path: string }
+
+function splitHttpUrl(raw: string): UrlParts | string {
+  if (!/^[\x21-\x7e]+$/.test(raw)) return 'it contains spaces or characters that must be percent-encoded'
+  if (raw.includes('\\')) return 'it contains a backslash'
+  if (raw.includes('#')) return 'it contains a fragment'
+  const match = /^([A-Za-z][A-Za-z0-9+.-]*):\/\/([^/?#]*)([^?#]*)/.exec(raw)
+  if (match === null) return 'it is not an absolute URL'
+  const [, scheme, authority, path] = match
+  const at = authority.lastIndexOf('@')
+  const hostAndPort = authority.slice(at + 1)
+  const portMatch = /^(\[[^\]]*\]|[^:]*)(?::(\d*))?$/.exec(hostAndPort)
+  if (portMatch === null) return 'its host is malformed'
+  return { scheme: scheme.toLowerCase(), userinfo: at !== -1, host: portMatch[1].toLowerCase(), port: portMatch[2] ?? '', path }
+}
+
+/** The problems §3.2 and §3.3 share, or undefined. */
+function commonUrlProblem(parts: UrlParts): string | undefined {
+  if (parts.scheme !== 'https' && parts.scheme !== 'http') return 'it must use https or http' // MUST have either an https or http scheme
+  if (parts.userinfo) return 'it contains a user name or password' // MUST NOT contain a username or password component
+  const segments = parts.path.split('/').map((segment) => segment.toLowerCase().replaceAll('%2e', '.'))
+  if (segments.some((segment) => segment === '.' || segment === '..')) return 'its path contains a . or .. segment' // MUST NOT contain single-dot or double-dot path segments
+  if (parts.port !== '' && !(/^\d{1,5}$/.test(parts.port) && Number(parts.port) <= 65535)) return 'its port is not a number from 0 to 65535'
+  if (parts.host === '') return 'it has no host'
+  if (!isIpAddress(parts.host) && !isDomainName(parts.host)) return 'its host is not a domain name'
+  return undefined
+}
+
+/** True for an IPv4 address in dotted form or a bracketed IPv6 address. */
+function isIpAddress(host: string): boolean {
+  return /^\d{1,3}(\.\d{1,3}){3}$/.test(host) || /^\[[0-9a-f:.]+\]$/i.test(host)
+}
+
+function isDomainName(host: string): boolean {
+  const labels = host.replace(/\.$/, '').split('.')
+  return labels.every((label) => /^[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?$/.test(label)) && !/^\d+$/.test(labels[labels.length - 1])
+}
+
+/**
+ * Why a string is not a valid client identifier, or undefined when it is one. A URL without a
+ * path counts as having the path `/` (§3.4).
+ * @see https://indieauth.spec.indieweb.org/#client-identifier IA §3.3
+ */
+export function clientIdProblem(raw: string): string | undefined {
+  const parts = splitHttpUrl(raw)
+  if (typeof parts === 'string') return parts
+  const problem = commonUrlProblem(parts)
+  if (problem !== undefined) return problem
+  if (isIpAddress(parts.host) && parts.host !== '127.0.0.1' && parts.host !== '[::1]') {
+    return 'its host is an IP address other than 127.0.0.1 or [::1]' // MUST NOT be IPv4 or IPv6 addresses except for IPv4 127.0.0.1 or IPv6 [::1]
+  }
+  return undefined
+}
+
+/** True when a string is a valid client identifier (IA §3.3). */
+export function isClientId(raw: string): boolean {
+  return clientIdProblem(raw) === undefined
+}
+
+/**
+ * Why a string is not a valid profile URL, or undefined when it is one. A port or an IP
+ * address is only warned about, so that Latch can be tried on a laptop.
+ * @see https://indieauth.spec.indieweb.org/#user-profile-url IA §3.2
+ */
+export function profileUrlProblem(raw: string): string | undefined {
+  const parts = splitHttpUrl(raw)
+  if (typeof parts === 'string') return parts
+  return commonUrlProblem(parts)
+}
+
+/**
+ * The canonical form of a valid identifier: lowercase scheme and host, `/` for an empty path.
+ * @see https://indieauth.spec.indieweb.org/#url-canonicalization IA §3.4
+ */
+export function canonicalizeUrl(raw: string): string {
+  return new URL(raw).href
+}
+
+/**
+ * Why `redirect_uri` may not be used with this client, or undefined when it may: it must be
+ * absolute, without a fragment, on the same scheme, host and port as `client_id`.
+ * @see https://indieauth.spec.indieweb.org/#authorization-request IA §5.2
+ */
+export function redirectUriProblem(redirectUri: string, clientId: string): string | undefined {
+  if (redirectUri.includes('#')) return 'redirect_uri must not contain a fragment'
+  if (!/^[\x21-\x7e]+$/.test(redirectUri) || !URL.canParse(redirectUri)) return 'redirect_uri is not an absolute URL'
+  const redirect = new URL(redirectUri)
+  const client = new URL(clientId)
+  if (redirect.protocol !== client.protocol || redirect.host !== client.host) {
+    return `redirect_uri must be on the same scheme, host and port as client_id (${client.protocol}//${client.host})`
+  }
+  return undefined
+}
+
+// --- Storage --------------------------------------------------------------------
+// A `Store` keeps pending requests, codes and tokens under the SHA-256 hashes of their ids.
+// This one keeps them in Maps. Every read checks expiry; expired entries are swept a few at a
+// time, in order of expiry, from a heap, so no request ever scans every entry.
+// To put SQLite or Redis behind Latch, implement `Store`: ten small methods.
+
+type Expiry = { at: number; map: Map<string, { expiresAt: number }>; key: string }
+
+/** A binary min-heap of expiry times: the next entry to expire is always on top. */
+class ExpiryHeap {
+  #items: Expiry[] = []
+
+  get size(): number {
+    return this.#items.length
+  }
+
+  peek(): Expiry | undefined {
+    return this.#items[0]
+  }
+
+  push(item: Expiry): void {
+    const items = this.#items
+    items.push(item)
+    let i = items.length - 1
+    while (i > 0) {
+      const parent = (i - 1) >> 1
+      if (items[parent].at <= item.at) break
+      items[i] = items[parent]
+      i = parent
+    }
+    items[i] = item
+  }
+
+  pop(): Expiry | undefined {
+    const items = this.#items
+    const top = items[0]
+    const last = items.pop()
+    if (items.length === 0 || last === undefined) return top
+    let i = 0
+    while (true) {
+      const left = 2 * i + 1
+      if (left >= items.length) break
+      const child = left + 1 < items.length && items[left + 1].at < items[left].at ? left + 1 : left
+      if (items[child].at >= last.at) break
+      items[i] = items[child]
+      i = child
+    }
+    items[i] = last
+    return top
+  }
+}
+
+/** Options of the in-memory store: caps so that a flood cannot grow memory without limit. */
+export type MemoryStoreOptions = {
+  maxPendingRequests?: number
+  maxCodes?: number
+  log?: (line: string) => void
+}
+
+const SWEEP_BATCH = 100
+
+/** The in-memory `Store`: Maps with expiry timestamps, bounded where a stranger could fill them. */
+export class MemoryStore implements Store {
+  readonly pending = new Map<string, PendingRequest>()
+  readonly codes = new Map<string, AuthorizationCode>()
+  readonly tokens = new Map<string, AccessToken>()
+  /** Code hash → hashes of the tokens issued from that code. */
+  readonly #tokensOfCode = new Map<string, Set<string>>()
+  readonly #expiries = new ExpiryHeap()
+  readonly #maxPendingRequests: number
+  readonly #maxCodes: number
+  readonly #log: (line: string) => void
+  #dropped = 0
+
+  constructor(options: MemoryStoreOptions = {}) {
+    this.#maxPendingRequests = options.maxPendingRequests ?? 10_000
+    this.#maxCodes = options.maxCodes ?? 10_000
+    this.#log = options.log ?? console.log
+  }
+
+  async savePending(id: string, request: PendingRequest, now: number): Promise<void> {
+    this.#sweep(now)
+    this.#makeRoom(this.pending, this.#maxPendingRequests, 'pending authorization requests')
+    this.pending.set(id, request)
+    this.#expiries.push({ at: request.expiresAt, map: this.pending, key: id })
+  }
+
+  async findPending(id: string, now: number): Promise<PendingRequest | undefined> {
+    return live(this.pending.get(id), now)
+  }
+
+  async takePending(id: string, now: number): Promise<PendingRequest | undefined> {
+    const request = live(this.pending.get(id), now)
+    this.pending.delete(id)
+    return request
+  }
+
+  async saveCode(hash: string, code: AuthorizationCode, now: number): Promise<void> {
+    this.#sweep(now)
+    this.#makeRoom(this.codes, this.#maxCodes, 'authorization codes')
+    this.codes.set(hash, code)
+    this.#expiries.push({ at: code.expiresAt, map: this.codes, key: hash })
+  }
+
+  async findCode(hash: string, now: number): Promise<AuthorizationCode | undefined> {
+    return live(this.codes.get(hash), now)
+  }
+
+  async takeCode(hash: string, now: number): Promise<boolean> {
+    const code = live(this.codes.get(hash), now)
+    if (code === undefined || code.usedAt !== undefined) return false
+    code.usedAt = now
+    return true
+  }
+
+  async saveToken(hash: string, token: AccessToken, now: number): Promise<void> {
+    this.#sweep(now)
+    this.tokens.set(hash, token)
+    const family = this.#tokensOfCode.get(token.codeHash)
+    if (family === undefined) this.#tokensOfCode.set(token.codeHash, new Set([hash]))
+    else family.add(hash)
+    this.#expiries.push({ at: token.expiresAt, map: this.tokens, key: hash })
+  }
+
+  async findToken(hash: string, now: number): Promise<AccessToken | undefined> {
+    return live(this.tokens.get(hash), now)
+  }
+
+  async deleteToken(hash: string): Promise<void> {
+    const token = this.tokens.get(hash)
+    if (token === undefined) return
+    this.tokens.delete(hash)
+    const family = this.#tokensOfCode.get(token.codeHash)
+    family?.delete(hash)
+    if (family?.size === 0) this.#tokensOfCode.delete(token.codeHash)
+  }
+
+  async deleteTokensOfCode(codeHash: string): Promise<void> {
+    for (const hash of this.#tokensOfCode.get(codeHash) ?? []) await this.deleteToken(hash)
+  }
+
+  /** Deletes up to one batch of expired entries, soonest first. */
+  #sweep(now: number): void {
+    for (let i = 0; i < SWEEP_BATCH; i++) {
+      const next = this.#expiries.peek()
+      if (next === undefined || next.at > now) return
+      this.#expiries.pop()
+      const entry = next.map.get(next.key)
+      if (entry === undefined || entry.expiresAt > now) continue
+      if (next.map === this.tokens) void this.deleteToken(next.key)
+      else next.map.delete(next.key)
+    }
+  }
+
+  /** Drops the oldest entries of a capped map so that one more fits. */
+  #makeRoom(map: Map<string, unknown>, max: number, what: string): void {
+    if (map.size < max) return
+    const oldest = map.keys().next().value
+    if (oldest !== undefined) map.delete(oldest)
+    if (this.#dropped++ % 1000 === 0) this.#log(`store: the cap of ${max} ${what} was reached; dropped the oldest (${this.#dropped} so far)`)
+  }
+}
+
+function live<T extends { expiresAt: number }>(entry: T | undefined, now: number): T | undefined {
+  return entry !== undefined && entry.expiresAt > now ? entry : undefined
+}
+
+// --- HTTP plumbing --------------------------------------------------------------
+// Read a form, send JSON, redirect, render a page. Nothing here knows about OAuth.
+
+const MAX_BODY_BYTES = 64 * 1024
+
+/**
+ * Reads an `application/x-www-form-urlencoded` body of at most 64 KiB. A larger body is
+ * answered with 413 and the rest of it is never buffered.
+ * @see https://www.rfc-editor.org/rfc/rfc6749#appendix-B
+ */
+export async function readForm(req: IncomingMessage): Promise<Params> {
+  const [mediaType, ...parameters] = (req.headers['content-type'] ?? '').split(';').map((part) => part.trim().toLowerCase())
+  if (mediaType !== 'application/x-www-form-urlencoded') {
+    throw new OAuthError('invalid_request', 'The body must be application/x-www-form-urlencoded')
+  }
+  if (parameters.some((parameter) => parameter.startsWith('charset=') && !/^charset="?utf-8"?$/.test(parameter))) {
+    throw new OAuthError('invalid_request', 'The body must be UTF-8')
+  }
+  return parseForm((await readBody(req)).toString('latin1'))
+}
+
+function readBody(req: IncomingMessage): Promise<Buffer> {
+  const tooLarge = new OAuthError('invalid_request', 'The request body is larger than 64 KiB', { status: 413, headers: { Connection: 'close' } })
+  if (Number(req.headers['content-length']) > MAX_BODY_BYTES) return Promise.reject(tooLarge)
+  return new Promise((resolve, reject) => {
+    const chunks: Buffer[] = []
+    let size = 0
+    req.on('data', (chunk: Buffer) => {
+      size += chunk.length
+      if (size <= MAX_BODY_BYTES) chunks.push(chunk)
+      else reject(tooLarge) // later chunks are read and dropped until the connection closes
+    })
+    req.on('end', () => resolve(Buffer.concat(chunks)))
+    req.on('error', reject)
+    req.on('close', () => reject(new OAuthError('invalid_request', 'The request body ended early')))
+  })
+}
+
+/** The path of a request target, without its query. */
+function pathOf(target: string): string {
+  const query = target.indexOf('?')
+  return query === -1 ? target : target.slice(0, query)
+}
+
+/** The query parameters of a request target. */
+function queryOf(target: string): Params {
+  const query = target.indexOf('?')
+  return parseForm(query === -1 ? '' : target.slice(query + 1))
+}
+
+function readCookie(req: IncomingMessage, name: string): string | undefined {
+  for (const pair of (req.headers.cookie ?? '').split(';')) {
+    const equals = pair.indexOf('=')
+    if (equals !== -1 && pair.slice(0, equals).trim() === name) return pair.slice(equals + 1).trim()
+  }
+  return undefined
+}
+
+const NO_STORE = { 'Cache-Control': 'no-store', Pragma: 'no-cache' }
+
+/** Sends a JSON body. Every JSON answer carries `no-store`: most hold codes or tokens. */
+function sendJson(res: ServerResponse, status: number, body: unknown, headers: Record<string, string> = {}): void {
+  res.writeHead(status, { 'Content-Type': 'application/json', ...NO_STORE, ...headers })
+  res.end(JSON.stringify(body))
+}
+
+/** Sends an OAuth error as JSON. */
+function sendJsonError(res: ServerResponse, err: OAuthError): void {
+  sendJson(res, err.status, { error: err.error, error_description: err.message }, err.headers)
+}
+
+/** Redirects with the given status (302 from `GET /auth`, 303 after a form). */
+function redirect(res: ServerResponse, status: number, location: string): void {
+  res.writeHead(status, { Location: location, ...NO_STORE, 'Referrer-Policy': 'no-referrer' })
+  res.end()
+}
+
+/** Adds parameters to a URL, keeping the query it already has. */
+export function buildRedirectUrl(base: string, params: Record<string, string | undefined>): string {
+  const url = new URL(base)
+  for (const [name, value] of Object.entries(params)) {
+    if (value !== undefined) url.searchParams.append(name, value)
+  }
+  return url.href
+}
+
+// --- Pages ----------------------------------------------------------------------
+// Plain HTML: no scripts, nothing loaded from elsewhere. The one stylesheet is allowed by its
+// hash, so the Content-Security-Policy can keep `default-src 'none'`.
+
+const STYLESHEET = `
+:root { color-scheme: light dark; --fg: #1c1b1f; --bg: #fbfbfd; --muted: #55535e; --line: #c9c7d1; --accent: #1f4fd1; --panel: #fff; }
+@media (prefers-color-scheme: dark) { :root { --fg: #ecebf1; --bg: #141318; --muted: #b2b0bc; --line: #45434d; --accent: #9db7ff; --panel: #1d1c22; } }
+* { box-sizing: border-box; }
+body { margin: 0; background: var(--bg); color: var(--fg); font: 1rem/1.5 system-ui, -apple-system, "Segoe UI", sans-serif; }
+main { max-width: 34rem; margin: 0 auto; padding: 2rem 1rem; }
+h1 { font-size: 1.5rem; line-height: 1.25; margin: 0 0 1rem; }
+p, fieldset, pre { margin: 0 0 1rem; }
+code, pre { font-family: ui-monospace, Menlo, Consolas, monospace; font-size: .9rem; overflow-wrap: anywhere; }
+pre { background: var(--panel); border: 1px solid var(--line); border-radius: .5rem; padding: .75rem; white-space: pre-wrap; }
+.muted { color: var(--muted); }
+.error { border-left: 4px solid #d93025; padding: .25rem .75rem; }
+fieldset { border: 1px solid var(--line); border-radius: .5rem; padding: .75rem 1rem; background: var(--panel); }
+legend { padding: 0 .25rem; font-weight: 600; }
+label { display: block; padding: .25rem 0; }
+input[type=password] { display: block; width: 100%; margin-top: .25rem; padding: .6rem; font: inherit; color: inherit; background: var(--panel); border: 1px solid var(--line); border-radius: .4rem; }
+.actions { display: flex; gap: .75rem; margin-top: 1.25rem; }
+button { flex: 1; padding: .7rem 1rem; font: inherit; font-weight: 600; border-radius: .4rem; border: 1px solid var(--accent); cursor: pointer; }
+button[value=approve] { background: var(--accent); color: var(--bg); }
+button[value=deny] { background: transparent; color: var(--accent); }
+:focus-visible { outline: 3px solid var(--accent); outline-offset: 2px; }
+`
+
+const PAGE_HEADERS = {
+  'Content-Type': 'text/html; charset=utf-8',
+  'Content-Security-Policy': `default-src 'none'; style-src 'sha256-${createHash('sha256').update(STYLESHEET).digest('base64')}'; img-src data:; frame-ancestors 'none'; base-uri 'none'`,
+  'X-Frame-Options': 'DENY',
+  'Referrer-Policy': 'no-referrer',
+  'X-Content-Type-Options': 'nosniff',
+  'Cache-Control': 'no-store',
+}
+
+/** Escapes text for HTML element content and double-quoted attributes. */
+export function escapeHtml(text: string): string {
+  return text.replace(/[&<>"']/g, (char) => `&#${char.charCodeAt(0)};`)
+}
+
+function renderPage(title: string, body: string): string {
+  return `<!doctype html>
+<html lang="en">
+<head>
+<meta charset="utf-8">
+<meta name="viewport" content="width=device-width, initial-scale=1">
+<meta name="referrer" content="no-referrer">
+<title>${escapeHtml(title)}</title>
+<style>${STYLESHEET}</style>
+</head>
+<body>
+<main>
+${body}
+</main>
+</body>
+</html>
+`
+}
+
+function sendPage(res: ServerResponse, status: number, html: string, headers: Record<string, string> = {}): void {
+  res.writeHead(status, { ...PAGE_HEADERS, ...headers })
+  res.end(html)
+}
+
+/** Sends an error as a page that names the problem; used where a person, not a client, reads it. */
+function sendErrorPage(res: ServerResponse, err: OAuthError): void {
+  const title = err.status === 429 ? 'Too many attempts' : 'This sign-in cannot continue'
+  sendPage(res, err.status, renderPage(title, `<h1>${escapeHtml(title)}</h1>\n<p class="error">${escapeHtml(err.message)}</p>`), err.headers)
+}
+
+/** Words for the scopes people meet most, so the consent page can say what each one allows. */
+const SCOPE_DESCRIPTIONS: Record<string, string> = {
+  profile: 'See your name, photo and URL',
+  email: 'See your email address',
+  create: 'Create posts on your site',
+  draft: 'Create draft posts only',
+  update: 'Edit your posts',
+  delete: 'Delete your posts',
+  undelete: 'Restore deleted posts',
+  media: 'Upload files to your media endpoint',
+  read: 'Read your feeds and channels',
+  follow: 'Follow and unfollow feeds',
+  mute: 'Mute and unmute accounts',
+  block: 'Block and unblock accounts',
+  channels: 'Manage your channels',
+}
+
+// --- Configuration of the endpoints --------------------------------------------
+
+const PENDING_TTL_SECONDS = 600
+const CSRF_COOKIE = 'latch_csrf'
+const SUPPORTED_SCOPES = Object.keys(SCOPE_DESCRIPTIONS)
+
+function endpointUrl(config: Config, path: string): string {
+  return `${config.issuer}${path}`
+}
+
+// --- Metadata -------------------------------------------------------------------
+// IndieAuth §4.1.1  https://indieauth.spec.indieweb.org/#indieauth-server-metadata
+// RFC 8414 §2      https://www.rfc-editor.org/rfc/rfc8414#section-2
+
+/**
+ * Builds the server metadata document; every URL starts with the issuer.
+ * @see https://indieauth.spec.indieweb.org/#indieauth-server-metadata IA §4.1.1
+ * @see https://www.rfc-editor.org/rfc/rfc8414#section-2
+ */
+export function buildMetadata(config: Config): Record<string, unknown> {
+  return {
+    issuer: config.issuer,
+    authorization_endpoint: endpointUrl(config, '/auth'),
+    token_endpoint: endpointUrl(config, '/token'),
+    introspection_endpoint: endpointUrl(config, '/introspect'),
+    introspection_endpoint_auth_methods_supported: config.introspectionSecret === undefined ? ['none'] : ['Bearer'],
+    revocation_endpoint: endpointUrl(config, '/revoke'),
+    revocation_endpoint_auth_methods_supported: ['none'],
+    scopes_supported: SUPPORTED_SCOPES,
+    response_types_supported: ['code'],
+    grant_types_supported: ['authorization_code'],
+    code_challenge_methods_supported: ['S256'],
+    authorization_response_iss_parameter_supported: true,
+  }
+}
+
+/** Answers `GET /.well-known/oauth-authorization-server`. */
+async function handleMetadataRequest(_req: IncomingMessage, res: ServerResponse, ctx: Context): Promise<void> {
+  sendJson(res, 200, buildMetadata(ctx.config))
+}
+
+// --- Authorization endpoint -----------------------------------------------------
+// IndieAuth §5.2    https://indieauth.spec.indieweb.org/#authorization-request
+// RFC 6749 §4.1.1   https://www.rfc-editor.org/rfc/rfc6749#section-4.1.1
+// RFC 7636 §4.3     https://www.rfc-editor.org/rfc/rfc7636#section-4.3
+
+/**
+ * Validates an authorization request and shows the consent page. Until `client_id` and
+ * `redirect_uri` are known good, errors are a 400 page; after that, redirects to the client.
+ * @see https://indieauth.spec.indieweb.org/#authorization-request IA §5.2
+ */
+async function handleAuthorizationRequest(req: IncomingMessage, res: ServerResponse, ctx: Context): Promise<void> {
+  const query = queryOf(req.url ?? '/')
+  const clientId = requireParam(query, 'client_id')
+  const clientProblem = clientIdProblem(clientId)
+  if (clientProblem !== undefined) throw new OAuthError('invalid_request', `client_id is not a valid client identifier: ${clientProblem}`)
+  const redirectUri = requireParam(query, 'redirect_uri')
+  const redirectProblem = redirectUriProblem(redirectUri, clientId)
+  if (redirectProblem !== undefined) throw new OAuthError('invalid_request', redirectProblem)
+
+  // From here on redirect_uri is trusted: report errors by redirecting to it (RFC 6749 §4.1.2.1).
+  const state = stateOf(query)
+  let request: PendingRequest
+  try {
+    request = buildPendingRequest(query, canonicalizeUrl(clientId), redirectUri, ctx)
+  } catch (err) {
+    if (!(err instanceof OAuthError)) throw err
+    const params = { error: err.error, error_description: err.message, state, iss: ctx.config.issuer }
+    return redirect(res, 302, buildRedirectUrl(redirectUri, params))
+  }
+  const csrf = reusableCsrf(readCookie(req, CSRF_COOKIE)) ?? createSecret()
+  request.csrfHash = sha256(csrf)
+  const id = createSecret()
+  await ctx.store.savePending(sha256(id), request, ctx.now())
+  sendPage(res, 200, renderConsentPage(request, { id, csrf, config: ctx.config }), { 'Set-Cookie': buildCsrfCookie(csrf, ctx.config) })
+}
+
+/** The `state` to send back on an error redirect: none when it was sent twice. */
+function stateOf(query: Params): string | undefined {
+  const values = query.get('state')?.filter((value) => value !== '') ?? []
+  return values.length === 1 ? values[0] : undefined
+}
+
+/** Checks the rest of the request, one rule per line, in the order the contract lists them. */
+function buildPendingRequest(query: Params, clientId: string, redirectUri: string, ctx: Context): PendingRequest {
+  for (const [name, values] of query) {
+    if (values.filter((value) => value !== '').length > 1) throw new OAuthError('invalid_request', `Parameter ${name} was sent more than once`)
+  }
+  const responseType = getParam(query, 'response_type') ?? 'code' // older clients omit it
+  if (responseType !== 'code') throw new OAuthError('unsupported_response_type', 'response_type must be code')
+  const codeChallenge = requireParam(query, 'code_challenge')
+  if (!isCodeChallenge(codeChallenge)) throw new OAuthError('invalid_request', 'code_challenge must be 43 base64url characters')
+  const method = getParam(query, 'code_challenge_method') ?? 'S256'
+  if (method !== 'S256') throw new OAuthError('invalid_request', 'code_challenge_method must be S256')
+  return {
+    client_id: clientId,
+    redirect_uri: redirectUri,
+    state: getParam(query, 'state'),
+    code_challenge: codeChallenge,
+    scope: parseScope(getParam(query, 'scope')),
+    meHint: getParam(query, 'me'),
+    csrfHash: '',
+    expiresAt: ctx.now() + PENDING_TTL_SECONDS * 1000,
+  }
+}
+
+/** A CSRF cookie already set by an earlier request is kept, so that two open tabs both work. */
+function reusableCsrf(cookie: string | undefined): string | undefined {
+  return cookie !== undefined && /^[A-Za-z0-9_-]{43}$/.test(cookie) ? cookie : undefined
+}
+
+function buildCsrfCookie(csrf: string, config: Config): string {
+  const issuer = new URL(config.issuer)
+  const secure = issuer.protocol === 'https:' ? '; Secure' : ''
+  return `${CSRF_COOKIE}=${csrf}; Path=${issuer.pathname.replace(/\/$/, '')}/auth; Max-Age=${PENDING_TTL_SECONDS}; HttpOnly; SameSite=Lax${secure}`
+}
+
+/** The consent page: who asks, where the browser goes next, what access, and one form. */
+function renderConsentPage(request: PendingRequest, form: { id: string; csrf: string; config: Config; message?: string }): string {
+  const { config } = form
+  const redirectHost = new URL(request.redirect_uri).host
+  const scopes = request.scope
+    .map((scope) => {
+      const description = SCOPE_DESCRIPTIONS[scope] ?? 'Access that this server does not describe'
+      return `<label><input type="checkbox" name="scope" value="${escapeHtml(scope)}" checked> <code>${escapeHtml(scope)}</code> · ${escapeHtml(description)}</label>`
+    })
+    .join('\n')
+  const hint = request.meHint !== undefined && request.meHint !== config.me ? `<p class="muted">The app expected <code>${escapeHtml(request.meHint)}</code>.</p>` : ''
+  return renderPage(
+    'Sign in',
+    `<h1>Sign in to an app as ${escapeHtml(config.me)}</h1>
+<p>The app <code>${escapeHtml(request.client_id)}</code> wants to know that you are <code>${escapeHtml(config.me)}</code>.</p>
+${hint}
+<p class="muted">After you decide, your browser goes to <code>${escapeHtml(redirectHost)}</code>.</p>
+${form.message === undefined ? '' : `<p class="error" role="alert">${escapeHtml(form.message)}</p>`}
+<form method="post" action="${escapeHtml(endpointUrl(config, '/auth/consent'))}">
+<input type="hidden" name="request" value="${escapeHtml(form.id)}">
+<input type="hidden" name="csrf" value="${escapeHtml(form.csrf)}">
+${scopes === '' ? '<p>It asks for no access beyond your identity.</p>' : `<fieldset>\n<legend>It also asks to</legend>\n${scopes}\n</fieldset>`}
+${config.passwordHash === undefined ? '' : '<label>Password<input type="password" name="password" autocomplete="current-password" required autofocus></label>'}
+<div class="actions">
+<button name="decision" value="approve">Approve</button>
+<button name="decision" value="deny" formnovalidate>Deny</button>
+</div>
+</form>`,
+  )
+}
+
+// --- Consent --------------------------------------------------------------------
+// IndieAuth §5.2.1  https://indieauth.spec.indieweb.org/#authorization-response
+// RFC 6749 §4.1.2   https://www.rfc-editor.org/rfc/rfc6749#section-4.1.2
+
+/**
+ * Handles the consent form: checks the pending request, the CSRF token and the password, then
+ * redirects to the client with a code or with `access_denied`.
+ * @see https://indieauth.spec.indieweb.org/#authorization-response IA §5.2.1
+ * @see https://www.rfc-editor.org/rfc/rfc9207#section-2 RFC 9207 (iss)
+ */
+async function handleConsent(req: IncomingMessage, res: ServerResponse, ctx: Context): Promise<void> {
+  const form = await readForm(req)
+  const id = requireParam(form, 'request')
+  const request = await ctx.store.findPending(sha256(id), ctx.now())
+  if (request === undefined) throw new OAuthError('invalid_request', 'This sign-in request is unknown or has expired: start again from the app')
+  const csrf = requireCsrf(form, readCookie(req, CSRF_COOKIE), request)
+  const decision = getParam(form, 'decision')
+  if (decision !== 'approve' && decision !== 'deny') throw new OAuthError('invalid_request', 'Choose Approve or Deny')
+  if (decision === 'approve' && ctx.config.passwordHash !== undefined) {
+    const message = await checkPassword(getParam(form, 'password'), clientAddress(req), ctx)
+    if (message !== undefined) return sendPage(res, 401, renderConsentPage(request, { id, csrf, config: ctx.config, message }))
+  }
+  if ((await ctx.store.takePending(sha256(id), ctx.now())) === undefined) {
+    throw new OAuthError('invalid_request', 'This sign-in request was already answered: start again from the app')
+  }
+  const iss = ctx.config.issuer
+  if (decision === 'deny') {
+    const params = { error: 'access_denied', error_description: 'The owner denied the request', state: request.state, iss }
+    return redirect(res, 303, buildRedirectUrl(request.redirect_uri, params))
+  }
+  const granted = request.scope.filter((scope) => (form.get('scope') ?? []).includes(scope))
+  const code = await issueCode(request, granted, ctx)
+  redirect(res, 303, buildRedirectUrl(request.redirect_uri, { code, state: request.state, iss }))
+}
+
+/** The form's `csrf` must equal the cookie, and the cookie must be the one the request was opened with. */
+function requireCsrf(form: Params, cookie: string | undefined, request: PendingRequest): string {
+  const csrf = getParam(form, 'csrf')
+  if (csrf === undefined || cookie === undefined || !safeEqual(csrf, cookie) || !safeEqual(sha256(cookie), request.csrfHash)) {
+    throw new OAuthError('access_denied', 'This form was not sent from the sign-in page in this browser: start again from the app', { status: 403 })
+  }
+  return csrf
+}
+
+/** Issues a code bound to the request and the granted scopes, and returns its value. */
+async function issueCode(request: PendingRequest, scope: string[], ctx: Context): Promise<string> {
+  const code = createSecret()
+  const now = ctx.now()
+  await ctx.store.saveCode(
+    sha256(code),
+    {
+      client_id: request.client_id,
+      redirect_uri: request.redirect_uri,
+      code_challenge: request.code_challenge,
+      scope,
+      me: ctx.config.me,
+      issuedAt: now,
+      expiresAt: now + ctx.config.codeTtlSeconds * 1000,
+      usedAt: undefined,
+    },
+    now,
+  )
+  return code
+}
+
+// --- Password checks ------------------------------------------------------------
+// Failed attempts are counted per client address. After five, each further attempt must wait
+// twice as long as the last, up to 15 minutes; a success clears the count.
+
+const FREE_PASSWORD_FAILURES = 5
+const MAX_PASSWORD_DELAY_SECONDS = 900
+const MAX_TRACKED_ADDRESSES = 10_000
+
+function clientAddress(req: IncomingMessage): string {
+  return req.socket.remoteAddress ?? 'unknown'
+}
+
+/** Checks the owner's password; returns a message for the page when it is wrong, or throws 429. */
+async function checkPassword(password: string | undefined, address: string, ctx: Context): Promise<string | undefined> {
+  const now = ctx.now()
+  const failures = ctx.passwordFailures.get(address)
+  if (failures !== undefined && failures.lockedUntil > now) {
+    const retryAfter = String(Math.ceil((failures.lockedUntil - now) / 1000))
+    throw new OAuthError('too_many_requests', `Too many wrong passwords: try again in ${retryAfter} seconds`, { headers: { 'Retry-After': retryAfter } })
+  }
+  if (password !== undefined && (await verifyPassword(password, ctx.config.passwordHash ?? ''))) {
+    ctx.passwordFailures.delete(address)
+    return undefined
+  }
+  recordPasswordFailure(address, now, ctx.passwordFailures)
+  return password === undefined ? 'Enter your password' : 'Wrong password'
+}
+
+function recordPasswordFailure(address: string, now: number, failuresByAddress: Map<string, PasswordFailures>): void {
+  const previous = failuresByAddress.get(address)
+  const forgotten = previous === undefined || now - previous.lastAt > MAX_PASSWORD_DELAY_SECONDS * 1000
+  const count = forgotten ? 1 : previous.count + 1
+  const delaySeconds = count <= FREE_PASSWORD_FAILURES ? 0 : Math.min(2 ** (count - FREE_PASSWORD_FAILURES), MAX_PASSWORD_DELAY_SECONDS)
+  failuresByAddress.delete(address) // re-inserted last, so the map stays ordered oldest first
+  if (failuresByAddress.size >= MAX_TRACKED_ADDRESSES) failuresByAddress.delete(failuresByAddress.keys().next().value ?? '')
+  failuresByAddress.set(address, { count, lastAt: now, lockedUntil: now + delaySeconds * 1000 })
+}
+
+// --- Code redemption ------------------------------------------------------------
+// IndieAuth §5.3    https://indieauth.spec.indieweb.org/#redeeming-the-authorization-code
+// RFC 6749 §4.1.3   https://www.rfc-editor.org/rfc/rfc6749#section-4.1.3
+// RFC 7636 §4.6     https://www.rfc-editor.org/rfc/rfc7636#section-4.6
+
+/**
+ * Redeems a code for the owner's profile URL only: `{"me": "…"}`.
+ * @see https://indieauth.spec.indieweb.org/#profile-url-response IA §5.3.2
+ */
+async function handleProfileRedemption(req: IncomingMessage, res: ServerResponse, ctx: Context): Promise<void> {
+  const form = await readForm(req)
+  requireGrantType(form, { required: false })
+  const { code, codeHash } = await checkCode(form, { clientRequired: false }, ctx)
+  await consumeCode(codeHash, ctx)
+  sendJson(res, 200, { me: code.me })
+}
+
+function requireGrantType(form: Params, options: { required: boolean }): void {
+  const grantType = options.required ? requireParam(form, 'grant_type') : getParam(form, 'grant_type')
+  if (grantType !== undefined && grantType !== 'authorization_code') {
+    throw new OAuthError('unsupported_grant_type', 'grant_type must be authorization_code')
+  }
+}
+
+/**
+ * Finds a code and checks that the request matches it: `client_id`, `redirect_uri` and the PKCE
+ * verifier. Shared by `POST /auth` and `POST /token`. The code is not consumed here.
+ * @see https://indieauth.spec.indieweb.org/#redeeming-the-authorization-code IA §5.3.1
+ * @see https://www.rfc-editor.org/rfc/rfc7636#section-4.6
+ */
+async function checkCode(form: Params, options: { clientRequired: boolean }, ctx: Context) {
+  const value = requireParam(form, 'code')
+  const clientId = options.clientRequired ? requireParam(form, 'client_id') : getParam(form, 'client_id')
+  const redirectUri = options.clientRequired ? requireParam(form, 'redirect_uri') : getParam(form, 'redirect_uri')
+  const verifier = requireParam(form, 'code_verifier')
+  if (!isCodeVerifier(verifier)) throw new OAuthError('invalid_request', 'code_verifier must be 43 to 128 characters of A-Z, a-z, 0-9 and -._~')
+  const codeHash = sha256(value)
+  const code = await ctx.store.findCode(codeHash, ctx.now())
+  if (code === undefined) throw new OAuthError('invalid_grant', 'The authorization code is unknown or has expired')
+  if (clientId !== undefined && !isSameClientId(clientId, code.client_id)) {
+    throw new OAuthError('invalid_grant', 'client_id does not match the client the code was issued to')
+  }
+  if (redirectUri !== undefined && redirectUri !== code.redirect_uri) {
+    throw new OAuthError('invalid_grant', 'redirect_uri does not match the one in the authorization request')
+  }
+  if (!safeEqual(computeCodeChallenge(verifier), code.code_challenge)) {
+    throw new OAuthError('invalid_grant', 'PKCE check failed: code_verifier does not match code_challenge')
+  }
+  return { code, codeHash }
+}
+
+/** Compares a sent `client_id` with a stored canonical one, after canonicalizing it (IA §3.4). */
+function isSameClientId(sent: string, stored: string): boolean {
+  return isClientId(sent) && canonicalizeUrl(sent) === stored
+}
+
+/**
+ * Marks a checked code used. A code that was used before is a replay: every token issued from
+ * it is revoked, because "the authorization server MUST deny the request and SHOULD revoke
+ * (when possible) all tokens previously issued based on that authorization code".
+ * @see https://www.rfc-editor.org/rfc/rfc6749#section-4.1.2
+ */
+async function consumeCode(codeHash: string, ctx: Context): Promise<void> {
+  if (await ctx.store.takeCode(codeHash, ctx.now())) return
+  await ctx.store.deleteTokensOfCode(codeHash)
+  throw new OAuthError('invalid_grant', 'The authorization code was already used, so the tokens issued from it are revoked')
+}
+
+// --- Token endpoint -------------------------------------------------------------
+// IndieAuth §5.3.3  https://indieauth.spec.indieweb.org/#access-token-response
+// RFC 6749 §5.1     https://www.rfc-editor.org/rfc/rfc6749#section-5.1
+
+/**
+ * Exchanges a code for an access token.
+ * @see https://indieauth.spec.indieweb.org/#access-token-response IA §5.3.3
+ * @see https://www.rfc-editor.org/rfc/rfc6749#section-4.1.3
+ */
+async function handleTokenRequest(req: IncomingMessage, res: ServerResponse, ctx: Context): Promise<void> {
+  const form = await readForm(req)
+  requireGrantType(form, { required: true })
+  const { code, codeHash } = await checkCode(form, { clientRequired: true }, ctx)
+  if (code.scope.length === 0) {
+    throw new OAuthError('invalid_grant', 'This code was issued without scope, so it only proves identity: redeem it at the authorization endpoint instead')
+  }
+  await consumeCode(codeHash, ctx)
+  sendJson(res, 200, await issueAccessToken(code, codeHash, ctx))
+}
+
+/** Issues an access token for a redeemed code and builds the token response. */
+async function issueAccessToken(code: AuthorizationCode, codeHash: string, ctx: Context) {
+  const token = createSecret()
+  const now = ctx.now()
+  const expiresInSeconds = ctx.config.accessTokenTtlSeconds
+  await ctx.store.saveToken(
+    sha256(token),
+    { me: code.me, client_id: code.client_id, scope: code.scope, issuedAt: now, expiresAt: now + expiresInSeconds * 1000, codeHash },
+    now,
+  )
+  return { access_token: token, token_type: 'Bearer', scope: code.scope.join(' '), me: code.me, expires_in: expiresInSeconds }
+}
+
+// --- Introspection --------------------------------------------------------------
+// IndieAuth §6   https://indieauth.spec.indieweb.org/#access-token-verification
+// RFC 7662 §2    https://www.rfc-editor.org/rfc/rfc7662#section-2
+
+/**
+ * Tells a resource server whether a token is live, and for whom. Anything that is not a live
+ * token, malformed or unknown, gets exactly `{"active": false}`.
+ * @see https://indieauth.spec.indieweb.org/#access-token-verification-response IA §6.2
+ * @see https://www.rfc-editor.org/rfc/rfc7662#section-2.2
+ */
+async function handleIntrospectionRequest(req: IncomingMessage, res: ServerResponse, ctx: Context): Promise<void> {
+  requireIntrospectionCaller(req, ctx.config)
+  const form = await readForm(req)
+  const token = await ctx.store.findToken(sha256(requireParam(form, 'token')), ctx.now())
+  if (token === undefined) return sendJson(res, 200, { active: false })
+  sendJson(res, 200, {
+    active: true,
+    me: token.me,
+    scope: token.scope.join(' '),
+    client_id: token.client_id,
+    exp: Math.floor(token.expiresAt / 1000),
+    iat: Math.floor(token.issuedAt / 1000),
+  })
+}
+
+/**
+ * With `INTROSPECTION_SECRET` set, the caller must send it as a Bearer credential (IA §6.1:
+ * "the token endpoint MUST require some form of authorization to access this endpoint").
+ * @see https://www.rfc-editor.org/rfc/rfc6750#section-3
+ */
+function requireIntrospectionCaller(req: IncomingMessage, config: Config): void {
+  if (config.introspectionSecret === undefined) return
+  const realm = `Bearer realm="${config.issuer}"`
+  const match = /^Bearer +(\S+) *$/i.exec(req.headers.authorization ?? '')
+  if (match === null) {
+    throw new OAuthError('invalid_token', 'This endpoint needs the introspection secret as a Bearer credential', { headers: { 'WWW-Authenticate': realm } })
+  }
+  if (!safeEqual(match[1], config.introspectionSecret)) {
+    throw new OAuthError('invalid_token', 'The Bearer credential is not the introspection secret', { headers: { 'WWW-Authenticate': `${realm}, error="invalid_token"` } })
+  }
+}
+
+// --- Revocation -----------------------------------------------------------------
+// IndieAuth §7   https://indieauth.spec.indieweb.org/#token-revocation
+// RFC 7009 §2    https://www.rfc-editor.org/rfc/rfc7009#section-2
+
+/**
+ * Revokes a token. Answers 200 whether or not the token was known, as RFC 7009 §2.2 requires.
+ * @see https://www.rfc-editor.org/rfc/rfc7009#section-2.2
+ */
+async function handleRevocationRequest(req: IncomingMessage, res: ServerResponse, ctx: Context): Promise<void> {
+  const form = await readForm(req)
+  await ctx.store.deleteToken(sha256(requireParam(form, 'token')))
+  res.writeHead(200, NO_STORE)
+  res.end()
+}
+
+// --- Home page ------------------------------------------------------------------
+
+/** Says what this server is, and shows the owner the `<link>` tags to paste into their site. */
+async function handleHomePage(_req: IncomingMessage, res: ServerResponse, ctx: Context): Promise<void> {
+  const { config } = ctx
+  const links = [
+    `<link rel="indieauth-metadata" href="${endpointUrl(config, '/.well-known/oauth-authorization-server')}">`,
+    `<link rel="authorization_endpoint" href="${endpointUrl(config, '/auth')}">`,
+    `<link rel="token_endpoint" href="${endpointUrl(config, '/token')}">`,
+  ].join('\n')
+  sendPage(
+    res,
+    200,
+    renderPage(
+      'Latch',
+      `<h1>Latch</h1>
+<p>This is the IndieAuth server of <code>${escapeHtml(config.me)}</code>. Apps that let you sign in with your website send you here to confirm that you are you.</p>
+<p>To use it, paste these lines into the <code>&lt;head&gt;</code> of <code>${escapeHtml(config.me)}</code>:</p>
+<pre>${escapeHtml(links)}</pre>
+<p class="muted">Server metadata: <a href="${escapeHtml(endpointUrl(config, '/.well-known/oauth-authorization-server'))}">${escapeHtml(endpointUrl(config, '/.well-known/oauth-authorization-server'))}</a></p>`,
+    ),
+  )
+}
+
+// --- Router ---------------------------------------------------------------------
+
+type Handler = (req: IncomingMessage, res: ServerResponse, ctx: Context) => Promise<void>
+
+/** Handlers whose errors a person reads: rendered as pages, not JSON. */
+const PAGE_HANDLERS = new Set<Handler>([handleHomePage, handleAuthorizationRequest, handleConsent])
+
+/** Picks the handler for a method and path; unknown paths are 404, other methods 405. */
+function selectHandler(method: string, path: string): Handler {
+  switch (path) {
+    case '/':
+      return byMethod(method, { GET: handleHomePage })
+    case '/.well-known/oauth-authorization-server':
+      return byMethod(method, { GET: handleMetadataRequest })
+    case '/auth':
+      return byMethod(method, { GET: handleAuthorizationRequest, POST: handleProfileRedemption })
+    case '/auth/consent':
+      return byMethod(method, { POST: handleConsent })
+    case '/token':
+      return byMethod(method, { POST: handleTokenRequest })
+    case '/introspect':
+      return byMethod(method, { POST: handleIntrospectionRequest })
+    case '/revoke':
+      return byMethod(method, { POST: handleRevocationRequest })
+    default:
+      return rejectUnknownPath
+  }
+}
+
+function byMethod(method: string, handlers: Partial<Record<string, Handler>>): Handler {
+  const handler = handlers[method]
+  if (handler !== undefined) return handler
+  const allow = Object.keys(handlers).join(', ')
+  return async () => {
+    throw new OAuthError('method_not_allowed', `This endpoint accepts ${allow} only`, { headers: { Allow: allow } })
+  }
+}
+
+async function rejectUnknownPath(): Promise<void> {
+  throw new OAuthError('not_found', 'There is no endpoint at this path')
+}
+
+/**
+ * Creates the request handler: a plain `(req, res) => void` for node:http, Express or Connect.
+ * It logs one line per request (method, path, status, milliseconds) and never a secret.
+ */
+export function createHandler(options: HandlerOptions): (req: IncomingMessage, res: ServerResponse) => void {
+  const log = options.log ?? console.log
+  const ctx: Context = {
+    config: options.config,
+    store: options.store ?? new MemoryStore({ log }),
+    now: options.now ?? Date.now,
+    log,
+    passwordFailures: new Map(),
+  }
+  return (req, res) => {
+    const started = performance.now()
+    const path = pathOf(req.url ?? '/')
+    const handler = selectHandler(req.method ?? 'GET', path)
+    res.on('close', () => log(`${req.method} ${describePath(path, handler)} ${res.statusCode} ${Math.round(performance.now() - started)}ms`))
+    handler(req, res, ctx).catch((err: unknown) => renderError(err, res, PAGE_HANDLERS.has(handler), ctx))
+  }
+}
+
+/** The path as logged: unknown paths are cut short and escaped, so a log line stays one line. */
+function describePath(path: string, handler: Handler): string {
+  if (handler !== rejectUnknownPath) return path
+  return JSON.stringify(path.length > 64 ? `${path.slice(0, 64)}…` : path)
+}
+
+/** The router's one catch: an `OAuthError` is rendered; anything else is a logged 500. */
+function renderError(err: unknown, res: ServerResponse, asPage: boolean, ctx: Context): void {
+  if (res.headersSent) {
+    res.destroy()
+    return
+  }
+  if (!(err instanceof OAuthError)) {
+    ctx.log(`error: ${err instanceof Error ? (err.stack ?? err.message) : String(err)}`)
+    err = new OAuthError('server_error', 'The server failed to handle the request', { status: 500 })
+  }
+  const oauthError = err as OAuthError
+  if (asPage) sendErrorPage(res, oauthError)
+  else sendJsonError(res, oauthError)
+}
+
+// --- Command line ---------------------------------------------------------------
+// `npx tsx server.ts [--flag value …]` serves; `npx tsx server.ts hash-password` makes a hash.
+
+/** The `--help` text: usage, then the settings table. */
+export function buildHelp(): string {
+  const rows = SETTINGS.map((setting) => `  ${`${setting.name} / ${flagName(setting.name)}`.padEnd(48)} ${setting.help} Default: ${setting.default}.`)
+  return [
+    'Latch: an IndieAuth authorization server.',
+    '',
+    'Usage:',
+    '  npx tsx server.ts [--flag value ...]   serve (every setting is a variable or a flag; a flag wins)',
+    '  npx tsx server.ts hash-password        read a password, print the PASSWORD_HASH for it',
+    '  npx tsx server.ts --help               print this help',
+    '',
+    'Settings (durations take seconds or 90s, 10m, 12h, 7d):',
+    ...rows,
+  ].join('\n')
+}
+
+/** Reads a password from the terminal without echo, or from piped standard input. */
+async function readPassword(): Promise<string> {
+  if (!process.stdin.isTTY) {
+    let text = ''
+    for await (const chunk of process.stdin) text += chunk
+    return text.split(/\r?\n/)[0]
+  }
+  const first = await promptHidden('Password: ')
+  const second = await promptHidden('Again: ')
+  if (first !== second) throw new ConfigError('The two passwords differ: run the command again')
+  return first
+}
+
+function promptHidden(prompt: string): Promise<string> {
+  process.stderr.write(prompt)
+  process.stdin.setRawMode(true)
+  process.stdin.resume()
+  process.stdin.setEncoding('utf8')
+  return new Promise((resolve) => {
+    let text = ''
+    const onData = (chunk: string) => {
+      for (const char of chunk) {
+        if (char === '\u0003') process.exit(130) // Ctrl-C
+        if (char === '\r' || char === '\n') {
+          process.stdin.setRawMode(false)
+          process.stdin.pause()
+          process.stdin.off('data', onData)
+          process.stderr.write('\n')
+          return resolve(text)
+        }
+        text = char === '\u007f' || char === '\b' ? text.slice(0, -1) : text + char
+      }
+    }
+    process.stdin.on('data', onData)
+  })
+}
+
+async function runHashPassword(): Promise<void> {
+  const password = await readPassword()
+  if (password === '') throw new ConfigError('The password is empty: type one, or pipe one in')
+  console.log(await hashPassword(password))
+}
+
+/** Prints what the server is doing, once, at start-up. */
+function printStartup(config: Config, listeningUrl: string): void {
+  for (const warning of configWarnings(config)) console.log(`warning: ${warning}`)
+  console.log(
+    [
+      `Latch is listening on ${listeningUrl}`,
+      `  issuer    ${config.issuer}`,
+      `  me        ${config.me}`,
+      `  password  ${config.passwordHash === undefined ? 'not set: anyone who can reach this loopback address can approve sign-ins' : 'set'}`,
+      `  data      in memory only: codes and tokens are lost when the server stops`,
+      `  metadata  ${config.issuer}/.well-known/oauth-authorization-server`,
+    ].join('\n'),
+  )
+}
+
+/** Runs the command line: serve, `hash-password`, or `--help`. */
+async function main(argv: string[], env: Record<string, string | undefined>): Promise<void> {
+  if (argv[0] === 'hash-password') return runHashPassword()
+  if (argv.includes('--help') || argv.includes('-h')) return void console.log(buildHelp())
+  let config = loadConfig(env, argv)
+  const server = createServer()
+  server.headersTimeout = 10_000 // slow clients cannot hold a connection open for long
+  server.requestTimeout = 30_000
+  server.keepAliveTimeout = 5_000
+  await new Promise<void>((resolve, reject) => {
+    server.once('error', reject)
+    server.listen(config.port, config.host, resolve)
+  }).catch((err: NodeJS.ErrnoException) => {
+    if (err.code === 'EADDRINUSE') throw new ConfigError(`PORT ${config.port} is in use on ${config.host}: stop the other server, or pick another port, as in PORT=3001`)
+    if (err.code === 'EADDRNOTAVAIL' || err.code === 'ENOTFOUND') throw new ConfigError(`HOST ${config.host} is not an address of this machine: use 127.0.0.1, or an interface this machine has`)
+    throw err
+  })
+  const address = server.address()
+  const port = typeof address === 'object' && address !== null ? address.port : config.port
+  if (config.port === 0) config = loadConfig(env, argv, { boundPort: port })
+  server.on('request', createHandler({ config }))
+  printStartup(config, `http://${hostForUrl(config.host)}:${port}`)
+  for (const signal of ['SIGINT', 'SIGTERM'] as const) {
+    process.once(signal, () => {
+      console.log(`${signal}: finishing requests in flight, then stopping`)
+      server.close(() => process.exit(0))
+      server.closeIdleConnections()
+      setTimeout(() => server.closeAllConnections(), 5_000).unref()
+    })
+  }
+}
+
+function isMainModule(): boolean {
+  if (process.argv[1] === undefined) return false
+  try {
+    return realpathSync(process.argv[1]) === realpathSync(fileURLToPath(import.meta.url))
+  } catch {
+    return false
+  }
+}
+
+if (isMainModule()) {
+  main(process.argv.slice(2), process.env).catch((err: unknown) => {
+    console.error(err instanceof ConfigError ? `latch: ${err.message}` : err)
+    process.exit(1)
+  })
+}
