@@ -135,9 +135,12 @@ type Context = {
   now: () => number
   log: (line: string) => void
   passwordFailures: Map<string, PasswordFailures>
+  passwordSlots: PasswordSlots
 }
 
 type PasswordFailures = { count: number; lastAt: number; lockedUntil: number }
+
+type PasswordSlots = { running: number; waiting: (() => void)[] }
 
 /** Query or form parameters: every value of every name, in the order sent. */
 export type Params = Map<string, string[]>
@@ -167,6 +170,7 @@ export class ConfigError extends Error {}
 const LOOPBACK_HOSTS = new Set(['127.0.0.1', '::1', 'localhost'])
 const MAX_CODE_TTL_SECONDS = 600
 const MIN_SECRET_LENGTH = 16
+const MAX_DURATION_SECONDS = 3650 * 86400
 
 /**
  * Reads the configuration from environment variables and command-line flags, or throws a
@@ -249,6 +253,7 @@ export function parseDuration(name: string, value: string): number {
   const unitSeconds = { '': 1, s: 1, m: 60, h: 3600, d: 86400 }
   const seconds = match === null ? NaN : Number(match[1]) * unitSeconds[match[2] as keyof typeof unitSeconds]
   if (!(seconds > 0)) throw new ConfigError(`${name} ${value} is not a positive duration: use seconds or a unit, as in 300, 90s, 10m, 12h or 7d`)
+  if (seconds > MAX_DURATION_SECONDS) throw new ConfigError(`${name} ${value} is longer than ten years: use 3650d or less`)
   return seconds
 }
 
@@ -502,7 +507,7 @@ function runScrypt(password: string, params: { ln: number; r: number; p: number;
 // https://indieauth.spec.indieweb.org/#user-profile-url
 // https://indieauth.spec.indieweb.org/#client-identifier
 
-type UrlParts = { scheme: string; userinfo: boolean; host: string; port: string; path: string }
+type UrlParts = { raw: string; scheme: string; userinfo: boolean; host: string; port: string; path: string }
 
 function splitHttpUrl(raw: string): UrlParts | string {
   if (!/^[\x21-\x7e]+$/.test(raw)) return 'it contains spaces or characters that must be percent-encoded'
@@ -515,7 +520,7 @@ function splitHttpUrl(raw: string): UrlParts | string {
   const hostAndPort = authority.slice(at + 1)
   const portMatch = /^(\[[^\]]*\]|[^:]*)(?::(\d*))?$/.exec(hostAndPort)
   if (portMatch === null) return 'its host is malformed'
-  return { scheme: scheme.toLowerCase(), userinfo: at !== -1, host: portMatch[1].toLowerCase(), port: portMatch[2] ?? '', path }
+  return { raw, scheme: scheme.toLowerCase(), userinfo: at !== -1, host: portMatch[1].toLowerCase(), port: portMatch[2] ?? '', path }
 }
 
 /** The problems §3.2 and §3.3 share, or undefined. */
@@ -527,17 +532,24 @@ function commonUrlProblem(parts: UrlParts): string | undefined {
   if (parts.port !== '' && !(/^\d{1,5}$/.test(parts.port) && Number(parts.port) <= 65535)) return 'its port is not a number from 0 to 65535'
   if (parts.host === '') return 'it has no host'
   if (!isIpAddress(parts.host) && !isDomainName(parts.host)) return 'its host is not a domain name'
+  if (!URL.canParse(parts.raw)) return 'it is not a valid URL'
   return undefined
 }
 
-/** True for an IPv4 address in dotted form or a bracketed IPv6 address. */
+/**
+ * True for an IPv6 literal, and for every host the URL standard reads as an IPv4 address: one
+ * whose last label is a number, decimal or hex (`10.1`, `0xc0a80001` and `1.2.3.0x4` included).
+ * @see https://url.spec.whatwg.org/#ends-in-a-number-checker
+ */
 function isIpAddress(host: string): boolean {
-  return /^\d{1,3}(\.\d{1,3}){3}$/.test(host) || /^\[[0-9a-f:.]+\]$/i.test(host)
+  if (host.startsWith('[')) return true
+  const labels = host.replace(/\.$/, '').split('.')
+  return /^(\d+|0x[0-9a-f]*)$/i.test(labels[labels.length - 1])
 }
 
 function isDomainName(host: string): boolean {
   const labels = host.replace(/\.$/, '').split('.')
-  return labels.every((label) => /^[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?$/.test(label)) && !/^\d+$/.test(labels[labels.length - 1])
+  return labels.every((label) => /^[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?$/.test(label))
 }
 
 /**
@@ -587,7 +599,9 @@ export function canonicalizeUrl(raw: string): string {
  */
 export function redirectUriProblem(redirectUri: string, clientId: string): string | undefined {
   if (redirectUri.includes('#')) return 'redirect_uri must not contain a fragment'
-  if (!/^[\x21-\x7e]+$/.test(redirectUri) || !URL.canParse(redirectUri)) return 'redirect_uri is not an absolute URL'
+  if (!/^https?:\/\/[\x21-\x7e]+$/i.test(redirectUri) || redirectUri.includes('\\') || !URL.canParse(redirectUri)) {
+    return 'redirect_uri is not an absolute http or https URL'
+  }
   const redirect = new URL(redirectUri)
   const client = new URL(clientId)
   if (redirect.protocol !== client.protocol || redirect.host !== client.host) {
@@ -598,11 +612,13 @@ export function redirectUriProblem(redirectUri: string, clientId: string): strin
 
 // --- Storage --------------------------------------------------------------------
 // A `Store` keeps pending requests, codes and tokens under the SHA-256 hashes of their ids.
-// This one keeps them in Maps. Every read checks expiry; expired entries are swept a few at a
-// time, in order of expiry, from a heap, so no request ever scans every entry.
+// This one keeps them in Maps. Every read checks expiry, and every write sweeps a few expired
+// entries, soonest first, so no request ever scans every entry. Pending requests and codes all
+// live equally long, so a Map's insertion order is already their order of expiry; tokens need
+// not, so their expiry times are kept in a heap.
 // To put SQLite or Redis behind Latch, implement `Store`: ten small methods.
 
-type Expiry = { at: number; map: Map<string, { expiresAt: number }>; key: string }
+type Expiry = { at: number; key: string }
 
 /** A binary min-heap of expiry times: the next entry to expire is always on top. */
 class ExpiryHeap {
@@ -664,7 +680,7 @@ export class MemoryStore implements Store {
   readonly tokens = new Map<string, AccessToken>()
   /** Code hash → hashes of the tokens issued from that code. */
   readonly #tokensOfCode = new Map<string, Set<string>>()
-  readonly #expiries = new ExpiryHeap()
+  readonly #tokenExpiries = new ExpiryHeap()
   readonly #maxPendingRequests: number
   readonly #maxCodes: number
   readonly #log: (line: string) => void
@@ -677,10 +693,9 @@ export class MemoryStore implements Store {
   }
 
   async savePending(id: string, request: PendingRequest, now: number): Promise<void> {
-    this.#sweep(now)
+    sweepOldest(this.pending, now)
     this.#makeRoom(this.pending, this.#maxPendingRequests, 'pending authorization requests')
     this.pending.set(id, request)
-    this.#expiries.push({ at: request.expiresAt, map: this.pending, key: id })
   }
 
   async findPending(id: string, now: number): Promise<PendingRequest | undefined> {
@@ -694,10 +709,9 @@ export class MemoryStore implements Store {
   }
 
   async saveCode(hash: string, code: AuthorizationCode, now: number): Promise<void> {
-    this.#sweep(now)
+    sweepOldest(this.codes, now)
     this.#makeRoom(this.codes, this.#maxCodes, 'authorization codes')
     this.codes.set(hash, code)
-    this.#expiries.push({ at: code.expiresAt, map: this.codes, key: hash })
   }
 
   async findCode(hash: string, now: number): Promise<AuthorizationCode | undefined> {
@@ -712,12 +726,12 @@ export class MemoryStore implements Store {
   }
 
   async saveToken(hash: string, token: AccessToken, now: number): Promise<void> {
-    this.#sweep(now)
+    this.#sweepTokens(now)
     this.tokens.set(hash, token)
     const family = this.#tokensOfCode.get(token.codeHash)
     if (family === undefined) this.#tokensOfCode.set(token.codeHash, new Set([hash]))
     else family.add(hash)
-    this.#expiries.push({ at: token.expiresAt, map: this.tokens, key: hash })
+    this.#tokenExpiries.push({ at: token.expiresAt, key: hash })
   }
 
   async findToken(hash: string, now: number): Promise<AccessToken | undefined> {
@@ -737,16 +751,13 @@ export class MemoryStore implements Store {
     for (const hash of this.#tokensOfCode.get(codeHash) ?? []) await this.deleteToken(hash)
   }
 
-  /** Deletes up to one batch of expired entries, soonest first. */
-  #sweep(now: number): void {
+  /** Deletes up to one batch of expired tokens, soonest first. */
+  #sweepTokens(now: number): void {
     for (let i = 0; i < SWEEP_BATCH; i++) {
-      const next = this.#expiries.peek()
+      const next = this.#tokenExpiries.peek()
       if (next === undefined || next.at > now) return
-      this.#expiries.pop()
-      const entry = next.map.get(next.key)
-      if (entry === undefined || entry.expiresAt > now) continue
-      if (next.map === this.tokens) void this.deleteToken(next.key)
-      else next.map.delete(next.key)
+      this.#tokenExpiries.pop()
+      if ((this.tokens.get(next.key)?.expiresAt ?? Infinity) <= now) void this.deleteToken(next.key)
     }
   }
 
@@ -756,6 +767,15 @@ export class MemoryStore implements Store {
     const oldest = map.keys().next().value
     if (oldest !== undefined) map.delete(oldest)
     if (this.#dropped++ % 1000 === 0) this.#log(`store: the cap of ${max} ${what} was reached; dropped the oldest (${this.#dropped} so far)`)
+  }
+}
+
+/** Deletes up to one batch of expired entries from a map whose insertion order is its expiry order. */
+function sweepOldest(map: Map<string, { expiresAt: number }>, now: number): void {
+  let swept = 0
+  for (const [key, entry] of map) {
+    if (entry.expiresAt > now || swept++ === SWEEP_BATCH) return
+    map.delete(key)
   }
 }
 
@@ -840,13 +860,14 @@ function redirect(res: ServerResponse, status: number, location: string): void {
   res.end()
 }
 
-/** Adds parameters to a URL, keeping the query it already has. */
+/** Adds parameters to a URL, keeping the query it already has byte for byte. */
 export function buildRedirectUrl(base: string, params: Record<string, string | undefined>): string {
-  const url = new URL(base)
+  const query = new URLSearchParams()
   for (const [name, value] of Object.entries(params)) {
-    if (value !== undefined) url.searchParams.append(name, value)
+    if (value !== undefined) query.append(name, value)
   }
-  return url.href
+  const separator = !base.includes('?') ? '?' : base.endsWith('?') || base.endsWith('&') ? '' : '&'
+  return `${base}${separator}${query}`
 }
 
 // --- Pages ----------------------------------------------------------------------
@@ -882,7 +903,7 @@ const PAGE_HEADERS = {
   'X-Frame-Options': 'DENY',
   'Referrer-Policy': 'no-referrer',
   'X-Content-Type-Options': 'nosniff',
-  'Cache-Control': 'no-store',
+  ...NO_STORE,
 }
 
 /** Escapes text for HTML element content and double-quoted attributes. */
@@ -1151,12 +1172,17 @@ async function issueCode(request: PendingRequest, scope: string[], ctx: Context)
 }
 
 // --- Password checks ------------------------------------------------------------
-// Failed attempts are counted per client address. After five, each further attempt must wait
-// twice as long as the last, up to 15 minutes; a success clears the count.
+// Attempts are counted per client address, before the hash is checked, so guesses sent in
+// parallel count too. After five without a success, each further attempt must wait twice as
+// long as the last, up to 15 minutes; a success clears the count, and a day of quiet forgets
+// it. At most two scrypt checks run at once, so a flood cannot pin the CPU.
 
-const FREE_PASSWORD_FAILURES = 5
+const FREE_PASSWORD_ATTEMPTS = 5
 const MAX_PASSWORD_DELAY_SECONDS = 900
+const FORGET_PASSWORD_FAILURES_SECONDS = 86400
 const MAX_TRACKED_ADDRESSES = 10_000
+const MAX_PARALLEL_PASSWORD_CHECKS = 2
+const MAX_WAITING_PASSWORD_CHECKS = 32
 
 function clientAddress(req: IncomingMessage): string {
   return req.socket.remoteAddress ?? 'unknown'
@@ -1165,27 +1191,45 @@ function clientAddress(req: IncomingMessage): string {
 /** Checks the owner's password; returns a message for the page when it is wrong, or throws 429. */
 async function checkPassword(password: string | undefined, address: string, ctx: Context): Promise<string | undefined> {
   const now = ctx.now()
-  const failures = ctx.passwordFailures.get(address)
-  if (failures !== undefined && failures.lockedUntil > now) {
-    const retryAfter = String(Math.ceil((failures.lockedUntil - now) / 1000))
+  const attempts = ctx.passwordFailures.get(address)
+  if (attempts !== undefined && attempts.lockedUntil > now) {
+    const retryAfter = String(Math.ceil((attempts.lockedUntil - now) / 1000))
     throw new OAuthError('too_many_requests', `Too many wrong passwords: try again in ${retryAfter} seconds`, { headers: { 'Retry-After': retryAfter } })
   }
-  if (password !== undefined && (await verifyPassword(password, ctx.config.passwordHash ?? ''))) {
-    ctx.passwordFailures.delete(address)
-    return undefined
-  }
-  recordPasswordFailure(address, now, ctx.passwordFailures)
-  return password === undefined ? 'Enter your password' : 'Wrong password'
+  if (password === undefined) return 'Enter your password'
+  recordPasswordAttempt(address, now, ctx.passwordFailures)
+  const passwordHash = ctx.config.passwordHash ?? ''
+  if (!(await withPasswordSlot(ctx.passwordSlots, () => verifyPassword(password, passwordHash)))) return 'Wrong password'
+  ctx.passwordFailures.delete(address)
+  return undefined
 }
 
-function recordPasswordFailure(address: string, now: number, failuresByAddress: Map<string, PasswordFailures>): void {
-  const previous = failuresByAddress.get(address)
-  const forgotten = previous === undefined || now - previous.lastAt > MAX_PASSWORD_DELAY_SECONDS * 1000
+function recordPasswordAttempt(address: string, now: number, attemptsByAddress: Map<string, PasswordFailures>): void {
+  const previous = attemptsByAddress.get(address)
+  const forgotten = previous === undefined || now - previous.lastAt > FORGET_PASSWORD_FAILURES_SECONDS * 1000
   const count = forgotten ? 1 : previous.count + 1
-  const delaySeconds = count <= FREE_PASSWORD_FAILURES ? 0 : Math.min(2 ** (count - FREE_PASSWORD_FAILURES), MAX_PASSWORD_DELAY_SECONDS)
-  failuresByAddress.delete(address) // re-inserted last, so the map stays ordered oldest first
-  if (failuresByAddress.size >= MAX_TRACKED_ADDRESSES) failuresByAddress.delete(failuresByAddress.keys().next().value ?? '')
-  failuresByAddress.set(address, { count, lastAt: now, lockedUntil: now + delaySeconds * 1000 })
+  const delaySeconds = count <= FREE_PASSWORD_ATTEMPTS ? 0 : Math.min(2 ** (count - FREE_PASSWORD_ATTEMPTS), MAX_PASSWORD_DELAY_SECONDS)
+  attemptsByAddress.delete(address) // re-inserted last, so the map stays ordered oldest first
+  if (attemptsByAddress.size >= MAX_TRACKED_ADDRESSES) attemptsByAddress.delete(attemptsByAddress.keys().next().value ?? '')
+  attemptsByAddress.set(address, { count, lastAt: now, lockedUntil: now + delaySeconds * 1000 })
+}
+
+/** Runs a password check when one of the few slots is free; past the queue's length, 429. */
+async function withPasswordSlot<T>(slots: PasswordSlots, check: () => Promise<T>): Promise<T> {
+  if (slots.running < MAX_PARALLEL_PASSWORD_CHECKS) {
+    slots.running++
+  } else if (slots.waiting.length < MAX_WAITING_PASSWORD_CHECKS) {
+    await new Promise<void>((resolve) => slots.waiting.push(resolve)) // the slot is handed over by the check that ends
+  } else {
+    throw new OAuthError('too_many_requests', 'The server is busy checking passwords: try again in a few seconds', { headers: { 'Retry-After': '5' } })
+  }
+  try {
+    return await check()
+  } finally {
+    const next = slots.waiting.shift()
+    if (next === undefined) slots.running--
+    else next()
+  }
 }
 
 // --- Code redemption ------------------------------------------------------------
@@ -1424,20 +1468,35 @@ export function createHandler(options: HandlerOptions): (req: IncomingMessage, r
     now: options.now ?? Date.now,
     log,
     passwordFailures: new Map(),
+    passwordSlots: { running: 0, waiting: [] },
   }
   return (req, res) => {
     const started = performance.now()
     const path = pathOf(req.url ?? '/')
     const handler = selectHandler(req.method ?? 'GET', path)
     res.on('close', () => log(`${req.method} ${describePath(path, handler)} ${res.statusCode} ${Math.round(performance.now() - started)}ms`))
-    handler(req, res, ctx).catch((err: unknown) => renderError(err, res, PAGE_HANDLERS.has(handler), ctx))
+    requireOwnHost(req, ctx.config)
+      .then(() => handler(req, res, ctx))
+      .catch((err: unknown) => renderError(err, res, PAGE_HANDLERS.has(handler), ctx))
   }
 }
 
-/** The path as logged: unknown paths are cut short and escaped, so a log line stays one line. */
+/**
+ * Without a password, anyone who can load a page from this server can approve a sign-in. A web
+ * page on another name that resolves to 127.0.0.1 (DNS rebinding) could; so only requests for
+ * the issuer's host or a loopback name are served.
+ */
+async function requireOwnHost(req: IncomingMessage, config: Config): Promise<void> {
+  if (config.passwordHash !== undefined || req.headers.host === undefined) return
+  const host = URL.canParse(`http://${req.headers.host}`) ? new URL(`http://${req.headers.host}`).hostname : ''
+  const bare = (name: string) => name.replace(/^\[|\]$/g, '')
+  if (LOOPBACK_HOSTS.has(bare(host)) || host === new URL(config.issuer).hostname) return
+  throw new OAuthError('invalid_request', 'This server answers only to its own host name: set ISSUER to the URL you use, or set PASSWORD_HASH', { status: 421 })
+}
+
+/** The path as logged: an unknown path is not, since a client may have put anything in it. */
 function describePath(path: string, handler: Handler): string {
-  if (handler !== rejectUnknownPath) return path
-  return JSON.stringify(path.length > 64 ? `${path.slice(0, 64)}…` : path)
+  return handler === rejectUnknownPath ? '(unknown path)' : path
 }
 
 /** The router's one catch: an `OAuthError` is rendered; anything else is a logged 500. */
@@ -1446,13 +1505,14 @@ function renderError(err: unknown, res: ServerResponse, asPage: boolean, ctx: Co
     res.destroy()
     return
   }
-  if (!(err instanceof OAuthError)) {
-    ctx.log(`error: ${err instanceof Error ? (err.stack ?? err.message) : String(err)}`)
-    err = new OAuthError('server_error', 'The server failed to handle the request', { status: 500 })
+  if (err instanceof OAuthError) {
+    if (asPage) sendErrorPage(res, err)
+    else sendJsonError(res, err)
+    return
   }
-  const oauthError = err as OAuthError
-  if (asPage) sendErrorPage(res, oauthError)
-  else sendJsonError(res, oauthError)
+  ctx.log(`error: ${err instanceof Error ? (err.stack ?? err.message) : String(err)}`)
+  if (asPage) sendErrorPage(res, new OAuthError('server_error', 'Something went wrong on the server: try again later', { status: 500 }))
+  else sendJson(res, 500, { error: 'server_error' })
 }
 
 // --- Command line ---------------------------------------------------------------
@@ -1553,7 +1613,6 @@ async function main(argv: string[], env: Record<string, string | undefined>): Pr
   const port = typeof address === 'object' && address !== null ? address.port : config.port
   if (config.port === 0) config = loadConfig(env, argv, { boundPort: port })
   server.on('request', createHandler({ config }))
-  printStartup(config, `http://${hostForUrl(config.host)}:${port}`)
   for (const signal of ['SIGINT', 'SIGTERM'] as const) {
     process.once(signal, () => {
       console.log(`${signal}: finishing requests in flight, then stopping`)
@@ -1562,6 +1621,7 @@ async function main(argv: string[], env: Record<string, string | undefined>): Pr
       setTimeout(() => server.closeAllConnections(), 5_000).unref()
     })
   }
+  printStartup(config, `http://${hostForUrl(config.host)}:${port}`) // last: a supervisor may signal as soon as it reads this
 }
 
 function isMainModule(): boolean {

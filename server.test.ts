@@ -1,0 +1,1140 @@
+// Tests for Latch, one `describe` per part of the wire contract (../shared/PROTOCOL.md), in the
+// order a client meets them, then a full flow. Every HTTP test runs a real server on port 0 and
+// calls it with fetch; time comes from a clock the test advances, never from sleeping.
+
+import { after, before, describe, it } from 'node:test'
+import assert from 'node:assert/strict'
+import { spawn } from 'node:child_process'
+import { createServer, request } from 'node:http'
+import type { Server } from 'node:http'
+import type { AddressInfo } from 'node:net'
+import {
+  ConfigError,
+  MemoryStore,
+  OAuthError,
+  buildHelp,
+  canonicalizeUrl,
+  clientIdProblem,
+  computeCodeChallenge,
+  configWarnings,
+  createHandler,
+  createSecret,
+  getParam,
+  hashPassword,
+  isClientId,
+  isCodeVerifier,
+  loadConfig,
+  parseDuration,
+  parseForm,
+  parseScope,
+  profileUrlProblem,
+  safeEqual,
+  sha256,
+  verifyPassword,
+} from './server.ts'
+import type { AccessToken, AuthorizationCode, Store } from './server.ts'
+
+// --- Harness ----------------------------------------------------------------------
+
+/** The PKCE example of RFC 7636 Appendix B. */
+const VERIFIER = 'dBjftJeZ4CVP-mB92K27uhbUJU1p1r_wW1gFWFOEjXk'
+const CHALLENGE = 'E9Melhoa2OwvFrEMTJguCHaoeK1t8URWbuGJSstw-cM'
+const CLIENT_ID = 'http://127.0.0.1:8080/'
+const REDIRECT_URI = 'http://127.0.0.1:8080/callback'
+const START = Date.UTC(2027, 0, 1)
+const FAST_COST = { ln: 10, r: 8, p: 1 }
+
+type TestServer = {
+  base: string
+  issuer: string
+  logs: string[]
+  advance: (seconds: number) => void
+  close: () => Promise<void>
+}
+
+/** Starts Latch on 127.0.0.1 and a free port, with a clock the test controls. */
+async function startLatch(env: Record<string, string> = {}, options: { store?: Store } = {}): Promise<TestServer> {
+  const server: Server = createServer()
+  await new Promise<void>((resolve) => server.listen(0, '127.0.0.1', resolve))
+  const port = (server.address() as AddressInfo).port
+  const config = loadConfig({ PORT: '0', ...env }, [], { boundPort: port })
+  let time = START
+  const logs: string[] = []
+  server.on('request', createHandler({ config, store: options.store, now: () => time, log: (line) => logs.push(line) }))
+  return {
+    base: `http://127.0.0.1:${port}`,
+    issuer: config.issuer,
+    logs,
+    advance: (seconds) => {
+      time += seconds * 1000
+    },
+    close: () => {
+      server.closeAllConnections()
+      return new Promise((resolve) => server.close(() => resolve()))
+    },
+  }
+}
+
+function authorizationUrl(latch: TestServer, overrides: Record<string, string | undefined> = {}): string {
+  const params: Record<string, string | undefined> = {
+    response_type: 'code',
+    client_id: CLIENT_ID,
+    redirect_uri: REDIRECT_URI,
+    state: 'state-1234',
+    code_challenge: CHALLENGE,
+    code_challenge_method: 'S256',
+    scope: 'profile create',
+    me: 'https://example.com/',
+    ...overrides,
+  }
+  const query = new URLSearchParams()
+  for (const [name, value] of Object.entries(params)) if (value !== undefined) query.append(name, value)
+  return `${latch.base}/auth?${query}`
+}
+
+function form(fields: Record<string, string | string[] | undefined>): URLSearchParams {
+  const body = new URLSearchParams()
+  for (const [name, value] of Object.entries(fields)) {
+    for (const one of typeof value === 'string' ? [value] : (value ?? [])) body.append(name, one)
+  }
+  return body
+}
+
+function post(url: string, body: URLSearchParams | string, headers: Record<string, string> = {}): Promise<Response> {
+  return fetch(url, {
+    method: 'POST',
+    redirect: 'manual',
+    headers: { 'Content-Type': 'application/x-www-form-urlencoded', ...headers },
+    body: body.toString(),
+  })
+}
+
+type Consent = { request: string; csrf: string; cookie: string; html: string }
+
+/** Opens the consent page and reads its form's hidden fields and the CSRF cookie. */
+async function openConsent(latch: TestServer, overrides: Record<string, string | undefined> = {}, cookie?: string): Promise<Consent> {
+  const response = await fetch(authorizationUrl(latch, overrides), { redirect: 'manual', headers: cookie ? { Cookie: cookie } : {} })
+  const html = await response.text()
+  assert.equal(response.status, 200, html)
+  const setCookie = response.headers.get('set-cookie') ?? ''
+  return {
+    request: /name="request" value="([^"]+)"/.exec(html)?.[1] ?? '',
+    csrf: /name="csrf" value="([^"]+)"/.exec(html)?.[1] ?? '',
+    cookie: setCookie.split(';')[0],
+    html,
+  }
+}
+
+function submitConsent(latch: TestServer, consent: Consent, fields: Record<string, string | string[] | undefined> = {}): Promise<Response> {
+  const body = form({ request: consent.request, csrf: consent.csrf, scope: ['profile', 'create'], decision: 'approve', ...fields })
+  return post(`${latch.base}/auth/consent`, body, { Cookie: consent.cookie })
+}
+
+/** Walks GET /auth and an approving consent; returns the code from the redirect. */
+async function obtainCode(latch: TestServer, overrides: Record<string, string | undefined> = {}, fields: Record<string, string | string[] | undefined> = {}): Promise<string> {
+  const consent = await openConsent(latch, overrides)
+  const response = await submitConsent(latch, consent, fields)
+  assert.equal(response.status, 303)
+  const code = new URL(response.headers.get('location') ?? '').searchParams.get('code')
+  assert.ok(code)
+  return code
+}
+
+function exchange(latch: TestServer, code: string, overrides: Record<string, string | undefined> = {}): Promise<Response> {
+  const fields = { grant_type: 'authorization_code', code, client_id: CLIENT_ID, redirect_uri: REDIRECT_URI, code_verifier: VERIFIER, ...overrides }
+  return post(`${latch.base}/token`, form(fields))
+}
+
+async function obtainToken(latch: TestServer): Promise<string> {
+  const response = await exchange(latch, await obtainCode(latch))
+  assert.equal(response.status, 200)
+  return ((await response.json()) as { access_token: string }).access_token
+}
+
+async function introspect(latch: TestServer, token: string, headers: Record<string, string> = {}): Promise<Record<string, unknown>> {
+  const response = await post(`${latch.base}/introspect`, form({ token }), headers)
+  assert.equal(response.status, 200)
+  return (await response.json()) as Record<string, unknown>
+}
+
+/** Asserts a JSON OAuth error by status and `error` code, never by its prose. */
+async function assertError(response: Response, status: number, error: string): Promise<void> {
+  const body = await response.text()
+  assert.equal(response.status, status, body)
+  assert.equal(response.headers.get('content-type'), 'application/json')
+  const json = JSON.parse(body) as Record<string, unknown>
+  assert.equal(json.error, error, body)
+  assert.equal(typeof json.error_description, 'string')
+  assert.doesNotMatch(json.error_description as string, /["\\]/)
+}
+
+/** Asserts an error redirect from GET /auth: 302 to redirect_uri with error, state and iss. */
+function assertErrorRedirect(latch: TestServer, response: Response, error: string, state: string | null = 'state-1234'): URL {
+  assert.equal(response.status, 302)
+  const location = new URL(response.headers.get('location') ?? '')
+  assert.equal(`${location.origin}${location.pathname}`, REDIRECT_URI)
+  assert.equal(location.searchParams.get('error'), error)
+  assert.ok(location.searchParams.get('error_description'))
+  assert.equal(location.searchParams.get('state'), state)
+  assert.equal(location.searchParams.get('iss'), latch.issuer)
+  return location
+}
+
+// --- Configuration ------------------------------------------------------------------
+
+describe('Configuration', () => {
+  it('serves on 127.0.0.1:3000 with no settings at all', () => {
+    const config = loadConfig({})
+    assert.equal(config.port, 3000)
+    assert.equal(config.host, '127.0.0.1')
+    assert.equal(config.issuer, 'http://127.0.0.1:3000')
+    assert.equal(config.me, 'http://127.0.0.1:3000/')
+    assert.equal(config.passwordHash, undefined)
+    assert.equal(config.dataFile, 'memory')
+    assert.equal(config.codeTtlSeconds, 300)
+    assert.equal(config.accessTokenTtlSeconds, 604800)
+    assert.equal(config.introspectionSecret, undefined)
+  })
+
+  it('lets a flag win over the variable, in both flag spellings', () => {
+    assert.equal(loadConfig({ PORT: '4000' }, ['--port', '5000']).port, 5000)
+    assert.equal(loadConfig({ PORT: '4000' }, ['--port=5001']).port, 5001)
+    assert.equal(loadConfig({}, ['--code-ttl', '2m']).codeTtlSeconds, 120)
+  })
+
+  it('treats an empty variable as unset', () => {
+    assert.equal(loadConfig({ PORT: '', INTROSPECTION_SECRET: '' }).port, 3000)
+    assert.equal(loadConfig({ INTROSPECTION_SECRET: '' }).introspectionSecret, undefined)
+  })
+
+  it('builds the default issuer from the bound port when PORT is 0', () => {
+    const config = loadConfig({ PORT: '0' }, [], { boundPort: 41234 })
+    assert.equal(config.issuer, 'http://127.0.0.1:41234')
+    assert.equal(config.me, 'http://127.0.0.1:41234/')
+    assert.equal(loadConfig({ HOST: '::1' }).issuer, 'http://[::1]:3000')
+  })
+
+  it('drops a trailing slash from ISSUER and canonicalizes ME', () => {
+    const config = loadConfig({ ISSUER: 'https://Auth.Example.com/latch/', ME: 'HTTPS://Example.COM' })
+    assert.equal(config.issuer, 'https://auth.example.com/latch')
+    assert.equal(config.me, 'https://example.com/')
+  })
+
+  const durations: [string, number][] = [
+    ['300', 300],
+    ['90s', 90],
+    ['10m', 600],
+    ['12h', 43200],
+    ['7d', 604800],
+  ]
+  for (const [value, seconds] of durations) {
+    it(`reads the duration ${value} as ${seconds} seconds`, () => assert.equal(parseDuration('X', value), seconds))
+  }
+
+  const refusals: [string, Record<string, string>, string[], RegExp][] = [
+    ['a zero duration', { ACCESS_TOKEN_TTL: '0' }, [], /ACCESS_TOKEN_TTL/],
+    ['a negative duration', { ACCESS_TOKEN_TTL: '-5' }, [], /ACCESS_TOKEN_TTL/],
+    ['a duration with an unknown unit', { CODE_TTL: '5w' }, [], /CODE_TTL/],
+    ['a code lifetime over 10 minutes', { CODE_TTL: '601' }, [], /CODE_TTL/],
+    ['a token lifetime over ten years', { ACCESS_TOKEN_TTL: '3651d' }, [], /ACCESS_TOKEN_TTL/],
+    ['a port out of range', { PORT: '70000' }, [], /PORT/],
+    ['an issuer with a query', { ISSUER: 'https://a.example/?x=1' }, [], /ISSUER/],
+    ['an issuer with a fragment', { ISSUER: 'https://a.example/#x' }, [], /ISSUER/],
+    ['an issuer that is not http(s)', { ISSUER: 'ftp://a.example' }, [], /ISSUER/],
+    ['a profile URL with a fragment', { ME: 'https://example.com/#me' }, [], /ME/],
+    ['a profile URL with a user name', { ME: 'https://user@example.com/' }, [], /ME/],
+    ['a profile URL with a dot segment', { ME: 'https://example.com/a/../b' }, [], /ME/],
+    ['a profile URL that URL() cannot parse', { ME: 'http://xn--a.com/' }, [], /ME/],
+    ['a password hash Latch did not make', { PASSWORD_HASH: 'hunter2' }, [], /PASSWORD_HASH.*hash-password/],
+    ['a non-loopback host without a password', { HOST: '0.0.0.0' }, [], /PASSWORD_HASH.*hash-password/],
+    ['a short introspection secret', { INTROSPECTION_SECRET: 'short' }, [], /INTROSPECTION_SECRET/],
+    ['a data file while only memory exists', { DATA_FILE: 'latch.jsonl' }, [], /DATA_FILE/],
+    ['an unknown flag', {}, ['--colour', 'blue'], /--colour/],
+    ['a flag without a value', {}, ['--port'], /--port/],
+  ]
+  for (const [what, env, argv, message] of refusals) {
+    it(`refuses to start with ${what}, naming the setting`, () => {
+      assert.throws(() => loadConfig(env, argv), (err: unknown) => err instanceof ConfigError && message.test(err.message))
+    })
+  }
+
+  it('starts on a non-loopback host once a password hash is set', async () => {
+    const config = loadConfig({ HOST: '0.0.0.0', PASSWORD_HASH: await hashPassword('correct horse', FAST_COST) })
+    assert.equal(config.host, '0.0.0.0')
+  })
+
+  it('warns about a profile URL with a port or an IP address, and about http off loopback', () => {
+    assert.equal(configWarnings(loadConfig({ ME: 'https://example.com/' })).length, 0)
+    assert.match(configWarnings(loadConfig({})).join('\n'), /ME/)
+    assert.match(configWarnings(loadConfig({ ISSUER: 'http://auth.example.com', ME: 'https://example.com/' })).join('\n'), /ISSUER/)
+  })
+
+  it('prints every setting with its flag in --help', () => {
+    const help = buildHelp()
+    for (const name of ['PORT', 'HOST', 'ISSUER', 'ME', 'PASSWORD_HASH', 'DATA_FILE', 'CODE_TTL', 'ACCESS_TOKEN_TTL', 'INTROSPECTION_SECRET']) {
+      assert.match(help, new RegExp(`${name} / --${name.toLowerCase().replaceAll('_', '-')}`))
+    }
+  })
+})
+
+// --- Pure helpers -------------------------------------------------------------------
+
+describe('Form parser', () => {
+  it('decodes + as a space and %XX as UTF-8 bytes', () => {
+    const params = parseForm('a=hello+world&b=%C3%A9t%C3%A9&c=%2B')
+    assert.deepEqual(params.get('a'), ['hello world'])
+    assert.deepEqual(params.get('b'), ['été'])
+    assert.deepEqual(params.get('c'), ['+'])
+  })
+
+  it('keeps every value of a repeated name, and names without values', () => {
+    const params = parseForm('scope=a&scope=b&flag&&x=')
+    assert.deepEqual(params.get('scope'), ['a', 'b'])
+    assert.deepEqual(params.get('flag'), [''])
+    assert.deepEqual(params.get('x'), [''])
+  })
+
+  const malformed = ['a=%', 'a=%4', 'a=%zz', 'a=%C3', 'a=%FF', 'a=%C3%28', 'a=%ED%A0%80', '%=1']
+  for (const text of malformed) {
+    it(`rejects ${JSON.stringify(text)} with invalid_request`, () => {
+      assert.throws(() => parseForm(text), (err: unknown) => err instanceof OAuthError && err.error === 'invalid_request' && err.status === 400)
+    })
+  }
+
+  it('treats an empty value as absent and a repeated one as invalid_request', () => {
+    assert.equal(getParam(parseForm('a=&b=1'), 'a'), undefined)
+    assert.equal(getParam(parseForm('a=&a=1'), 'a'), '1')
+    assert.throws(() => getParam(parseForm('a=1&a=2'), 'a'), (err: unknown) => err instanceof OAuthError && err.error === 'invalid_request')
+  })
+
+  it('splits a scope on spaces, drops repeats and rejects characters outside NQCHAR', () => {
+    assert.deepEqual(parseScope('profile  create profile'), ['profile', 'create'])
+    assert.deepEqual(parseScope(undefined), [])
+    assert.throws(() => parseScope('create "quoted"'), (err: unknown) => err instanceof OAuthError && err.error === 'invalid_scope')
+  })
+})
+
+describe('Secrets and PKCE', () => {
+  it('computes the S256 challenge of RFC 7636 Appendix B', () => {
+    assert.equal(computeCodeChallenge(VERIFIER), CHALLENGE)
+  })
+
+  const verifiers: [string, boolean][] = [
+    [VERIFIER, true],
+    ['a'.repeat(43), true],
+    ['a'.repeat(128), true],
+    ['A-._~'.repeat(10), true],
+    ['a'.repeat(42), false],
+    ['a'.repeat(129), false],
+    [`${'a'.repeat(42)}+`, false],
+    [`${'a'.repeat(42)}=`, false],
+  ]
+  for (const [verifier, valid] of verifiers) {
+    it(`${valid ? 'accepts' : 'rejects'} the code_verifier ${verifier.slice(0, 12)}… of length ${verifier.length}`, () => {
+      assert.equal(isCodeVerifier(verifier), valid)
+    })
+  }
+
+  it('makes 43-character base64url secrets and stores them by SHA-256', () => {
+    const secret = createSecret()
+    assert.match(secret, /^[A-Za-z0-9_-]{43}$/)
+    assert.notEqual(createSecret(), secret)
+    assert.equal(sha256('abc'), 'ungWv48Bz-pBQUDeXa4iI7ADYaOWF3qctBD_YfIAFa0')
+  })
+
+  it('compares secrets of any length', () => {
+    assert.equal(safeEqual('abc', 'abc'), true)
+    assert.equal(safeEqual('abc', 'abd'), false)
+    assert.equal(safeEqual('abc', 'abcd'), false)
+  })
+
+  it('hashes a password with its own salt and cost, and verifies it', async () => {
+    const hash = await hashPassword('correct horse', FAST_COST)
+    assert.match(hash, /^scrypt:ln=10,r=8,p=1:[A-Za-z0-9_-]+:[A-Za-z0-9_-]{43}$/)
+    assert.notEqual(await hashPassword('correct horse', FAST_COST), hash)
+    assert.equal(await verifyPassword('correct horse', hash), true)
+    assert.equal(await verifyPassword('wrong horse', hash), false)
+  })
+})
+
+describe('Identifiers (IndieAuth §3.2, §3.3)', () => {
+  const clientIds: [string, boolean][] = [
+    ['https://app.example.com/', true],
+    ['https://app.example.com', true],
+    ['http://app.example.com/path/?q=1', true],
+    ['https://app.example.com:8443/', true],
+    ['http://localhost:8080/', true],
+    ['http://127.0.0.1:8080/', true],
+    ['http://[::1]:8080/', true],
+    ['ftp://app.example.com/', false],
+    ['app.example.com', false],
+    ['https://app.example.com/#frag', false],
+    ['https://app.example.com/#', false],
+    ['https://user:pass@app.example.com/', false],
+    ['https://user@app.example.com/', false],
+    ['https://app.example.com/a/./b', false],
+    ['https://app.example.com/a/../b', false],
+    ['https://app.example.com/a/%2e%2e/b', false],
+    ['https://app.example.com/..', false],
+    ['https://10.0.0.1/', false],
+    ['https://[2001:db8::1]/', false],
+    ['https://app.example.com\\@evil.example/', false],
+    ['https://app example.com/', false],
+    ['https://app.example.com:99999/', false],
+    ['https:///path', false],
+    ['http://127.1/', false],
+    ['http://0xc0a80001/', false],
+    ['http://1.2.3.0x4/', false],
+    ['http://app.0x/', false],
+    ['http://xn--a.com/', false], // not a valid IDNA name: URL() refuses it
+    ['http://[zz]/', false],
+  ]
+  for (const [clientId, valid] of clientIds) {
+    it(`${valid ? 'accepts' : 'rejects'} the client_id ${clientId}`, () => assert.equal(isClientId(clientId), valid, clientIdProblem(clientId)))
+  }
+
+  const profiles: [string, boolean][] = [
+    ['https://example.com/', true],
+    ['https://example.com/username?x=1', true],
+    ['http://127.0.0.1:3000/', true], // allowed with a warning, to try Latch locally
+    ['mailto:me@example.com', false],
+    ['https://example.com/#me', false],
+    ['https://me:pw@example.com/', false],
+    ['https://example.com/./', false],
+  ]
+  for (const [url, valid] of profiles) {
+    it(`${valid ? 'accepts' : 'rejects'} the profile URL ${url}`, () => assert.equal(profileUrlProblem(url) === undefined, valid))
+  }
+
+  it('canonicalizes scheme and host to lowercase and an empty path to /', () => {
+    assert.equal(canonicalizeUrl('HTTPS://App.Example.COM'), 'https://app.example.com/')
+    assert.equal(canonicalizeUrl('https://app.example.com/Path'), 'https://app.example.com/Path')
+  })
+})
+
+// --- Storage --------------------------------------------------------------------------
+
+describe('MemoryStore', () => {
+  const code = (expiresAt: number): AuthorizationCode => ({
+    client_id: CLIENT_ID,
+    redirect_uri: REDIRECT_URI,
+    code_challenge: CHALLENGE,
+    scope: ['create'],
+    me: 'https://example.com/',
+    issuedAt: 0,
+    expiresAt,
+    usedAt: undefined,
+  })
+  const token = (expiresAt: number, codeHash = 'c'): AccessToken => ({ me: 'https://example.com/', client_id: CLIENT_ID, scope: ['create'], issuedAt: 0, expiresAt, codeHash })
+
+  it('marks a code used once, atomically, and hides it once expired', async () => {
+    const store = new MemoryStore()
+    await store.saveCode('h', code(1000), 0)
+    assert.equal(await store.takeCode('h', 10), true)
+    assert.equal(await store.takeCode('h', 20), false)
+    assert.equal((await store.findCode('h', 30))?.usedAt, 10)
+    assert.equal(await store.findCode('h', 1000), undefined)
+    assert.equal(await store.takeCode('h', 1000), false)
+  })
+
+  it('sweeps expired entries on later writes, soonest first, without touching live ones', async () => {
+    const store = new MemoryStore()
+    await store.saveToken('late', token(5000), 0)
+    await store.saveToken('early', token(1000), 0)
+    await store.saveToken('middle', token(3000), 0)
+    await store.saveToken('fresh', token(9000), 3500)
+    assert.deepEqual([...store.tokens.keys()].sort(), ['fresh', 'late'])
+  })
+
+  it('deletes every token issued from one code', async () => {
+    const store = new MemoryStore()
+    await store.saveToken('t1', token(9000, 'code-a'), 0)
+    await store.saveToken('t2', token(9000, 'code-a'), 0)
+    await store.saveToken('t3', token(9000, 'code-b'), 0)
+    await store.deleteTokensOfCode('code-a')
+    assert.deepEqual([...store.tokens.keys()], ['t3'])
+  })
+
+  it('caps pending requests and codes by dropping the oldest, with a log line', async () => {
+    const logs: string[] = []
+    const store = new MemoryStore({ maxCodes: 3, log: (line) => logs.push(line) })
+    for (const hash of ['a', 'b', 'c', 'd', 'e']) await store.saveCode(hash, code(9000), 0)
+    assert.deepEqual([...store.codes.keys()], ['c', 'd', 'e'])
+    assert.equal(logs.length, 1)
+  })
+})
+
+// --- Endpoints ------------------------------------------------------------------------
+
+describe('GET /.well-known/oauth-authorization-server (IndieAuth §4.1.1, RFC 8414)', () => {
+  let latch: TestServer
+  before(async () => (latch = await startLatch()))
+  after(() => latch.close())
+
+  it('lists every endpoint under the issuer and what the server supports', async () => {
+    const response = await fetch(`${latch.base}/.well-known/oauth-authorization-server`)
+    assert.equal(response.status, 200)
+    assert.equal(response.headers.get('content-type'), 'application/json')
+    const metadata = (await response.json()) as Record<string, unknown>
+    assert.equal(metadata.issuer, latch.issuer)
+    for (const [field, path] of [
+      ['authorization_endpoint', '/auth'],
+      ['token_endpoint', '/token'],
+      ['introspection_endpoint', '/introspect'],
+      ['revocation_endpoint', '/revoke'],
+    ]) {
+      assert.equal(metadata[field], `${latch.issuer}${path}`)
+    }
+    assert.deepEqual(metadata.response_types_supported, ['code'])
+    assert.deepEqual(metadata.grant_types_supported, ['authorization_code'])
+    assert.deepEqual(metadata.code_challenge_methods_supported, ['S256'])
+    assert.deepEqual(metadata.introspection_endpoint_auth_methods_supported, ['none'])
+    assert.deepEqual(metadata.revocation_endpoint_auth_methods_supported, ['none'])
+    assert.equal(metadata.authorization_response_iss_parameter_supported, true)
+    assert.ok(Array.isArray(metadata.scopes_supported))
+  })
+
+  it('names Bearer as the introspection auth method when a secret is set', async () => {
+    const guarded = await startLatch({ INTROSPECTION_SECRET: 'a-long-introspection-secret' })
+    const metadata = (await (await fetch(`${guarded.base}/.well-known/oauth-authorization-server`)).json()) as Record<string, unknown>
+    assert.deepEqual(metadata.introspection_endpoint_auth_methods_supported, ['Bearer'])
+    await guarded.close()
+  })
+})
+
+describe('GET /auth (IndieAuth §5.2)', () => {
+  let latch: TestServer
+  before(async () => (latch = await startLatch()))
+  after(() => latch.close())
+
+  it('shows the consent page with its security headers and a CSRF cookie', async () => {
+    const response = await fetch(authorizationUrl(latch), { redirect: 'manual' })
+    assert.equal(response.status, 200)
+    assert.equal(response.headers.get('content-type'), 'text/html; charset=utf-8')
+    const csp = response.headers.get('content-security-policy') ?? ''
+    assert.match(csp, /default-src 'none'/)
+    assert.match(csp, /frame-ancestors 'none'/)
+    assert.doesNotMatch(csp, /form-action/)
+    assert.equal(response.headers.get('x-frame-options'), 'DENY')
+    assert.equal(response.headers.get('referrer-policy'), 'no-referrer')
+    assert.equal(response.headers.get('cache-control'), 'no-store')
+    assert.equal(response.headers.get('pragma'), 'no-cache')
+    const cookie = response.headers.get('set-cookie') ?? ''
+    assert.match(cookie, /^latch_csrf=[A-Za-z0-9_-]{43};/)
+    assert.match(cookie, /HttpOnly/)
+    assert.match(cookie, /SameSite=Lax/)
+    const html = await response.text()
+    assert.match(html, new RegExp(`<form method="post" action="${latch.issuer}/auth/consent">`))
+    assert.equal(html.match(/<form/g)?.length, 1)
+    assert.match(html, /name="scope" value="profile" checked/)
+    assert.match(html, /name="scope" value="create" checked/)
+    assert.match(html, /name="decision" value="approve"/)
+    assert.match(html, /name="decision" value="deny"/)
+    assert.match(html, /http:\/\/127\.0\.0\.1:8080\//)
+    assert.doesNotMatch(html, /type="password"/)
+    assert.doesNotMatch(html, /<script/)
+  })
+
+  it('puts the csrf cookie value in the form, and keeps an existing cookie for a second tab', async () => {
+    const first = await openConsent(latch)
+    assert.equal(first.cookie, `latch_csrf=${first.csrf}`)
+    const second = await openConsent(latch, {}, first.cookie)
+    assert.equal(second.csrf, first.csrf)
+    assert.notEqual(second.request, first.request)
+  })
+
+  it('treats a missing response_type and code_challenge_method as code and S256', async () => {
+    await openConsent(latch, { response_type: undefined, code_challenge_method: undefined })
+  })
+
+  it('escapes what the client sent when showing it', async () => {
+    const consent = await openConsent(latch, { me: '<script>alert(1)</script>' })
+    assert.doesNotMatch(consent.html, /<script>/)
+    assert.match(consent.html, /&#60;script&#62;/)
+  })
+
+  const pageErrors: [string, Record<string, string | undefined>][] = [
+    ['a missing client_id', { client_id: undefined }],
+    ['a client_id that is not a URL', { client_id: 'my-app' }],
+    ['a client_id with a fragment', { client_id: 'http://127.0.0.1:8080/#x' }],
+    ['a client_id with a dot segment', { client_id: 'http://127.0.0.1:8080/a/../' }],
+    ['a client_id on a private IP address', { client_id: 'http://10.0.0.1/', redirect_uri: 'http://10.0.0.1/cb' }],
+    ['a missing redirect_uri', { redirect_uri: undefined }],
+    ['a redirect_uri on another host', { redirect_uri: 'http://evil.example/callback' }],
+    ['a redirect_uri on another port', { redirect_uri: 'http://127.0.0.1:9090/callback' }],
+    ['a redirect_uri on another scheme', { redirect_uri: 'https://127.0.0.1:8080/callback' }],
+    ['a redirect_uri with a fragment', { redirect_uri: `${REDIRECT_URI}#x` }],
+    ['a relative redirect_uri', { redirect_uri: '/callback' }],
+    ['a redirect_uri without //', { redirect_uri: 'http:127.0.0.1:8080/callback' }],
+    ['a client_id that URL() cannot parse', { client_id: 'http://xn--a.com/', redirect_uri: 'http://xn--a.com/cb' }],
+  ]
+  for (const [what, overrides] of pageErrors) {
+    it(`answers ${what} with a 400 page, never a redirect`, async () => {
+      const response = await fetch(authorizationUrl(latch, overrides), { redirect: 'manual' })
+      assert.equal(response.status, 400)
+      assert.equal(response.headers.get('location'), null)
+      assert.equal(response.headers.get('content-type'), 'text/html; charset=utf-8')
+      assert.match(await response.text(), /class="error"/)
+    })
+  }
+
+  it('answers a repeated client_id or redirect_uri with a 400 page', async () => {
+    for (const name of ['client_id', 'redirect_uri']) {
+      const url = `${authorizationUrl(latch)}&${name}=${encodeURIComponent(name === 'client_id' ? CLIENT_ID : REDIRECT_URI)}`
+      const response = await fetch(url, { redirect: 'manual' })
+      assert.equal(response.status, 400)
+      assert.equal(response.headers.get('location'), null)
+    }
+  })
+
+  const redirectErrors: [string, Record<string, string | undefined>, string][] = [
+    ['an unsupported response_type', { response_type: 'token' }, 'unsupported_response_type'],
+    ['a missing code_challenge', { code_challenge: undefined }, 'invalid_request'],
+    ['a code_challenge that is too short', { code_challenge: CHALLENGE.slice(1) }, 'invalid_request'],
+    ['a code_challenge with characters outside base64url', { code_challenge: `${CHALLENGE.slice(1)}+` }, 'invalid_request'],
+    ['the plain code_challenge_method', { code_challenge_method: 'plain' }, 'invalid_request'],
+    ['a scope with a quote', { scope: 'create "x"' }, 'invalid_scope'],
+  ]
+  for (const [what, overrides, error] of redirectErrors) {
+    it(`redirects ${what} back with ${error}, state and iss`, async () => {
+      assertErrorRedirect(latch, await fetch(authorizationUrl(latch, overrides), { redirect: 'manual' }), error)
+    })
+  }
+
+  it('redirects a repeated parameter back with invalid_request', async () => {
+    const response = await fetch(`${authorizationUrl(latch)}&scope=media`, { redirect: 'manual' })
+    assertErrorRedirect(latch, response, 'invalid_request')
+  })
+
+  it('sends no state back when state itself was repeated', async () => {
+    const response = await fetch(`${authorizationUrl(latch)}&state=other`, { redirect: 'manual' })
+    assertErrorRedirect(latch, response, 'invalid_request', null)
+  })
+
+  it('keeps the query redirect_uri already had, byte for byte, on an error redirect', async () => {
+    const response = await fetch(authorizationUrl(latch, { redirect_uri: `${REDIRECT_URI}?app=a%20b&flag`, response_type: 'token' }), { redirect: 'manual' })
+    assert.match(response.headers.get('location') ?? '', /^http:\/\/127\.0\.0\.1:8080\/callback\?app=a%20b&flag&error=unsupported_response_type&/)
+  })
+
+  it('refuses requests for a foreign host name while no password is set (DNS rebinding)', async () => {
+    const status = (host: string) =>
+      new Promise<number | undefined>((resolve) => {
+        const url = new URL(authorizationUrl(latch))
+        request({ host: '127.0.0.1', port: url.port, path: `${url.pathname}${url.search}`, headers: { Host: host } }, (response) => {
+          response.resume()
+          resolve(response.statusCode)
+        }).end()
+      })
+    assert.equal(await status('evil.example'), 421)
+    assert.equal(await status('evil.example:80'), 421)
+    assert.equal(await status(`localhost:${new URL(latch.base).port}`), 200)
+    assert.equal(await status(`[::1]:${new URL(latch.base).port}`), 200)
+  })
+
+  it('answers a malformed query with a 400 page', async () => {
+    const response = await fetch(`${latch.base}/auth?client_id=%zz`, { redirect: 'manual' })
+    assert.equal(response.status, 400)
+    assert.equal(response.headers.get('location'), null)
+  })
+})
+
+describe('POST /auth/consent (IndieAuth §5.2.1)', () => {
+  let latch: TestServer
+  before(async () => (latch = await startLatch()))
+  after(() => latch.close())
+
+  it('redirects with a code, the state and iss on approval (RFC 9207)', async () => {
+    const response = await submitConsent(latch, await openConsent(latch))
+    assert.equal(response.status, 303)
+    const location = new URL(response.headers.get('location') ?? '')
+    assert.equal(`${location.origin}${location.pathname}`, REDIRECT_URI)
+    assert.match(location.searchParams.get('code') ?? '', /^[A-Za-z0-9_-]{43}$/)
+    assert.equal(location.searchParams.get('state'), 'state-1234')
+    assert.equal(location.searchParams.get('iss'), latch.issuer)
+  })
+
+  it('keeps the query redirect_uri already had, and sends no state when none was sent', async () => {
+    const consent = await openConsent(latch, { redirect_uri: `${REDIRECT_URI}?app=a%20b`, state: undefined })
+    const location = (await submitConsent(latch, consent)).headers.get('location') ?? ''
+    assert.match(location, /^http:\/\/127\.0\.0\.1:8080\/callback\?app=a%20b&code=[A-Za-z0-9_-]{43}&iss=/)
+    assert.equal(new URL(location).searchParams.has('state'), false)
+  })
+
+  it('redirects with access_denied, the state and iss on denial', async () => {
+    const response = await submitConsent(latch, await openConsent(latch), { decision: 'deny' })
+    assert.equal(response.status, 303)
+    const location = new URL(response.headers.get('location') ?? '')
+    assert.equal(location.searchParams.get('error'), 'access_denied')
+    assert.equal(location.searchParams.get('state'), 'state-1234')
+    assert.equal(location.searchParams.get('iss'), latch.issuer)
+    assert.equal(location.searchParams.has('code'), false)
+  })
+
+  it('grants only the checked scopes that were requested', async () => {
+    const code = await obtainCode(latch, {}, { scope: ['create', 'delete'] })
+    const body = (await (await exchange(latch, code)).json()) as Record<string, unknown>
+    assert.equal(body.scope, 'create')
+  })
+
+  it('answers the same request only once', async () => {
+    const consent = await openConsent(latch)
+    assert.equal((await submitConsent(latch, consent)).status, 303)
+    const again = await submitConsent(latch, consent)
+    assert.equal(again.status, 400)
+    assert.equal(again.headers.get('location'), null)
+  })
+
+  it('answers an unknown request with a 400 page', async () => {
+    const consent = await openConsent(latch)
+    const response = await submitConsent(latch, { ...consent, request: createSecret() })
+    assert.equal(response.status, 400)
+    assert.equal(response.headers.get('content-type'), 'text/html; charset=utf-8')
+  })
+
+  it('lets a pending request expire after 10 minutes', async () => {
+    const consent = await openConsent(latch)
+    latch.advance(601)
+    assert.equal((await submitConsent(latch, consent)).status, 400)
+  })
+
+  it('refuses with 403 when the csrf field and the cookie differ, and issues nothing', async () => {
+    const consent = await openConsent(latch)
+    const forged = await submitConsent(latch, { ...consent, csrf: createSecret() })
+    assert.equal(forged.status, 403)
+    assert.equal(forged.headers.get('location'), null)
+    const noCookie = await submitConsent(latch, { ...consent, cookie: '' })
+    assert.equal(noCookie.status, 403)
+    const otherBrowser = await submitConsent(latch, { ...consent, csrf: 'x'.repeat(43), cookie: `latch_csrf=${'x'.repeat(43)}` })
+    assert.equal(otherBrowser.status, 403)
+    assert.equal((await submitConsent(latch, consent)).status, 303) // the request itself is still usable
+  })
+
+  it('asks to choose approve or deny', async () => {
+    const response = await submitConsent(latch, await openConsent(latch), { decision: 'maybe' })
+    assert.equal(response.status, 400)
+  })
+
+  it('answers a body that is not a form with a 400 page', async () => {
+    const response = await fetch(`${latch.base}/auth/consent`, { method: 'POST', headers: { 'Content-Type': 'text/plain' }, body: 'x' })
+    assert.equal(response.status, 400)
+    assert.equal(response.headers.get('content-type'), 'text/html; charset=utf-8')
+  })
+})
+
+describe('POST /auth/consent with a password', () => {
+  let latch: TestServer
+  before(async () => (latch = await startLatch({ PASSWORD_HASH: await hashPassword('correct horse', FAST_COST) })))
+  after(() => latch.close())
+
+  it('asks for the password on the consent page', async () => {
+    const consent = await openConsent(latch)
+    assert.match(consent.html, /<input type="password" name="password"/)
+  })
+
+  it('approves with the right password', async () => {
+    const response = await submitConsent(latch, await openConsent(latch), { password: 'correct horse' })
+    assert.equal(response.status, 303)
+    assert.ok(new URL(response.headers.get('location') ?? '').searchParams.get('code'))
+  })
+
+  it('answers a wrong or missing password with 401 and the page again, keeping the request usable', async () => {
+    const consent = await openConsent(latch)
+    const wrong = await submitConsent(latch, consent, { password: 'wrong horse' })
+    assert.equal(wrong.status, 401)
+    const html = await wrong.text()
+    assert.match(html, /role="alert"/)
+    assert.match(html, new RegExp(`name="request" value="${consent.request}"`))
+    assert.equal((await submitConsent(latch, consent)).status, 401)
+    assert.equal((await submitConsent(latch, consent, { password: 'correct horse' })).status, 303)
+  })
+
+  it('lets the owner deny without the password', async () => {
+    const response = await submitConsent(latch, await openConsent(latch), { decision: 'deny' })
+    assert.equal(response.status, 303)
+    assert.equal(new URL(response.headers.get('location') ?? '').searchParams.get('error'), 'access_denied')
+  })
+
+  it('throttles repeated failures with 429 and Retry-After, and lets the owner in once the wait is over', async () => {
+    latch.advance(3600) // forget the failures of earlier tests
+    const consent = await openConsent(latch)
+    for (let i = 0; i < 5; i++) assert.equal((await submitConsent(latch, consent, { password: `guess ${i}` })).status, 401)
+    assert.equal((await submitConsent(latch, consent, { password: 'guess 5' })).status, 401) // locks for 2 seconds
+    const throttled = await submitConsent(latch, consent, { password: 'correct horse' })
+    assert.equal(throttled.status, 429)
+    assert.equal(throttled.headers.get('retry-after'), '2')
+    latch.advance(2)
+    assert.equal((await submitConsent(latch, consent, { password: 'correct horse' })).status, 303)
+  })
+
+  it('counts guesses sent in parallel before their hashes are checked', async () => {
+    latch.advance(86400)
+    const consent = await openConsent(latch)
+    const guesses = Array.from({ length: 20 }, (_, i) => submitConsent(latch, consent, { password: `parallel ${i}` }))
+    const statuses = (await Promise.all(guesses)).map((response) => response.status)
+    assert.equal(statuses.filter((status) => status === 401).length, 6)
+    assert.equal(statuses.filter((status) => status === 429).length, 14)
+  })
+})
+
+describe('POST /auth (IndieAuth §5.3.2)', () => {
+  let latch: TestServer
+  before(async () => (latch = await startLatch({ ME: 'https://example.com/' })))
+  after(() => latch.close())
+
+  const redeem = (code: string, fields: Record<string, string | undefined> = {}) => post(`${latch.base}/auth`, form({ code, code_verifier: VERIFIER, ...fields }))
+
+  it('redeems a code for the profile URL, with no-store headers', async () => {
+    const response = await redeem(await obtainCode(latch))
+    assert.equal(response.status, 200)
+    assert.equal(response.headers.get('cache-control'), 'no-store')
+    assert.equal(response.headers.get('pragma'), 'no-cache')
+    assert.deepEqual(await response.json(), { me: 'https://example.com/' })
+  })
+
+  it('redeems a code issued without scope', async () => {
+    const code = await obtainCode(latch, { scope: undefined }, { scope: undefined })
+    assert.equal((await redeem(code)).status, 200)
+  })
+
+  it('accepts grant_type, client_id and redirect_uri when they match the code', async () => {
+    const response = await redeem(await obtainCode(latch), { grant_type: 'authorization_code', client_id: CLIENT_ID, redirect_uri: REDIRECT_URI })
+    assert.equal(response.status, 200)
+  })
+
+  it('consumes the code, here and at the token endpoint', async () => {
+    const code = await obtainCode(latch)
+    assert.equal((await redeem(code)).status, 200)
+    await assertError(await redeem(code), 400, 'invalid_grant')
+    await assertError(await exchange(latch, code), 400, 'invalid_grant')
+  })
+
+  const failures: [string, Record<string, string | undefined>, number, string][] = [
+    ['another grant_type', { grant_type: 'password' }, 400, 'unsupported_grant_type'],
+    ['another client_id', { client_id: 'http://127.0.0.1:9999/' }, 400, 'invalid_grant'],
+    ['another redirect_uri', { redirect_uri: `${REDIRECT_URI}/` }, 400, 'invalid_grant'],
+    ['a wrong code_verifier', { code_verifier: 'b'.repeat(43) }, 400, 'invalid_grant'],
+    ['a malformed code_verifier', { code_verifier: 'short' }, 400, 'invalid_request'],
+    ['a missing code_verifier', { code_verifier: undefined }, 400, 'invalid_request'],
+  ]
+  for (const [what, fields, status, error] of failures) {
+    it(`answers ${what} with ${error}`, async () => assertError(await redeem(await obtainCode(latch), fields), status, error))
+  }
+
+  it('answers a missing code with invalid_request and an unknown one with invalid_grant', async () => {
+    await assertError(await post(`${latch.base}/auth`, form({ code_verifier: VERIFIER })), 400, 'invalid_request')
+    await assertError(await redeem(createSecret()), 400, 'invalid_grant')
+  })
+})
+
+describe('POST /token (IndieAuth §5.3.3)', () => {
+  let latch: TestServer
+  before(async () => (latch = await startLatch({ ME: 'https://example.com/' })))
+  after(() => latch.close())
+
+  it('exchanges a code for a bearer token, with no-store headers', async () => {
+    const response = await exchange(latch, await obtainCode(latch))
+    assert.equal(response.status, 200)
+    assert.equal(response.headers.get('content-type'), 'application/json')
+    assert.equal(response.headers.get('cache-control'), 'no-store')
+    assert.equal(response.headers.get('pragma'), 'no-cache')
+    const body = (await response.json()) as Record<string, unknown>
+    assert.match(body.access_token as string, /^[A-Za-z0-9_-]{43}$/)
+    assert.equal(body.token_type, 'Bearer')
+    assert.equal(body.scope, 'profile create')
+    assert.equal(body.me, 'https://example.com/')
+    assert.equal(body.expires_in, 604800)
+  })
+
+  it('compares client_id canonically and redirect_uri byte for byte', async () => {
+    const response = await exchange(latch, await obtainCode(latch), { client_id: 'HTTP://127.0.0.1:8080' })
+    assert.equal(response.status, 200)
+    const slash = await exchange(latch, await obtainCode(latch), { redirect_uri: 'http://127.0.0.1:8080/callback/' })
+    await assertError(slash, 400, 'invalid_grant')
+  })
+
+  const failures: [string, Record<string, string | undefined>, string][] = [
+    ['a missing grant_type', { grant_type: undefined }, 'invalid_request'],
+    ['another grant_type', { grant_type: 'client_credentials' }, 'unsupported_grant_type'],
+    ['a missing client_id', { client_id: undefined }, 'invalid_request'],
+    ['a missing redirect_uri', { redirect_uri: undefined }, 'invalid_request'],
+    ['a missing code_verifier', { code_verifier: undefined }, 'invalid_request'],
+    ['a code_verifier that is too short', { code_verifier: 'a'.repeat(42) }, 'invalid_request'],
+    ['a code_verifier with a character outside the set', { code_verifier: `${'a'.repeat(42)}!` }, 'invalid_request'],
+    ['a wrong code_verifier', { code_verifier: 'a'.repeat(43) }, 'invalid_grant'],
+    ['another client_id', { client_id: 'http://127.0.0.1:8081/' }, 'invalid_grant'],
+    ['an invalid client_id', { client_id: 'not a url' }, 'invalid_grant'],
+    ['another redirect_uri', { redirect_uri: 'http://127.0.0.1:8080/other' }, 'invalid_grant'],
+  ]
+  for (const [what, overrides, error] of failures) {
+    it(`answers ${what} with ${error}`, async () => assertError(await exchange(latch, await obtainCode(latch), overrides), 400, error))
+  }
+
+  it('answers a missing code with invalid_request and an unknown one with invalid_grant', async () => {
+    await assertError(await exchange(latch, ''), 400, 'invalid_request')
+    await assertError(await exchange(latch, createSecret()), 400, 'invalid_grant')
+  })
+
+  it('keeps the code usable after a request with a wrong verifier', async () => {
+    const code = await obtainCode(latch)
+    await assertError(await exchange(latch, code, { code_verifier: 'a'.repeat(43) }), 400, 'invalid_grant')
+    assert.equal((await exchange(latch, code)).status, 200)
+  })
+
+  it('rejects an expired code with invalid_grant', async () => {
+    const code = await obtainCode(latch)
+    latch.advance(300)
+    await assertError(await exchange(latch, code), 400, 'invalid_grant')
+  })
+
+  it('rejects a replayed code and revokes the token issued from it (RFC 6749 §4.1.2)', async () => {
+    const code = await obtainCode(latch)
+    const first = (await (await exchange(latch, code)).json()) as { access_token: string }
+    assert.equal((await introspect(latch, first.access_token)).active, true)
+    await assertError(await exchange(latch, code), 400, 'invalid_grant')
+    assert.deepEqual(await introspect(latch, first.access_token), { active: false })
+  })
+
+  it('does not revoke anything for a replay with a wrong verifier', async () => {
+    const code = await obtainCode(latch)
+    const first = (await (await exchange(latch, code)).json()) as { access_token: string }
+    await assertError(await exchange(latch, code, { code_verifier: 'a'.repeat(43) }), 400, 'invalid_grant')
+    assert.equal((await introspect(latch, first.access_token)).active, true)
+  })
+
+  it('never gives an access token for a code without scope, and leaves it for POST /auth', async () => {
+    const code = await obtainCode(latch, {}, { scope: [] })
+    await assertError(await exchange(latch, code), 400, 'invalid_grant')
+    assert.equal((await post(`${latch.base}/auth`, form({ code, code_verifier: VERIFIER }))).status, 200)
+  })
+
+  it('answers a repeated parameter with invalid_request', async () => {
+    const code = await obtainCode(latch)
+    const body = form({ grant_type: 'authorization_code', code, client_id: CLIENT_ID, redirect_uri: REDIRECT_URI, code_verifier: [VERIFIER, VERIFIER] })
+    await assertError(await post(`${latch.base}/token`, body), 400, 'invalid_request')
+  })
+
+  it('answers a body that is not a form with invalid_request', async () => {
+    await assertError(await post(`${latch.base}/token`, '{"code":"x"}', { 'Content-Type': 'application/json' }), 400, 'invalid_request')
+    await assertError(await post(`${latch.base}/token`, 'code=x', { 'Content-Type': 'application/x-www-form-urlencoded; charset=latin1' }), 400, 'invalid_request')
+  })
+
+  it('answers malformed percent-escapes and invalid UTF-8 with invalid_request', async () => {
+    await assertError(await post(`${latch.base}/token`, 'grant_type=%zz'), 400, 'invalid_request')
+    await assertError(await post(`${latch.base}/token`, 'grant_type=%C3%28'), 400, 'invalid_request')
+    const rawBytes = await fetch(`${latch.base}/token`, {
+      method: 'POST',
+      headers: { 'Content-Type': 'application/x-www-form-urlencoded' },
+      body: Buffer.from([0x63, 0x6f, 0x64, 0x65, 0x3d, 0xff, 0xfe]),
+    })
+    await assertError(rawBytes, 400, 'invalid_request')
+  })
+
+  it('answers a body over 64 KiB with 413, however it is sent', async () => {
+    await assertError(await post(`${latch.base}/token`, `code=${'a'.repeat(1024 * 1024)}`), 413, 'invalid_request')
+    const chunked = new ReadableStream({
+      start(controller) {
+        for (let i = 0; i < 32; i++) controller.enqueue(new Uint8Array(32 * 1024).fill(0x61))
+        controller.close()
+      },
+    })
+    const response = await fetch(`${latch.base}/token`, {
+      method: 'POST',
+      headers: { 'Content-Type': 'application/x-www-form-urlencoded' },
+      body: chunked,
+      duplex: 'half',
+    } as RequestInit)
+    await assertError(response, 413, 'invalid_request')
+  })
+})
+
+describe('POST /introspect (IndieAuth §6, RFC 7662)', () => {
+  let latch: TestServer
+  before(async () => (latch = await startLatch({ ME: 'https://example.com/' })))
+  after(() => latch.close())
+
+  it('describes a live token with integer times and a boolean active', async () => {
+    const token = await obtainToken(latch)
+    const response = await post(`${latch.base}/introspect`, form({ token, token_type_hint: 'access_token' }))
+    assert.equal(response.headers.get('cache-control'), 'no-store')
+    assert.deepEqual(await response.json(), {
+      active: true,
+      me: 'https://example.com/',
+      scope: 'profile create',
+      client_id: CLIENT_ID,
+      exp: START / 1000 + 604800,
+      iat: START / 1000,
+    })
+  })
+
+  it('answers exactly {"active": false} for unknown, malformed and expired tokens', async () => {
+    assert.deepEqual(await introspect(latch, createSecret()), { active: false })
+    assert.deepEqual(await introspect(latch, 'not-a-token'), { active: false })
+    const token = await obtainToken(latch)
+    latch.advance(604800)
+    assert.deepEqual(await introspect(latch, token), { active: false })
+  })
+
+  it('answers a missing token with invalid_request', async () => {
+    await assertError(await post(`${latch.base}/introspect`, form({})), 400, 'invalid_request')
+  })
+})
+
+describe('POST /introspect with INTROSPECTION_SECRET (IndieAuth §6.1)', () => {
+  const secret = 'a-long-introspection-secret'
+  let latch: TestServer
+  before(async () => (latch = await startLatch({ INTROSPECTION_SECRET: secret })))
+  after(() => latch.close())
+
+  it('answers callers that send the secret as a Bearer credential', async () => {
+    const token = await obtainToken(latch)
+    assert.equal((await introspect(latch, token, { Authorization: `Bearer ${secret}` })).active, true)
+  })
+
+  it('answers 401 with WWW-Authenticate before any other check', async () => {
+    const attempts: Record<string, string>[] = [{}, { Authorization: 'Bearer wrong-secret-of-some-length' }, { Authorization: `Basic ${secret}` }]
+    for (const headers of attempts) {
+      const response = await post(`${latch.base}/introspect`, 'not a form', { 'Content-Type': 'text/plain', ...headers })
+      await assertError(response, 401, 'invalid_token')
+      assert.match(response.headers.get('www-authenticate') ?? '', new RegExp(`^Bearer realm="${latch.issuer}"`))
+    }
+  })
+})
+
+describe('POST /revoke (IndieAuth §7, RFC 7009)', () => {
+  let latch: TestServer
+  before(async () => (latch = await startLatch()))
+  after(() => latch.close())
+
+  it('revokes a token before answering 200 with an empty body', async () => {
+    const token = await obtainToken(latch)
+    const response = await post(`${latch.base}/revoke`, form({ token }))
+    assert.equal(response.status, 200)
+    assert.equal(await response.text(), '')
+    assert.deepEqual(await introspect(latch, token), { active: false })
+  })
+
+  it('answers 200 for a token it does not know', async () => {
+    assert.equal((await post(`${latch.base}/revoke`, form({ token: createSecret() }))).status, 200)
+  })
+
+  it('answers a missing token with invalid_request', async () => {
+    await assertError(await post(`${latch.base}/revoke`, form({ token_type_hint: 'access_token' })), 400, 'invalid_request')
+  })
+})
+
+describe('GET / (home page)', () => {
+  it('shows the link tags the owner pastes into their site', async () => {
+    const latch = await startLatch()
+    const response = await fetch(`${latch.base}/`)
+    assert.equal(response.status, 200)
+    assert.equal(response.headers.get('x-frame-options'), 'DENY')
+    const html = await response.text()
+    assert.ok(html.includes(`&#60;link rel=&#34;indieauth-metadata&#34; href=&#34;${latch.issuer}/.well-known/oauth-authorization-server&#34;&#62;`))
+    await latch.close()
+  })
+})
+
+describe('Router and errors', () => {
+  let latch: TestServer
+  before(async () => (latch = await startLatch()))
+  after(() => latch.close())
+
+  it('answers an unknown path with 404 not_found', async () => {
+    await assertError(await fetch(`${latch.base}/nope`), 404, 'not_found')
+  })
+
+  it('answers a known path with another method with 405 and Allow', async () => {
+    const response = await fetch(`${latch.base}/token`)
+    await assertError(response, 405, 'method_not_allowed')
+    assert.equal(response.headers.get('allow'), 'POST')
+    assert.equal((await fetch(`${latch.base}/auth`, { method: 'PUT' })).headers.get('allow'), 'GET, POST')
+  })
+
+  it('hides the detail of an unexpected failure behind 500 server_error, and logs it', async () => {
+    const store = new MemoryStore()
+    store.findToken = async () => {
+      throw new Error('disk on fire')
+    }
+    const broken = await startLatch({}, { store })
+    const response = await post(`${broken.base}/introspect`, form({ token: createSecret() }))
+    assert.equal(response.status, 500)
+    assert.equal(await response.text(), '{"error":"server_error"}')
+    assert.ok(broken.logs.some((line) => line.includes('disk on fire')))
+    await broken.close()
+  })
+
+  it('logs one line per request: method, path without query, status, milliseconds', async () => {
+    latch.logs.length = 0
+    await fetch(`${latch.base}/.well-known/oauth-authorization-server?x=1`)
+    await new Promise((resolve) => setImmediate(resolve))
+    assert.match(latch.logs.at(-1) ?? '', /^GET \/\.well-known\/oauth-authorization-server 200 \d+ms$/)
+  })
+
+  it('never logs an unknown path, which could hold anything', async () => {
+    const secret = createSecret()
+    await fetch(`${latch.base}/token/${secret}`)
+    await new Promise((resolve) => setImmediate(resolve))
+    assert.match(latch.logs.at(-1) ?? '', /^GET \(unknown path\) 404 \d+ms$/)
+    assert.equal(latch.logs.join('\n').includes(secret), false)
+  })
+})
+
+// --- A full flow ------------------------------------------------------------------------
+
+describe('A full flow', () => {
+  it('signs in, exchanges, introspects, revokes, and never logs a secret', async () => {
+    const password = 'correct horse battery staple'
+    const latch = await startLatch({ PASSWORD_HASH: await hashPassword(password, FAST_COST), ME: 'https://example.com/' })
+    const consent = await openConsent(latch)
+    const approved = await submitConsent(latch, consent, { password })
+    const code = new URL(approved.headers.get('location') ?? '').searchParams.get('code') ?? ''
+    const tokenResponse = (await (await exchange(latch, code)).json()) as { access_token: string }
+    const token = tokenResponse.access_token
+    assert.equal((await introspect(latch, token)).active, true)
+    assert.equal((await post(`${latch.base}/revoke`, form({ token }))).status, 200)
+    assert.deepEqual(await introspect(latch, token), { active: false })
+    await latch.close()
+
+    const log = latch.logs.join('\n')
+    assert.equal(latch.logs.length, 6)
+    for (const secret of [code, token, VERIFIER, password, consent.csrf, consent.request]) assert.equal(log.includes(secret), false)
+  })
+})
+
+describe('The command line', () => {
+  const run = (args: string[], env: Record<string, string>, input?: string) =>
+    new Promise<{ code: number | null; stdout: string; stderr: string; child: ReturnType<typeof spawn> }>((resolve) => {
+      const child = spawn(process.execPath, ['--import', 'tsx', 'server.ts', ...args], { env: { ...process.env, ...env } })
+      let stdout = ''
+      let stderr = ''
+      child.stdout.on('data', (chunk) => {
+        stdout += chunk
+        if (stdout.includes('metadata') && child.signalCode === null && !child.killed) child.kill('SIGTERM')
+      })
+      child.stderr.on('data', (chunk) => (stderr += chunk))
+      child.on('close', (code) => resolve({ code, stdout, stderr, child }))
+      if (input !== undefined) child.stdin.end(input)
+    })
+
+  it('prints the start-up block and stops cleanly on SIGTERM', async () => {
+    const result = await run([], { PORT: '0' })
+    assert.match(result.stdout, /Latch is listening on http:\/\/127\.0\.0\.1:\d+/)
+    assert.match(result.stdout, /issuer {4}http:\/\/127\.0\.0\.1:\d+/)
+    assert.match(result.stdout, /password {2}not set/)
+    assert.match(result.stdout, /data {6}in memory only/)
+    assert.equal(result.code, 0)
+  })
+
+  it('refuses to serve a non-loopback interface without a password, naming the fix', async () => {
+    const result = await run([], { HOST: '0.0.0.0', PORT: '0' })
+    assert.equal(result.code, 1)
+    assert.match(result.stderr, /PASSWORD_HASH/)
+    assert.match(result.stderr, /hash-password/)
+  })
+
+  it('hashes a password read from standard input', async () => {
+    const result = await run(['hash-password'], {}, 'correct horse\n')
+    assert.equal(result.code, 0)
+    assert.equal(await verifyPassword('correct horse', result.stdout.trim()), true)
+  })
+})
