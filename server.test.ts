@@ -32,7 +32,7 @@ import {
   sha256,
   verifyPassword,
 } from './server.ts'
-import type { AccessToken, AuthorizationCode, Store } from './server.ts'
+import type { AuthorizationCode, Grant, Store, Token } from './server.ts'
 
 // --- Harness ----------------------------------------------------------------------
 
@@ -194,6 +194,8 @@ describe('Configuration', () => {
     assert.equal(config.codeTtlSeconds, 300)
     assert.equal(config.accessTokenTtlSeconds, 604800)
     assert.equal(config.introspectionSecret, undefined)
+    assert.equal(config.refreshTokenTtlSeconds, 2592000)
+    assert.deepEqual(config.profile, { name: undefined, url: 'http://127.0.0.1:3000/', photo: undefined, email: undefined })
   })
 
   it('lets a flag win over the variable, in both flag spellings', () => {
@@ -250,6 +252,9 @@ describe('Configuration', () => {
     ['a short introspection secret', { INTROSPECTION_SECRET: 'short' }, [], /INTROSPECTION_SECRET/],
     ['a data file while only memory exists', { DATA_FILE: 'latch.jsonl' }, [], /DATA_FILE/],
     ['an unknown flag', {}, ['--colour', 'blue'], /--colour/],
+    ['a profile photo that is not a URL', { PROFILE_PHOTO: 'me.jpg' }, [], /PROFILE_PHOTO/],
+    ['a profile email that is not an address', { PROFILE_EMAIL: 'me' }, [], /PROFILE_EMAIL/],
+    ['a zero refresh token lifetime', { REFRESH_TOKEN_TTL: '0' }, [], /REFRESH_TOKEN_TTL/],
     ['a flag without a value', {}, ['--port'], /--port/],
   ]
   for (const [what, env, argv, message] of refusals) {
@@ -271,7 +276,7 @@ describe('Configuration', () => {
 
   it('prints every setting with its flag in --help', () => {
     const help = buildHelp()
-    for (const name of ['PORT', 'HOST', 'ISSUER', 'ME', 'PASSWORD_HASH', 'DATA_FILE', 'CODE_TTL', 'ACCESS_TOKEN_TTL', 'INTROSPECTION_SECRET']) {
+    for (const name of ['PORT', 'HOST', 'ISSUER', 'ME', 'PASSWORD_HASH', 'DATA_FILE', 'CODE_TTL', 'ACCESS_TOKEN_TTL', 'REFRESH_TOKEN_TTL', 'INTROSPECTION_SECRET', 'PROFILE_NAME', 'PROFILE_URL', 'PROFILE_PHOTO', 'PROFILE_EMAIL']) {
       assert.match(help, new RegExp(`${name} / --${name.toLowerCase().replaceAll('_', '-')}`))
     }
   })
@@ -425,7 +430,8 @@ describe('MemoryStore', () => {
     expiresAt,
     usedAt: undefined,
   })
-  const token = (expiresAt: number, codeHash = 'c'): AccessToken => ({ me: 'https://example.com/', client_id: CLIENT_ID, scope: ['create'], issuedAt: 0, expiresAt, codeHash })
+  const token = (expiresAt: number): Token => ({ kind: 'access', grantId: 'g', scope: ['create'], issuedAt: 0, expiresAt, usedAt: undefined })
+  const grant = (expiresAt: number): Grant => ({ client_id: CLIENT_ID, me: 'https://example.com/', scope: ['create'], approvedAt: 0, lastUsedAt: 0, expiresAt })
 
   it('marks a code used once, atomically, and hides it once expired', async () => {
     const store = new MemoryStore()
@@ -446,13 +452,33 @@ describe('MemoryStore', () => {
     assert.deepEqual([...store.tokens.keys()].sort(), ['fresh', 'late'])
   })
 
-  it('deletes every token issued from one code', async () => {
+  it('marks a refresh token used once, atomically', async () => {
     const store = new MemoryStore()
-    await store.saveToken('t1', token(9000, 'code-a'), 0)
-    await store.saveToken('t2', token(9000, 'code-a'), 0)
-    await store.saveToken('t3', token(9000, 'code-b'), 0)
-    await store.deleteTokensOfCode('code-a')
-    assert.deepEqual([...store.tokens.keys()], ['t3'])
+    await store.saveToken('r', { ...token(9000), kind: 'refresh' }, 0)
+    assert.equal(await store.takeToken('r', 10), true)
+    assert.equal(await store.takeToken('r', 20), false)
+    assert.equal((await store.findToken('r', 30))?.usedAt, 10)
+  })
+
+  it('keeps a grant saved again with a later expiry, and lists only live grants', async () => {
+    const store = new MemoryStore()
+    await store.saveGrant('g1', grant(1000), 0)
+    await store.saveGrant('g2', grant(1000), 0)
+    await store.saveGrant('g1', grant(5000), 500) // extended by a refresh
+    store.sweep(2000)
+    assert.deepEqual([...store.grants.keys()], ['g1'])
+    assert.deepEqual((await store.listGrants(2000)).map(([id]) => id), ['g1'])
+    await store.deleteGrant('g1')
+    assert.equal(await store.findGrant('g1', 2000), undefined)
+  })
+
+  it('sweeps expired tokens in batches of a given size', async () => {
+    const store = new MemoryStore()
+    for (let i = 0; i < 25_000; i++) await store.saveToken(`t${i}`, token(1000 + (i % 100)), 0)
+    store.sweep(5000, 10_000)
+    assert.equal(store.tokens.size, 15_000)
+    store.sweep(5000, 20_000)
+    assert.equal(store.tokens.size, 0)
   })
 
   it('caps pending requests and codes by dropping the oldest, with a log line', async () => {
@@ -486,7 +512,8 @@ describe('GET /.well-known/oauth-authorization-server (IndieAuth §4.1.1, RFC 84
       assert.equal(metadata[field], `${latch.issuer}${path}`)
     }
     assert.deepEqual(metadata.response_types_supported, ['code'])
-    assert.deepEqual(metadata.grant_types_supported, ['authorization_code'])
+    assert.deepEqual(metadata.grant_types_supported, ['authorization_code', 'refresh_token'])
+    assert.equal(metadata.userinfo_endpoint, `${latch.issuer}/userinfo`)
     assert.deepEqual(metadata.code_challenge_methods_supported, ['S256'])
     assert.deepEqual(metadata.introspection_endpoint_auth_methods_supported, ['none'])
     assert.deepEqual(metadata.revocation_endpoint_auth_methods_supported, ['none'])
@@ -788,6 +815,11 @@ describe('POST /auth (IndieAuth §5.3.2)', () => {
     assert.equal(response.status, 200)
     assert.equal(response.headers.get('cache-control'), 'no-store')
     assert.equal(response.headers.get('pragma'), 'no-cache')
+    assert.deepEqual(await response.json(), { me: 'https://example.com/', profile: { url: 'https://example.com/' } })
+  })
+
+  it('answers only me when the profile scope was not granted', async () => {
+    const response = await redeem(await obtainCode(latch, {}, { scope: ['create'] }))
     assert.deepEqual(await response.json(), { me: 'https://example.com/' })
   })
 
@@ -1022,6 +1054,249 @@ describe('POST /revoke (IndieAuth §7, RFC 7009)', () => {
   })
 })
 
+describe('POST /token with grant_type=refresh_token (IndieAuth §5.5, RFC 6749 §6)', () => {
+  let latch: TestServer
+  before(async () => (latch = await startLatch({ ME: 'https://example.com/' })))
+  after(() => latch.close())
+
+  type Tokens = { access_token: string; refresh_token: string; scope: string; me: string; expires_in: number }
+  const firstTokens = async (): Promise<Tokens> => (await (await exchange(latch, await obtainCode(latch))).json()) as Tokens
+  const refresh = (refreshToken: string, fields: Record<string, string | undefined> = {}) =>
+    post(`${latch.base}/token`, form({ grant_type: 'refresh_token', refresh_token: refreshToken, client_id: CLIENT_ID, ...fields }))
+
+  it('rotates: a full token response with a new access token and a new refresh token', async () => {
+    const first = await firstTokens()
+    assert.match(first.refresh_token, /^[A-Za-z0-9_-]{43}$/)
+    const response = await refresh(first.refresh_token)
+    assert.equal(response.status, 200)
+    assert.equal(response.headers.get('cache-control'), 'no-store')
+    const second = (await response.json()) as Tokens & { profile: unknown }
+    assert.notEqual(second.access_token, first.access_token)
+    assert.notEqual(second.refresh_token, first.refresh_token)
+    assert.equal(second.scope, 'profile create')
+    assert.equal(second.me, 'https://example.com/')
+    assert.equal(second.expires_in, 604800)
+    assert.deepEqual(second.profile, { url: 'https://example.com/' })
+    assert.equal((await introspect(latch, second.access_token)).active, true)
+    assert.equal((await introspect(latch, first.access_token)).active, true) // access tokens live out their time
+  })
+
+  it('revokes the whole family when a rotated refresh token comes back (RFC 9700 §4.14.2)', async () => {
+    const first = await firstTokens()
+    const second = (await (await refresh(first.refresh_token)).json()) as Tokens
+    await assertError(await refresh(first.refresh_token), 400, 'invalid_grant')
+    assert.deepEqual(await introspect(latch, first.access_token), { active: false })
+    assert.deepEqual(await introspect(latch, second.access_token), { active: false })
+    await assertError(await refresh(second.refresh_token), 400, 'invalid_grant')
+  })
+
+  it('narrows the access token to a requested scope, keeping the grant for the next refresh', async () => {
+    const first = await firstTokens()
+    const narrowed = (await (await refresh(first.refresh_token, { scope: 'create' })).json()) as Tokens
+    assert.equal(narrowed.scope, 'create')
+    assert.equal((await introspect(latch, narrowed.access_token)).scope, 'create')
+    const full = (await (await refresh(narrowed.refresh_token)).json()) as Tokens
+    assert.equal(full.scope, 'profile create')
+  })
+
+  it('never widens the scope: invalid_scope, and the refresh token still works', async () => {
+    const first = await firstTokens()
+    await assertError(await refresh(first.refresh_token, { scope: 'create delete' }), 400, 'invalid_scope')
+    assert.equal((await refresh(first.refresh_token)).status, 200)
+  })
+
+  it('refuses another client_id without using up the refresh token', async () => {
+    const first = await firstTokens()
+    await assertError(await refresh(first.refresh_token, { client_id: 'http://127.0.0.1:9999/' }), 400, 'invalid_grant')
+    await assertError(await refresh(first.refresh_token, { client_id: undefined }), 400, 'invalid_request')
+    assert.equal((await refresh(first.refresh_token)).status, 200)
+  })
+
+  it('answers a missing refresh_token with invalid_request and an unknown one with invalid_grant', async () => {
+    await assertError(await refresh(''), 400, 'invalid_request')
+    await assertError(await refresh(createSecret()), 400, 'invalid_grant')
+  })
+
+  it('does not take an access token as a refresh token, nor a refresh token as an access token', async () => {
+    const first = await firstTokens()
+    await assertError(await refresh(first.access_token), 400, 'invalid_grant')
+    assert.deepEqual(await introspect(latch, first.refresh_token), { active: false })
+  })
+
+  it('expires a refresh token after REFRESH_TOKEN_TTL without use, counted from its last rotation', async () => {
+    const first = await firstTokens()
+    latch.advance(29 * 86400)
+    const second = (await (await refresh(first.refresh_token)).json()) as Tokens
+    latch.advance(29 * 86400)
+    const third = await refresh(second.refresh_token)
+    assert.equal(third.status, 200)
+    latch.advance(30 * 86400)
+    await assertError(await refresh(((await third.json()) as Tokens).refresh_token), 400, 'invalid_grant')
+  })
+
+  it('revokes the access tokens of the family when a refresh token is revoked (RFC 7009 §2.1)', async () => {
+    const first = await firstTokens()
+    assert.equal((await post(`${latch.base}/revoke`, form({ token: first.refresh_token }))).status, 200)
+    assert.deepEqual(await introspect(latch, first.access_token), { active: false })
+    await assertError(await refresh(first.refresh_token), 400, 'invalid_grant')
+  })
+
+  it('revokes only the access token when an access token is revoked', async () => {
+    const first = await firstTokens()
+    await post(`${latch.base}/revoke`, form({ token: first.access_token }))
+    assert.deepEqual(await introspect(latch, first.access_token), { active: false })
+    assert.equal((await refresh(first.refresh_token)).status, 200)
+  })
+
+  it('revokes refreshed tokens too when their code is replayed', async () => {
+    const code = await obtainCode(latch)
+    const first = (await (await exchange(latch, code)).json()) as Tokens
+    const second = (await (await refresh(first.refresh_token)).json()) as Tokens
+    await assertError(await exchange(latch, code), 400, 'invalid_grant')
+    assert.deepEqual(await introspect(latch, second.access_token), { active: false })
+    await assertError(await refresh(second.refresh_token), 400, 'invalid_grant')
+  })
+})
+
+describe('Profile information (IndieAuth §5.3.4) and GET /userinfo', () => {
+  const profileEnv = {
+    ME: 'https://example.com/',
+    PROFILE_NAME: 'Ada Lovelace',
+    PROFILE_PHOTO: 'https://example.com/ada.jpg',
+    PROFILE_EMAIL: 'ada@example.com',
+  }
+  let latch: TestServer
+  before(async () => (latch = await startLatch(profileEnv)))
+  after(() => latch.close())
+
+  const tokenFor = async (scope: string[]) => {
+    const response = await exchange(latch, await obtainCode(latch, { scope: 'profile email create' }, { scope }))
+    return (await response.json()) as { access_token: string; profile?: unknown }
+  }
+  const userinfo = (headers: Record<string, string> = {}) => fetch(`${latch.base}/userinfo`, { headers })
+
+  it('adds name, url and photo with profile, and email only with email too', async () => {
+    assert.deepEqual((await tokenFor(['profile'])).profile, { name: 'Ada Lovelace', url: 'https://example.com/', photo: 'https://example.com/ada.jpg' })
+    assert.deepEqual((await tokenFor(['profile', 'email'])).profile, {
+      name: 'Ada Lovelace',
+      url: 'https://example.com/',
+      photo: 'https://example.com/ada.jpg',
+      email: 'ada@example.com',
+    })
+    assert.equal((await tokenFor(['create', 'email'])).profile, undefined)
+  })
+
+  it('answers the profile to a token with the profile scope', async () => {
+    const { access_token } = await tokenFor(['profile'])
+    const response = await userinfo({ Authorization: `Bearer ${access_token}` })
+    assert.equal(response.status, 200)
+    assert.deepEqual(await response.json(), { name: 'Ada Lovelace', url: 'https://example.com/', photo: 'https://example.com/ada.jpg' })
+  })
+
+  it('answers 401 with a Bearer challenge and no error code when no token is sent', async () => {
+    const response = await userinfo()
+    await assertError(response, 401, 'invalid_token')
+    assert.equal(response.headers.get('www-authenticate'), `Bearer realm="${latch.issuer}"`)
+  })
+
+  it('answers 401 invalid_token for a bad, expired or revoked token', async () => {
+    const { access_token } = await tokenFor(['profile'])
+    const bad = await userinfo({ Authorization: `Bearer ${createSecret()}` })
+    await assertError(bad, 401, 'invalid_token')
+    assert.equal(bad.headers.get('www-authenticate'), `Bearer realm="${latch.issuer}", error="invalid_token"`)
+    await post(`${latch.base}/revoke`, form({ token: access_token }))
+    await assertError(await userinfo({ Authorization: `Bearer ${access_token}` }), 401, 'invalid_token')
+  })
+
+  it('answers 403 insufficient_scope to a token without profile (RFC 6750 §3.1)', async () => {
+    const { access_token } = await tokenFor(['create'])
+    const response = await userinfo({ Authorization: `Bearer ${access_token}` })
+    await assertError(response, 403, 'insufficient_scope')
+    assert.match(response.headers.get('www-authenticate') ?? '', /error="insufficient_scope"/)
+  })
+
+  it('accepts the token in the header and the body when they agree, and refuses two different ones', async () => {
+    const { access_token } = await tokenFor(['profile'])
+    const same = await post(`${latch.base}/userinfo`, form({ access_token }), { Authorization: `Bearer ${access_token}` })
+    assert.equal(same.status, 200)
+    const differ = await post(`${latch.base}/userinfo`, form({ access_token: createSecret() }), { Authorization: `Bearer ${access_token}` })
+    await assertError(differ, 400, 'invalid_request')
+  })
+})
+
+describe('Legacy IndieAuth', () => {
+  let latch: TestServer
+  before(async () => (latch = await startLatch({ ME: 'https://example.com/' })))
+  after(() => latch.close())
+
+  it('verifies a token with GET /token and Authorization: Bearer, as Micropub servers do', async () => {
+    const token = await obtainToken(latch)
+    const response = await fetch(`${latch.base}/token`, { headers: { Authorization: `Bearer ${token}` } })
+    assert.equal(response.status, 200)
+    assert.deepEqual(await response.json(), { me: 'https://example.com/', client_id: CLIENT_ID, scope: 'profile create' })
+    const bad = await fetch(`${latch.base}/token`, { headers: { Authorization: `Bearer ${createSecret()}` } })
+    await assertError(bad, 401, 'invalid_token')
+    assert.match(bad.headers.get('www-authenticate') ?? '', /^Bearer realm=/)
+  })
+
+  it('revokes with POST /token and action=revoke', async () => {
+    const token = await obtainToken(latch)
+    const response = await post(`${latch.base}/token`, form({ action: 'revoke', token }))
+    assert.equal(response.status, 200)
+    assert.deepEqual(await introspect(latch, token), { active: false })
+    await assertError(await post(`${latch.base}/token`, form({ action: 'delete', token })), 400, 'invalid_request')
+  })
+
+  it('treats response_type=id as a profile-only request', async () => {
+    const consent = await openConsent(latch, { response_type: 'id' })
+    assert.doesNotMatch(consent.html, /name="scope"/)
+    const response = await submitConsent(latch, consent)
+    const code = new URL(response.headers.get('location') ?? '').searchParams.get('code') ?? ''
+    await assertError(await exchange(latch, code), 400, 'invalid_grant')
+    const redeemed = await post(`${latch.base}/auth`, form({ code, code_verifier: VERIFIER }))
+    assert.deepEqual(await redeemed.json(), { me: 'https://example.com/' })
+  })
+})
+
+describe('CORS for browser clients', () => {
+  let latch: TestServer
+  before(async () => (latch = await startLatch()))
+  after(() => latch.close())
+
+  const preflight = (path: string) =>
+    fetch(`${latch.base}${path}`, {
+      method: 'OPTIONS',
+      headers: { Origin: 'https://app.example', 'Access-Control-Request-Method': 'POST', 'Access-Control-Request-Headers': 'authorization' },
+    })
+
+  for (const path of ['/token', '/introspect', '/revoke', '/userinfo', '/auth', '/.well-known/oauth-authorization-server']) {
+    it(`answers a preflight to ${path}`, async () => {
+      const response = await preflight(path)
+      assert.equal(response.status, 204)
+      assert.equal(response.headers.get('access-control-allow-origin'), '*')
+      assert.match(response.headers.get('access-control-allow-headers') ?? '', /Authorization/)
+    })
+  }
+
+  it('lets a preflight to /auth allow POST only, never the authorization request', async () => {
+    assert.equal((await preflight('/auth')).headers.get('access-control-allow-methods'), 'POST')
+  })
+
+  it('allows any origin on the JSON endpoints, errors included', async () => {
+    assert.equal((await fetch(`${latch.base}/.well-known/oauth-authorization-server`)).headers.get('access-control-allow-origin'), '*')
+    assert.equal((await post(`${latch.base}/token`, form({}))).headers.get('access-control-allow-origin'), '*')
+    assert.equal((await post(`${latch.base}/introspect`, form({ token: 'x' }))).headers.get('access-control-allow-origin'), '*')
+  })
+
+  it('never allows other origins on the authorization request or the consent form', async () => {
+    const page = await fetch(authorizationUrl(latch), { headers: { Origin: 'https://app.example' } })
+    assert.equal(page.headers.get('access-control-allow-origin'), null)
+    const consent = await preflight('/auth/consent')
+    assert.equal(consent.status, 405)
+    assert.equal(consent.headers.get('access-control-allow-origin'), null)
+  })
+})
+
 describe('GET / (home page)', () => {
   it('shows the link tags the owner pastes into their site', async () => {
     const latch = await startLatch()
@@ -1030,6 +1305,12 @@ describe('GET / (home page)', () => {
     assert.equal(response.headers.get('x-frame-options'), 'DENY')
     const html = await response.text()
     assert.ok(html.includes(`&#60;link rel=&#34;indieauth-metadata&#34; href=&#34;${latch.issuer}/.well-known/oauth-authorization-server&#34;&#62;`))
+    assert.ok(html.includes('rel=&#34;authorization_endpoint&#34;'))
+    assert.ok(html.includes('rel=&#34;token_endpoint&#34;'))
+    assert.equal(
+      response.headers.get('link'),
+      `<${latch.issuer}/.well-known/oauth-authorization-server>; rel="indieauth-metadata", <${latch.issuer}/auth>; rel="authorization_endpoint", <${latch.issuer}/token>; rel="token_endpoint"`,
+    )
     await latch.close()
   })
 })
@@ -1044,7 +1325,7 @@ describe('Router and errors', () => {
   })
 
   it('answers a known path with another method with 405 and Allow', async () => {
-    const response = await fetch(`${latch.base}/token`)
+    const response = await fetch(`${latch.base}/introspect`)
     await assertError(response, 405, 'method_not_allowed')
     assert.equal(response.headers.get('allow'), 'POST')
     assert.equal((await fetch(`${latch.base}/auth`, { method: 'PUT' })).headers.get('allow'), 'GET, POST')

@@ -55,9 +55,16 @@ export type Config = {
   dataFile: string
   codeTtlSeconds: number
   accessTokenTtlSeconds: number
+  /** A refresh token expires after this long without use. */
+  refreshTokenTtlSeconds: number
   /** When set, `/introspect` callers must send it as a Bearer credential. */
   introspectionSecret: string | undefined
+  /** What the `profile` and `email` scopes show of the owner (IA §5.3.4). */
+  profile: Profile
 }
+
+/** The owner's profile information; `url` defaults to `me`. */
+export type Profile = { name?: string; url: string; photo?: string; email?: string }
 
 /** An authorization request that passed validation and waits for the owner's decision. */
 export type PendingRequest = {
@@ -88,15 +95,30 @@ export type AuthorizationCode = {
   usedAt: number | undefined
 }
 
-/** An access token as stored: under the SHA-256 hash of its value. */
-export type AccessToken = {
-  me: string
+/**
+ * What the owner approved for one client: the family of tokens issued from one code. Its id is
+ * the hash of that code, so a replayed code finds the grant to revoke.
+ */
+export type Grant = {
   client_id: string
+  me: string
+  /** The scopes the owner granted; refreshed tokens may narrow them, never widen them. */
+  scope: string[]
+  approvedAt: number
+  lastUsedAt: number
+  /** The latest expiry of its tokens: a grant lives as long as one of them may. */
+  expiresAt: number
+}
+
+/** An access or refresh token as stored: under the SHA-256 hash of its value. */
+export type Token = {
+  kind: 'access' | 'refresh'
+  grantId: string
   scope: string[]
   issuedAt: number
   expiresAt: number
-  /** Hash of the code it was issued from: a replayed code revokes its tokens. */
-  codeHash: string
+  /** Refresh tokens only: set once rotated, and kept so that a reuse can be recognised. */
+  usedAt: number | undefined
 }
 
 /** Where codes and tokens live. Keys are SHA-256 hashes; raw secrets never reach a store. */
@@ -110,11 +132,18 @@ export interface Store {
   findCode(hash: string, now: number): Promise<AuthorizationCode | undefined>
   /** Marks an unexpired code used, in one step: true only for the first caller. */
   takeCode(hash: string, now: number): Promise<boolean>
-  saveToken(hash: string, token: AccessToken, now: number): Promise<void>
-  findToken(hash: string, now: number): Promise<AccessToken | undefined>
+  saveGrant(id: string, grant: Grant, now: number): Promise<void>
+  findGrant(id: string, now: number): Promise<Grant | undefined>
+  /** Every unexpired grant, oldest first. */
+  listGrants(now: number): Promise<[string, Grant][]>
+  /** Deletes a grant, which ends every token of its family. */
+  deleteGrant(id: string): Promise<void>
+  saveToken(hash: string, token: Token, now: number): Promise<void>
+  /** Returns an unexpired token, used or not. */
+  findToken(hash: string, now: number): Promise<Token | undefined>
+  /** Marks an unexpired token used, in one step: true only for the first caller. */
+  takeToken(hash: string, now: number): Promise<boolean>
   deleteToken(hash: string): Promise<void>
-  /** Deletes every token issued from one code. */
-  deleteTokensOfCode(codeHash: string): Promise<void>
 }
 
 /** What `createHandler` takes. Only `config` is needed; the rest have defaults. */
@@ -159,7 +188,12 @@ export const SETTINGS = [
   { name: 'DATA_FILE', default: 'memory', help: 'Where codes and tokens live; only `memory` for now.' },
   { name: 'CODE_TTL', default: '300', help: 'Authorization code lifetime (90s, 10m, 12h, 7d; at most 600).' },
   { name: 'ACCESS_TOKEN_TTL', default: '604800', help: 'Access token lifetime (7 days).' },
+  { name: 'REFRESH_TOKEN_TTL', default: '2592000', help: 'A refresh token expires after this long without use (30 days).' },
   { name: 'INTROSPECTION_SECRET', default: 'unset', help: 'Unset: /introspect is open. Set: callers send `Authorization: Bearer <secret>`.' },
+  { name: 'PROFILE_NAME', default: 'unset', help: 'Your name, shown to apps granted the profile scope.' },
+  { name: 'PROFILE_URL', default: 'ME', help: 'Your home page, shown to apps granted the profile scope.' },
+  { name: 'PROFILE_PHOTO', default: 'unset', help: 'URL of your photo, shown to apps granted the profile scope.' },
+  { name: 'PROFILE_EMAIL', default: 'unset', help: 'Your email address, shown to apps granted the profile and email scopes.' },
 ] as const
 
 type SettingName = (typeof SETTINGS)[number]['name']
@@ -207,13 +241,20 @@ export function loadConfig(
     throw new ConfigError('CODE_TTL is longer than the 10 minutes IndieAuth allows: use 600 or less')
   }
   const accessTokenTtlSeconds = parseDuration('ACCESS_TOKEN_TTL', raw.ACCESS_TOKEN_TTL ?? '604800')
+  const refreshTokenTtlSeconds = parseDuration('REFRESH_TOKEN_TTL', raw.REFRESH_TOKEN_TTL ?? '2592000')
   const introspectionSecret = raw.INTROSPECTION_SECRET
   if (introspectionSecret !== undefined && introspectionSecret.length < MIN_SECRET_LENGTH) {
     throw new ConfigError(
       `INTROSPECTION_SECRET is shorter than ${MIN_SECRET_LENGTH} characters: use a long random value, such as the output of \`openssl rand -base64 32\``,
     )
   }
-  return { port, host, issuer, me, passwordHash, dataFile, codeTtlSeconds, accessTokenTtlSeconds, introspectionSecret }
+  const profile = {
+    name: raw.PROFILE_NAME,
+    url: parseProfileLink('PROFILE_URL', raw.PROFILE_URL ?? me),
+    photo: raw.PROFILE_PHOTO === undefined ? undefined : parseProfileLink('PROFILE_PHOTO', raw.PROFILE_PHOTO),
+    email: raw.PROFILE_EMAIL === undefined ? undefined : parseEmail(raw.PROFILE_EMAIL),
+  }
+  return { port, host, issuer, me, passwordHash, dataFile, codeTtlSeconds, accessTokenTtlSeconds, refreshTokenTtlSeconds, introspectionSecret, profile }
 }
 
 /** Merges variables and flags into one value per setting; empty values count as unset. */
@@ -281,6 +322,16 @@ function parseMe(value: string): string {
   return canonicalizeUrl(value)
 }
 
+function parseProfileLink(name: string, value: string): string {
+  if (!/^https?:\/\//i.test(value) || !URL.canParse(value)) throw new ConfigError(`${name} ${value} is not an http or https URL: use a full URL, as in https://example.com/photo.jpg`)
+  return new URL(value).href
+}
+
+function parseEmail(value: string): string {
+  if (!/^[^\s@]+@[^\s@]+$/.test(value)) throw new ConfigError(`PROFILE_EMAIL ${value} is not an email address: use one like me@example.com`)
+  return value
+}
+
 /** Start-up warnings for settings that work but are not right for real use. */
 export function configWarnings(config: Config): string[] {
   const warnings: string[] = []
@@ -305,6 +356,7 @@ const ERROR_STATUS: Record<string, number> = {
   invalid_grant: 400,
   invalid_scope: 400,
   invalid_token: 401,
+  insufficient_scope: 403,
   unsupported_grant_type: 400,
   unsupported_response_type: 400,
   access_denied: 403,
@@ -611,56 +663,63 @@ export function redirectUriProblem(redirectUri: string, clientId: string): strin
 }
 
 // --- Storage --------------------------------------------------------------------
-// A `Store` keeps pending requests, codes and tokens under the SHA-256 hashes of their ids.
-// This one keeps them in Maps. Every read checks expiry, and every write sweeps a few expired
-// entries, soonest first, so no request ever scans every entry. Pending requests and codes all
-// live equally long, so a Map's insertion order is already their order of expiry; tokens need
-// not, so their expiry times are kept in a heap.
-// To put SQLite or Redis behind Latch, implement `Store`: ten small methods.
+// A `Store` keeps pending requests, codes, grants and tokens under the SHA-256 hashes of their
+// ids. This one keeps them in Maps. Every read checks expiry, and every write sweeps a few
+// expired entries, soonest first, so no request ever scans every entry. Pending requests and
+// codes all live equally long, so a Map's insertion order is already their order of expiry;
+// grants and tokens need not, so their expiry times are kept in heaps.
+// To put SQLite or Redis behind Latch, implement `Store`: fifteen small methods.
 
-type Expiry = { at: number; key: string }
-
-/** A binary min-heap of expiry times: the next entry to expire is always on top. */
+/** A binary min-heap of (expiry time, key), kept in two flat arrays: the soonest is on top. */
 class ExpiryHeap {
-  #items: Expiry[] = []
+  #times: number[] = []
+  #keys: string[] = []
 
   get size(): number {
-    return this.#items.length
+    return this.#keys.length
   }
 
-  peek(): Expiry | undefined {
-    return this.#items[0]
+  /** The soonest expiry time, or Infinity when empty. */
+  peekTime(): number {
+    return this.#keys.length === 0 ? Infinity : this.#times[0]
   }
 
-  push(item: Expiry): void {
-    const items = this.#items
-    items.push(item)
-    let i = items.length - 1
+  push(time: number, key: string): void {
+    let i = this.#keys.length
     while (i > 0) {
       const parent = (i - 1) >> 1
-      if (items[parent].at <= item.at) break
-      items[i] = items[parent]
+      if (this.#times[parent] <= time) break
+      this.#move(parent, i)
       i = parent
     }
-    items[i] = item
+    this.#times[i] = time
+    this.#keys[i] = key
   }
 
-  pop(): Expiry | undefined {
-    const items = this.#items
-    const top = items[0]
-    const last = items.pop()
-    if (items.length === 0 || last === undefined) return top
+  /** Removes the soonest entry and returns its key. */
+  pop(): string | undefined {
+    const top = this.#keys[0]
+    const lastTime = this.#times.pop() ?? 0
+    const lastKey = this.#keys.pop() ?? ''
+    const size = this.#keys.length
+    if (size === 0) return top
     let i = 0
     while (true) {
       const left = 2 * i + 1
-      if (left >= items.length) break
-      const child = left + 1 < items.length && items[left + 1].at < items[left].at ? left + 1 : left
-      if (items[child].at >= last.at) break
-      items[i] = items[child]
+      if (left >= size) break
+      const child = left + 1 < size && this.#times[left + 1] < this.#times[left] ? left + 1 : left
+      if (this.#times[child] >= lastTime) break
+      this.#move(child, i)
       i = child
     }
-    items[i] = last
+    this.#times[i] = lastTime
+    this.#keys[i] = lastKey
     return top
+  }
+
+  #move(from: number, to: number): void {
+    this.#times[to] = this.#times[from]
+    this.#keys[to] = this.#keys[from]
   }
 }
 
@@ -677,9 +736,9 @@ const SWEEP_BATCH = 100
 export class MemoryStore implements Store {
   readonly pending = new Map<string, PendingRequest>()
   readonly codes = new Map<string, AuthorizationCode>()
-  readonly tokens = new Map<string, AccessToken>()
-  /** Code hash → hashes of the tokens issued from that code. */
-  readonly #tokensOfCode = new Map<string, Set<string>>()
+  readonly grants = new Map<string, Grant>()
+  readonly tokens = new Map<string, Token>()
+  readonly #grantExpiries = new ExpiryHeap()
   readonly #tokenExpiries = new ExpiryHeap()
   readonly #maxPendingRequests: number
   readonly #maxCodes: number
@@ -693,7 +752,7 @@ export class MemoryStore implements Store {
   }
 
   async savePending(id: string, request: PendingRequest, now: number): Promise<void> {
-    sweepOldest(this.pending, now)
+    sweepOldest(this.pending, now, SWEEP_BATCH)
     this.#makeRoom(this.pending, this.#maxPendingRequests, 'pending authorization requests')
     this.pending.set(id, request)
   }
@@ -709,7 +768,7 @@ export class MemoryStore implements Store {
   }
 
   async saveCode(hash: string, code: AuthorizationCode, now: number): Promise<void> {
-    sweepOldest(this.codes, now)
+    sweepOldest(this.codes, now, SWEEP_BATCH)
     this.#makeRoom(this.codes, this.#maxCodes, 'authorization codes')
     this.codes.set(hash, code)
   }
@@ -725,43 +784,54 @@ export class MemoryStore implements Store {
     return true
   }
 
-  async saveToken(hash: string, token: AccessToken, now: number): Promise<void> {
-    this.#sweepTokens(now)
-    this.tokens.set(hash, token)
-    const family = this.#tokensOfCode.get(token.codeHash)
-    if (family === undefined) this.#tokensOfCode.set(token.codeHash, new Set([hash]))
-    else family.add(hash)
-    this.#tokenExpiries.push({ at: token.expiresAt, key: hash })
+  async saveGrant(id: string, grant: Grant, now: number): Promise<void> {
+    sweepHeap(this.grants, this.#grantExpiries, now, SWEEP_BATCH)
+    this.grants.set(id, grant)
+    this.#grantExpiries.push(grant.expiresAt, id)
   }
 
-  async findToken(hash: string, now: number): Promise<AccessToken | undefined> {
+  async findGrant(id: string, now: number): Promise<Grant | undefined> {
+    return live(this.grants.get(id), now)
+  }
+
+  async listGrants(now: number): Promise<[string, Grant][]> {
+    return [...this.grants].filter(([, grant]) => grant.expiresAt > now)
+  }
+
+  async deleteGrant(id: string): Promise<void> {
+    this.grants.delete(id) // its tokens die with it: every lookup checks the grant, and the sweep removes them
+  }
+
+  async saveToken(hash: string, token: Token, now: number): Promise<void> {
+    sweepHeap(this.tokens, this.#tokenExpiries, now, SWEEP_BATCH)
+    this.tokens.set(hash, token)
+    this.#tokenExpiries.push(token.expiresAt, hash)
+  }
+
+  async findToken(hash: string, now: number): Promise<Token | undefined> {
     return live(this.tokens.get(hash), now)
   }
 
+  async takeToken(hash: string, now: number): Promise<boolean> {
+    const token = live(this.tokens.get(hash), now)
+    if (token === undefined || token.usedAt !== undefined) return false
+    token.usedAt = now
+    return true
+  }
+
   async deleteToken(hash: string): Promise<void> {
-    const token = this.tokens.get(hash)
-    if (token === undefined) return
     this.tokens.delete(hash)
-    const family = this.#tokensOfCode.get(token.codeHash)
-    family?.delete(hash)
-    if (family?.size === 0) this.#tokensOfCode.delete(token.codeHash)
   }
 
-  async deleteTokensOfCode(codeHash: string): Promise<void> {
-    for (const hash of this.#tokensOfCode.get(codeHash) ?? []) await this.deleteToken(hash)
+  /** Deletes up to `budget` expired entries of each kind; a timer may call it between requests. */
+  sweep(now: number, budget = 10_000): void {
+    sweepOldest(this.pending, now, budget)
+    sweepOldest(this.codes, now, budget)
+    sweepHeap(this.grants, this.#grantExpiries, now, budget)
+    sweepHeap(this.tokens, this.#tokenExpiries, now, budget)
   }
 
-  /** Deletes up to one batch of expired tokens, soonest first. */
-  #sweepTokens(now: number): void {
-    for (let i = 0; i < SWEEP_BATCH; i++) {
-      const next = this.#tokenExpiries.peek()
-      if (next === undefined || next.at > now) return
-      this.#tokenExpiries.pop()
-      if ((this.tokens.get(next.key)?.expiresAt ?? Infinity) <= now) void this.deleteToken(next.key)
-    }
-  }
-
-  /** Drops the oldest entries of a capped map so that one more fits. */
+  /** Drops the oldest entry of a capped map so that one more fits. */
   #makeRoom(map: Map<string, unknown>, max: number, what: string): void {
     if (map.size < max) return
     const oldest = map.keys().next().value
@@ -770,12 +840,20 @@ export class MemoryStore implements Store {
   }
 }
 
-/** Deletes up to one batch of expired entries from a map whose insertion order is its expiry order. */
-function sweepOldest(map: Map<string, { expiresAt: number }>, now: number): void {
+/** Deletes up to `budget` expired entries from a map whose insertion order is its expiry order. */
+function sweepOldest(map: Map<string, { expiresAt: number }>, now: number, budget: number): void {
   let swept = 0
   for (const [key, entry] of map) {
-    if (entry.expiresAt > now || swept++ === SWEEP_BATCH) return
+    if (entry.expiresAt > now || swept++ === budget) return
     map.delete(key)
+  }
+}
+
+/** Deletes up to `budget` expired entries from a map whose expiry times are in a heap. */
+function sweepHeap(map: Map<string, { expiresAt: number }>, heap: ExpiryHeap, now: number, budget: number): void {
+  for (let i = 0; i < budget && heap.peekTime() <= now; i++) {
+    const key = heap.pop() ?? ''
+    if ((map.get(key)?.expiresAt ?? Infinity) <= now) map.delete(key) // an entry saved again later has a later expiry
   }
 }
 
@@ -986,9 +1064,10 @@ export function buildMetadata(config: Config): Record<string, unknown> {
     introspection_endpoint_auth_methods_supported: config.introspectionSecret === undefined ? ['none'] : ['Bearer'],
     revocation_endpoint: endpointUrl(config, '/revoke'),
     revocation_endpoint_auth_methods_supported: ['none'],
+    userinfo_endpoint: endpointUrl(config, '/userinfo'),
     scopes_supported: SUPPORTED_SCOPES,
     response_types_supported: ['code'],
-    grant_types_supported: ['authorization_code'],
+    grant_types_supported: ['authorization_code', 'refresh_token'],
     code_challenge_methods_supported: ['S256'],
     authorization_response_iss_parameter_supported: true,
   }
@@ -1047,7 +1126,7 @@ function buildPendingRequest(query: Params, clientId: string, redirectUri: strin
     if (values.filter((value) => value !== '').length > 1) throw new OAuthError('invalid_request', `Parameter ${name} was sent more than once`)
   }
   const responseType = getParam(query, 'response_type') ?? 'code' // older clients omit it
-  if (responseType !== 'code') throw new OAuthError('unsupported_response_type', 'response_type must be code')
+  if (responseType !== 'code' && responseType !== 'id') throw new OAuthError('unsupported_response_type', 'response_type must be code')
   const codeChallenge = requireParam(query, 'code_challenge')
   if (!isCodeChallenge(codeChallenge)) throw new OAuthError('invalid_request', 'code_challenge must be 43 base64url characters')
   const method = getParam(query, 'code_challenge_method') ?? 'S256'
@@ -1057,7 +1136,7 @@ function buildPendingRequest(query: Params, clientId: string, redirectUri: strin
     redirect_uri: redirectUri,
     state: getParam(query, 'state'),
     code_challenge: codeChallenge,
-    scope: parseScope(getParam(query, 'scope')),
+    scope: responseType === 'id' ? [] : parseScope(getParam(query, 'scope')), // `id`: the profile-only request of older clients
     meHint: getParam(query, 'me'),
     csrfHash: '',
     expiresAt: ctx.now() + PENDING_TTL_SECONDS * 1000,
@@ -1238,22 +1317,19 @@ async function withPasswordSlot<T>(slots: PasswordSlots, check: () => Promise<T>
 // RFC 7636 §4.6     https://www.rfc-editor.org/rfc/rfc7636#section-4.6
 
 /**
- * Redeems a code for the owner's profile URL only: `{"me": "…"}`.
+ * Redeems a code for the owner's profile URL only: `{"me": "…"}`, with the profile information
+ * when the `profile` scope was granted.
  * @see https://indieauth.spec.indieweb.org/#profile-url-response IA §5.3.2
  */
 async function handleProfileRedemption(req: IncomingMessage, res: ServerResponse, ctx: Context): Promise<void> {
   const form = await readForm(req)
-  requireGrantType(form, { required: false })
-  const { code, codeHash } = await checkCode(form, { clientRequired: false }, ctx)
-  await consumeCode(codeHash, ctx)
-  sendJson(res, 200, { me: code.me })
-}
-
-function requireGrantType(form: Params, options: { required: boolean }): void {
-  const grantType = options.required ? requireParam(form, 'grant_type') : getParam(form, 'grant_type')
+  const grantType = getParam(form, 'grant_type')
   if (grantType !== undefined && grantType !== 'authorization_code') {
     throw new OAuthError('unsupported_grant_type', 'grant_type must be authorization_code')
   }
+  const { code, codeHash } = await checkCode(form, { clientRequired: false }, ctx)
+  await consumeCode(codeHash, ctx)
+  sendJson(res, 200, withProfile({ me: code.me }, code.scope, ctx.config.profile))
 }
 
 /**
@@ -1289,48 +1365,145 @@ function isSameClientId(sent: string, stored: string): boolean {
 }
 
 /**
- * Marks a checked code used. A code that was used before is a replay: every token issued from
- * it is revoked, because "the authorization server MUST deny the request and SHOULD revoke
- * (when possible) all tokens previously issued based on that authorization code".
+ * Marks a checked code used. A code that was used before is a replay: the grant made from it,
+ * and so every token issued from it, is revoked, because "the authorization server MUST deny
+ * the request and SHOULD revoke (when possible) all tokens previously issued based on that
+ * authorization code".
  * @see https://www.rfc-editor.org/rfc/rfc6749#section-4.1.2
  */
 async function consumeCode(codeHash: string, ctx: Context): Promise<void> {
   if (await ctx.store.takeCode(codeHash, ctx.now())) return
-  await ctx.store.deleteTokensOfCode(codeHash)
+  await ctx.store.deleteGrant(codeHash)
   throw new OAuthError('invalid_grant', 'The authorization code was already used, so the tokens issued from it are revoked')
+}
+
+/**
+ * Adds the owner's profile information to a response when the `profile` scope was granted.
+ * @see https://indieauth.spec.indieweb.org/#profile-information IA §5.3.4
+ */
+function withProfile<T extends object>(body: T, scope: string[], profile: Profile): T & { profile?: Record<string, string> } {
+  const info = buildProfile(scope, profile)
+  return info === undefined ? body : { ...body, profile: info }
+}
+
+/**
+ * The profile object for a scope: `name`, `url` and `photo` with `profile`, and `email` only
+ * when `email` was granted too; undefined without `profile`.
+ * @see https://indieauth.spec.indieweb.org/#profile-information IA §5.3.4
+ */
+export function buildProfile(scope: string[], profile: Profile): Record<string, string> | undefined {
+  if (!scope.includes('profile')) return undefined
+  const info: Record<string, string> = {}
+  if (profile.name !== undefined) info.name = profile.name
+  info.url = profile.url
+  if (profile.photo !== undefined) info.photo = profile.photo
+  if (profile.email !== undefined && scope.includes('email')) info.email = profile.email
+  return info
 }
 
 // --- Token endpoint -------------------------------------------------------------
 // IndieAuth §5.3.3  https://indieauth.spec.indieweb.org/#access-token-response
-// RFC 6749 §5.1     https://www.rfc-editor.org/rfc/rfc6749#section-5.1
+// IndieAuth §5.5    https://indieauth.spec.indieweb.org/#refresh-tokens
+// RFC 6749 §5.1, §6 https://www.rfc-editor.org/rfc/rfc6749#section-6
 
 /**
- * Exchanges a code for an access token.
+ * Exchanges a code, or a refresh token, for an access token and a new refresh token. Older
+ * clients also revoke here, with `action=revoke`.
  * @see https://indieauth.spec.indieweb.org/#access-token-response IA §5.3.3
- * @see https://www.rfc-editor.org/rfc/rfc6749#section-4.1.3
+ * @see https://indieauth.spec.indieweb.org/#refresh-tokens IA §5.5
  */
 async function handleTokenRequest(req: IncomingMessage, res: ServerResponse, ctx: Context): Promise<void> {
   const form = await readForm(req)
-  requireGrantType(form, { required: true })
+  if (getParam(form, 'action') !== undefined) return handleLegacyRevocation(form, res, ctx)
+  const grantType = requireParam(form, 'grant_type')
+  switch (grantType) {
+    case 'authorization_code':
+      return sendJson(res, 200, await exchangeCode(form, ctx))
+    case 'refresh_token':
+      return sendJson(res, 200, await refreshGrant(form, ctx))
+    default:
+      throw new OAuthError('unsupported_grant_type', 'grant_type must be authorization_code or refresh_token')
+  }
+}
+
+/** Redeems a code with scope: the owner's approval becomes a grant, with its first tokens. */
+async function exchangeCode(form: Params, ctx: Context) {
   const { code, codeHash } = await checkCode(form, { clientRequired: true }, ctx)
   if (code.scope.length === 0) {
     throw new OAuthError('invalid_grant', 'This code was issued without scope, so it only proves identity: redeem it at the authorization endpoint instead')
   }
   await consumeCode(codeHash, ctx)
-  sendJson(res, 200, await issueAccessToken(code, codeHash, ctx))
+  const grant = { client_id: code.client_id, me: code.me, scope: code.scope, approvedAt: code.issuedAt, lastUsedAt: 0, expiresAt: 0 }
+  return issueTokens(codeHash, grant, code.scope, ctx)
 }
 
-/** Issues an access token for a redeemed code and builds the token response. */
-async function issueAccessToken(code: AuthorizationCode, codeHash: string, ctx: Context) {
-  const token = createSecret()
+/**
+ * Rotates a refresh token: the old one stops working, and presenting it again revokes the
+ * whole grant, since one of the two presenters must have stolen it.
+ * @see https://www.rfc-editor.org/rfc/rfc6749#section-6
+ * @see https://www.rfc-editor.org/rfc/rfc9700#section-4.14.2 RFC 9700 §4.14.2
+ */
+async function refreshGrant(form: Params, ctx: Context) {
+  const hash = sha256(requireParam(form, 'refresh_token'))
+  const clientId = requireParam(form, 'client_id')
+  const found = await findLiveToken(hash, 'refresh', ctx)
+  if (found === undefined) throw new OAuthError('invalid_grant', 'The refresh token is unknown, expired or revoked')
+  if (!isSameClientId(clientId, found.grant.client_id)) {
+    throw new OAuthError('invalid_grant', 'client_id does not match the client the refresh token was issued to')
+  }
+  const scope = narrowScope(getParam(form, 'scope'), found.token.scope)
+  if (!(await ctx.store.takeToken(hash, ctx.now()))) {
+    await ctx.store.deleteGrant(found.token.grantId)
+    throw new OAuthError('invalid_grant', 'The refresh token was already used, so every token of its grant is revoked')
+  }
+  return issueTokens(found.token.grantId, found.grant, scope, ctx)
+}
+
+/** A refresh may ask for fewer scopes than were granted, never more (RFC 6749 §6). */
+function narrowScope(requested: string | undefined, granted: string[]): string[] {
+  if (requested === undefined) return granted
+  const scope = parseScope(requested)
+  if (scope.length === 0 || scope.some((one) => !granted.includes(one))) {
+    throw new OAuthError('invalid_scope', 'A refresh may narrow the granted scope, never widen it')
+  }
+  return scope
+}
+
+/**
+ * Issues an access token for `scope` and a refresh token for the whole grant, and saves the
+ * grant with its new expiry. The three writes are saved together.
+ */
+async function issueTokens(grantId: string, grant: Grant, scope: string[], ctx: Context) {
   const now = ctx.now()
-  const expiresInSeconds = ctx.config.accessTokenTtlSeconds
-  await ctx.store.saveToken(
-    sha256(token),
-    { me: code.me, client_id: code.client_id, scope: code.scope, issuedAt: now, expiresAt: now + expiresInSeconds * 1000, codeHash },
-    now,
-  )
-  return { access_token: token, token_type: 'Bearer', scope: code.scope.join(' '), me: code.me, expires_in: expiresInSeconds }
+  const { accessTokenTtlSeconds, refreshTokenTtlSeconds } = ctx.config
+  const accessToken = createSecret()
+  const refreshToken = createSecret()
+  const access: Token = { kind: 'access', grantId, scope, issuedAt: now, expiresAt: now + accessTokenTtlSeconds * 1000, usedAt: undefined }
+  const refresh: Token = { kind: 'refresh', grantId, scope: grant.scope, issuedAt: now, expiresAt: now + refreshTokenTtlSeconds * 1000, usedAt: undefined }
+  const expiresAt = Math.max(grant.expiresAt, access.expiresAt, refresh.expiresAt)
+  await Promise.all([
+    ctx.store.saveGrant(grantId, { ...grant, lastUsedAt: now, expiresAt }, now),
+    ctx.store.saveToken(sha256(accessToken), access, now),
+    ctx.store.saveToken(sha256(refreshToken), refresh, now),
+  ])
+  const body = {
+    access_token: accessToken,
+    token_type: 'Bearer',
+    scope: scope.join(' '),
+    me: grant.me,
+    expires_in: accessTokenTtlSeconds,
+    refresh_token: refreshToken,
+  }
+  return withProfile(body, scope, ctx.config.profile)
+}
+
+/** A live token of the given kind with its live grant, or undefined. */
+async function findLiveToken(hash: string, kind: Token['kind'], ctx: Context): Promise<{ token: Token; grant: Grant } | undefined> {
+  const now = ctx.now()
+  const token = await ctx.store.findToken(hash, now)
+  if (token === undefined || token.kind !== kind) return undefined
+  const grant = await ctx.store.findGrant(token.grantId, now)
+  return grant === undefined ? undefined : { token, grant }
 }
 
 // --- Introspection --------------------------------------------------------------
@@ -1338,21 +1511,22 @@ async function issueAccessToken(code: AuthorizationCode, codeHash: string, ctx: 
 // RFC 7662 §2    https://www.rfc-editor.org/rfc/rfc7662#section-2
 
 /**
- * Tells a resource server whether a token is live, and for whom. Anything that is not a live
- * token, malformed or unknown, gets exactly `{"active": false}`.
+ * Tells a resource server whether an access token is live, and for whom. Anything else, a
+ * refresh token, a malformed or an unknown token, gets exactly `{"active": false}`.
  * @see https://indieauth.spec.indieweb.org/#access-token-verification-response IA §6.2
  * @see https://www.rfc-editor.org/rfc/rfc7662#section-2.2
  */
 async function handleIntrospectionRequest(req: IncomingMessage, res: ServerResponse, ctx: Context): Promise<void> {
   requireIntrospectionCaller(req, ctx.config)
   const form = await readForm(req)
-  const token = await ctx.store.findToken(sha256(requireParam(form, 'token')), ctx.now())
-  if (token === undefined) return sendJson(res, 200, { active: false })
+  const found = await findLiveToken(sha256(requireParam(form, 'token')), 'access', ctx)
+  if (found === undefined) return sendJson(res, 200, { active: false })
+  const { token, grant } = found
   sendJson(res, 200, {
     active: true,
-    me: token.me,
+    me: grant.me,
     scope: token.scope.join(' '),
-    client_id: token.client_id,
+    client_id: grant.client_id,
     exp: Math.floor(token.expiresAt / 1000),
     iat: Math.floor(token.issuedAt / 1000),
   })
@@ -1385,21 +1559,100 @@ function requireIntrospectionCaller(req: IncomingMessage, config: Config): void 
  */
 async function handleRevocationRequest(req: IncomingMessage, res: ServerResponse, ctx: Context): Promise<void> {
   const form = await readForm(req)
-  await ctx.store.deleteToken(sha256(requireParam(form, 'token')))
+  await revokeToken(requireParam(form, 'token'), ctx)
   res.writeHead(200, NO_STORE)
   res.end()
 }
 
+/** The revocation that IndieAuth clients made before §7: `POST /token` with `action=revoke`. */
+async function handleLegacyRevocation(form: Params, res: ServerResponse, ctx: Context): Promise<void> {
+  if (getParam(form, 'action') !== 'revoke') throw new OAuthError('invalid_request', 'action must be revoke')
+  await revokeToken(requireParam(form, 'token'), ctx)
+  res.writeHead(200, NO_STORE)
+  res.end()
+}
+
+/**
+ * Revokes an access token alone, or a refresh token with its whole grant: "If the particular
+ * token is a refresh token [...] the authorization server SHOULD also invalidate all access
+ * tokens based on the same authorization grant".
+ * @see https://www.rfc-editor.org/rfc/rfc7009#section-2.1
+ */
+async function revokeToken(value: string, ctx: Context): Promise<void> {
+  const hash = sha256(value)
+  const token = await ctx.store.findToken(hash, ctx.now())
+  if (token?.kind === 'refresh') await ctx.store.deleteGrant(token.grantId)
+  await ctx.store.deleteToken(hash)
+}
+
+// --- Bearer endpoints -----------------------------------------------------------
+// IndieAuth §9   https://indieauth.spec.indieweb.org/#user-information
+// RFC 6750 §2, §3  https://www.rfc-editor.org/rfc/rfc6750#section-3
+
+/**
+ * Answers the profile information of the owner to a token with the `profile` scope.
+ * @see https://indieauth.spec.indieweb.org/#user-information IA §9
+ * @see https://www.rfc-editor.org/rfc/rfc6750#section-3.1
+ */
+async function handleUserinfoRequest(req: IncomingMessage, res: ServerResponse, ctx: Context): Promise<void> {
+  const form = req.method === 'POST' && req.headers['content-type'] !== undefined ? await readForm(req) : undefined
+  const { token } = await requireAccessToken(req, form, ctx)
+  if (!token.scope.includes('profile')) {
+    const challenge = `Bearer realm="${ctx.config.issuer}", error="insufficient_scope", scope="profile"`
+    throw new OAuthError('insufficient_scope', 'The access token was not granted the profile scope', { headers: { 'WWW-Authenticate': challenge } })
+  }
+  sendJson(res, 200, buildProfile(token.scope, ctx.config.profile))
+}
+
+/**
+ * The token verification of IndieAuth before §6, still used by Micropub servers: `GET /token`
+ * with `Authorization: Bearer` answers `{me, client_id, scope}`.
+ */
+async function handleTokenVerification(req: IncomingMessage, res: ServerResponse, ctx: Context): Promise<void> {
+  const { token, grant } = await requireAccessToken(req, undefined, ctx)
+  sendJson(res, 200, { me: grant.me, client_id: grant.client_id, scope: token.scope.join(' ') })
+}
+
+/**
+ * The live access token a request carries, in the `Authorization` header or an `access_token`
+ * form field, or 401 with a `WWW-Authenticate` challenge. Both may be sent if they agree.
+ * @see https://www.rfc-editor.org/rfc/rfc6750#section-2
+ */
+async function requireAccessToken(req: IncomingMessage, form: Params | undefined, ctx: Context) {
+  const realm = `Bearer realm="${ctx.config.issuer}"`
+  const header = /^Bearer +(\S+) *$/i.exec(req.headers.authorization ?? '')?.[1]
+  const field = form === undefined ? undefined : getParam(form, 'access_token')
+  if (header !== undefined && field !== undefined && header !== field) {
+    throw new OAuthError('invalid_request', 'The request carries two different access tokens')
+  }
+  const value = header ?? field
+  if (value === undefined) {
+    throw new OAuthError('invalid_token', 'Send an access token as Authorization: Bearer', { headers: { 'WWW-Authenticate': realm } })
+  }
+  const found = await findLiveToken(sha256(value), 'access', ctx)
+  if (found === undefined) {
+    throw new OAuthError('invalid_token', 'The access token is unknown, expired or revoked', { headers: { 'WWW-Authenticate': `${realm}, error="invalid_token"` } })
+  }
+  return found
+}
+
 // --- Home page ------------------------------------------------------------------
 
-/** Says what this server is, and shows the owner the `<link>` tags to paste into their site. */
+/**
+ * Says what this server is, and shows the owner the `<link>` tags to paste into their site:
+ * `indieauth-metadata`, and the two older relations that clients before 2022 look for. The same
+ * links go out as a `Link` header, so a `ME` that points at this server is discoverable too.
+ * @see https://indieauth.spec.indieweb.org/#discovery-by-clients IA §4.1
+ */
 async function handleHomePage(_req: IncomingMessage, res: ServerResponse, ctx: Context): Promise<void> {
   const { config } = ctx
-  const links = [
-    `<link rel="indieauth-metadata" href="${endpointUrl(config, '/.well-known/oauth-authorization-server')}">`,
-    `<link rel="authorization_endpoint" href="${endpointUrl(config, '/auth')}">`,
-    `<link rel="token_endpoint" href="${endpointUrl(config, '/token')}">`,
-  ].join('\n')
+  const relations: [string, string][] = [
+    ['indieauth-metadata', endpointUrl(config, '/.well-known/oauth-authorization-server')],
+    ['authorization_endpoint', endpointUrl(config, '/auth')],
+    ['token_endpoint', endpointUrl(config, '/token')],
+  ]
+  const links = relations.map(([rel, href]) => `<link rel="${rel}" href="${href}">`).join('\n')
+  const linkHeader = relations.map(([rel, href]) => `<${href}>; rel="${rel}"`).join(', ')
   sendPage(
     res,
     200,
@@ -1411,6 +1664,7 @@ async function handleHomePage(_req: IncomingMessage, res: ServerResponse, ctx: C
 <pre>${escapeHtml(links)}</pre>
 <p class="muted">Server metadata: <a href="${escapeHtml(endpointUrl(config, '/.well-known/oauth-authorization-server'))}">${escapeHtml(endpointUrl(config, '/.well-known/oauth-authorization-server'))}</a></p>`,
     ),
+    { Link: linkHeader },
   )
 }
 
@@ -1418,37 +1672,74 @@ async function handleHomePage(_req: IncomingMessage, res: ServerResponse, ctx: C
 
 type Handler = (req: IncomingMessage, res: ServerResponse, ctx: Context) => Promise<void>
 
-/** Handlers whose errors a person reads: rendered as pages, not JSON. */
-const PAGE_HANDLERS = new Set<Handler>([handleHomePage, handleAuthorizationRequest, handleConsent])
-
-/** Picks the handler for a method and path; unknown paths are 404, other methods 405. */
-function selectHandler(method: string, path: string): Handler {
+/** The handlers of a path by method, or undefined for a path Latch does not serve. */
+function routesOf(path: string): Partial<Record<string, Handler>> | undefined {
   switch (path) {
     case '/':
-      return byMethod(method, { GET: handleHomePage })
+      return { GET: handleHomePage }
     case '/.well-known/oauth-authorization-server':
-      return byMethod(method, { GET: handleMetadataRequest })
+      return { GET: handleMetadataRequest }
     case '/auth':
-      return byMethod(method, { GET: handleAuthorizationRequest, POST: handleProfileRedemption })
+      return { GET: handleAuthorizationRequest, POST: handleProfileRedemption }
     case '/auth/consent':
-      return byMethod(method, { POST: handleConsent })
+      return { POST: handleConsent }
     case '/token':
-      return byMethod(method, { POST: handleTokenRequest })
+      return { GET: handleTokenVerification, POST: handleTokenRequest }
     case '/introspect':
-      return byMethod(method, { POST: handleIntrospectionRequest })
+      return { POST: handleIntrospectionRequest }
     case '/revoke':
-      return byMethod(method, { POST: handleRevocationRequest })
+      return { POST: handleRevocationRequest }
+    case '/userinfo':
+      return { GET: handleUserinfoRequest, POST: handleUserinfoRequest }
     default:
-      return rejectUnknownPath
+      return undefined
   }
 }
 
-function byMethod(method: string, handlers: Partial<Record<string, Handler>>): Handler {
-  const handler = handlers[method]
-  if (handler !== undefined) return handler
-  const allow = Object.keys(handlers).join(', ')
-  return async () => {
+/** Handlers whose errors a person reads: rendered as pages, not JSON. */
+const PAGE_HANDLERS = new Set<Handler>([handleHomePage, handleAuthorizationRequest, handleConsent])
+
+/**
+ * Handlers that browser apps on any origin may call (RFC 9700 §2.6 allows CORS there). Never
+ * the authorization request or the consent form: those are for the owner's own browser.
+ */
+const CORS_HANDLERS = new Set<Handler>([
+  handleMetadataRequest,
+  handleProfileRedemption,
+  handleTokenVerification,
+  handleTokenRequest,
+  handleIntrospectionRequest,
+  handleRevocationRequest,
+  handleUserinfoRequest,
+])
+
+/** Picks the handler for a method and path: 404 for an unknown path, 405 for another method. */
+function selectRoute(method: string, path: string): { handler: Handler; cors: boolean } {
+  const routes = routesOf(path)
+  if (routes === undefined) return { handler: rejectUnknownPath, cors: false }
+  const handler = routes[method]
+  if (handler !== undefined) return { handler, cors: CORS_HANDLERS.has(handler) }
+  const corsMethods = Object.keys(routes).filter((name) => CORS_HANDLERS.has(routes[name] as Handler))
+  if (method === 'OPTIONS' && corsMethods.length > 0) return { handler: answerPreflight(corsMethods), cors: true }
+  const allow = Object.keys(routes).join(', ')
+  const rejectMethod = async () => {
     throw new OAuthError('method_not_allowed', `This endpoint accepts ${allow} only`, { headers: { Allow: allow } })
+  }
+  return { handler: rejectMethod, cors: false }
+}
+
+/**
+ * Answers a CORS preflight: any origin may send these methods with `Authorization`.
+ * @see https://fetch.spec.whatwg.org/#http-cors-protocol
+ */
+function answerPreflight(methods: string[]): Handler {
+  return async (_req, res) => {
+    res.writeHead(204, {
+      'Access-Control-Allow-Methods': methods.join(', '),
+      'Access-Control-Allow-Headers': 'Authorization, Content-Type',
+      'Access-Control-Max-Age': '86400',
+    })
+    res.end()
   }
 }
 
@@ -1473,7 +1764,8 @@ export function createHandler(options: HandlerOptions): (req: IncomingMessage, r
   return (req, res) => {
     const started = performance.now()
     const path = pathOf(req.url ?? '/')
-    const handler = selectHandler(req.method ?? 'GET', path)
+    const { handler, cors } = selectRoute(req.method ?? 'GET', path)
+    if (cors) res.setHeader('Access-Control-Allow-Origin', '*')
     res.on('close', () => log(`${req.method} ${describePath(path, handler)} ${res.statusCode} ${Math.round(performance.now() - started)}ms`))
     requireOwnHost(req, ctx.config)
       .then(() => handler(req, res, ctx))
