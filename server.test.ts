@@ -190,7 +190,7 @@ describe('Configuration', () => {
     assert.equal(config.issuer, 'http://127.0.0.1:3000')
     assert.equal(config.me, 'http://127.0.0.1:3000/')
     assert.equal(config.passwordHash, undefined)
-    assert.equal(config.dataFile, 'memory')
+    assert.equal(config.dataFile, 'latch-data.jsonl')
     assert.equal(config.codeTtlSeconds, 300)
     assert.equal(config.accessTokenTtlSeconds, 604800)
     assert.equal(config.introspectionSecret, undefined)
@@ -250,7 +250,6 @@ describe('Configuration', () => {
     ['a password hash Latch did not make', { PASSWORD_HASH: 'hunter2' }, [], /PASSWORD_HASH.*hash-password/],
     ['a non-loopback host without a password', { HOST: '0.0.0.0' }, [], /PASSWORD_HASH.*hash-password/],
     ['a short introspection secret', { INTROSPECTION_SECRET: 'short' }, [], /INTROSPECTION_SECRET/],
-    ['a data file while only memory exists', { DATA_FILE: 'latch.jsonl' }, [], /DATA_FILE/],
     ['an unknown flag', {}, ['--colour', 'blue'], /--colour/],
     ['a profile photo that is not a URL', { PROFILE_PHOTO: 'me.jpg' }, [], /PROFILE_PHOTO/],
     ['a profile email that is not an address', { PROFILE_EMAIL: 'me' }, [], /PROFILE_EMAIL/],
@@ -1190,7 +1189,7 @@ describe('Profile information (IndieAuth §5.3.4) and GET /userinfo', () => {
     const { access_token } = await tokenFor(['profile'])
     const response = await userinfo({ Authorization: `Bearer ${access_token}` })
     assert.equal(response.status, 200)
-    assert.deepEqual(await response.json(), { name: 'Ada Lovelace', url: 'https://example.com/', photo: 'https://example.com/ada.jpg' })
+    assert.deepEqual(await response.json(), { sub: 'https://example.com/', name: 'Ada Lovelace', url: 'https://example.com/', photo: 'https://example.com/ada.jpg' })
   })
 
   it('answers 401 with a Bearer challenge and no error code when no token is sent', async () => {
@@ -1398,7 +1397,7 @@ describe('The command line', () => {
     })
 
   it('prints the start-up block and stops cleanly on SIGTERM', async () => {
-    const result = await run([], { PORT: '0' })
+    const result = await run([], { PORT: '0', DATA_FILE: 'memory' })
     assert.match(result.stdout, /Latch is listening on http:\/\/127\.0\.0\.1:\d+/)
     assert.match(result.stdout, /issuer {4}http:\/\/127\.0\.0\.1:\d+/)
     assert.match(result.stdout, /password {2}not set/)

@@ -34,6 +34,9 @@ import { createServer } from 'node:http'
 import type { IncomingMessage, ServerResponse } from 'node:http'
 import { createHash, randomBytes, scrypt, timingSafeEqual } from 'node:crypto'
 import { realpathSync } from 'node:fs'
+import { mkdir, open, readFile, rename, rm, truncate } from 'node:fs/promises'
+import type { FileHandle } from 'node:fs/promises'
+import { dirname } from 'node:path'
 import { fileURLToPath } from 'node:url'
 
 // --- Types ----------------------------------------------------------------------
@@ -51,7 +54,7 @@ export type Config = {
   me: string
   /** scrypt hash of the owner's password, or undefined when consent needs no password. */
   passwordHash: string | undefined
-  /** Where codes and tokens live: `memory` only, until the durable store lands. */
+  /** The journal file codes, grants and tokens survive restarts in, or `memory`. */
   dataFile: string
   codeTtlSeconds: number
   accessTokenTtlSeconds: number
@@ -185,7 +188,7 @@ export const SETTINGS = [
   { name: 'ISSUER', default: 'http://HOST:PORT', help: 'Public base URL; every endpoint URL is built from it.' },
   { name: 'ME', default: 'ISSUER + /', help: "The owner's profile URL." },
   { name: 'PASSWORD_HASH', default: 'unset', help: 'Owner password hash from `npx tsx server.ts hash-password`. Unset: no password, loopback only.' },
-  { name: 'DATA_FILE', default: 'memory', help: 'Where codes and tokens live; only `memory` for now.' },
+  { name: 'DATA_FILE', default: 'latch-data.jsonl', help: 'File where codes, grants and tokens survive restarts; `memory` keeps them in memory only.' },
   { name: 'CODE_TTL', default: '300', help: 'Authorization code lifetime (90s, 10m, 12h, 7d; at most 600).' },
   { name: 'ACCESS_TOKEN_TTL', default: '604800', help: 'Access token lifetime (7 days).' },
   { name: 'REFRESH_TOKEN_TTL', default: '2592000', help: 'A refresh token expires after this long without use (30 days).' },
@@ -232,10 +235,7 @@ export function loadConfig(
         'create a hash with `npx tsx server.ts hash-password` and set PASSWORD_HASH, or bind HOST=127.0.0.1',
     )
   }
-  const dataFile = raw.DATA_FILE ?? 'memory'
-  if (dataFile !== 'memory') {
-    throw new ConfigError('DATA_FILE can only be `memory` in this version: remove it, or set DATA_FILE=memory')
-  }
+  const dataFile = raw.DATA_FILE ?? 'latch-data.jsonl'
   const codeTtlSeconds = parseDuration('CODE_TTL', raw.CODE_TTL ?? '300')
   if (codeTtlSeconds > MAX_CODE_TTL_SECONDS) {
     throw new ConfigError('CODE_TTL is longer than the 10 minutes IndieAuth allows: use 600 or less')
@@ -769,7 +769,7 @@ export class MemoryStore implements Store {
 
   async saveCode(hash: string, code: AuthorizationCode, now: number): Promise<void> {
     sweepOldest(this.codes, now, SWEEP_BATCH)
-    this.#makeRoom(this.codes, this.#maxCodes, 'authorization codes')
+    if (!this.codes.has(hash)) this.#makeRoom(this.codes, this.#maxCodes, 'authorization codes')
     this.codes.set(hash, code)
   }
 
@@ -859,6 +859,350 @@ function sweepHeap(map: Map<string, { expiresAt: number }>, heap: ExpiryHeap, no
 
 function live<T extends { expiresAt: number }>(entry: T | undefined, now: number): T | undefined {
   return entry !== undefined && entry.expiresAt > now ? entry : undefined
+}
+
+// --- Durable storage ------------------------------------------------------------
+// `DATA_FILE` is an append-only journal: one JSON line per change to a code, grant or token,
+// replayed into a `MemoryStore` at start-up. A line sets or deletes one entry, so replaying a
+// line twice changes nothing; that is what lets compaction run while writes go on. A change is
+// on disk (fsync'd) before the response that depends on it is sent, and the changes made in
+// one turn of the event loop share one fsync. Pending authorization requests are not kept:
+// they live ten minutes, and a person who meets a restart simply starts again.
+
+type JournalRecord =
+  | { set: 'code'; key: string; value: AuthorizationCode }
+  | { set: 'grant'; key: string; value: Grant }
+  | { set: 'token'; key: string; value: Token }
+  | { delete: 'grant' | 'token'; key: string }
+
+/** An append-only file with group commit: `append` resolves once its line is fsync'd. */
+class Journal {
+  readonly path: string
+  /** Lines in the file, as a measure of how far it has grown past the live data. */
+  lines: number
+  #file: FileHandle
+  #queue: string[] = []
+  #waiters: { resolve: () => void; reject: (err: unknown) => void }[] = []
+  #scheduled = false
+  #running: Promise<void> | undefined
+  /** While compacting: every line appended since it began, for the new file. */
+  #sinceSnapshot: string[] | undefined
+  #closed = false
+  readonly #log: (line: string) => void
+
+  constructor(path: string, file: FileHandle, lines: number, log: (line: string) => void) {
+    this.path = path
+    this.#file = file
+    this.lines = lines
+    this.#log = log
+  }
+
+  append(record: JournalRecord): Promise<void> {
+    const line = `${JSON.stringify(record)}\n`
+    this.#sinceSnapshot?.push(line)
+    this.#queue.push(line)
+    if (!this.#scheduled) {
+      this.#scheduled = true
+      setImmediate(() => {
+        this.#scheduled = false
+        this.#kick()
+      })
+    }
+    return new Promise((resolve, reject) => this.#waiters.push({ resolve, reject }))
+  }
+
+  /** Writes and fsyncs everything queued, unless a write or a compaction holds the file. */
+  #kick(): void {
+    if (this.#running !== undefined || this.#queue.length === 0) return
+    const lines = this.#queue
+    const waiters = this.#waiters
+    this.#queue = []
+    this.#waiters = []
+    this.#running = this.#writeLines(lines).then(
+      () => waiters.forEach((waiter) => waiter.resolve()),
+      (err: unknown) => {
+        this.#log(`journal: writing ${this.path} failed, so ${lines.length} changes were not stored: ${String(err)}`)
+        waiters.forEach((waiter) => waiter.reject(err))
+      },
+    )
+    void this.#running.finally(() => {
+      this.#running = undefined
+      this.#kick()
+    })
+  }
+
+  async #writeLines(lines: string[]): Promise<void> {
+    await this.#file.write(lines.join(''))
+    await this.#file.datasync()
+    this.lines += lines.length
+  }
+
+  /**
+   * Rewrites the file as a snapshot of `live` plus what was appended meanwhile: a temporary
+   * file, fsync, rename over, fsync the directory. The snapshot is written in slices, so
+   * requests go on being served; none of their writes is lost.
+   */
+  async compact(live: () => Iterable<JournalRecord>): Promise<void> {
+    this.#sinceSnapshot = []
+    const temporary = `${this.path}.compacting`
+    const out = await open(temporary, 'w', 0o600)
+    try {
+      let slice: string[] = []
+      let lines = 0
+      for (const record of live()) {
+        slice.push(`${JSON.stringify(record)}\n`)
+        if (slice.length === 2_000) {
+          await out.write(slice.join(''))
+          lines += slice.length
+          slice = []
+          await new Promise((resolve) => setImmediate(resolve))
+        }
+      }
+      await this.#exclusive(async () => {
+        if (this.#closed) throw new Error('the journal was closed while compacting')
+        const meanwhile = this.#sinceSnapshot ?? []
+        await out.write(slice.join('') + meanwhile.join(''))
+        await out.datasync()
+        await out.close()
+        await rename(temporary, this.path)
+        await syncDirectory(dirname(this.path))
+        await this.#file.close()
+        this.#file = await open(this.path, 'a', 0o600)
+        this.lines = lines + slice.length + meanwhile.length
+      })
+    } catch (err) {
+      await out.close().catch(() => {})
+      await rm(temporary, { force: true })
+      throw err
+    } finally {
+      this.#sinceSnapshot = undefined
+    }
+  }
+
+  /** Waits for the writes under way, then flushes the rest and closes the file. */
+  async close(): Promise<void> {
+    await this.#exclusive(async () => {
+      this.#closed = true
+      if (this.#queue.length > 0) {
+        const lines = this.#queue
+        this.#queue = []
+        await this.#writeLines(lines)
+        this.#waiters.splice(0).forEach((waiter) => waiter.resolve())
+      }
+      await this.#file.close()
+    })
+  }
+
+  /** Runs `task` while nothing else writes to the file. */
+  async #exclusive(task: () => Promise<void>): Promise<void> {
+    while (this.#running !== undefined) await this.#running.catch(() => {})
+    this.#running = task()
+    try {
+      await this.#running
+    } finally {
+      this.#running = undefined
+      this.#kick()
+    }
+  }
+}
+
+async function syncDirectory(path: string): Promise<void> {
+  const directory = await open(path, 'r')
+  try {
+    await directory.sync()
+  } finally {
+    await directory.close()
+  }
+}
+
+/** Options of the file store. */
+export type FileStoreOptions = MemoryStoreOptions & {
+  /** The clock used while replaying and compacting; defaults to `Date.now`. */
+  now?: () => number
+}
+
+/**
+ * The durable `Store`: a `MemoryStore` that serves every read, behind a journal that every
+ * change is written to before it is acknowledged. Open it with `FileStore.open(path)`.
+ */
+export class FileStore implements Store {
+  readonly memory: MemoryStore
+  /** The compaction under way, if any. */
+  compaction: Promise<void> | undefined
+  readonly #journal: Journal
+  readonly #now: () => number
+  readonly #log: (line: string) => void
+
+  private constructor(memory: MemoryStore, journal: Journal, options: FileStoreOptions) {
+    this.memory = memory
+    this.#journal = journal
+    this.#now = options.now ?? Date.now
+    this.#log = options.log ?? console.log
+  }
+
+  /**
+   * Opens (or creates, with mode 0600) a data file and replays it. A torn last line, left by a
+   * crash mid-write, is dropped with a warning; any other unreadable line stops with its number.
+   */
+  static async open(path: string, options: FileStoreOptions = {}): Promise<FileStore> {
+    const log = options.log ?? console.log
+    const memory = new MemoryStore(options)
+    await mkdir(dirname(path), { recursive: true, mode: 0o700 })
+    const text = await readFile(path, 'utf8').catch((err: NodeJS.ErrnoException) => (err.code === 'ENOENT' ? '' : Promise.reject(err)))
+    const lines = text.split('\n')
+    const torn = lines.pop() ?? '' // the text after the last newline: empty unless a write was cut short
+    let kept = text.length - torn.length
+    const now = (options.now ?? Date.now)()
+    for (let i = 0; i < lines.length; i++) {
+      const record = parseJournalLine(lines[i])
+      if (record === undefined && i === lines.length - 1 && torn === '') {
+        kept -= lines[i].length + 1 // an unreadable last line is torn too
+        log(`warning: ${path} line ${i + 1} is incomplete, as a crash mid-write leaves it; dropping it`)
+      } else if (record === undefined) {
+        throw new ConfigError(`${path} line ${i + 1} is not a Latch journal record: restore the file from a backup, or move it away to start empty`)
+      } else {
+        await applyRecord(memory, record, now)
+      }
+    }
+    if (torn !== '') log(`warning: ${path} ends with an incomplete line, as a crash mid-write leaves it; dropping it`)
+    if (kept < text.length) await truncate(path, Buffer.byteLength(text.slice(0, kept)))
+    const file = await open(path, 'a', 0o600)
+    await syncDirectory(dirname(path))
+    return new FileStore(memory, new Journal(path, file, lines.length, log), options)
+  }
+
+  savePending(id: string, request: PendingRequest, now: number): Promise<void> {
+    return this.memory.savePending(id, request, now)
+  }
+
+  findPending(id: string, now: number): Promise<PendingRequest | undefined> {
+    return this.memory.findPending(id, now)
+  }
+
+  takePending(id: string, now: number): Promise<PendingRequest | undefined> {
+    return this.memory.takePending(id, now)
+  }
+
+  async saveCode(hash: string, code: AuthorizationCode, now: number): Promise<void> {
+    await this.memory.saveCode(hash, code, now)
+    await this.#append({ set: 'code', key: hash, value: code })
+  }
+
+  findCode(hash: string, now: number): Promise<AuthorizationCode | undefined> {
+    return this.memory.findCode(hash, now)
+  }
+
+  async takeCode(hash: string, now: number): Promise<boolean> {
+    if (!(await this.memory.takeCode(hash, now))) return false
+    const code = this.memory.codes.get(hash)
+    if (code !== undefined) await this.#append({ set: 'code', key: hash, value: code })
+    return true
+  }
+
+  async saveGrant(id: string, grant: Grant, now: number): Promise<void> {
+    await this.memory.saveGrant(id, grant, now)
+    await this.#append({ set: 'grant', key: id, value: grant })
+  }
+
+  findGrant(id: string, now: number): Promise<Grant | undefined> {
+    return this.memory.findGrant(id, now)
+  }
+
+  listGrants(now: number): Promise<[string, Grant][]> {
+    return this.memory.listGrants(now)
+  }
+
+  async deleteGrant(id: string): Promise<void> {
+    await this.memory.deleteGrant(id)
+    await this.#append({ delete: 'grant', key: id })
+  }
+
+  async saveToken(hash: string, token: Token, now: number): Promise<void> {
+    await this.memory.saveToken(hash, token, now)
+    await this.#append({ set: 'token', key: hash, value: token })
+  }
+
+  findToken(hash: string, now: number): Promise<Token | undefined> {
+    return this.memory.findToken(hash, now)
+  }
+
+  async takeToken(hash: string, now: number): Promise<boolean> {
+    if (!(await this.memory.takeToken(hash, now))) return false
+    const token = this.memory.tokens.get(hash)
+    if (token !== undefined) await this.#append({ set: 'token', key: hash, value: token })
+    return true
+  }
+
+  async deleteToken(hash: string): Promise<void> {
+    await this.memory.deleteToken(hash)
+    await this.#append({ delete: 'token', key: hash })
+  }
+
+  sweep(now: number, budget?: number): void {
+    this.memory.sweep(now, budget)
+  }
+
+  /** Lets a compaction under way finish, flushes what is queued and closes the file. */
+  async close(): Promise<void> {
+    await this.compaction
+    await this.#journal.close()
+  }
+
+  /** Appends a change, then compacts once the file holds far more lines than live entries. */
+  async #append(record: JournalRecord): Promise<void> {
+    await this.#journal.append(record)
+    const live = this.memory.codes.size + this.memory.grants.size + this.memory.tokens.size
+    if (this.compaction === undefined && this.#journal.lines > Math.max(COMPACT_MIN_LINES, COMPACT_FACTOR * live)) {
+      this.compaction = this.#journal
+        .compact(() => this.#liveRecords())
+        .catch((err: unknown) => this.#log(`journal: compacting ${this.#journal.path} failed: ${String(err)}`))
+        .finally(() => (this.compaction = undefined))
+    }
+  }
+
+  /** One record per unexpired entry: the snapshot a compaction writes. */
+  *#liveRecords(): Iterable<JournalRecord> {
+    const now = this.#now()
+    for (const [key, value] of this.memory.codes) if (value.expiresAt > now) yield { set: 'code', key, value }
+    for (const [key, value] of this.memory.grants) if (value.expiresAt > now) yield { set: 'grant', key, value }
+    for (const [key, value] of this.memory.tokens) if (value.expiresAt > now) yield { set: 'token', key, value }
+  }
+}
+
+const COMPACT_MIN_LINES = 10_000
+const COMPACT_FACTOR = 4
+
+/** Reads one journal line, or undefined when it is not a record Latch wrote. */
+function parseJournalLine(line: string): JournalRecord | undefined {
+  let record: unknown
+  try {
+    record = JSON.parse(line)
+  } catch {
+    return undefined
+  }
+  if (typeof record !== 'object' || record === null || typeof (record as { key?: unknown }).key !== 'string') return undefined
+  const { set, value } = record as { set?: unknown; value?: unknown; delete?: unknown }
+  const deleted = (record as { delete?: unknown }).delete
+  if ((set === 'code' || set === 'grant' || set === 'token') && typeof value === 'object' && value !== null) return record as JournalRecord
+  if (deleted === 'grant' || deleted === 'token') return record as JournalRecord
+  return undefined
+}
+
+async function applyRecord(memory: MemoryStore, record: JournalRecord, now: number): Promise<void> {
+  if ('delete' in record) {
+    if (record.delete === 'grant') await memory.deleteGrant(record.key)
+    else await memory.deleteToken(record.key)
+    return
+  }
+  if (record.value.expiresAt <= now) return
+  if (record.set === 'code') await memory.saveCode(record.key, record.value, now)
+  else if (record.set === 'grant') await memory.saveGrant(record.key, record.value, now)
+  else await memory.saveToken(record.key, record.value, now)
+}
+
+/** The store a configuration asks for: in memory, or a journal at `DATA_FILE`. */
+export async function openStore(config: Config, options: FileStoreOptions = {}): Promise<MemoryStore | FileStore> {
+  return config.dataFile === 'memory' ? new MemoryStore(options) : FileStore.open(config.dataFile, options)
 }
 
 // --- HTTP plumbing --------------------------------------------------------------
@@ -1590,18 +1934,19 @@ async function revokeToken(value: string, ctx: Context): Promise<void> {
 // RFC 6750 §2, §3  https://www.rfc-editor.org/rfc/rfc6750#section-3
 
 /**
- * Answers the profile information of the owner to a token with the `profile` scope.
+ * Answers the profile information of the owner to a token with the `profile` scope, with the
+ * owner's `me` as `sub`, which IndieAuth does not ask for but OpenID Connect libraries require.
  * @see https://indieauth.spec.indieweb.org/#user-information IA §9
  * @see https://www.rfc-editor.org/rfc/rfc6750#section-3.1
  */
 async function handleUserinfoRequest(req: IncomingMessage, res: ServerResponse, ctx: Context): Promise<void> {
   const form = req.method === 'POST' && req.headers['content-type'] !== undefined ? await readForm(req) : undefined
-  const { token } = await requireAccessToken(req, form, ctx)
+  const { token, grant } = await requireAccessToken(req, form, ctx)
   if (!token.scope.includes('profile')) {
     const challenge = `Bearer realm="${ctx.config.issuer}", error="insufficient_scope", scope="profile"`
     throw new OAuthError('insufficient_scope', 'The access token was not granted the profile scope', { headers: { 'WWW-Authenticate': challenge } })
   }
-  sendJson(res, 200, buildProfile(token.scope, ctx.config.profile))
+  sendJson(res, 200, { sub: grant.me, ...buildProfile(token.scope, ctx.config.profile) }) // `sub`: what OpenID Connect libraries require
 }
 
 /**
@@ -1870,7 +2215,12 @@ async function runHashPassword(): Promise<void> {
 }
 
 /** Prints what the server is doing, once, at start-up. */
-function printStartup(config: Config, listeningUrl: string): void {
+function printStartup(config: Config, listeningUrl: string, store: MemoryStore | FileStore): void {
+  const memory = store instanceof FileStore ? store.memory : store
+  const now = Date.now()
+  const count = (map: Map<string, { expiresAt: number }>) => [...map.values()].filter((entry) => entry.expiresAt > now).length
+  const loaded = `${count(memory.codes)} live codes, ${count(memory.tokens)} live tokens and ${count(memory.grants)} grants loaded`
+  const data = config.dataFile === 'memory' ? 'in memory only: codes and tokens are lost when the server stops' : `${config.dataFile}: ${loaded}`
   for (const warning of configWarnings(config)) console.log(`warning: ${warning}`)
   console.log(
     [
@@ -1878,7 +2228,7 @@ function printStartup(config: Config, listeningUrl: string): void {
       `  issuer    ${config.issuer}`,
       `  me        ${config.me}`,
       `  password  ${config.passwordHash === undefined ? 'not set: anyone who can reach this loopback address can approve sign-ins' : 'set'}`,
-      `  data      in memory only: codes and tokens are lost when the server stops`,
+      `  data      ${data}`,
       `  metadata  ${config.issuer}/.well-known/oauth-authorization-server`,
     ].join('\n'),
   )
@@ -1889,6 +2239,7 @@ async function main(argv: string[], env: Record<string, string | undefined>): Pr
   if (argv[0] === 'hash-password') return runHashPassword()
   if (argv.includes('--help') || argv.includes('-h')) return void console.log(buildHelp())
   let config = loadConfig(env, argv)
+  const store = await openStore(config)
   const server = createServer()
   server.headersTimeout = 10_000 // slow clients cannot hold a connection open for long
   server.requestTimeout = 30_000
@@ -1904,16 +2255,20 @@ async function main(argv: string[], env: Record<string, string | undefined>): Pr
   const address = server.address()
   const port = typeof address === 'object' && address !== null ? address.port : config.port
   if (config.port === 0) config = loadConfig(env, argv, { boundPort: port })
-  server.on('request', createHandler({ config }))
+  server.on('request', createHandler({ config, store }))
+  setInterval(() => store.sweep(Date.now()), 1_000).unref() // expired entries go even while no one writes
   for (const signal of ['SIGINT', 'SIGTERM'] as const) {
     process.once(signal, () => {
       console.log(`${signal}: finishing requests in flight, then stopping`)
-      server.close(() => process.exit(0))
+      server.close(async () => {
+        if (store instanceof FileStore) await store.close()
+        process.exit(0)
+      })
       server.closeIdleConnections()
       setTimeout(() => server.closeAllConnections(), 5_000).unref()
     })
   }
-  printStartup(config, `http://${hostForUrl(config.host)}:${port}`) // last: a supervisor may signal as soon as it reads this
+  printStartup(config, `http://${hostForUrl(config.host)}:${port}`, store) // last: a supervisor may signal as soon as it reads this
 }
 
 function isMainModule(): boolean {

@@ -1,0 +1,279 @@
+// The durable store: what a restart, a crash and a failing disk do to codes, grants and tokens.
+// In-process tests drive a FileStore through the real handler with an injected clock; the crash
+// test runs the server as a child process and SIGKILLs it in the middle of concurrent flows.
+
+import { after, before, describe, it } from 'node:test'
+import assert from 'node:assert/strict'
+import { spawn } from 'node:child_process'
+import type { ChildProcessWithoutNullStreams } from 'node:child_process'
+import { mkdtemp, readFile, rm, stat, writeFile } from 'node:fs/promises'
+import { createServer } from 'node:http'
+import type { AddressInfo } from 'node:net'
+import { tmpdir } from 'node:os'
+import { join } from 'node:path'
+import { ConfigError, FileStore, createHandler, loadConfig } from '../server.ts'
+import type { Token } from '../server.ts'
+
+const VERIFIER = 'dBjftJeZ4CVP-mB92K27uhbUJU1p1r_wW1gFWFOEjXk'
+const CHALLENGE = 'E9Melhoa2OwvFrEMTJguCHaoeK1t8URWbuGJSstw-cM'
+const CLIENT_ID = 'http://127.0.0.1:8080/'
+const REDIRECT_URI = 'http://127.0.0.1:8080/callback'
+const START = Date.UTC(2027, 0, 1)
+
+let directory: string
+before(async () => (directory = await mkdtemp(join(tmpdir(), 'latch-durability-'))))
+after(() => rm(directory, { recursive: true, force: true }))
+
+// --- A client that walks the flow against any base URL ---------------------------------
+
+function form(fields: Record<string, string>): string {
+  return new URLSearchParams(fields).toString()
+}
+
+function post(url: string, body: string): Promise<Response> {
+  return fetch(url, { method: 'POST', redirect: 'manual', headers: { 'Content-Type': 'application/x-www-form-urlencoded' }, body })
+}
+
+async function obtainCode(base: string): Promise<string> {
+  const query = form({ client_id: CLIENT_ID, redirect_uri: REDIRECT_URI, state: 's', code_challenge: CHALLENGE, scope: 'create' })
+  const page = await fetch(`${base}/auth?${query}`, { redirect: 'manual' })
+  const html = await page.text()
+  const request = /name="request" value="([^"]+)"/.exec(html)?.[1] ?? ''
+  const csrf = /name="csrf" value="([^"]+)"/.exec(html)?.[1] ?? ''
+  const approved = await fetch(`${base}/auth/consent`, {
+    method: 'POST',
+    redirect: 'manual',
+    headers: { 'Content-Type': 'application/x-www-form-urlencoded', Cookie: `latch_csrf=${csrf}` },
+    body: form({ request, csrf, scope: 'create', decision: 'approve' }),
+  })
+  return new URL(approved.headers.get('location') ?? '').searchParams.get('code') ?? ''
+}
+
+function exchange(base: string, code: string): Promise<Response> {
+  return post(`${base}/token`, form({ grant_type: 'authorization_code', code, client_id: CLIENT_ID, redirect_uri: REDIRECT_URI, code_verifier: VERIFIER }))
+}
+
+async function obtainTokens(base: string): Promise<{ access_token: string; refresh_token: string }> {
+  const response = await exchange(base, await obtainCode(base))
+  assert.equal(response.status, 200)
+  return (await response.json()) as { access_token: string; refresh_token: string }
+}
+
+async function isActive(base: string, token: string): Promise<boolean> {
+  const response = await post(`${base}/introspect`, form({ token }))
+  return ((await response.json()) as { active: boolean }).active
+}
+
+// --- In process ----------------------------------------------------------------------------
+
+type Running = { base: string; store: FileStore; logs: string[]; advance: (seconds: number) => void; stop: () => Promise<void> }
+
+let time = START
+
+/** Opens the data file and serves it on port 0, on a clock shared by every restart. */
+async function startOn(file: string): Promise<Running> {
+  const logs: string[] = []
+  const store = await FileStore.open(file, { now: () => time, log: (line) => logs.push(line) })
+  const server = createServer()
+  await new Promise<void>((resolve) => server.listen(0, '127.0.0.1', resolve))
+  const config = loadConfig({ PORT: '0', DATA_FILE: file }, [], { boundPort: (server.address() as AddressInfo).port })
+  server.on('request', createHandler({ config, store, now: () => time, log: (line) => logs.push(line) }))
+  return {
+    base: config.issuer,
+    store,
+    logs,
+    advance: (seconds) => {
+      time += seconds * 1000
+    },
+    stop: async () => {
+      server.closeAllConnections()
+      await new Promise((resolve) => server.close(resolve))
+      await store.close()
+    },
+  }
+}
+
+describe('DATA_FILE: restarts', () => {
+  it('keeps live tokens active, revoked ones revoked, used codes used and expired ones expired', async () => {
+    const file = join(directory, 'restart', 'data.jsonl')
+    const first = await startOn(file)
+    const kept = await obtainTokens(first.base)
+    const revoked = await obtainTokens(first.base)
+    await post(`${first.base}/revoke`, form({ token: revoked.access_token }))
+    const usedCode = await obtainCode(first.base)
+    assert.equal((await exchange(first.base, usedCode)).status, 200)
+    const shortLived = await obtainTokens(first.base)
+    const unusedCode = await obtainCode(first.base)
+    await first.stop()
+
+    const second = await startOn(file)
+    assert.equal(await isActive(second.base, kept.access_token), true)
+    assert.equal(await isActive(second.base, revoked.access_token), false)
+    assert.equal((await exchange(second.base, usedCode)).status, 400)
+    assert.equal((await exchange(second.base, unusedCode)).status, 200)
+    const refreshed = await post(`${second.base}/token`, form({ grant_type: 'refresh_token', refresh_token: kept.refresh_token, client_id: CLIENT_ID }))
+    assert.equal(refreshed.status, 200)
+    second.advance(7 * 86400)
+    await second.stop()
+
+    const third = await startOn(file)
+    assert.equal(await isActive(third.base, shortLived.access_token), false) // expired while the server was down
+    const reused = await post(`${third.base}/token`, form({ grant_type: 'refresh_token', refresh_token: kept.refresh_token, client_id: CLIENT_ID }))
+    assert.equal(reused.status, 400) // rotated before the restart, so still rotated after it
+    await third.stop()
+  })
+
+  it('creates the file with mode 0600 and never writes a raw code or token to it', async () => {
+    const file = join(directory, 'secrets', 'nested', 'data.jsonl')
+    const running = await startOn(file)
+    const code = await obtainCode(running.base)
+    const tokens = (await (await exchange(running.base, code)).json()) as { access_token: string; refresh_token: string }
+    await running.stop()
+    assert.equal((await stat(file)).mode & 0o777, 0o600)
+    const text = await readFile(file, 'utf8')
+    assert.ok(text.length > 0)
+    for (const secret of [code, tokens.access_token, tokens.refresh_token, VERIFIER]) assert.equal(text.includes(secret), false)
+  })
+})
+
+describe('DATA_FILE: damaged files', () => {
+  const token: Token = { kind: 'access', grantId: 'g', scope: ['create'], issuedAt: START, expiresAt: START + 86400_000, usedAt: undefined }
+  const line = (key: string) => `${JSON.stringify({ set: 'token', key, value: token })}\n`
+  const grant = `${JSON.stringify({ set: 'grant', key: 'g', value: { client_id: CLIENT_ID, me: 'https://example.com/', scope: ['create'], approvedAt: START, lastUsedAt: START, expiresAt: START + 86400_000 } })}\n`
+
+  it('drops a torn last line with a warning and keeps every whole line', async () => {
+    const file = join(directory, 'torn.jsonl')
+    await writeFile(file, grant + line('a') + line('b') + line('c').slice(0, 40))
+    const logs: string[] = []
+    const store = await FileStore.open(file, { now: () => START, log: (entry) => logs.push(entry) })
+    assert.deepEqual([...store.memory.tokens.keys()], ['a', 'b'])
+    assert.match(logs.join('\n'), /warning: .*incomplete/)
+    await store.saveToken('d', token, START)
+    await store.close()
+    const reopened = await FileStore.open(file, { now: () => START, log: () => {} })
+    assert.deepEqual([...reopened.memory.tokens.keys()], ['a', 'b', 'd']) // the torn bytes were cut, so the next line stands alone
+    await reopened.close()
+  })
+
+  it('drops an unreadable last line that has its newline, as a torn one', async () => {
+    const file = join(directory, 'torn-newline.jsonl')
+    await writeFile(file, grant + line('a') + '{"set":"tok\n')
+    const store = await FileStore.open(file, { now: () => START, log: () => {} })
+    assert.deepEqual([...store.memory.tokens.keys()], ['a'])
+    await store.close()
+  })
+
+  it('refuses to start on a corrupt line in the middle, naming the file and the line', async () => {
+    const file = join(directory, 'corrupt.jsonl')
+    const original = grant + line('a') + 'not json\n' + line('b')
+    await writeFile(file, original)
+    await assert.rejects(FileStore.open(file, { log: () => {} }), (err: unknown) => err instanceof ConfigError && err.message.includes(`${file} line 3`))
+    assert.equal(await readFile(file, 'utf8'), original) // nothing discarded or overwritten
+  })
+
+  it('refuses a line that is JSON but not a journal record', async () => {
+    const file = join(directory, 'foreign.jsonl')
+    await writeFile(file, '{"hello":"world"}\n' + line('a'))
+    await assert.rejects(FileStore.open(file, { log: () => {} }), /line 1/)
+  })
+})
+
+describe('DATA_FILE: compaction and failures', () => {
+  it('rewrites a grown journal as a snapshot, keeping writes made while it runs', async () => {
+    const file = join(directory, 'compact.jsonl')
+    const store = await FileStore.open(file, { now: () => START, log: () => {} })
+    const live: Token = { kind: 'access', grantId: 'g', scope: ['create'], issuedAt: START, expiresAt: START + 3600_000, usedAt: undefined }
+    await store.saveGrant('g', { client_id: CLIENT_ID, me: 'https://example.com/', scope: ['create'], approvedAt: START, lastUsedAt: START, expiresAt: START + 3600_000 }, START)
+    const writes: Promise<void>[] = []
+    for (let i = 0; i < 12_000; i++) writes.push(store.saveToken(`t${i}`, live, START))
+    for (let i = 0; i < 11_990; i++) writes.push(store.deleteToken(`t${i}`))
+    await Promise.all(writes)
+    assert.ok(store.compaction !== undefined, 'no compaction started')
+    for (let i = 0; i < 50; i++) await store.saveToken(`late${i}`, live, START) // these land while the compaction runs
+    await store.close() // lets the compaction finish first
+    const lines = (await readFile(file, 'utf8')).trim().split('\n')
+    assert.ok(lines.length < 1_000, `the journal still has ${lines.length} lines`)
+    const reopened = await FileStore.open(file, { now: () => START, log: () => {} })
+    assert.equal(reopened.memory.tokens.size, 60)
+    assert.ok(reopened.memory.tokens.has('late49'))
+    assert.ok(reopened.memory.tokens.has('t11999'))
+    await reopened.close()
+  })
+
+  it('answers 500 server_error, and says so in the log, when the disk write fails', async () => {
+    const file = join(directory, 'failing.jsonl')
+    const running = await startOn(file)
+    const { access_token } = await obtainTokens(running.base)
+    await running.store.close() // every later write to the file fails
+    const response = await post(`${running.base}/revoke`, form({ token: access_token }))
+    assert.equal(response.status, 500)
+    assert.deepEqual(await response.json(), { error: 'server_error' })
+    assert.ok(running.logs.some((line) => line.startsWith('journal: writing')))
+    await running.stop().catch(() => {}) // the file is closed already
+  })
+})
+
+// --- A real crash ------------------------------------------------------------------------
+
+async function spawnServer(file: string): Promise<{ child: ChildProcessWithoutNullStreams; base: string; closed: Promise<unknown> }> {
+  const child = spawn(process.execPath, ['--import', 'tsx', 'server.ts'], { env: { ...process.env, PORT: '0', DATA_FILE: file } })
+  const closed = new Promise((resolve) => child.once('close', resolve))
+  let output = ''
+  const base = await new Promise<string>((resolve, reject) => {
+    child.stdout.on('data', (chunk) => {
+      output += chunk
+      const match = /Latch is listening on (http:\/\/\S+)/.exec(output)
+      if (match !== null && output.includes('metadata')) resolve(match[1])
+    })
+    child.stderr.on('data', (chunk) => (output += chunk))
+    child.on('exit', () => reject(new Error(`the server exited: ${output}`)))
+  })
+  return { child, base, closed }
+}
+
+describe('DATA_FILE: SIGKILL under load', () => {
+  for (const killAfterMs of [150, 400, 700 + Math.floor(Math.random() * 500)]) {
+    it(`keeps every acknowledged token and revocation when killed after ${killAfterMs} ms`, async () => {
+      const file = join(directory, `crash-${killAfterMs}.jsonl`)
+      const { child, base, closed } = await spawnServer(file)
+      const issued: string[] = []
+      const revocationSent = new Set<string>()
+      const revoked = new Set<string>()
+      let stopped = false
+      const worker = async (n: number) => {
+        for (let i = 0; !stopped; i++) {
+          try {
+            const response = await exchange(base, await obtainCode(base))
+            const token = ((await response.json()) as { access_token: string }).access_token
+            issued.push(token) // the response arrived: this token was promised
+            if ((n + i) % 3 === 0) {
+              revocationSent.add(token)
+              const revocation = await post(`${base}/revoke`, form({ token }))
+              if (revocation.status === 200) revoked.add(token)
+            }
+          } catch {
+            return // the server is gone
+          }
+        }
+      }
+      const workers = Array.from({ length: 12 }, (_, n) => worker(n))
+      await new Promise((resolve) => setTimeout(resolve, killAfterMs))
+      child.kill('SIGKILL')
+      stopped = true
+      await Promise.all(workers)
+      await closed
+
+      const restarted = await spawnServer(file)
+      try {
+        assert.ok(issued.length > 0, 'no token was issued before the kill')
+        for (const token of issued) {
+          if (revocationSent.has(token) && !revoked.has(token)) continue // cut off mid-revocation: either answer is right
+          assert.equal(await isActive(restarted.base, token), !revoked.has(token), `after ${killAfterMs} ms, ${revoked.has(token) ? 'a revoked' : 'an issued'} token came back wrong`)
+        }
+      } finally {
+        restarted.child.kill('SIGTERM')
+        await restarted.closed
+      }
+    })
+  }
+})
