@@ -60,6 +60,8 @@ export type Config = {
   accessTokenTtlSeconds: number
   /** A refresh token expires after this long without use. */
   refreshTokenTtlSeconds: number
+  /** How long the owner stays signed in after entering the password. */
+  sessionTtlSeconds: number
   /** When set, `/introspect` callers must send it as a Bearer credential. */
   introspectionSecret: string | undefined
   /** What the `profile` and `email` scopes show of the owner (IA §5.3.4). */
@@ -92,6 +94,8 @@ export type AuthorizationCode = {
   /** The scopes the owner granted; empty means the code only proves identity. */
   scope: string[]
   me: string
+  /** The access token lifetime the owner chose on the consent page. */
+  accessTokenTtlSeconds: number
   issuedAt: number
   expiresAt: number
   /** Set once the code has been redeemed; kept so that a replay can be recognised. */
@@ -107,6 +111,7 @@ export type Grant = {
   me: string
   /** The scopes the owner granted; refreshed tokens may narrow them, never widen them. */
   scope: string[]
+  accessTokenTtlSeconds: number
   approvedAt: number
   lastUsedAt: number
   /** The latest expiry of its tokens: a grant lives as long as one of them may. */
@@ -123,6 +128,9 @@ export type Token = {
   /** Refresh tokens only: set once rotated, and kept so that a reuse can be recognised. */
   usedAt: number | undefined
 }
+
+/** The owner, signed in: stored under the SHA-256 hash of the session cookie's value. */
+export type Session = { createdAt: number; expiresAt: number }
 
 /** Where codes and tokens live. Keys are SHA-256 hashes; raw secrets never reach a store. */
 export interface Store {
@@ -141,12 +149,17 @@ export interface Store {
   listGrants(now: number): Promise<[string, Grant][]>
   /** Deletes a grant, which ends every token of its family. */
   deleteGrant(id: string): Promise<void>
+  /** Notes that a token of the grant was used; a store may keep this in memory only. */
+  touchGrant(id: string, now: number): Promise<void>
   saveToken(hash: string, token: Token, now: number): Promise<void>
   /** Returns an unexpired token, used or not. */
   findToken(hash: string, now: number): Promise<Token | undefined>
   /** Marks an unexpired token used, in one step: true only for the first caller. */
   takeToken(hash: string, now: number): Promise<boolean>
   deleteToken(hash: string): Promise<void>
+  saveSession(hash: string, session: Session, now: number): Promise<void>
+  findSession(hash: string, now: number): Promise<Session | undefined>
+  deleteSession(hash: string): Promise<void>
 }
 
 /** What `createHandler` takes. Only `config` is needed; the rest have defaults. */
@@ -166,11 +179,11 @@ type Context = {
   store: Store
   now: () => number
   log: (line: string) => void
-  passwordFailures: Map<string, PasswordFailures>
+  passwordAttempts: { byAddress: Map<string, PasswordAttempts>; total: PasswordAttempts }
   passwordSlots: PasswordSlots
 }
 
-type PasswordFailures = { count: number; lastAt: number; lockedUntil: number }
+type PasswordAttempts = { count: number; lastAt: number; lockedUntil: number }
 
 type PasswordSlots = { running: number; waiting: (() => void)[] }
 
@@ -192,6 +205,7 @@ export const SETTINGS = [
   { name: 'CODE_TTL', default: '300', help: 'Authorization code lifetime (90s, 10m, 12h, 7d; at most 600).' },
   { name: 'ACCESS_TOKEN_TTL', default: '604800', help: 'Access token lifetime (7 days).' },
   { name: 'REFRESH_TOKEN_TTL', default: '2592000', help: 'A refresh token expires after this long without use (30 days).' },
+  { name: 'SESSION_TTL', default: '604800', help: 'How long you stay signed in after entering your password (7 days).' },
   { name: 'INTROSPECTION_SECRET', default: 'unset', help: 'Unset: /introspect is open. Set: callers send `Authorization: Bearer <secret>`.' },
   { name: 'PROFILE_NAME', default: 'unset', help: 'Your name, shown to apps granted the profile scope.' },
   { name: 'PROFILE_URL', default: 'ME', help: 'Your home page, shown to apps granted the profile scope.' },
@@ -242,6 +256,7 @@ export function loadConfig(
   }
   const accessTokenTtlSeconds = parseDuration('ACCESS_TOKEN_TTL', raw.ACCESS_TOKEN_TTL ?? '604800')
   const refreshTokenTtlSeconds = parseDuration('REFRESH_TOKEN_TTL', raw.REFRESH_TOKEN_TTL ?? '2592000')
+  const sessionTtlSeconds = parseDuration('SESSION_TTL', raw.SESSION_TTL ?? '604800')
   const introspectionSecret = raw.INTROSPECTION_SECRET
   if (introspectionSecret !== undefined && introspectionSecret.length < MIN_SECRET_LENGTH) {
     throw new ConfigError(
@@ -254,7 +269,20 @@ export function loadConfig(
     photo: raw.PROFILE_PHOTO === undefined ? undefined : parseProfileLink('PROFILE_PHOTO', raw.PROFILE_PHOTO),
     email: raw.PROFILE_EMAIL === undefined ? undefined : parseEmail(raw.PROFILE_EMAIL),
   }
-  return { port, host, issuer, me, passwordHash, dataFile, codeTtlSeconds, accessTokenTtlSeconds, refreshTokenTtlSeconds, introspectionSecret, profile }
+  return {
+    port,
+    host,
+    issuer,
+    me,
+    passwordHash,
+    dataFile,
+    codeTtlSeconds,
+    accessTokenTtlSeconds,
+    refreshTokenTtlSeconds,
+    sessionTtlSeconds,
+    introspectionSecret,
+    profile,
+  }
 }
 
 /** Merges variables and flags into one value per setting; empty values count as unset. */
@@ -666,9 +694,9 @@ export function redirectUriProblem(redirectUri: string, clientId: string): strin
 // A `Store` keeps pending requests, codes, grants and tokens under the SHA-256 hashes of their
 // ids. This one keeps them in Maps. Every read checks expiry, and every write sweeps a few
 // expired entries, soonest first, so no request ever scans every entry. Pending requests and
-// codes all live equally long, so a Map's insertion order is already their order of expiry;
+// codes (and sessions) all live equally long, so a Map's insertion order is already their order of expiry;
 // grants and tokens need not, so their expiry times are kept in heaps.
-// To put SQLite or Redis behind Latch, implement `Store`: fifteen small methods.
+// To put SQLite or Redis behind Latch, implement `Store`: nineteen small methods.
 
 /** A binary min-heap of (expiry time, key), kept in two flat arrays: the soonest is on top. */
 class ExpiryHeap {
@@ -738,6 +766,7 @@ export class MemoryStore implements Store {
   readonly codes = new Map<string, AuthorizationCode>()
   readonly grants = new Map<string, Grant>()
   readonly tokens = new Map<string, Token>()
+  readonly sessions = new Map<string, Session>()
   readonly #grantExpiries = new ExpiryHeap()
   readonly #tokenExpiries = new ExpiryHeap()
   readonly #maxPendingRequests: number
@@ -802,6 +831,11 @@ export class MemoryStore implements Store {
     this.grants.delete(id) // its tokens die with it: every lookup checks the grant, and the sweep removes them
   }
 
+  async touchGrant(id: string, now: number): Promise<void> {
+    const grant = this.grants.get(id)
+    if (grant !== undefined) grant.lastUsedAt = now
+  }
+
   async saveToken(hash: string, token: Token, now: number): Promise<void> {
     sweepHeap(this.tokens, this.#tokenExpiries, now, SWEEP_BATCH)
     this.tokens.set(hash, token)
@@ -823,10 +857,24 @@ export class MemoryStore implements Store {
     this.tokens.delete(hash)
   }
 
+  async saveSession(hash: string, session: Session, now: number): Promise<void> {
+    sweepOldest(this.sessions, now, SWEEP_BATCH)
+    this.sessions.set(hash, session)
+  }
+
+  async findSession(hash: string, now: number): Promise<Session | undefined> {
+    return live(this.sessions.get(hash), now)
+  }
+
+  async deleteSession(hash: string): Promise<void> {
+    this.sessions.delete(hash)
+  }
+
   /** Deletes up to `budget` expired entries of each kind; a timer may call it between requests. */
   sweep(now: number, budget = 10_000): void {
     sweepOldest(this.pending, now, budget)
     sweepOldest(this.codes, now, budget)
+    sweepOldest(this.sessions, now, budget)
     sweepHeap(this.grants, this.#grantExpiries, now, budget)
     sweepHeap(this.tokens, this.#tokenExpiries, now, budget)
   }
@@ -862,7 +910,7 @@ function live<T extends { expiresAt: number }>(entry: T | undefined, now: number
 }
 
 // --- Durable storage ------------------------------------------------------------
-// `DATA_FILE` is an append-only journal: one JSON line per change to a code, grant or token,
+// `DATA_FILE` is an append-only journal: one JSON line per change to a code, grant, token or session,
 // replayed into a `MemoryStore` at start-up. A line sets or deletes one entry, so replaying a
 // line twice changes nothing; that is what lets compaction run while writes go on. A change is
 // on disk (fsync'd) before the response that depends on it is sent, and the changes made in
@@ -873,7 +921,8 @@ type JournalRecord =
   | { set: 'code'; key: string; value: AuthorizationCode }
   | { set: 'grant'; key: string; value: Grant }
   | { set: 'token'; key: string; value: Token }
-  | { delete: 'grant' | 'token'; key: string }
+  | { set: 'session'; key: string; value: Session }
+  | { delete: 'grant' | 'token' | 'session'; key: string }
 
 /** An append-only file with group commit: `append` resolves once its line is fsync'd. */
 class Journal {
@@ -1117,6 +1166,11 @@ export class FileStore implements Store {
     await this.#append({ delete: 'grant', key: id })
   }
 
+  /** Last use is kept in memory only: after a restart it is the last time a token was issued. */
+  touchGrant(id: string, now: number): Promise<void> {
+    return this.memory.touchGrant(id, now)
+  }
+
   async saveToken(hash: string, token: Token, now: number): Promise<void> {
     await this.memory.saveToken(hash, token, now)
     await this.#append({ set: 'token', key: hash, value: token })
@@ -1138,6 +1192,20 @@ export class FileStore implements Store {
     await this.#append({ delete: 'token', key: hash })
   }
 
+  async saveSession(hash: string, session: Session, now: number): Promise<void> {
+    await this.memory.saveSession(hash, session, now)
+    await this.#append({ set: 'session', key: hash, value: session })
+  }
+
+  findSession(hash: string, now: number): Promise<Session | undefined> {
+    return this.memory.findSession(hash, now)
+  }
+
+  async deleteSession(hash: string): Promise<void> {
+    await this.memory.deleteSession(hash)
+    await this.#append({ delete: 'session', key: hash })
+  }
+
   sweep(now: number, budget?: number): void {
     this.memory.sweep(now, budget)
   }
@@ -1151,7 +1219,7 @@ export class FileStore implements Store {
   /** Appends a change, then compacts once the file holds far more lines than live entries. */
   async #append(record: JournalRecord): Promise<void> {
     await this.#journal.append(record)
-    const live = this.memory.codes.size + this.memory.grants.size + this.memory.tokens.size
+    const live = this.memory.codes.size + this.memory.grants.size + this.memory.tokens.size + this.memory.sessions.size
     if (this.compaction === undefined && this.#journal.lines > Math.max(COMPACT_MIN_LINES, COMPACT_FACTOR * live)) {
       this.compaction = this.#journal
         .compact(() => this.#liveRecords())
@@ -1166,6 +1234,7 @@ export class FileStore implements Store {
     for (const [key, value] of this.memory.codes) if (value.expiresAt > now) yield { set: 'code', key, value }
     for (const [key, value] of this.memory.grants) if (value.expiresAt > now) yield { set: 'grant', key, value }
     for (const [key, value] of this.memory.tokens) if (value.expiresAt > now) yield { set: 'token', key, value }
+    for (const [key, value] of this.memory.sessions) if (value.expiresAt > now) yield { set: 'session', key, value }
   }
 }
 
@@ -1183,21 +1252,23 @@ function parseJournalLine(line: string): JournalRecord | undefined {
   if (typeof record !== 'object' || record === null || typeof (record as { key?: unknown }).key !== 'string') return undefined
   const { set, value } = record as { set?: unknown; value?: unknown; delete?: unknown }
   const deleted = (record as { delete?: unknown }).delete
-  if ((set === 'code' || set === 'grant' || set === 'token') && typeof value === 'object' && value !== null) return record as JournalRecord
-  if (deleted === 'grant' || deleted === 'token') return record as JournalRecord
+  if ((set === 'code' || set === 'grant' || set === 'token' || set === 'session') && typeof value === 'object' && value !== null) return record as JournalRecord
+  if (deleted === 'grant' || deleted === 'token' || deleted === 'session') return record as JournalRecord
   return undefined
 }
 
 async function applyRecord(memory: MemoryStore, record: JournalRecord, now: number): Promise<void> {
   if ('delete' in record) {
     if (record.delete === 'grant') await memory.deleteGrant(record.key)
-    else await memory.deleteToken(record.key)
+    else if (record.delete === 'token') await memory.deleteToken(record.key)
+    else await memory.deleteSession(record.key)
     return
   }
   if (record.value.expiresAt <= now) return
   if (record.set === 'code') await memory.saveCode(record.key, record.value, now)
   else if (record.set === 'grant') await memory.saveGrant(record.key, record.value, now)
-  else await memory.saveToken(record.key, record.value, now)
+  else if (record.set === 'token') await memory.saveToken(record.key, record.value, now)
+  else await memory.saveSession(record.key, record.value, now)
 }
 
 /** The store a configuration asks for: in memory, or a journal at `DATA_FILE`. */
@@ -1277,8 +1348,8 @@ function sendJsonError(res: ServerResponse, err: OAuthError): void {
 }
 
 /** Redirects with the given status (302 from `GET /auth`, 303 after a form). */
-function redirect(res: ServerResponse, status: number, location: string): void {
-  res.writeHead(status, { Location: location, ...NO_STORE, 'Referrer-Policy': 'no-referrer' })
+function redirect(res: ServerResponse, status: number, location: string, headers: Record<string, string> = {}): void {
+  res.writeHead(status, { Location: location, ...NO_STORE, 'Referrer-Policy': 'no-referrer', ...headers })
   res.end()
 }
 
@@ -1297,8 +1368,8 @@ export function buildRedirectUrl(base: string, params: Record<string, string | u
 // hash, so the Content-Security-Policy can keep `default-src 'none'`.
 
 const STYLESHEET = `
-:root { color-scheme: light dark; --fg: #1c1b1f; --bg: #fbfbfd; --muted: #55535e; --line: #c9c7d1; --accent: #1f4fd1; --panel: #fff; }
-@media (prefers-color-scheme: dark) { :root { --fg: #ecebf1; --bg: #141318; --muted: #b2b0bc; --line: #45434d; --accent: #9db7ff; --panel: #1d1c22; } }
+:root { color-scheme: light dark; --fg: #1c1b1f; --bg: #fbfbfd; --muted: #55535e; --line: #c9c7d1; --accent: #1f4fd1; --danger: #b3261e; --panel: #fff; }
+@media (prefers-color-scheme: dark) { :root { --fg: #ecebf1; --bg: #141318; --muted: #b2b0bc; --line: #45434d; --accent: #9db7ff; --danger: #ffb4ab; --panel: #1d1c22; } }
 * { box-sizing: border-box; }
 body { margin: 0; background: var(--bg); color: var(--fg); font: 1rem/1.5 system-ui, -apple-system, "Segoe UI", sans-serif; }
 main { max-width: 34rem; margin: 0 auto; padding: 2rem 1rem; }
@@ -1313,9 +1384,17 @@ legend { padding: 0 .25rem; font-weight: 600; }
 label { display: block; padding: .25rem 0; }
 input[type=password] { display: block; width: 100%; margin-top: .25rem; padding: .6rem; font: inherit; color: inherit; background: var(--panel); border: 1px solid var(--line); border-radius: .4rem; }
 .actions { display: flex; gap: .75rem; margin-top: 1.25rem; }
-button { flex: 1; padding: .7rem 1rem; font: inherit; font-weight: 600; border-radius: .4rem; border: 1px solid var(--accent); cursor: pointer; }
-button[value=approve] { background: var(--accent); color: var(--bg); }
-button[value=deny] { background: transparent; color: var(--accent); }
+.actions > * { flex: 1; }
+button { width: 100%; padding: .7rem 1rem; font: inherit; font-weight: 600; border-radius: .4rem; border: 1px solid var(--accent); background: transparent; color: var(--accent); cursor: pointer; }
+button.primary { background: var(--accent); color: var(--bg); }
+button.danger { border-color: var(--danger); color: var(--danger); }
+select { font: inherit; color: inherit; background: var(--panel); border: 1px solid var(--line); border-radius: .4rem; padding: .4rem; margin-left: .25rem; }
+.app { border: 1px solid var(--line); border-radius: .5rem; padding: .75rem 1rem; margin: 0 0 1rem; background: var(--panel); }
+.app h2 { font-size: 1.1rem; margin: 0 0 .5rem; overflow-wrap: anywhere; }
+dl { display: grid; grid-template-columns: max-content 1fr; gap: .2rem .75rem; margin: 0 0 .75rem; }
+dt { color: var(--muted); }
+dd { margin: 0; }
+a { color: var(--accent); }
 :focus-visible { outline: 3px solid var(--accent); outline-offset: 2px; }
 `
 
@@ -1383,11 +1462,71 @@ const SCOPE_DESCRIPTIONS: Record<string, string> = {
 // --- Configuration of the endpoints --------------------------------------------
 
 const PENDING_TTL_SECONDS = 600
-const CSRF_COOKIE = 'latch_csrf'
 const SUPPORTED_SCOPES = Object.keys(SCOPE_DESCRIPTIONS)
+
+/** The access token lifetimes the consent page offers; `ACCESS_TOKEN_TTL` is added if missing. */
+const LIFETIME_CHOICES: [string, number][] = [
+  ['1 day', 86400],
+  ['1 week', 604800],
+  ['1 month', 2592000],
+  ['3 months', 7776000],
+  ['1 year', 31536000],
+]
 
 function endpointUrl(config: Config, path: string): string {
   return `${config.issuer}${path}`
+}
+
+// --- Cookies --------------------------------------------------------------------
+// Two cookies, both HttpOnly and SameSite=Lax, and Secure on an https issuer: a CSRF value that
+// every form repeats (double submit), and the owner's session. On https the session cookie takes
+// the `__Host-` prefix, which binds it to this host and the path `/`.
+
+const CSRF_COOKIE = 'latch_csrf'
+
+function sessionCookieName(config: Config): string {
+  return config.issuer.startsWith('https:') ? '__Host-latch_session' : 'latch_session'
+}
+
+/** A Set-Cookie value; `maxAgeSeconds` undefined makes a cookie that ends with the browser session. */
+function buildCookie(name: string, value: string, maxAgeSeconds: number | undefined, config: Config): string {
+  const issuer = new URL(config.issuer)
+  const path = name.startsWith('__Host-') ? '/' : `${issuer.pathname.replace(/\/$/, '')}/`
+  const maxAge = maxAgeSeconds === undefined ? '' : `; Max-Age=${maxAgeSeconds}`
+  const secure = issuer.protocol === 'https:' ? '; Secure' : ''
+  return `${name}=${value}; Path=${path}${maxAge}; HttpOnly; SameSite=Lax${secure}`
+}
+
+/** The CSRF value for a page: the browser's own when it has one, so that two open tabs both work. */
+function csrfFor(req: IncomingMessage): string {
+  const cookie = readCookie(req, CSRF_COOKIE)
+  return cookie !== undefined && /^[A-Za-z0-9_-]{43}$/.test(cookie) ? cookie : createSecret()
+}
+
+/** The form's `csrf` must equal the browser's CSRF cookie: a page elsewhere cannot read it. */
+function requireCsrf(form: Params, req: IncomingMessage): string {
+  const csrf = getParam(form, 'csrf')
+  const cookie = readCookie(req, CSRF_COOKIE)
+  if (csrf === undefined || cookie === undefined || !safeEqual(csrf, cookie)) {
+    throw new OAuthError('access_denied', 'This form was not sent from a page of this server in this browser: go back, reload the page and try again', { status: 403 })
+  }
+  return csrf
+}
+
+/** True when the owner is signed in, or when no password is set (and so nobody needs to sign in). */
+async function isSignedIn(req: IncomingMessage, ctx: Context): Promise<boolean> {
+  if (ctx.config.passwordHash === undefined) return true
+  const value = readCookie(req, sessionCookieName(ctx.config))
+  return value !== undefined && (await ctx.store.findSession(sha256(value), ctx.now())) !== undefined
+}
+
+/** Starts a session for the owner and returns its Set-Cookie value. */
+async function startSession(ctx: Context): Promise<string> {
+  const value = createSecret()
+  const now = ctx.now()
+  const ttl = ctx.config.sessionTtlSeconds
+  await ctx.store.saveSession(sha256(value), { createdAt: now, expiresAt: now + ttl * 1000 }, now)
+  return buildCookie(sessionCookieName(ctx.config), value, ttl, ctx.config)
 }
 
 // --- Metadata -------------------------------------------------------------------
@@ -1451,11 +1590,12 @@ async function handleAuthorizationRequest(req: IncomingMessage, res: ServerRespo
     const params = { error: err.error, error_description: err.message, state, iss: ctx.config.issuer }
     return redirect(res, 302, buildRedirectUrl(redirectUri, params))
   }
-  const csrf = reusableCsrf(readCookie(req, CSRF_COOKIE)) ?? createSecret()
+  const csrf = csrfFor(req)
   request.csrfHash = sha256(csrf)
   const id = createSecret()
   await ctx.store.savePending(sha256(id), request, ctx.now())
-  sendPage(res, 200, renderConsentPage(request, { id, csrf, config: ctx.config }), { 'Set-Cookie': buildCsrfCookie(csrf, ctx.config) })
+  const page = renderConsentPage(request, { id, csrf, config: ctx.config, signedIn: await isSignedIn(req, ctx) })
+  sendPage(res, 200, page, { 'Set-Cookie': buildCookie(CSRF_COOKIE, csrf, undefined, ctx.config) })
 }
 
 /** The `state` to send back on an error redirect: none when it was sent twice. */
@@ -1487,19 +1627,8 @@ function buildPendingRequest(query: Params, clientId: string, redirectUri: strin
   }
 }
 
-/** A CSRF cookie already set by an earlier request is kept, so that two open tabs both work. */
-function reusableCsrf(cookie: string | undefined): string | undefined {
-  return cookie !== undefined && /^[A-Za-z0-9_-]{43}$/.test(cookie) ? cookie : undefined
-}
-
-function buildCsrfCookie(csrf: string, config: Config): string {
-  const issuer = new URL(config.issuer)
-  const secure = issuer.protocol === 'https:' ? '; Secure' : ''
-  return `${CSRF_COOKIE}=${csrf}; Path=${issuer.pathname.replace(/\/$/, '')}/auth; Max-Age=${PENDING_TTL_SECONDS}; HttpOnly; SameSite=Lax${secure}`
-}
-
 /** The consent page: who asks, where the browser goes next, what access, and one form. */
-function renderConsentPage(request: PendingRequest, form: { id: string; csrf: string; config: Config; message?: string }): string {
+function renderConsentPage(request: PendingRequest, form: { id: string; csrf: string; config: Config; signedIn: boolean; message?: string }): string {
   const { config } = form
   const redirectHost = new URL(request.redirect_uri).host
   const scopes = request.scope
@@ -1519,14 +1648,37 @@ ${form.message === undefined ? '' : `<p class="error" role="alert">${escapeHtml(
 <form method="post" action="${escapeHtml(endpointUrl(config, '/auth/consent'))}">
 <input type="hidden" name="request" value="${escapeHtml(form.id)}">
 <input type="hidden" name="csrf" value="${escapeHtml(form.csrf)}">
-${scopes === '' ? '<p>It asks for no access beyond your identity.</p>' : `<fieldset>\n<legend>It also asks to</legend>\n${scopes}\n</fieldset>`}
-${config.passwordHash === undefined ? '' : '<label>Password<input type="password" name="password" autocomplete="current-password" required autofocus></label>'}
+${scopes === '' ? '<p>It asks for no access beyond your identity.</p>' : `<fieldset>\n<legend>It also asks to</legend>\n${scopes}\n</fieldset>\n${renderLifetimeChoice(config)}`}
+${form.signedIn ? (config.passwordHash === undefined ? '' : '<p class="muted">You are signed in.</p>') : '<label>Password<input type="password" name="password" autocomplete="current-password" required autofocus></label>'}
 <div class="actions">
-<button name="decision" value="approve">Approve</button>
+<button class="primary" name="decision" value="approve">Approve</button>
 <button name="decision" value="deny" formnovalidate>Deny</button>
 </div>
 </form>`,
   )
+}
+
+/** A choice of access token lifetimes, because many clients never refresh. */
+function renderLifetimeChoice(config: Config): string {
+  const options = lifetimeChoices(config)
+    .map(([label, seconds]) => `<option value="${seconds}"${seconds === config.accessTokenTtlSeconds ? ' selected' : ''}>${escapeHtml(label)}</option>`)
+    .join('')
+  return `<p><label>Its access lasts <select name="lifetime">${options}</select></label></p>`
+}
+
+function lifetimeChoices(config: Config): [string, number][] {
+  const ttl = config.accessTokenTtlSeconds
+  if (LIFETIME_CHOICES.some(([, seconds]) => seconds === ttl)) return LIFETIME_CHOICES
+  const label = ttl % 86400 === 0 ? `${ttl / 86400} days` : ttl % 3600 === 0 ? `${ttl / 3600} hours` : `${ttl} seconds`
+  return [...LIFETIME_CHOICES, [label, ttl] as [string, number]].sort((a, b) => a[1] - b[1])
+}
+
+/** The lifetime chosen on the consent page: one of those offered, or `ACCESS_TOKEN_TTL` when none was sent. */
+function requireLifetime(value: string | undefined, config: Config): number {
+  if (value === undefined) return config.accessTokenTtlSeconds
+  const choice = lifetimeChoices(config).find(([, seconds]) => String(seconds) === value)
+  if (choice === undefined) throw new OAuthError('invalid_request', 'Choose one of the offered token lifetimes')
+  return choice[1]
 }
 
 // --- Consent --------------------------------------------------------------------
@@ -1544,12 +1696,18 @@ async function handleConsent(req: IncomingMessage, res: ServerResponse, ctx: Con
   const id = requireParam(form, 'request')
   const request = await ctx.store.findPending(sha256(id), ctx.now())
   if (request === undefined) throw new OAuthError('invalid_request', 'This sign-in request is unknown or has expired: start again from the app')
-  const csrf = requireCsrf(form, readCookie(req, CSRF_COOKIE), request)
+  const csrf = requireCsrf(form, req)
+  if (!safeEqual(sha256(csrf), request.csrfHash)) {
+    throw new OAuthError('access_denied', 'This sign-in request was opened in another browser: start again from the app', { status: 403 })
+  }
   const decision = getParam(form, 'decision')
   if (decision !== 'approve' && decision !== 'deny') throw new OAuthError('invalid_request', 'Choose Approve or Deny')
-  if (decision === 'approve' && ctx.config.passwordHash !== undefined) {
+  const lifetime = requireLifetime(getParam(form, 'lifetime'), ctx.config)
+  const headers: Record<string, string> = {}
+  if (decision === 'approve' && !(await isSignedIn(req, ctx))) {
     const message = await checkPassword(getParam(form, 'password'), clientAddress(req), ctx)
-    if (message !== undefined) return sendPage(res, 401, renderConsentPage(request, { id, csrf, config: ctx.config, message }))
+    if (message !== undefined) return sendPage(res, 401, renderConsentPage(request, { id, csrf, config: ctx.config, signedIn: false, message }))
+    headers['Set-Cookie'] = await startSession(ctx)
   }
   if ((await ctx.store.takePending(sha256(id), ctx.now())) === undefined) {
     throw new OAuthError('invalid_request', 'This sign-in request was already answered: start again from the app')
@@ -1560,21 +1718,12 @@ async function handleConsent(req: IncomingMessage, res: ServerResponse, ctx: Con
     return redirect(res, 303, buildRedirectUrl(request.redirect_uri, params))
   }
   const granted = request.scope.filter((scope) => (form.get('scope') ?? []).includes(scope))
-  const code = await issueCode(request, granted, ctx)
-  redirect(res, 303, buildRedirectUrl(request.redirect_uri, { code, state: request.state, iss }))
+  const code = await issueCode(request, { scope: granted, accessTokenTtlSeconds: lifetime }, ctx)
+  redirect(res, 303, buildRedirectUrl(request.redirect_uri, { code, state: request.state, iss }), headers)
 }
 
-/** The form's `csrf` must equal the cookie, and the cookie must be the one the request was opened with. */
-function requireCsrf(form: Params, cookie: string | undefined, request: PendingRequest): string {
-  const csrf = getParam(form, 'csrf')
-  if (csrf === undefined || cookie === undefined || !safeEqual(csrf, cookie) || !safeEqual(sha256(cookie), request.csrfHash)) {
-    throw new OAuthError('access_denied', 'This form was not sent from the sign-in page in this browser: start again from the app', { status: 403 })
-  }
-  return csrf
-}
-
-/** Issues a code bound to the request and the granted scopes, and returns its value. */
-async function issueCode(request: PendingRequest, scope: string[], ctx: Context): Promise<string> {
+/** Issues a code bound to the request, the granted scopes and the chosen lifetime, and returns its value. */
+async function issueCode(request: PendingRequest, grant: { scope: string[]; accessTokenTtlSeconds: number }, ctx: Context): Promise<string> {
   const code = createSecret()
   const now = ctx.now()
   await ctx.store.saveCode(
@@ -1583,8 +1732,9 @@ async function issueCode(request: PendingRequest, scope: string[], ctx: Context)
       client_id: request.client_id,
       redirect_uri: request.redirect_uri,
       code_challenge: request.code_challenge,
-      scope,
+      scope: grant.scope,
       me: ctx.config.me,
+      accessTokenTtlSeconds: grant.accessTokenTtlSeconds,
       issuedAt: now,
       expiresAt: now + ctx.config.codeTtlSeconds * 1000,
       usedAt: undefined,
@@ -1595,12 +1745,14 @@ async function issueCode(request: PendingRequest, scope: string[], ctx: Context)
 }
 
 // --- Password checks ------------------------------------------------------------
-// Attempts are counted per client address, before the hash is checked, so guesses sent in
-// parallel count too. After five without a success, each further attempt must wait twice as
-// long as the last, up to 15 minutes; a success clears the count, and a day of quiet forgets
-// it. At most two scrypt checks run at once, so a flood cannot pin the CPU.
+// Attempts are counted before the hash is checked, so guesses sent in parallel count too: per
+// client address, where five are free, and in total, where twenty are. Past that, each attempt
+// must wait twice as long as the last, up to 15 minutes (429 with Retry-After); a success
+// clears the counts, and a day of quiet forgets them. At most two scrypt checks run at once,
+// so a flood cannot pin the CPU.
 
-const FREE_PASSWORD_ATTEMPTS = 5
+const FREE_ATTEMPTS_PER_ADDRESS = 5
+const FREE_ATTEMPTS_IN_TOTAL = 20
 const MAX_PASSWORD_DELAY_SECONDS = 900
 const FORGET_PASSWORD_FAILURES_SECONDS = 86400
 const MAX_TRACKED_ADDRESSES = 10_000
@@ -1614,27 +1766,33 @@ function clientAddress(req: IncomingMessage): string {
 /** Checks the owner's password; returns a message for the page when it is wrong, or throws 429. */
 async function checkPassword(password: string | undefined, address: string, ctx: Context): Promise<string | undefined> {
   const now = ctx.now()
-  const attempts = ctx.passwordFailures.get(address)
-  if (attempts !== undefined && attempts.lockedUntil > now) {
-    const retryAfter = String(Math.ceil((attempts.lockedUntil - now) / 1000))
+  const attempts = ctx.passwordAttempts
+  const lockedUntil = Math.max(attempts.byAddress.get(address)?.lockedUntil ?? 0, attempts.total.lockedUntil)
+  if (lockedUntil > now) {
+    const retryAfter = String(Math.ceil((lockedUntil - now) / 1000))
     throw new OAuthError('too_many_requests', `Too many wrong passwords: try again in ${retryAfter} seconds`, { headers: { 'Retry-After': retryAfter } })
   }
   if (password === undefined) return 'Enter your password'
-  recordPasswordAttempt(address, now, ctx.passwordFailures)
+  const previous = attempts.byAddress.get(address)
+  attempts.byAddress.delete(address) // re-inserted last, so the map stays ordered oldest first
+  if (attempts.byAddress.size >= MAX_TRACKED_ADDRESSES) attempts.byAddress.delete(attempts.byAddress.keys().next().value ?? '')
+  attempts.byAddress.set(address, countAttempt(previous, now, FREE_ATTEMPTS_PER_ADDRESS))
+  attempts.total = countAttempt(attempts.total, now, FREE_ATTEMPTS_IN_TOTAL)
   const passwordHash = ctx.config.passwordHash ?? ''
   if (!(await withPasswordSlot(ctx.passwordSlots, () => verifyPassword(password, passwordHash)))) return 'Wrong password'
-  ctx.passwordFailures.delete(address)
+  attempts.byAddress.delete(address)
+  attempts.total = NO_ATTEMPTS
   return undefined
 }
 
-function recordPasswordAttempt(address: string, now: number, attemptsByAddress: Map<string, PasswordFailures>): void {
-  const previous = attemptsByAddress.get(address)
+const NO_ATTEMPTS: PasswordAttempts = { count: 0, lastAt: 0, lockedUntil: 0 }
+
+/** One more attempt: free up to `free`, then locked for 2, 4, 8, … seconds. */
+function countAttempt(previous: PasswordAttempts | undefined, now: number, free: number): PasswordAttempts {
   const forgotten = previous === undefined || now - previous.lastAt > FORGET_PASSWORD_FAILURES_SECONDS * 1000
   const count = forgotten ? 1 : previous.count + 1
-  const delaySeconds = count <= FREE_PASSWORD_ATTEMPTS ? 0 : Math.min(2 ** (count - FREE_PASSWORD_ATTEMPTS), MAX_PASSWORD_DELAY_SECONDS)
-  attemptsByAddress.delete(address) // re-inserted last, so the map stays ordered oldest first
-  if (attemptsByAddress.size >= MAX_TRACKED_ADDRESSES) attemptsByAddress.delete(attemptsByAddress.keys().next().value ?? '')
-  attemptsByAddress.set(address, { count, lastAt: now, lockedUntil: now + delaySeconds * 1000 })
+  const delaySeconds = count <= free ? 0 : Math.min(2 ** (count - free), MAX_PASSWORD_DELAY_SECONDS)
+  return { count, lastAt: now, lockedUntil: now + delaySeconds * 1000 }
 }
 
 /** Runs a password check when one of the few slots is free; past the queue's length, 429. */
@@ -1777,7 +1935,15 @@ async function exchangeCode(form: Params, ctx: Context) {
     throw new OAuthError('invalid_grant', 'This code was issued without scope, so it only proves identity: redeem it at the authorization endpoint instead')
   }
   await consumeCode(codeHash, ctx)
-  const grant = { client_id: code.client_id, me: code.me, scope: code.scope, approvedAt: code.issuedAt, lastUsedAt: 0, expiresAt: 0 }
+  const grant = {
+    client_id: code.client_id,
+    me: code.me,
+    scope: code.scope,
+    accessTokenTtlSeconds: code.accessTokenTtlSeconds,
+    approvedAt: code.issuedAt,
+    lastUsedAt: 0,
+    expiresAt: 0,
+  }
   return issueTokens(codeHash, grant, code.scope, ctx)
 }
 
@@ -1819,7 +1985,8 @@ function narrowScope(requested: string | undefined, granted: string[]): string[]
  */
 async function issueTokens(grantId: string, grant: Grant, scope: string[], ctx: Context) {
   const now = ctx.now()
-  const { accessTokenTtlSeconds, refreshTokenTtlSeconds } = ctx.config
+  const { accessTokenTtlSeconds } = grant
+  const { refreshTokenTtlSeconds } = ctx.config
   const accessToken = createSecret()
   const refreshToken = createSecret()
   const access: Token = { kind: 'access', grantId, scope, issuedAt: now, expiresAt: now + accessTokenTtlSeconds * 1000, usedAt: undefined }
@@ -1866,6 +2033,7 @@ async function handleIntrospectionRequest(req: IncomingMessage, res: ServerRespo
   const found = await findLiveToken(sha256(requireParam(form, 'token')), 'access', ctx)
   if (found === undefined) return sendJson(res, 200, { active: false })
   const { token, grant } = found
+  await ctx.store.touchGrant(token.grantId, ctx.now())
   sendJson(res, 200, {
     active: true,
     me: grant.me,
@@ -1978,7 +2146,114 @@ async function requireAccessToken(req: IncomingMessage, form: Params | undefined
   if (found === undefined) {
     throw new OAuthError('invalid_token', 'The access token is unknown, expired or revoked', { headers: { 'WWW-Authenticate': `${realm}, error="invalid_token"` } })
   }
+  await ctx.store.touchGrant(found.token.grantId, ctx.now())
   return found
+}
+
+// --- The owner's pages ----------------------------------------------------------
+// Signing in once starts a session, so later consents take one click (the explicit approve
+// stays). `GET /apps` lists every live grant with a Revoke button; every button is a POST that
+// carries the CSRF value.
+
+/** Shows the connected apps to the signed-in owner, and a sign-in form to anyone else. */
+async function handleAppsPage(req: IncomingMessage, res: ServerResponse, ctx: Context): Promise<void> {
+  const csrf = csrfFor(req)
+  const headers = { 'Set-Cookie': buildCookie(CSRF_COOKIE, csrf, undefined, ctx.config) }
+  if (!(await isSignedIn(req, ctx))) return sendPage(res, 200, renderSignInPage({ csrf, config: ctx.config }), headers)
+  sendPage(res, 200, renderAppsPage(await ctx.store.listGrants(ctx.now()), { csrf, config: ctx.config }), headers)
+}
+
+/** Checks the owner's password and starts a session. */
+async function handleSignIn(req: IncomingMessage, res: ServerResponse, ctx: Context): Promise<void> {
+  const form = await readForm(req)
+  const csrf = requireCsrf(form, req)
+  const headers: Record<string, string> = {}
+  if (ctx.config.passwordHash !== undefined) {
+    const message = await checkPassword(getParam(form, 'password'), clientAddress(req), ctx)
+    if (message !== undefined) return sendPage(res, 401, renderSignInPage({ csrf, config: ctx.config, message }))
+    headers['Set-Cookie'] = await startSession(ctx)
+  }
+  redirect(res, 303, endpointUrl(ctx.config, '/apps'), headers)
+}
+
+/** Ends the owner's session, here and in the store. */
+async function handleSignOut(req: IncomingMessage, res: ServerResponse, ctx: Context): Promise<void> {
+  requireCsrf(await readForm(req), req)
+  const name = sessionCookieName(ctx.config)
+  const value = readCookie(req, name)
+  if (value !== undefined) await ctx.store.deleteSession(sha256(value))
+  redirect(res, 303, endpointUrl(ctx.config, '/apps'), { 'Set-Cookie': buildCookie(name, '', 0, ctx.config) })
+}
+
+/** Revokes one grant: its access and refresh tokens stop working at once. */
+async function handleAppRevocation(req: IncomingMessage, res: ServerResponse, ctx: Context): Promise<void> {
+  const form = await readForm(req)
+  await requireOwner(form, req, ctx)
+  await ctx.store.deleteGrant(requireParam(form, 'grant'))
+  redirect(res, 303, endpointUrl(ctx.config, '/apps'))
+}
+
+/** Revokes every grant. */
+async function handleAllAppsRevocation(req: IncomingMessage, res: ServerResponse, ctx: Context): Promise<void> {
+  await requireOwner(await readForm(req), req, ctx)
+  for (const [id] of await ctx.store.listGrants(ctx.now())) await ctx.store.deleteGrant(id)
+  redirect(res, 303, endpointUrl(ctx.config, '/apps'))
+}
+
+async function requireOwner(form: Params, req: IncomingMessage, ctx: Context): Promise<void> {
+  requireCsrf(form, req)
+  if (!(await isSignedIn(req, ctx))) throw new OAuthError('access_denied', 'Sign in first: your session has ended', { status: 401 })
+}
+
+function renderSignInPage(page: { csrf: string; config: Config; message?: string }): string {
+  const { config } = page
+  return renderPage(
+    'Sign in',
+    `<h1>Sign in</h1>
+<p>Sign in as <code>${escapeHtml(config.me)}</code> to see the apps you have connected.</p>
+${page.message === undefined ? '' : `<p class="error" role="alert">${escapeHtml(page.message)}</p>`}
+<form method="post" action="${escapeHtml(endpointUrl(config, '/sign-in'))}">
+<input type="hidden" name="csrf" value="${escapeHtml(page.csrf)}">
+<label>Password<input type="password" name="password" autocomplete="current-password" required autofocus></label>
+<div class="actions"><button class="primary">Sign in</button></div>
+</form>`,
+  )
+}
+
+function renderAppsPage(grants: [string, Grant][], page: { csrf: string; config: Config }): string {
+  const { config } = page
+  const csrfField = `<input type="hidden" name="csrf" value="${escapeHtml(page.csrf)}">`
+  const apps = grants
+    .map(
+      ([id, grant]) => `<section class="app">
+<h2>${escapeHtml(grant.client_id)}</h2>
+<dl>
+<dt>Scopes</dt><dd>${escapeHtml(grant.scope.join(' '))}</dd>
+<dt>Approved</dt><dd>${formatTime(grant.approvedAt)}</dd>
+<dt>Last used</dt><dd>${formatTime(grant.lastUsedAt)}</dd>
+<dt>Expires</dt><dd>${formatTime(grant.expiresAt)}</dd>
+</dl>
+<form method="post" action="${escapeHtml(endpointUrl(config, '/apps/revoke'))}">${csrfField}<input type="hidden" name="grant" value="${escapeHtml(id)}"><button class="danger">Revoke</button></form>
+</section>`,
+    )
+    .join('\n')
+  const signOut =
+    config.passwordHash === undefined ? '' : `<form method="post" action="${escapeHtml(endpointUrl(config, '/sign-out'))}">${csrfField}<button>Sign out</button></form>`
+  return renderPage(
+    'Connected apps',
+    `<h1>Connected apps</h1>
+<p>These apps can act as <code>${escapeHtml(config.me)}</code>. Revoking one ends its access at once.</p>
+${apps === '' ? '<p class="muted">No app holds a token right now.</p>' : apps}
+<div class="actions">
+${apps === '' ? '' : `<form method="post" action="${escapeHtml(endpointUrl(config, '/apps/revoke-all'))}">${csrfField}<button class="danger">Revoke all</button></form>`}
+${signOut}
+</div>`,
+  )
+}
+
+/** A time as people read it: `2027-01-01 12:00 UTC`. */
+function formatTime(ms: number): string {
+  return `${new Date(ms).toISOString().slice(0, 16).replace('T', ' ')} UTC`
 }
 
 // --- Home page ------------------------------------------------------------------
@@ -2036,13 +2311,32 @@ function routesOf(path: string): Partial<Record<string, Handler>> | undefined {
       return { POST: handleRevocationRequest }
     case '/userinfo':
       return { GET: handleUserinfoRequest, POST: handleUserinfoRequest }
+    case '/apps':
+      return { GET: handleAppsPage }
+    case '/apps/revoke':
+      return { POST: handleAppRevocation }
+    case '/apps/revoke-all':
+      return { POST: handleAllAppsRevocation }
+    case '/sign-in':
+      return { POST: handleSignIn }
+    case '/sign-out':
+      return { POST: handleSignOut }
     default:
       return undefined
   }
 }
 
 /** Handlers whose errors a person reads: rendered as pages, not JSON. */
-const PAGE_HANDLERS = new Set<Handler>([handleHomePage, handleAuthorizationRequest, handleConsent])
+const PAGE_HANDLERS = new Set<Handler>([
+  handleHomePage,
+  handleAuthorizationRequest,
+  handleConsent,
+  handleAppsPage,
+  handleSignIn,
+  handleSignOut,
+  handleAppRevocation,
+  handleAllAppsRevocation,
+])
 
 /**
  * Handlers that browser apps on any origin may call (RFC 9700 §2.6 allows CORS there). Never
@@ -2103,7 +2397,7 @@ export function createHandler(options: HandlerOptions): (req: IncomingMessage, r
     store: options.store ?? new MemoryStore({ log }),
     now: options.now ?? Date.now,
     log,
-    passwordFailures: new Map(),
+    passwordAttempts: { byAddress: new Map(), total: NO_ATTEMPTS },
     passwordSlots: { running: 0, waiting: [] },
   }
   return (req, res) => {
