@@ -17,6 +17,7 @@ import {
   clientIdProblem,
   computeCodeChallenge,
   configWarnings,
+  countAttempt,
   createHandler,
   createSecret,
   getParam,
@@ -32,7 +33,7 @@ import {
   sha256,
   verifyPassword,
 } from './server.ts'
-import type { AuthorizationCode, Grant, Store, Token } from './server.ts'
+import type { AuthorizationCode, Grant, PasswordAttempts, Store, Token } from './server.ts'
 
 // --- Harness ----------------------------------------------------------------------
 
@@ -145,8 +146,8 @@ function exchange(latch: TestServer, code: string, overrides: Record<string, str
   return post(`${latch.base}/token`, form(fields))
 }
 
-async function obtainToken(latch: TestServer): Promise<string> {
-  const response = await exchange(latch, await obtainCode(latch))
+async function obtainToken(latch: TestServer, fields: Record<string, string | string[] | undefined> = {}): Promise<string> {
+  const response = await exchange(latch, await obtainCode(latch, {}, fields))
   assert.equal(response.status, 200)
   return ((await response.json()) as { access_token: string }).access_token
 }
@@ -425,12 +426,13 @@ describe('MemoryStore', () => {
     code_challenge: CHALLENGE,
     scope: ['create'],
     me: 'https://example.com/',
+    accessTokenTtlSeconds: 3600,
     issuedAt: 0,
     expiresAt,
     usedAt: undefined,
   })
   const token = (expiresAt: number): Token => ({ kind: 'access', grantId: 'g', scope: ['create'], issuedAt: 0, expiresAt, usedAt: undefined })
-  const grant = (expiresAt: number): Grant => ({ client_id: CLIENT_ID, me: 'https://example.com/', scope: ['create'], approvedAt: 0, lastUsedAt: 0, expiresAt })
+  const grant = (expiresAt: number): Grant => ({ client_id: CLIENT_ID, me: 'https://example.com/', scope: ['create'], accessTokenTtlSeconds: 3600, approvedAt: 0, lastUsedAt: 0, expiresAt })
 
   it('marks a code used once, atomically, and hides it once expired', async () => {
     const store = new MemoryStore()
@@ -1293,6 +1295,164 @@ describe('CORS for browser clients', () => {
     const consent = await preflight('/auth/consent')
     assert.equal(consent.status, 405)
     assert.equal(consent.headers.get('access-control-allow-origin'), null)
+  })
+})
+
+describe('Password attempts', () => {
+  it('lets the free attempts through, then doubles the wait up to 15 minutes, and forgets after a day', () => {
+    let attempts: PasswordAttempts | undefined
+    const waits: number[] = []
+    for (let i = 0; i < 16; i++) {
+      attempts = countAttempt(attempts, 1000, 5)
+      waits.push((attempts.lockedUntil - 1000) / 1000)
+    }
+    assert.deepEqual(waits, [0, 0, 0, 0, 0, 2, 4, 8, 16, 32, 64, 128, 256, 512, 900, 900])
+    assert.equal(countAttempt(attempts, 1000 + 86401_000, 5).count, 1)
+  })
+})
+
+describe('Sign-in sessions and connected apps', () => {
+  const password = 'correct horse'
+  let latch: TestServer
+  before(async () => (latch = await startLatch({ PASSWORD_HASH: await hashPassword(password, FAST_COST), ME: 'https://example.com/' })))
+  after(() => latch.close())
+
+  const sessionOf = (response: Response) => /^(latch_session=[A-Za-z0-9_-]{43});/.exec(response.headers.get('set-cookie') ?? '')?.[1] ?? ''
+  const signIn = async (csrf: string) => {
+    const response = await post(`${latch.base}/sign-in`, form({ csrf, password }), { Cookie: `latch_csrf=${csrf}` })
+    assert.equal(response.status, 303)
+    return sessionOf(response)
+  }
+  const appsPage = async (cookie: string) => {
+    const response = await fetch(`${latch.base}/apps`, { headers: { Cookie: cookie } })
+    assert.equal(response.status, 200)
+    return response.text()
+  }
+
+  it('starts a session when the password is accepted, so the next consent needs no password', async () => {
+    const first = await openConsent(latch)
+    const approved = await submitConsent(latch, first, { password })
+    assert.equal(approved.status, 303)
+    const setCookie = approved.headers.get('set-cookie') ?? ''
+    assert.match(setCookie, /^latch_session=[A-Za-z0-9_-]{43}; Path=\/; Max-Age=604800; HttpOnly; SameSite=Lax$/)
+    const session = sessionOf(approved)
+    const second = await openConsent(latch, {}, `${first.cookie}; ${session}`)
+    assert.doesNotMatch(second.html, /type="password"/)
+    const oneClick = await post(`${latch.base}/auth/consent`, form({ request: second.request, csrf: second.csrf, scope: 'create', decision: 'approve' }), {
+      Cookie: `${first.cookie}; ${session}`,
+    })
+    assert.equal(oneClick.status, 303)
+    assert.ok(new URL(oneClick.headers.get('location') ?? '').searchParams.get('code'))
+  })
+
+  it('asks for the password again once SESSION_TTL has passed', async () => {
+    const first = await openConsent(latch)
+    const session = sessionOf(await submitConsent(latch, first, { password }))
+    latch.advance(604800)
+    const later = await openConsent(latch, {}, `${first.cookie}; ${session}`)
+    assert.match(later.html, /type="password"/)
+    assert.equal((await submitConsent(latch, { ...later, cookie: `${first.cookie}; ${session}` })).status, 401)
+  })
+
+  it('shows a sign-in form at /apps to anyone not signed in', async () => {
+    const html = await appsPage('')
+    assert.match(html, /action="[^"]*\/sign-in"/)
+    assert.match(html, /type="password"/)
+  })
+
+  it('answers a wrong password at sign-in with 401 and the form again', async () => {
+    const csrf = createSecret()
+    const response = await post(`${latch.base}/sign-in`, form({ csrf, password: 'wrong' }), { Cookie: `latch_csrf=${csrf}` })
+    assert.equal(response.status, 401)
+    assert.equal(response.headers.get('set-cookie'), null)
+    assert.match(await response.text(), /role="alert"/)
+  })
+
+  it('lists each live grant with its scopes, and revokes one at once', async () => {
+    const csrf = createSecret()
+    const session = await signIn(csrf)
+    const code = await obtainCode(latch, { scope: 'create media' }, { scope: ['create', 'media'], password })
+    const tokens = (await (await exchange(latch, code)).json()) as { access_token: string; refresh_token: string }
+    const html = await appsPage(`latch_csrf=${csrf}; ${session}`)
+    assert.match(html, /<h2>http:\/\/127\.0\.0\.1:8080\/<\/h2>/)
+    assert.match(html, /<dd>create media<\/dd>/)
+    const grant = [...html.matchAll(/name="grant" value="([^"]+)"/g)].map((match) => match[1]).at(-1) ?? ''
+    const revoked = await post(`${latch.base}/apps/revoke`, form({ csrf, grant }), { Cookie: `latch_csrf=${csrf}; ${session}` })
+    assert.equal(revoked.status, 303)
+    assert.equal(revoked.headers.get('location'), `${latch.issuer}/apps`)
+    assert.deepEqual(await introspect(latch, tokens.access_token), { active: false })
+    const refreshed = await post(`${latch.base}/token`, form({ grant_type: 'refresh_token', refresh_token: tokens.refresh_token, client_id: CLIENT_ID }))
+    await assertError(refreshed, 400, 'invalid_grant')
+  })
+
+  it('revokes every grant with Revoke all', async () => {
+    const csrf = createSecret()
+    const session = await signIn(csrf)
+    const tokens = [await obtainToken(latch, { password }), await obtainToken(latch, { password })]
+    const response = await post(`${latch.base}/apps/revoke-all`, form({ csrf }), { Cookie: `latch_csrf=${csrf}; ${session}` })
+    assert.equal(response.status, 303)
+    for (const token of tokens) assert.deepEqual(await introspect(latch, token), { active: false })
+    assert.match(await appsPage(`latch_csrf=${csrf}; ${session}`), /No app holds a token/)
+  })
+
+  it('refuses app revocation without the CSRF value (403) or without a session (401)', async () => {
+    const csrf = createSecret()
+    const session = await signIn(csrf)
+    const token = await obtainToken(latch, { password })
+    const forged = await post(`${latch.base}/apps/revoke-all`, form({ csrf: createSecret() }), { Cookie: `latch_csrf=${csrf}; ${session}` })
+    assert.equal(forged.status, 403)
+    const anonymous = await post(`${latch.base}/apps/revoke-all`, form({ csrf }), { Cookie: `latch_csrf=${csrf}` })
+    assert.equal(anonymous.status, 401)
+    assert.equal((await introspect(latch, token)).active, true)
+  })
+
+  it('ends the session on sign-out', async () => {
+    const csrf = createSecret()
+    const session = await signIn(csrf)
+    const response = await post(`${latch.base}/sign-out`, form({ csrf }), { Cookie: `latch_csrf=${csrf}; ${session}` })
+    assert.equal(response.status, 303)
+    assert.match(response.headers.get('set-cookie') ?? '', /^latch_session=; Path=\/; Max-Age=0/)
+    assert.match(await appsPage(`latch_csrf=${csrf}; ${session}`), /type="password"/) // the old cookie no longer signs in
+  })
+
+  it('names the session cookie __Host- and marks it Secure on an https issuer', async () => {
+    const secure = await startLatch({ PASSWORD_HASH: await hashPassword(password, FAST_COST), ISSUER: 'https://auth.example.com' })
+    const csrf = createSecret()
+    const response = await post(`${secure.base}/sign-in`, form({ csrf, password }), { Cookie: `latch_csrf=${csrf}` })
+    assert.match(response.headers.get('set-cookie') ?? '', /^__Host-latch_session=[A-Za-z0-9_-]{43}; Path=\/; Max-Age=604800; HttpOnly; SameSite=Lax; Secure$/)
+    await secure.close()
+  })
+})
+
+describe('Token lifetime on the consent page', () => {
+  let latch: TestServer
+  before(async () => (latch = await startLatch({ ACCESS_TOKEN_TTL: '3d' })))
+  after(() => latch.close())
+
+  it('offers 1 day to 1 year, with ACCESS_TOKEN_TTL added and chosen by default', async () => {
+    const { html } = await openConsent(latch)
+    const options = [...html.matchAll(/<option value="(\d+)"( selected)?>([^<]+)<\/option>/g)].map((match) => [match[1], match[3], match[2] === ' selected'])
+    assert.deepEqual(options, [
+      ['86400', '1 day', false],
+      ['259200', '3 days', true],
+      ['604800', '1 week', false],
+      ['2592000', '1 month', false],
+      ['7776000', '3 months', false],
+      ['31536000', '1 year', false],
+    ])
+  })
+
+  it('gives the chosen lifetime to the first token and to every refreshed one', async () => {
+    const code = await obtainCode(latch, {}, { lifetime: '31536000' })
+    const first = (await (await exchange(latch, code)).json()) as { expires_in: number; refresh_token: string }
+    assert.equal(first.expires_in, 31536000)
+    const refreshed = await post(`${latch.base}/token`, form({ grant_type: 'refresh_token', refresh_token: first.refresh_token, client_id: CLIENT_ID }))
+    assert.equal(((await refreshed.json()) as { expires_in: number }).expires_in, 31536000)
+  })
+
+  it('refuses a lifetime it did not offer', async () => {
+    const response = await submitConsent(latch, await openConsent(latch), { lifetime: '999' })
+    assert.equal(response.status, 400)
   })
 })
 

@@ -183,7 +183,8 @@ type Context = {
   passwordSlots: PasswordSlots
 }
 
-type PasswordAttempts = { count: number; lastAt: number; lockedUntil: number }
+/** Password attempts from one address, or from all: how many, the last, and until when the next must wait. */
+export type PasswordAttempts = { count: number; lastAt: number; lockedUntil: number }
 
 type PasswordSlots = { running: number; waiting: (() => void)[] }
 
@@ -1787,8 +1788,8 @@ async function checkPassword(password: string | undefined, address: string, ctx:
 
 const NO_ATTEMPTS: PasswordAttempts = { count: 0, lastAt: 0, lockedUntil: 0 }
 
-/** One more attempt: free up to `free`, then locked for 2, 4, 8, … seconds. */
-function countAttempt(previous: PasswordAttempts | undefined, now: number, free: number): PasswordAttempts {
+/** One more attempt: free up to `free`, then locked for 2, 4, 8, … seconds, up to 15 minutes. */
+export function countAttempt(previous: PasswordAttempts | undefined, now: number, free: number): PasswordAttempts {
   const forgotten = previous === undefined || now - previous.lastAt > FORGET_PASSWORD_FAILURES_SECONDS * 1000
   const count = forgotten ? 1 : previous.count + 1
   const delaySeconds = count <= free ? 0 : Math.min(2 ** (count - free), MAX_PASSWORD_DELAY_SECONDS)
