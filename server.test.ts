@@ -422,6 +422,7 @@ describe('Identifiers (IndieAuth §3.2, §3.3)', () => {
 describe('MemoryStore', () => {
   const code = (expiresAt: number): AuthorizationCode => ({
     client_id: CLIENT_ID,
+    client_name: undefined,
     redirect_uri: REDIRECT_URI,
     code_challenge: CHALLENGE,
     scope: ['create'],
@@ -432,7 +433,7 @@ describe('MemoryStore', () => {
     usedAt: undefined,
   })
   const token = (expiresAt: number): Token => ({ kind: 'access', grantId: 'g', scope: ['create'], issuedAt: 0, expiresAt, usedAt: undefined })
-  const grant = (expiresAt: number): Grant => ({ client_id: CLIENT_ID, me: 'https://example.com/', scope: ['create'], accessTokenTtlSeconds: 3600, approvedAt: 0, lastUsedAt: 0, expiresAt })
+  const grant = (expiresAt: number): Grant => ({ client_id: CLIENT_ID, client_name: undefined, me: 'https://example.com/', scope: ['create'], accessTokenTtlSeconds: 3600, approvedAt: 0, lastUsedAt: 0, expiresAt })
 
   it('marks a code used once, atomically, and hides it once expired', async () => {
     const store = new MemoryStore()

@@ -30,8 +30,12 @@
 // --- Imports ------------------------------------------------------------------
 // node: modules only. Latch has no runtime dependencies.
 
-import { createServer } from 'node:http'
-import type { IncomingMessage, ServerResponse } from 'node:http'
+import { createServer, request as httpRequest } from 'node:http'
+import type { Agent, IncomingMessage, ServerResponse } from 'node:http'
+import { request as httpsRequest } from 'node:https'
+import { lookup } from 'node:dns/promises'
+import type { LookupAddress } from 'node:dns'
+import { BlockList, isIP, isIPv6 } from 'node:net'
 import { createHash, randomBytes, scrypt, timingSafeEqual } from 'node:crypto'
 import { realpathSync } from 'node:fs'
 import { mkdir, open, readFile, rename, rm, truncate } from 'node:fs/promises'
@@ -64,6 +68,8 @@ export type Config = {
   sessionTtlSeconds: number
   /** When set, `/introspect` callers must send it as a Bearer credential. */
   introspectionSecret: string | undefined
+  /** Whether client discovery may fetch from private addresses (a LAN); loopback never. */
+  clientFetchPrivate: boolean
   /** What the `profile` and `email` scopes show of the owner (IA §5.3.4). */
   profile: Profile
 }
@@ -74,6 +80,8 @@ export type Profile = { name?: string; url: string; photo?: string; email?: stri
 /** An authorization request that passed validation and waits for the owner's decision. */
 export type PendingRequest = {
   client_id: string
+  /** The name the client publishes, when discovery found one. */
+  client_name: string | undefined
   redirect_uri: string
   state: string | undefined
   code_challenge: string
@@ -89,6 +97,7 @@ export type PendingRequest = {
 /** An authorization code as stored: under the SHA-256 hash of its value. */
 export type AuthorizationCode = {
   client_id: string
+  client_name: string | undefined
   redirect_uri: string
   code_challenge: string
   /** The scopes the owner granted; empty means the code only proves identity. */
@@ -108,6 +117,7 @@ export type AuthorizationCode = {
  */
 export type Grant = {
   client_id: string
+  client_name: string | undefined
   me: string
   /** The scopes the owner granted; refreshed tokens may narrow them, never widen them. */
   scope: string[]
@@ -171,6 +181,8 @@ export type HandlerOptions = {
   now?: () => number
   /** Receives one line per request and the details of server errors. Defaults to `console.log`. */
   log?: (line: string) => void
+  /** How client information is fetched; tests point it at local servers. */
+  clientFetch?: ClientFetchOptions
 }
 
 /** What every endpoint handler receives besides the request and the response. */
@@ -181,6 +193,9 @@ type Context = {
   log: (line: string) => void
   passwordAttempts: { byAddress: Map<string, PasswordAttempts>; total: PasswordAttempts }
   passwordSlots: PasswordSlots
+  clientFetch: ClientFetchOptions
+  /** Client information by client_id, kept as long as its Cache-Control allows. */
+  clients: Map<string, { info: ClientInfo; expiresAt: number }>
 }
 
 /** Password attempts from one address, or from all: how many, the last, and until when the next must wait. */
@@ -208,6 +223,7 @@ export const SETTINGS = [
   { name: 'REFRESH_TOKEN_TTL', default: '2592000', help: 'A refresh token expires after this long without use (30 days).' },
   { name: 'SESSION_TTL', default: '604800', help: 'How long you stay signed in after entering your password (7 days).' },
   { name: 'INTROSPECTION_SECRET', default: 'unset', help: 'Unset: /introspect is open. Set: callers send `Authorization: Bearer <secret>`.' },
+  { name: 'CLIENT_FETCH_PRIVATE', default: 'unset', help: '`allow` lets client discovery fetch apps on private addresses (a LAN); loopback stays forbidden.' },
   { name: 'PROFILE_NAME', default: 'unset', help: 'Your name, shown to apps granted the profile scope.' },
   { name: 'PROFILE_URL', default: 'ME', help: 'Your home page, shown to apps granted the profile scope.' },
   { name: 'PROFILE_PHOTO', default: 'unset', help: 'URL of your photo, shown to apps granted the profile scope.' },
@@ -264,6 +280,10 @@ export function loadConfig(
       `INTROSPECTION_SECRET is shorter than ${MIN_SECRET_LENGTH} characters: use a long random value, such as the output of \`openssl rand -base64 32\``,
     )
   }
+  const clientFetchPrivate = raw.CLIENT_FETCH_PRIVATE === 'allow'
+  if (raw.CLIENT_FETCH_PRIVATE !== undefined && !clientFetchPrivate) {
+    throw new ConfigError(`CLIENT_FETCH_PRIVATE ${raw.CLIENT_FETCH_PRIVATE} is not a choice: set it to allow, or leave it unset`)
+  }
   const profile = {
     name: raw.PROFILE_NAME,
     url: parseProfileLink('PROFILE_URL', raw.PROFILE_URL ?? me),
@@ -282,6 +302,7 @@ export function loadConfig(
     refreshTokenTtlSeconds,
     sessionTtlSeconds,
     introspectionSecret,
+    clientFetchPrivate,
     profile,
   }
 }
@@ -673,22 +694,344 @@ export function canonicalizeUrl(raw: string): string {
   return new URL(raw).href
 }
 
+const UNSAFE_SCHEMES = new Set(['javascript', 'data', 'vbscript', 'file', 'blob', 'about'])
+
 /**
- * Why `redirect_uri` may not be used with this client, or undefined when it may: it must be
- * absolute, without a fragment, on the same scheme, host and port as `client_id`.
- * @see https://indieauth.spec.indieweb.org/#authorization-request IA §5.2
+ * Why `redirect_uri` may not be used with this client, or undefined when it may. It must be
+ * absolute and without a fragment, and either on the same scheme, host and port as
+ * `client_id`, or exactly one of the redirect URIs the client publishes (a native app's
+ * `com.example.app:/callback`, say). `client` is what discovery found, or why it found nothing.
+ * @see https://indieauth.spec.indieweb.org/#redirect-url IA §4.2.2
  */
-export function redirectUriProblem(redirectUri: string, clientId: string): string | undefined {
+export function redirectUriProblem(redirectUri: string, clientId: string, client: { info?: ClientInfo; failure?: string } = {}): string | undefined {
   if (redirectUri.includes('#')) return 'redirect_uri must not contain a fragment'
-  if (!/^https?:\/\/[\x21-\x7e]+$/i.test(redirectUri) || redirectUri.includes('\\') || !URL.canParse(redirectUri)) {
-    return 'redirect_uri is not an absolute http or https URL'
+  const scheme = /^([a-zA-Z][a-zA-Z0-9+.-]*):/.exec(redirectUri)?.[1].toLowerCase()
+  if (scheme === undefined || !/^[\x21-\x7e]+$/.test(redirectUri) || redirectUri.includes('\\') || !URL.canParse(redirectUri)) {
+    return 'redirect_uri is not an absolute URL'
   }
+  if ((scheme === 'http' || scheme === 'https') && !/^https?:\/\//i.test(redirectUri)) return 'redirect_uri is not an absolute URL'
+  if (UNSAFE_SCHEMES.has(scheme)) return `redirect_uri must not use the ${scheme} scheme`
   const redirect = new URL(redirectUri)
-  const client = new URL(clientId)
-  if (redirect.protocol !== client.protocol || redirect.host !== client.host) {
-    return `redirect_uri must be on the same scheme, host and port as client_id (${client.protocol}//${client.host})`
+  const origin = new URL(clientId)
+  if (redirect.protocol === origin.protocol && redirect.host === origin.host) return undefined
+  if (client.info?.redirectUris.includes(redirectUri)) return undefined
+  if (client.info === undefined) {
+    return `redirect_uri is not on the scheme, host and port of client_id, and the client could not be fetched to check it: ${client.failure ?? 'it was not fetched'}`
   }
+  const published = client.info.redirectUris.length === 0 ? 'none' : client.info.redirectUris.join(' , ')
+  return `redirect_uri is not on the scheme, host and port of client_id, nor one of the redirect URIs the client publishes: ${published}`
+}
+
+// --- Client information discovery -----------------------------------------------
+// IndieAuth §4.2  https://indieauth.spec.indieweb.org/#client-information-discovery
+// Latch fetches the client_id URL to learn the app's name, logo and redirect URIs. Fetching a
+// URL a stranger chose is the classic way into a private network, so: http(s) only; never a
+// loopback client ("the authorization server MUST NOT fetch the client_id URL"); the name is
+// resolved first, every address checked, and the connection made to the address checked; no
+// redirects; a short deadline; a capped body; only a 200 counts.
+
+/** What a client publishes about itself. `logo` is a `data:` URL, fetched by Latch. */
+export type ClientInfo = { name?: string; logo?: string; redirectUris: string[] }
+
+/** How Latch fetches clients: tests and embedders may swap the resolver and the HTTP agent. */
+export type ClientFetchOptions = {
+  /** Resolves a host name to all its addresses; defaults to `dns.lookup`, which honours /etc/hosts. */
+  lookup?: (hostname: string) => Promise<LookupAddress[]>
+  /** The agent requests go through; defaults to Node's global agents. */
+  agent?: Agent
+  /** How long a fetch may take, resolving included; defaults to 5 seconds. */
+  timeoutMs?: number
+}
+
+const CLIENT_FETCH_TIMEOUT_MS = 5_000
+const MAX_CLIENT_DOCUMENT_BYTES = 256 * 1024
+const MAX_LOGO_BYTES = 64 * 1024
+const MAX_CLIENT_CACHE_SECONDS = 86_400
+const LOGO_TYPES = new Set(['image/png', 'image/jpeg', 'image/gif', 'image/webp', 'image/avif'])
+
+/** Addresses Latch never connects to: loopback, link-local and other special-use ranges. */
+const FORBIDDEN_ADDRESSES = new BlockList()
+for (const [network, prefix] of [
+  ['0.0.0.0', 8], // "this network"
+  ['127.0.0.0', 8], // loopback
+  ['169.254.0.0', 16], // link-local, and cloud metadata services
+  ['192.0.0.0', 24], // IETF protocol assignments
+  ['192.0.2.0', 24], // documentation
+  ['198.18.0.0', 15], // benchmarking
+  ['198.51.100.0', 24], // documentation
+  ['203.0.113.0', 24], // documentation
+  ['224.0.0.0', 3], // multicast and reserved, up to 255.255.255.255
+] as const) {
+  FORBIDDEN_ADDRESSES.addSubnet(network, prefix, 'ipv4')
+}
+for (const [network, prefix] of [
+  ['::', 127], // unspecified and loopback
+  ['64:ff9b::', 96], // NAT64
+  ['100::', 64], // discard
+  ['2001::', 23], // IETF protocol assignments, Teredo
+  ['2001:db8::', 32], // documentation
+  ['2002::', 16], // 6to4
+  ['fe80::', 10], // link-local
+  ['ff00::', 8], // multicast
+] as const) {
+  FORBIDDEN_ADDRESSES.addSubnet(network, prefix, 'ipv6')
+}
+
+/** Private addresses: allowed only with `CLIENT_FETCH_PRIVATE=allow`, for clients on a LAN. */
+const PRIVATE_ADDRESSES = new BlockList()
+for (const [network, prefix] of [['10.0.0.0', 8], ['100.64.0.0', 10], ['172.16.0.0', 12], ['192.168.0.0', 16]] as const) {
+  PRIVATE_ADDRESSES.addSubnet(network, prefix, 'ipv4')
+}
+PRIVATE_ADDRESSES.addSubnet('fc00::', 7, 'ipv6') // unique local
+
+/** Why Latch may not connect to an address, or undefined when it may. */
+export function addressProblem(address: string, allowPrivate: boolean): string | undefined {
+  const type = isIPv6(address) ? 'ipv6' : 'ipv4'
+  if (FORBIDDEN_ADDRESSES.check(address, type)) return `it resolves to ${address}, a loopback, link-local or special-use address`
+  if (!allowPrivate && PRIVATE_ADDRESSES.check(address, type)) return `it resolves to ${address}, a private address (CLIENT_FETCH_PRIVATE=allow permits it)`
   return undefined
+}
+
+function lookupAll(hostname: string): Promise<LookupAddress[]> {
+  return lookup(hostname, { all: true, verbatim: true })
+}
+
+type Fetched = { type: string; link: string; cacheControl: string; body: Buffer }
+
+/**
+ * Fetches a URL under the rules above: resolve, check every address, connect to the checked
+ * one, no redirects, a deadline and a body cap. Throws an Error whose message says why not.
+ */
+async function fetchSafely(url: URL, maxBytes: number, options: { allowPrivate: boolean; fetch: ClientFetchOptions }): Promise<Fetched> {
+  if (url.protocol !== 'https:' && url.protocol !== 'http:') throw new Error('it is not an http or https URL')
+  const hostname = url.hostname.replace(/^\[|\]$/g, '')
+  const timeoutMs = options.fetch.timeoutMs ?? CLIENT_FETCH_TIMEOUT_MS
+  const deadline = AbortSignal.timeout(timeoutMs)
+  const addresses = isIP(hostname) !== 0 ? [{ address: hostname, family: isIP(hostname) }] : await withDeadline((options.fetch.lookup ?? lookupAll)(hostname), deadline, timeoutMs)
+  if (addresses.length === 0) throw new Error(`its host ${hostname} has no address`)
+  for (const { address } of addresses) {
+    const problem = addressProblem(address, options.allowPrivate)
+    if (problem !== undefined) throw new Error(problem)
+  }
+  const { address, family } = addresses[0]
+  const send = url.protocol === 'https:' ? httpsRequest : httpRequest
+  return new Promise((resolve, reject) => {
+    const request = send(url, {
+      agent: options.fetch.agent,
+      signal: deadline,
+      headers: { Accept: 'application/json, text/html;q=0.9', 'User-Agent': 'Latch IndieAuth' },
+      lookup: (_name, lookupOptions, callback) => {
+        // Connect to the address that was checked, never to a second answer from DNS (rebinding).
+        if ((lookupOptions as { all?: boolean }).all) (callback as (err: null, all: LookupAddress[]) => void)(null, [{ address, family }])
+        else (callback as (err: null, address: string, family: number) => void)(null, address, family)
+      },
+    })
+    request.on('error', (err) => reject(new Error(deadline.aborted ? `it did not answer within ${timeoutMs} ms` : `fetching it failed: ${err.message}`)))
+    request.on('response', (response) => {
+      if (response.statusCode !== 200) {
+        response.destroy()
+        return reject(new Error(`it answered ${response.statusCode}, and only 200 counts (redirects are not followed)`))
+      }
+      const chunks: Buffer[] = []
+      let size = 0
+      response.on('data', (chunk: Buffer) => {
+        size += chunk.length
+        if (size > maxBytes) {
+          response.destroy()
+          reject(new Error(`it is larger than ${maxBytes / 1024} KiB`))
+        } else {
+          chunks.push(chunk)
+        }
+      })
+      response.on('error', (err) => reject(new Error(`reading it failed: ${err.message}`)))
+      response.on('end', () => {
+        const type = (response.headers['content-type'] ?? '').split(';')[0].trim().toLowerCase()
+        const link = [response.headers.link ?? ''].flat().join(', ')
+        resolve({ type, link, cacheControl: response.headers['cache-control'] ?? '', body: Buffer.concat(chunks) })
+      })
+    })
+    request.end()
+  })
+}
+
+function withDeadline<T>(promise: Promise<T>, deadline: AbortSignal, timeoutMs: number): Promise<T> {
+  return new Promise((resolve, reject) => {
+    const abort = () => reject(new Error(`its host name did not resolve within ${timeoutMs} ms`))
+    deadline.addEventListener('abort', abort, { once: true })
+    promise.then(resolve, (err: NodeJS.ErrnoException) => reject(new Error(`its host name does not resolve (${err.code ?? err.message})`)))
+  })
+}
+
+/**
+ * Fetches and reads a client's information, JSON metadata or an HTML page, with its logo.
+ * Throws an Error that says why when the client cannot be fetched or read.
+ * @see https://indieauth.spec.indieweb.org/#client-information-discovery IA §4.2
+ */
+export async function discoverClient(clientId: string, options: { allowPrivate: boolean; fetch: ClientFetchOptions }): Promise<{ info: ClientInfo; maxAgeSeconds: number }> {
+  const url = new URL(clientId)
+  const host = url.hostname
+  if (host === '127.0.0.1' || host === '[::1]') throw new Error('it is a loopback address, which IndieAuth forbids fetching')
+  const fetched = await fetchSafely(url, MAX_CLIENT_DOCUMENT_BYTES, options)
+  const isJson = fetched.type === 'application/json' || fetched.type.endsWith('+json')
+  const document = isJson ? readClientMetadata(fetched.body.toString('utf8'), clientId) : readClientPage(fetched.body.toString('utf8'), clientId)
+  const redirectUris = [...document.redirectUris, ...readLinkHeader(fetched.link, 'redirect_uri', clientId)]
+  const logo = document.logoUrl === undefined ? undefined : await fetchLogo(document.logoUrl, options).catch(() => undefined)
+  return { info: { name: document.name, logo, redirectUris }, maxAgeSeconds: cacheLifetime(fetched.cacheControl) }
+}
+
+/** How long `Cache-Control` lets a result be kept: `max-age`, capped at a day; 0 for no-store and no-cache. */
+function cacheLifetime(cacheControl: string): number {
+  const directives = cacheControl.toLowerCase()
+  if (/\b(no-store|no-cache)\b/.test(directives)) return 0
+  const maxAge = /\bmax-age\s*=\s*"?(\d+)/.exec(directives)
+  return maxAge === null ? 0 : Math.min(Number(maxAge[1]), MAX_CLIENT_CACHE_SECONDS)
+}
+
+type ClientDocument = { name?: string; logoUrl?: string; redirectUris: string[] }
+
+/**
+ * Reads a client metadata document: its `client_id` must be the URL it came from, and its
+ * `client_uri` a prefix of it.
+ * @see https://indieauth.spec.indieweb.org/#client-metadata IA §4.2.1
+ */
+export function readClientMetadata(text: string, clientId: string): ClientDocument {
+  let metadata: Record<string, unknown>
+  try {
+    metadata = JSON.parse(text) as Record<string, unknown>
+  } catch {
+    throw new Error('its metadata is not valid JSON')
+  }
+  if (typeof metadata !== 'object' || metadata === null) throw new Error('its metadata is not a JSON object')
+  if (typeof metadata.client_id !== 'string' || !isClientId(metadata.client_id) || canonicalizeUrl(metadata.client_id) !== clientId) {
+    throw new Error('its metadata names another client_id') // "the client_id property MUST match the URL"
+  }
+  if (metadata.client_uri !== undefined && (typeof metadata.client_uri !== 'string' || !clientId.startsWith(metadata.client_uri))) {
+    throw new Error('its client_uri is not a prefix of its client_id') // "The client_uri MUST be a prefix of the client_id"
+  }
+  const strings = (value: unknown) => (Array.isArray(value) ? value.filter((item): item is string => typeof item === 'string') : [])
+  return {
+    name: typeof metadata.client_name === 'string' ? cleanName(metadata.client_name) : undefined,
+    logoUrl: typeof metadata.logo_uri === 'string' ? resolveUrl(metadata.logo_uri, clientId) : undefined,
+    redirectUris: strings(metadata.redirect_uris),
+  }
+}
+
+/**
+ * Reads an HTML client page: the first `h-app` or `h-x-app` (its name, logo and url) and every
+ * `<link rel="redirect_uri">`, resolved against the page's URL.
+ * @see https://indieauth.spec.indieweb.org/#client-information-discovery IA §4.2 (2022: §4.2.1, §4.2.2)
+ */
+export function readClientPage(html: string, pageUrl: string): ClientDocument {
+  const elements = scanHtml(html)
+  const redirectUris: string[] = []
+  for (const element of elements) {
+    if (element.name === 'link' && hasToken(element.attributes.rel, 'redirect_uri') && element.attributes.href !== undefined) {
+      const resolved = resolveUrl(element.attributes.href, pageUrl)
+      if (resolved !== undefined) redirectUris.push(resolved)
+    }
+  }
+  const app = elements.findIndex((element) => hasToken(element.attributes.class, 'h-app') || hasToken(element.attributes.class, 'h-x-app'))
+  if (app === -1) return { redirectUris }
+  const inside = elements.slice(app + 1, elements[app].end)
+  const nameElement = inside.find((element) => hasToken(element.attributes.class, 'p-name'))
+  const logoElement = inside.find((element) => hasToken(element.attributes.class, 'u-logo'))
+  const logo = logoElement?.attributes.src ?? logoElement?.attributes.href
+  return {
+    name: cleanName(nameElement?.text ?? elements[app].text),
+    logoUrl: logo === undefined ? undefined : resolveUrl(logo, pageUrl),
+    redirectUris,
+  }
+}
+
+type HtmlElement = { name: string; attributes: Record<string, string>; text: string; end: number }
+
+const VOID_ELEMENTS = new Set(['area', 'base', 'br', 'col', 'embed', 'hr', 'img', 'input', 'link', 'meta', 'source', 'track', 'wbr'])
+
+/**
+ * A small HTML scanner, enough for microformats: every start tag in order, with its attributes,
+ * its text, and the index just past its last descendant. Comments, scripts and styles are skipped.
+ */
+export function scanHtml(html: string): HtmlElement[] {
+  const source = html.replace(/<!--[\s\S]*?-->/g, '').replace(/<(script|style)\b[\s\S]*?<\/\1\s*>/gi, '')
+  const elements: HtmlElement[] = []
+  const open: { index: number; textStart: number }[] = []
+  const tag = /<(\/?)([a-zA-Z][a-zA-Z0-9-]*)((?:[^>"']|"[^"]*"|'[^']*')*)>/g
+  for (let match = tag.exec(source); match !== null; match = tag.exec(source)) {
+    const name = match[2].toLowerCase()
+    if (match[1] === '/') {
+      const at = open.findLastIndex((entry) => elements[entry.index].name === name)
+      if (at === -1) continue
+      for (const entry of open.splice(at)) {
+        elements[entry.index].end = elements.length
+        elements[entry.index].text = htmlText(source.slice(entry.textStart, match.index))
+      }
+      continue
+    }
+    elements.push({ name, attributes: readAttributes(match[3]), text: '', end: elements.length + 1 })
+    if (!VOID_ELEMENTS.has(name) && !match[3].endsWith('/')) open.push({ index: elements.length - 1, textStart: tag.lastIndex })
+  }
+  for (const entry of open) {
+    elements[entry.index].end = elements.length
+    elements[entry.index].text = htmlText(source.slice(entry.textStart))
+  }
+  return elements
+}
+
+function readAttributes(text: string): Record<string, string> {
+  const attributes: Record<string, string> = {}
+  const attribute = /([^\s"'=<>\/]+)(?:\s*=\s*(?:"([^"]*)"|'([^']*)'|([^\s"'>]+)))?/g
+  for (let match = attribute.exec(text); match !== null; match = attribute.exec(text)) {
+    const name = match[1].toLowerCase()
+    if (!Object.hasOwn(attributes, name)) attributes[name] = decodeEntities(match[2] ?? match[3] ?? match[4] ?? '')
+  }
+  return attributes
+}
+
+function htmlText(html: string): string {
+  return decodeEntities(html.replace(/<[^>]*>/g, ' ')).replace(/\s+/g, ' ').trim()
+}
+
+function decodeEntities(text: string): string {
+  const named: Record<string, string> = { amp: '&', lt: '<', gt: '>', quot: '"', apos: "'", nbsp: ' ' }
+  return text.replace(/&(#x[0-9a-f]+|#\d+|[a-z]+);/gi, (entity, body: string) => {
+    const code = body[0] !== '#' ? undefined : body[1].toLowerCase() === 'x' ? parseInt(body.slice(2), 16) : parseInt(body.slice(1), 10)
+    if (code === undefined) return named[body.toLowerCase()] ?? entity
+    return code > 0 && code <= 0x10ffff ? String.fromCodePoint(code) : entity
+  })
+}
+
+function hasToken(list: string | undefined, token: string): boolean {
+  return (list ?? '').toLowerCase().split(/\s+/).includes(token)
+}
+
+/** The URLs of one relation in a `Link` header, resolved against the page's URL. */
+export function readLinkHeader(header: string, rel: string, base: string): string[] {
+  const urls: string[] = []
+  for (const match of header.matchAll(/<([^>]*)>((?:\s*;\s*[^;,]+)*)/g)) {
+    const rels = /;\s*rel\s*=\s*(?:"([^"]*)"|([^\s;,]+))/i.exec(match[2])
+    const resolved = resolveUrl(match[1], base)
+    if (rels !== null && hasToken(rels[1] ?? rels[2], rel) && resolved !== undefined) urls.push(resolved)
+  }
+  return urls
+}
+
+function resolveUrl(href: string, base: string): string | undefined {
+  return URL.canParse(href.trim(), base) ? new URL(href.trim(), base).href : undefined
+}
+
+/** A name as the consent page shows it: one line, at most 100 characters. */
+function cleanName(name: string): string | undefined {
+  const clean = name.replace(/[\s\x00-\x1f\x7f]+/g, ' ').trim().slice(0, 100)
+  return clean === '' ? undefined : clean
+}
+
+/** Fetches a logo under the same rules, and inlines it: images only, at most 64 KiB. */
+async function fetchLogo(logoUrl: string, options: { allowPrivate: boolean; fetch: ClientFetchOptions }): Promise<string | undefined> {
+  const url = new URL(logoUrl)
+  if (url.hostname === '127.0.0.1' || url.hostname === '[::1]' || url.hostname === 'localhost') return undefined
+  const fetched = await fetchSafely(url, MAX_LOGO_BYTES, options)
+  if (!LOGO_TYPES.has(fetched.type)) return undefined
+  return `data:${fetched.type};base64,${fetched.body.toString('base64')}`
 }
 
 // --- Storage --------------------------------------------------------------------
@@ -1310,7 +1653,7 @@ function readBody(req: IncomingMessage): Promise<Buffer> {
       else reject(tooLarge) // later chunks are read and dropped until the connection closes
     })
     req.on('end', () => resolve(Buffer.concat(chunks)))
-    req.on('error', reject)
+    req.on('error', () => reject(new OAuthError('invalid_request', 'The request body ended early')))
     req.on('close', () => reject(new OAuthError('invalid_request', 'The request body ended early')))
   })
 }
@@ -1392,6 +1735,7 @@ button.danger { border-color: var(--danger); color: var(--danger); }
 select { font: inherit; color: inherit; background: var(--panel); border: 1px solid var(--line); border-radius: .4rem; padding: .4rem; margin-left: .25rem; }
 .app { border: 1px solid var(--line); border-radius: .5rem; padding: .75rem 1rem; margin: 0 0 1rem; background: var(--panel); }
 .app h2 { font-size: 1.1rem; margin: 0 0 .5rem; overflow-wrap: anywhere; }
+.logo { border-radius: .5rem; }
 dl { display: grid; grid-template-columns: max-content 1fr; gap: .2rem .75rem; margin: 0 0 .75rem; }
 dt { color: var(--muted); }
 dd { margin: 0; }
@@ -1578,14 +1922,15 @@ async function handleAuthorizationRequest(req: IncomingMessage, res: ServerRespo
   const clientProblem = clientIdProblem(clientId)
   if (clientProblem !== undefined) throw new OAuthError('invalid_request', `client_id is not a valid client identifier: ${clientProblem}`)
   const redirectUri = requireParam(query, 'redirect_uri')
-  const redirectProblem = redirectUriProblem(redirectUri, clientId)
+  const client = await findClient(canonicalizeUrl(clientId), ctx)
+  const redirectProblem = redirectUriProblem(redirectUri, clientId, client)
   if (redirectProblem !== undefined) throw new OAuthError('invalid_request', redirectProblem)
 
   // From here on redirect_uri is trusted: report errors by redirecting to it (RFC 6749 §4.1.2.1).
   const state = stateOf(query)
   let request: PendingRequest
   try {
-    request = buildPendingRequest(query, canonicalizeUrl(clientId), redirectUri, ctx)
+    request = buildPendingRequest(query, { client_id: canonicalizeUrl(clientId), client_name: client.info?.name, redirect_uri: redirectUri }, ctx)
   } catch (err) {
     if (!(err instanceof OAuthError)) throw err
     const params = { error: err.error, error_description: err.message, state, iss: ctx.config.issuer }
@@ -1595,7 +1940,7 @@ async function handleAuthorizationRequest(req: IncomingMessage, res: ServerRespo
   request.csrfHash = sha256(csrf)
   const id = createSecret()
   await ctx.store.savePending(sha256(id), request, ctx.now())
-  const page = renderConsentPage(request, { id, csrf, config: ctx.config, signedIn: await isSignedIn(req, ctx) })
+  const page = renderConsentPage(request, { id, csrf, config: ctx.config, signedIn: await isSignedIn(req, ctx), logo: client.info?.logo })
   sendPage(res, 200, page, { 'Set-Cookie': buildCookie(CSRF_COOKIE, csrf, undefined, ctx.config) })
 }
 
@@ -1605,8 +1950,30 @@ function stateOf(query: Params): string | undefined {
   return values.length === 1 ? values[0] : undefined
 }
 
+/**
+ * What discovery knows of a client, fetched at most once per Cache-Control lifetime, or why it
+ * knows nothing. Failures are never cached.
+ */
+async function findClient(clientId: string, ctx: Context): Promise<{ info?: ClientInfo; failure?: string }> {
+  const cached = ctx.clients.get(clientId)
+  if (cached !== undefined && cached.expiresAt > ctx.now()) return { info: cached.info }
+  try {
+    const { info, maxAgeSeconds } = await discoverClient(clientId, { allowPrivate: ctx.config.clientFetchPrivate, fetch: ctx.clientFetch })
+    ctx.clients.delete(clientId)
+    if (maxAgeSeconds > 0) {
+      if (ctx.clients.size >= MAX_CACHED_CLIENTS) ctx.clients.delete(ctx.clients.keys().next().value ?? '')
+      ctx.clients.set(clientId, { info, expiresAt: ctx.now() + maxAgeSeconds * 1000 })
+    }
+    return { info }
+  } catch (err) {
+    return { failure: err instanceof Error ? err.message : String(err) }
+  }
+}
+
+const MAX_CACHED_CLIENTS = 1_000
+
 /** Checks the rest of the request, one rule per line, in the order the contract lists them. */
-function buildPendingRequest(query: Params, clientId: string, redirectUri: string, ctx: Context): PendingRequest {
+function buildPendingRequest(query: Params, client: { client_id: string; client_name: string | undefined; redirect_uri: string }, ctx: Context): PendingRequest {
   for (const [name, values] of query) {
     if (values.filter((value) => value !== '').length > 1) throw new OAuthError('invalid_request', `Parameter ${name} was sent more than once`)
   }
@@ -1617,8 +1984,7 @@ function buildPendingRequest(query: Params, clientId: string, redirectUri: strin
   const method = getParam(query, 'code_challenge_method') ?? 'S256'
   if (method !== 'S256') throw new OAuthError('invalid_request', 'code_challenge_method must be S256')
   return {
-    client_id: clientId,
-    redirect_uri: redirectUri,
+    ...client,
     state: getParam(query, 'state'),
     code_challenge: codeChallenge,
     scope: responseType === 'id' ? [] : parseScope(getParam(query, 'scope')), // `id`: the profile-only request of older clients
@@ -1629,12 +1995,15 @@ function buildPendingRequest(query: Params, clientId: string, redirectUri: strin
 }
 
 /** The consent page: who asks, where the browser goes next, what access, and one form. */
-function renderConsentPage(request: PendingRequest, form: { id: string; csrf: string; config: Config; signedIn: boolean; message?: string }): string {
+function renderConsentPage(
+  request: PendingRequest,
+  form: { id: string; csrf: string; config: Config; signedIn: boolean; logo?: string; message?: string },
+): string {
   const { config } = form
-  const redirectHost = new URL(request.redirect_uri).host
+  const redirectHost = new URL(request.redirect_uri).host || request.redirect_uri // a native app's custom scheme has no host
   const scopes = request.scope
     .map((scope) => {
-      const description = SCOPE_DESCRIPTIONS[scope] ?? 'Access that this server does not describe'
+      const description = Object.hasOwn(SCOPE_DESCRIPTIONS, scope) ? SCOPE_DESCRIPTIONS[scope] : 'Access that this server does not describe'
       return `<label><input type="checkbox" name="scope" value="${escapeHtml(scope)}" checked> <code>${escapeHtml(scope)}</code> · ${escapeHtml(description)}</label>`
     })
     .join('\n')
@@ -1642,7 +2011,8 @@ function renderConsentPage(request: PendingRequest, form: { id: string; csrf: st
   return renderPage(
     'Sign in',
     `<h1>Sign in to an app as ${escapeHtml(config.me)}</h1>
-<p>The app <code>${escapeHtml(request.client_id)}</code> wants to know that you are <code>${escapeHtml(config.me)}</code>.</p>
+${form.logo === undefined ? '' : `<p><img class="logo" src="${escapeHtml(form.logo)}" alt="" width="64" height="64"></p>`}
+<p>The app ${request.client_name === undefined ? '' : `<strong>${escapeHtml(request.client_name)}</strong> at `}<code>${escapeHtml(request.client_id)}</code> wants to know that you are <code>${escapeHtml(config.me)}</code>.</p>
 ${hint}
 <p class="muted">After you decide, your browser goes to <code>${escapeHtml(redirectHost)}</code>.</p>
 ${form.message === undefined ? '' : `<p class="error" role="alert">${escapeHtml(form.message)}</p>`}
@@ -1707,7 +2077,10 @@ async function handleConsent(req: IncomingMessage, res: ServerResponse, ctx: Con
   const headers: Record<string, string> = {}
   if (decision === 'approve' && !(await isSignedIn(req, ctx))) {
     const message = await checkPassword(getParam(form, 'password'), clientAddress(req), ctx)
-    if (message !== undefined) return sendPage(res, 401, renderConsentPage(request, { id, csrf, config: ctx.config, signedIn: false, message }))
+    if (message !== undefined) {
+      const logo = ctx.clients.get(request.client_id)?.info.logo
+      return sendPage(res, 401, renderConsentPage(request, { id, csrf, config: ctx.config, signedIn: false, logo, message }))
+    }
     headers['Set-Cookie'] = await startSession(ctx)
   }
   if ((await ctx.store.takePending(sha256(id), ctx.now())) === undefined) {
@@ -1731,6 +2104,7 @@ async function issueCode(request: PendingRequest, grant: { scope: string[]; acce
     sha256(code),
     {
       client_id: request.client_id,
+      client_name: request.client_name,
       redirect_uri: request.redirect_uri,
       code_challenge: request.code_challenge,
       scope: grant.scope,
@@ -1938,6 +2312,7 @@ async function exchangeCode(form: Params, ctx: Context) {
   await consumeCode(codeHash, ctx)
   const grant = {
     client_id: code.client_id,
+    client_name: code.client_name,
     me: code.me,
     scope: code.scope,
     accessTokenTtlSeconds: code.accessTokenTtlSeconds,
@@ -2227,8 +2602,9 @@ function renderAppsPage(grants: [string, Grant][], page: { csrf: string; config:
   const apps = grants
     .map(
       ([id, grant]) => `<section class="app">
-<h2>${escapeHtml(grant.client_id)}</h2>
+<h2>${escapeHtml(grant.client_name ?? grant.client_id)}</h2>
 <dl>
+${grant.client_name === undefined ? '' : `<dt>App</dt><dd><code>${escapeHtml(grant.client_id)}</code></dd>`}
 <dt>Scopes</dt><dd>${escapeHtml(grant.scope.join(' '))}</dd>
 <dt>Approved</dt><dd>${formatTime(grant.approvedAt)}</dd>
 <dt>Last used</dt><dd>${formatTime(grant.lastUsedAt)}</dd>
@@ -2357,7 +2733,7 @@ const CORS_HANDLERS = new Set<Handler>([
 function selectRoute(method: string, path: string): { handler: Handler; cors: boolean } {
   const routes = routesOf(path)
   if (routes === undefined) return { handler: rejectUnknownPath, cors: false }
-  const handler = routes[method]
+  const handler = Object.hasOwn(routes, method) ? routes[method] : undefined
   if (handler !== undefined) return { handler, cors: CORS_HANDLERS.has(handler) }
   const corsMethods = Object.keys(routes).filter((name) => CORS_HANDLERS.has(routes[name] as Handler))
   if (method === 'OPTIONS' && corsMethods.length > 0) return { handler: answerPreflight(corsMethods), cors: true }
@@ -2400,6 +2776,8 @@ export function createHandler(options: HandlerOptions): (req: IncomingMessage, r
     log,
     passwordAttempts: { byAddress: new Map(), total: NO_ATTEMPTS },
     passwordSlots: { running: 0, waiting: [] },
+    clientFetch: options.clientFetch ?? {},
+    clients: new Map(),
   }
   return (req, res) => {
     const started = performance.now()

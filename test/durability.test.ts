@@ -183,7 +183,7 @@ describe('DATA_FILE: compaction and failures', () => {
     const file = join(directory, 'compact.jsonl')
     const store = await FileStore.open(file, { now: () => START, log: () => {} })
     const live: Token = { kind: 'access', grantId: 'g', scope: ['create'], issuedAt: START, expiresAt: START + 3600_000, usedAt: undefined }
-    await store.saveGrant('g', { client_id: CLIENT_ID, me: 'https://example.com/', scope: ['create'], accessTokenTtlSeconds: 3600, approvedAt: START, lastUsedAt: START, expiresAt: START + 3600_000 }, START)
+    await store.saveGrant('g', { client_id: CLIENT_ID, client_name: undefined, me: 'https://example.com/', scope: ['create'], accessTokenTtlSeconds: 3600, approvedAt: START, lastUsedAt: START, expiresAt: START + 3600_000 }, START)
     const writes: Promise<void>[] = []
     for (let i = 0; i < 12_000; i++) writes.push(store.saveToken(`t${i}`, live, START))
     for (let i = 0; i < 11_990; i++) writes.push(store.deleteToken(`t${i}`))

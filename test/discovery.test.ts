@@ -1,0 +1,335 @@
+// Client information discovery (IndieAuth §4.2) against real HTTP servers playing client sites.
+// Names like `json.example` resolve, through an injected resolver, to public-looking addresses;
+// an injected agent then carries every connection to the local site server, which answers by
+// Host header. The address rules are checked on what the resolver returns, as in production.
+
+import { after, before, describe, it } from 'node:test'
+import assert from 'node:assert/strict'
+import { Agent, createServer } from 'node:http'
+import type { IncomingMessage, Server, ServerResponse } from 'node:http'
+import { connect } from 'node:net'
+import type { AddressInfo, Socket } from 'node:net'
+import { addressProblem, createHandler, loadConfig, readClientPage, readLinkHeader } from '../server.ts'
+import type { ClientFetchOptions } from '../server.ts'
+
+const CHALLENGE = 'E9Melhoa2OwvFrEMTJguCHaoeK1t8URWbuGJSstw-cM'
+const PUBLIC_ADDRESS = '93.184.215.14'
+const PNG = Buffer.from('iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAYAAAAfFcSJAAAADUlEQVR42mNk+M9QDwADhgGAWjR9awAAAABJRU5ErkJggg==', 'base64')
+
+// --- The client sites ------------------------------------------------------------------
+
+const requests: string[] = [] // `host path` of every request the sites received
+
+function sendJson(res: ServerResponse, body: unknown, headers: Record<string, string> = {}): void {
+  res.writeHead(200, { 'Content-Type': 'application/json', ...headers })
+  res.end(JSON.stringify(body))
+}
+
+function sendHtml(res: ServerResponse, html: string, headers: Record<string, string> = {}): void {
+  res.writeHead(200, { 'Content-Type': 'text/html; charset=utf-8', ...headers })
+  res.end(html)
+}
+
+function site(req: IncomingMessage, res: ServerResponse): void {
+  const host = (req.headers.host ?? '').split(':')[0]
+  requests.push(`${host} ${req.url}`)
+  if (req.url === '/logo.png') {
+    res.writeHead(200, { 'Content-Type': 'image/png' })
+    return void res.end(PNG)
+  }
+  switch (host) {
+    case 'json.example':
+      return sendJson(
+        res,
+        {
+          client_id: 'http://json.example/',
+          client_name: 'Jot <Notes>',
+          client_uri: 'http://json.example/',
+          logo_uri: '/logo.png',
+          redirect_uris: ['https://other.example/callback', 'com.example.jot:/callback'],
+        },
+        { 'Cache-Control': 'public, max-age=60' },
+      )
+    case 'mismatch.example':
+      return sendJson(res, { client_id: 'https://elsewhere.example/', client_name: 'Impostor', redirect_uris: ['https://other.example/callback'] })
+    case 'prefix.example':
+      return sendJson(res, { client_id: 'http://prefix.example/app/', client_uri: 'https://other.example/', redirect_uris: ['https://other.example/callback'] })
+    case 'html.example':
+      return sendHtml(
+        res,
+        `<!doctype html><html><head>
+<link rel="redirect_uri" href="https://element.example/callback">
+<link rel="stylesheet redirect_uri" href="https://app.html.example/second">
+</head><body>
+<div class="h-app"><img class="u-logo" src="/logo.png" alt=""><a class="u-url p-name" href="/">Quill &amp; Ink</a></div>
+<!-- <link rel="redirect_uri" href="https://commented.example/"> -->
+</body></html>`,
+        { Link: '<https://header.example/callback>; rel="redirect_uri", <http://html.example/ignored>; rel="me"' },
+      )
+    case 'redirecting.example':
+      res.writeHead(302, { Location: 'http://json.example/' })
+      return void res.end()
+    case 'big.example':
+      return sendHtml(res, `<div class="h-app">${'x'.repeat(1024 * 1024)}</div>`)
+    case 'slow.example':
+      return // never answers
+    case 'failing.example':
+      res.writeHead(500)
+      return void res.end()
+    case 'lan.example':
+      return sendJson(res, { client_id: 'http://lan.example/', client_name: 'On the LAN', redirect_uris: ['https://other.example/callback'] })
+    default:
+      res.writeHead(404)
+      res.end()
+  }
+}
+
+let sites: Server
+let sitesPort = 0
+const sockets = new Set<Socket>()
+
+/** An agent that takes every connection to the local site server, whatever the address. */
+class SitesAgent extends Agent {
+  createConnection(): Socket {
+    const socket = connect(sitesPort, '127.0.0.1')
+    sockets.add(socket)
+    return socket
+  }
+}
+
+const ADDRESSES: Record<string, string> = {
+  'lan.example': '10.1.2.3',
+  'loop.example': '127.0.0.2',
+  'metadata.example': '169.254.169.254',
+  'mapped.example': '::ffff:127.0.0.1',
+}
+
+const clientFetch: ClientFetchOptions = {
+  lookup: async (hostname) => {
+    if (hostname === 'nowhere.example') throw Object.assign(new Error('not found'), { code: 'ENOTFOUND' })
+    const address = ADDRESSES[hostname] ?? PUBLIC_ADDRESS
+    return [{ address, family: address.includes(':') ? 6 : 4 }]
+  },
+  agent: new SitesAgent(),
+  timeoutMs: 300,
+}
+
+before(async () => {
+  sites = createServer(site)
+  await new Promise<void>((resolve) => sites.listen(0, '127.0.0.1', resolve))
+  sitesPort = (sites.address() as AddressInfo).port
+})
+
+after(async () => {
+  for (const socket of sockets) socket.destroy()
+  sites.closeAllConnections()
+  await new Promise((resolve) => sites.close(resolve))
+})
+
+// --- Latch ---------------------------------------------------------------------------------
+
+type Latch = { base: string; advance: (seconds: number) => void; close: () => Promise<void> }
+
+async function startLatch(env: Record<string, string> = {}): Promise<Latch> {
+  const server = createServer()
+  await new Promise<void>((resolve) => server.listen(0, '127.0.0.1', resolve))
+  const config = loadConfig({ PORT: '0', DATA_FILE: 'memory', ...env }, [], { boundPort: (server.address() as AddressInfo).port })
+  let time = Date.UTC(2027, 0, 1)
+  server.on('request', createHandler({ config, now: () => time, log: () => {}, clientFetch }))
+  return {
+    base: config.issuer,
+    advance: (seconds) => {
+      time += seconds * 1000
+    },
+    close: () => {
+      server.closeAllConnections()
+      return new Promise((resolve) => server.close(() => resolve()))
+    },
+  }
+}
+
+function authorize(latch: Latch, clientId: string, redirectUri: string): Promise<Response> {
+  const query = new URLSearchParams({ client_id: clientId, redirect_uri: redirectUri, state: 's', code_challenge: CHALLENGE, scope: 'create' })
+  return fetch(`${latch.base}/auth?${query}`, { redirect: 'manual' })
+}
+
+function fetchesOf(host: string): number {
+  return requests.filter((request) => request === `${host} /`).length
+}
+
+// --- Tests ------------------------------------------------------------------------------------
+
+describe('Client discovery (IndieAuth §4.2)', () => {
+  let latch: Latch
+  before(async () => (latch = await startLatch()))
+  after(() => latch.close())
+
+  it('reads JSON metadata: a listed redirect_uri on another host, the name and an inlined logo', async () => {
+    const response = await authorize(latch, 'http://json.example/', 'https://other.example/callback')
+    const html = await response.text()
+    assert.equal(response.status, 200, html)
+    assert.match(html, /<strong>Jot &#60;Notes&#62;<\/strong> at <code>http:\/\/json\.example\/<\/code>/)
+    assert.ok(html.includes(`src="data:image/png;base64,${PNG.toString('base64')}"`))
+    assert.doesNotMatch(html, /src="http/) // the page loads nothing from elsewhere
+  })
+
+  it('accepts a custom-scheme redirect_uri listed in metadata, and redirects there with the code', async () => {
+    const response = await authorize(latch, 'http://json.example/', 'com.example.jot:/callback')
+    const html = await response.text()
+    assert.equal(response.status, 200, html)
+    const request = /name="request" value="([^"]+)"/.exec(html)?.[1] ?? ''
+    const csrf = /name="csrf" value="([^"]+)"/.exec(html)?.[1] ?? ''
+    const approved = await fetch(`${latch.base}/auth/consent`, {
+      method: 'POST',
+      redirect: 'manual',
+      headers: { 'Content-Type': 'application/x-www-form-urlencoded', Cookie: `latch_csrf=${csrf}` },
+      body: new URLSearchParams({ request, csrf, scope: 'create', decision: 'approve' }),
+    })
+    assert.equal(approved.status, 303)
+    assert.match(approved.headers.get('location') ?? '', /^com\.example\.jot:\/callback\?code=[A-Za-z0-9_-]{43}&state=s&iss=/)
+  })
+
+  it('matches redirect URIs exactly: a trailing slash, an added query or another case is refused', async () => {
+    for (const redirectUri of ['https://other.example/callback/', 'https://other.example/callback?x=1', 'https://other.example/Callback']) {
+      const response = await authorize(latch, 'http://json.example/', redirectUri)
+      assert.equal(response.status, 400, redirectUri)
+      assert.equal(response.headers.get('location'), null)
+      const html = await response.text()
+      assert.ok(html.includes('https://other.example/callback , com.example.jot:/callback'), 'the page lists what the client publishes')
+    }
+  })
+
+  it('refuses metadata whose client_id is not the URL it came from', async () => {
+    const response = await authorize(latch, 'http://mismatch.example/', 'https://other.example/callback')
+    assert.equal(response.status, 400)
+    assert.match(await response.text(), /another client_id/)
+    const sameHost = await authorize(latch, 'http://mismatch.example/', 'http://mismatch.example/callback')
+    const html = await sameHost.text()
+    assert.equal(sameHost.status, 200) // a redirect on the client's own host needs no discovery
+    assert.doesNotMatch(html, /Impostor/)
+  })
+
+  it('refuses metadata whose client_uri is not a prefix of client_id', async () => {
+    const response = await authorize(latch, 'http://prefix.example/app/', 'https://other.example/callback')
+    assert.equal(response.status, 400)
+    assert.match(await response.text(), /client_uri/)
+  })
+
+  it('reads an HTML page: h-app name and logo, rel=redirect_uri in elements and in the Link header', async () => {
+    for (const redirectUri of ['https://element.example/callback', 'https://app.html.example/second', 'https://header.example/callback']) {
+      const response = await authorize(latch, 'http://html.example/', redirectUri)
+      const html = await response.text()
+      assert.equal(response.status, 200, `${redirectUri}: ${html}`)
+      assert.match(html, /<strong>Quill &#38; Ink<\/strong>/)
+      assert.match(html, /src="data:image\/png;base64,/)
+    }
+    assert.equal((await authorize(latch, 'http://html.example/', 'https://commented.example/')).status, 400)
+    assert.equal((await authorize(latch, 'http://html.example/', 'http://html.example/ignored')).status, 200) // same host anyway
+  })
+
+  it('does not follow a redirect from the client page', async () => {
+    const before = fetchesOf('json.example')
+    const response = await authorize(latch, 'http://redirecting.example/', 'https://other.example/callback')
+    assert.equal(response.status, 400)
+    assert.match(await response.text(), /answered 302/)
+    assert.equal(fetchesOf('json.example'), before)
+  })
+
+  it('gives up on an oversized page and on a slow one', async () => {
+    const big = await authorize(latch, 'http://big.example/', 'https://other.example/callback')
+    assert.equal(big.status, 400)
+    assert.match(await big.text(), /larger than 256 KiB/)
+    const slow = await authorize(latch, 'http://slow.example/', 'https://other.example/callback')
+    assert.equal(slow.status, 400)
+    assert.match(await slow.text(), /did not answer within 300 ms/)
+  })
+
+  it('never fetches a loopback client_id, by address or by what its name resolves to', async () => {
+    const count = requests.length
+    assert.equal((await authorize(latch, 'http://127.0.0.1:8080/', 'http://other.example/callback')).status, 400)
+    assert.equal((await authorize(latch, 'http://[::1]:8080/', 'http://other.example/callback')).status, 400)
+    for (const host of ['loop.example', 'mapped.example', 'metadata.example']) {
+      const response = await authorize(latch, `http://${host}/`, 'https://other.example/callback')
+      assert.equal(response.status, 400)
+      assert.match(await response.text(), /loopback, link-local or special-use/)
+    }
+    assert.equal(requests.length, count)
+  })
+
+  it('never fetches a private address unless CLIENT_FETCH_PRIVATE=allow', async () => {
+    const refused = await authorize(latch, 'http://lan.example/', 'https://other.example/callback')
+    assert.equal(refused.status, 400)
+    assert.match(await refused.text(), /private address/)
+    assert.equal(fetchesOf('lan.example'), 0)
+    const lan = await startLatch({ CLIENT_FETCH_PRIVATE: 'allow' })
+    const allowed = await authorize(lan, 'http://lan.example/', 'https://other.example/callback')
+    assert.equal(allowed.status, 200)
+    assert.match(await allowed.text(), /On the LAN/)
+    await lan.close()
+  })
+
+  it('says so when the name does not resolve', async () => {
+    const response = await authorize(latch, 'http://nowhere.example/', 'https://other.example/callback')
+    assert.equal(response.status, 400)
+    assert.match(await response.text(), /does not resolve/)
+  })
+
+  it('caches a result as long as Cache-Control allows, and never caches a failure', async () => {
+    const cached = await startLatch()
+    const before = fetchesOf('json.example')
+    await authorize(cached, 'http://json.example/', 'https://other.example/callback')
+    await authorize(cached, 'http://json.example/', 'https://other.example/callback')
+    assert.equal(fetchesOf('json.example'), before + 1)
+    cached.advance(61)
+    await authorize(cached, 'http://json.example/', 'https://other.example/callback')
+    assert.equal(fetchesOf('json.example'), before + 2)
+
+    const failures = fetchesOf('failing.example')
+    await authorize(cached, 'http://failing.example/', 'https://other.example/callback')
+    await authorize(cached, 'http://failing.example/', 'https://other.example/callback')
+    assert.equal(fetchesOf('failing.example'), failures + 2)
+    await cached.close()
+  })
+})
+
+describe('Discovery parsers and address rules', () => {
+  it('reads the first h-app, and falls back to its text for a name', () => {
+    const page = readClientPage('<div class="h-x-app">  My\n <b>App</b> </div><div class="h-app"><span class="p-name">Second</span></div>', 'https://a.example/')
+    assert.equal(page.name, 'My App')
+    assert.deepEqual(page.redirectUris, [])
+  })
+
+  it('resolves relative redirect URIs against the page and ignores other relations', () => {
+    const page = readClientPage("<link rel='redirect_uri' href='cb?x=1'><link rel=me href=/me><link rel=redirect_uri href=https://b.example/>", 'https://a.example/app/')
+    assert.deepEqual(page.redirectUris, ['https://a.example/app/cb?x=1', 'https://b.example/'])
+  })
+
+  it('reads redirect_uri links from a Link header with several relations', () => {
+    const header = '</a>; rel="redirect_uri me", <https://c.example/b>; title="x"; rel=redirect_uri, </c>; rel="next"'
+    assert.deepEqual(readLinkHeader(header, 'redirect_uri', 'https://a.example/'), ['https://a.example/a', 'https://c.example/b'])
+  })
+
+  const addresses: [string, boolean, string | undefined][] = [
+    ['93.184.215.14', false, undefined],
+    ['2606:2800:21f:cb07:6820:80da:af6b:8b2c', false, undefined],
+    ['127.0.0.1', true, 'loopback'],
+    ['127.1.2.3', true, 'loopback'],
+    ['::1', true, 'loopback'],
+    ['::ffff:127.0.0.1', true, 'loopback'],
+    ['0.0.0.0', true, 'loopback'],
+    ['169.254.169.254', true, 'link-local'],
+    ['fe80::1', true, 'link-local'],
+    ['224.0.0.1', true, 'special-use'],
+    ['10.0.0.1', false, 'private'],
+    ['172.20.1.1', false, 'private'],
+    ['192.168.1.1', false, 'private'],
+    ['100.100.1.1', false, 'private'],
+    ['fd12::1', false, 'private'],
+  ]
+  for (const [address, evenWhenAllowed, kind] of addresses) {
+    it(`${kind === undefined ? 'allows' : 'refuses'} ${address}${kind === 'private' ? ' unless private addresses are allowed' : ''}`, () => {
+      assert.equal(addressProblem(address, false) === undefined, kind === undefined)
+      assert.equal(addressProblem(address, true) === undefined, !evenWhenAllowed)
+    })
+  }
+})
