@@ -1717,7 +1717,7 @@ const STYLESHEET = `
 * { box-sizing: border-box; }
 body { margin: 0; background: var(--bg); color: var(--fg); font: 1rem/1.5 system-ui, -apple-system, "Segoe UI", sans-serif; }
 main { max-width: 34rem; margin: 0 auto; padding: 2rem 1rem; }
-h1 { font-size: 1.5rem; line-height: 1.25; margin: 0 0 1rem; }
+h1 { font-size: 1.5rem; line-height: 1.25; margin: 0 0 1rem; overflow-wrap: anywhere; }
 p, fieldset, pre { margin: 0 0 1rem; }
 code, pre { font-family: ui-monospace, Menlo, Consolas, monospace; font-size: .9rem; overflow-wrap: anywhere; }
 pre { background: var(--panel); border: 1px solid var(--line); border-radius: .5rem; padding: .75rem; white-space: pre-wrap; }
@@ -1725,7 +1725,9 @@ pre { background: var(--panel); border: 1px solid var(--line); border-radius: .5
 .error { border-left: 4px solid #d93025; padding: .25rem .75rem; }
 fieldset { border: 1px solid var(--line); border-radius: .5rem; padding: .75rem 1rem; background: var(--panel); }
 legend { padding: 0 .25rem; font-weight: 600; }
-label { display: block; padding: .25rem 0; }
+label { display: block; padding: .5rem 0; }
+.bar { display: flex; justify-content: space-between; align-items: center; gap: 1rem; margin: 0 0 1rem; }
+.bar button { width: auto; padding: .4rem .8rem; font-weight: 400; }
 input[type=password] { display: block; width: 100%; margin-top: .25rem; padding: .6rem; font: inherit; color: inherit; background: var(--panel); border: 1px solid var(--line); border-radius: .4rem; }
 .actions { display: flex; gap: .75rem; margin-top: 1.25rem; }
 .actions > * { flex: 1; }
@@ -1784,7 +1786,16 @@ function sendPage(res: ServerResponse, status: number, html: string, headers: Re
 /** Sends an error as a page that names the problem; used where a person, not a client, reads it. */
 function sendErrorPage(res: ServerResponse, err: OAuthError): void {
   const title = err.status === 429 ? 'Too many attempts' : 'This sign-in cannot continue'
-  sendPage(res, err.status, renderPage(title, `<h1>${escapeHtml(title)}</h1>\n<p class="error">${escapeHtml(err.message)}</p>`), err.headers)
+  const next = err.status === 429 ? 'Wait, then try again.' : 'Go back to the app you came from and start again.'
+  const body = `<h1>${escapeHtml(title)}</h1>\n<p class="error">${escapeHtml(err.message)}</p>\n<p class="muted">${next}</p>`
+  sendPage(res, err.status, renderPage(title, body), err.headers)
+}
+
+/** The password field, with the message of a failed attempt right above it. */
+function renderPasswordField(message: string | undefined): string {
+  if (message === undefined) return '<label>Password<input type="password" name="password" autocomplete="current-password" required autofocus></label>'
+  return `<p class="error" id="password-error" role="alert">${escapeHtml(message)}</p>
+<label>Password<input type="password" name="password" autocomplete="current-password" required autofocus aria-invalid="true" aria-describedby="password-error"></label>`
 }
 
 /** Words for the scopes people meet most, so the consent page can say what each one allows. */
@@ -2015,12 +2026,11 @@ ${form.logo === undefined ? '' : `<p><img class="logo" src="${escapeHtml(form.lo
 <p>The app ${request.client_name === undefined ? '' : `<strong>${escapeHtml(request.client_name)}</strong> at `}<code>${escapeHtml(request.client_id)}</code> wants to know that you are <code>${escapeHtml(config.me)}</code>.</p>
 ${hint}
 <p class="muted">After you decide, your browser goes to <code>${escapeHtml(redirectHost)}</code>.</p>
-${form.message === undefined ? '' : `<p class="error" role="alert">${escapeHtml(form.message)}</p>`}
 <form method="post" action="${escapeHtml(endpointUrl(config, '/auth/consent'))}">
 <input type="hidden" name="request" value="${escapeHtml(form.id)}">
 <input type="hidden" name="csrf" value="${escapeHtml(form.csrf)}">
 ${scopes === '' ? '<p>It asks for no access beyond your identity.</p>' : `<fieldset>\n<legend>It also asks to</legend>\n${scopes}\n</fieldset>\n${renderLifetimeChoice(config)}`}
-${form.signedIn ? (config.passwordHash === undefined ? '' : '<p class="muted">You are signed in.</p>') : '<label>Password<input type="password" name="password" autocomplete="current-password" required autofocus></label>'}
+${form.signedIn ? (config.passwordHash === undefined ? '' : '<p class="muted">You are signed in.</p>') : renderPasswordField(form.message)}
 <div class="actions">
 <button class="primary" name="decision" value="approve">Approve</button>
 <button name="decision" value="deny" formnovalidate>Deny</button>
@@ -2587,10 +2597,9 @@ function renderSignInPage(page: { csrf: string; config: Config; message?: string
     'Sign in',
     `<h1>Sign in</h1>
 <p>Sign in as <code>${escapeHtml(config.me)}</code> to see the apps you have connected.</p>
-${page.message === undefined ? '' : `<p class="error" role="alert">${escapeHtml(page.message)}</p>`}
 <form method="post" action="${escapeHtml(endpointUrl(config, '/sign-in'))}">
 <input type="hidden" name="csrf" value="${escapeHtml(page.csrf)}">
-<label>Password<input type="password" name="password" autocomplete="current-password" required autofocus></label>
+${renderPasswordField(page.message)}
 <div class="actions"><button class="primary">Sign in</button></div>
 </form>`,
   )
@@ -2608,7 +2617,7 @@ ${grant.client_name === undefined ? '' : `<dt>App</dt><dd><code>${escapeHtml(gra
 <dt>Scopes</dt><dd>${escapeHtml(grant.scope.join(' '))}</dd>
 <dt>Approved</dt><dd>${formatTime(grant.approvedAt)}</dd>
 <dt>Last used</dt><dd>${formatTime(grant.lastUsedAt)}</dd>
-<dt>Expires</dt><dd>${formatTime(grant.expiresAt)}</dd>
+<dt>Access ends</dt><dd>${formatTime(grant.expiresAt)}</dd>
 </dl>
 <form method="post" action="${escapeHtml(endpointUrl(config, '/apps/revoke'))}">${csrfField}<input type="hidden" name="grant" value="${escapeHtml(id)}"><button class="danger">Revoke</button></form>
 </section>`,
@@ -2616,15 +2625,13 @@ ${grant.client_name === undefined ? '' : `<dt>App</dt><dd><code>${escapeHtml(gra
     .join('\n')
   const signOut =
     config.passwordHash === undefined ? '' : `<form method="post" action="${escapeHtml(endpointUrl(config, '/sign-out'))}">${csrfField}<button>Sign out</button></form>`
+  const revokeAll = `<form method="post" action="${escapeHtml(endpointUrl(config, '/apps/revoke-all'))}">${csrfField}<button class="danger">Revoke all</button></form>`
   return renderPage(
     'Connected apps',
-    `<h1>Connected apps</h1>
-<p>These apps can act as <code>${escapeHtml(config.me)}</code>. Revoking one ends its access at once.</p>
-${apps === '' ? '<p class="muted">No app holds a token right now.</p>' : apps}
-<div class="actions">
-${apps === '' ? '' : `<form method="post" action="${escapeHtml(endpointUrl(config, '/apps/revoke-all'))}">${csrfField}<button class="danger">Revoke all</button></form>`}
-${signOut}
-</div>`,
+    `<div class="bar"><span class="muted">${escapeHtml(config.me)}</span>${signOut}</div>
+<h1>Connected apps</h1>
+<p>These apps can act as you. Revoking one ends its access and refresh tokens at once; “Access ends” is when it would end anyway, unless the app refreshes it.</p>
+${apps === '' ? '<p class="muted">No app holds a token right now.</p>' : `${apps}\n<div class="actions">${revokeAll}</div>`}`,
   )
 }
 
