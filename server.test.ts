@@ -7,6 +7,7 @@ import assert from 'node:assert/strict'
 import { spawn } from 'node:child_process'
 import { createServer, request } from 'node:http'
 import type { Server } from 'node:http'
+import { connect } from 'node:net'
 import type { AddressInfo } from 'node:net'
 import {
   ConfigError,
@@ -18,6 +19,7 @@ import {
   computeCodeChallenge,
   configWarnings,
   countAttempt,
+  createLatchServer,
   createHandler,
   createSecret,
   getParam,
@@ -1454,6 +1456,43 @@ describe('Token lifetime on the consent page', () => {
   it('refuses a lifetime it did not offer', async () => {
     const response = await submitConsent(latch, await openConsent(latch), { lifetime: '999' })
     assert.equal(response.status, 400)
+  })
+})
+
+describe('Slow clients', () => {
+  // Node's own timers close these connections, so these tests wait for real, briefly.
+  const timeouts = { headersMs: 300, requestMs: 600, keepAliveMs: 200, checkEveryMs: 50 }
+
+  const holdOpen = async (send: string): Promise<{ closedAfterMs: number; answer: string }> => {
+    const server = createLatchServer(timeouts)
+    server.on('request', createHandler({ config: loadConfig({ DATA_FILE: 'memory' }), log: () => {} }))
+    await new Promise<void>((resolve) => server.listen(0, '127.0.0.1', resolve))
+    const started = Date.now()
+    const socket = connect((server.address() as AddressInfo).port, '127.0.0.1')
+    socket.write(send)
+    let answer = ''
+    socket.on('data', (chunk) => (answer += chunk))
+    await new Promise((resolve) => socket.on('close', resolve))
+    await new Promise((resolve) => server.close(resolve))
+    return { closedAfterMs: Date.now() - started, answer }
+  }
+
+  it('closes a connection whose headers never finish (slowloris)', async () => {
+    const { closedAfterMs, answer } = await holdOpen('GET / HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Slow: ')
+    assert.ok(closedAfterMs < 3000, `closed after ${closedAfterMs} ms`)
+    assert.match(answer, /^HTTP\/1\.1 408/)
+  })
+
+  it('closes a connection whose body never finishes', async () => {
+    const head = 'POST /token HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/x-www-form-urlencoded\r\nContent-Length: 100\r\n\r\ncode=abc'
+    const { closedAfterMs } = await holdOpen(head)
+    assert.ok(closedAfterMs < 3000, `closed after ${closedAfterMs} ms`)
+  })
+
+  it('closes an idle kept-alive connection', async () => {
+    const { closedAfterMs, answer } = await holdOpen('GET /.well-known/oauth-authorization-server HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n')
+    assert.match(answer, /^HTTP\/1\.1 200/)
+    assert.ok(closedAfterMs < 3000, `closed after ${closedAfterMs} ms`)
   })
 })
 

@@ -31,7 +31,7 @@
 // node: modules only. Latch has no runtime dependencies.
 
 import { createServer, request as httpRequest } from 'node:http'
-import type { Agent, IncomingMessage, ServerResponse } from 'node:http'
+import type { Agent, IncomingMessage, Server, ServerResponse } from 'node:http'
 import { request as httpsRequest } from 'node:https'
 import { lookup } from 'node:dns/promises'
 import type { LookupAddress } from 'node:dns'
@@ -2894,6 +2894,27 @@ async function runHashPassword(): Promise<void> {
   console.log(await hashPassword(password))
 }
 
+/** How long a client may take: to send its headers, its whole request, and between requests. */
+export type ServerTimeouts = { headersMs: number; requestMs: number; keepAliveMs: number; checkEveryMs: number }
+
+const SERVER_TIMEOUTS: ServerTimeouts = { headersMs: 10_000, requestMs: 30_000, keepAliveMs: 5_000, checkEveryMs: 1_000 }
+
+/**
+ * An http server whose slow clients cannot hold a connection for long (slowloris): headers
+ * within 10 s, the whole request within 30 s, 5 s idle between requests, checked every second.
+ * Attach the handler with `server.on('request', handler)`.
+ */
+export function createLatchServer(timeouts: ServerTimeouts = SERVER_TIMEOUTS): Server {
+  const server = createServer({
+    headersTimeout: timeouts.headersMs,
+    requestTimeout: timeouts.requestMs,
+    keepAliveTimeout: timeouts.keepAliveMs,
+    connectionsCheckingInterval: timeouts.checkEveryMs,
+  })
+  server.timeout = timeouts.requestMs // a socket idle this long in the middle of a body is closed too
+  return server
+}
+
 /** Prints what the server is doing, once, at start-up. */
 function printStartup(config: Config, listeningUrl: string, store: MemoryStore | FileStore): void {
   const memory = store instanceof FileStore ? store.memory : store
@@ -2920,10 +2941,7 @@ async function main(argv: string[], env: Record<string, string | undefined>): Pr
   if (argv.includes('--help') || argv.includes('-h')) return void console.log(buildHelp())
   let config = loadConfig(env, argv)
   const store = await openStore(config)
-  const server = createServer()
-  server.headersTimeout = 10_000 // slow clients cannot hold a connection open for long
-  server.requestTimeout = 30_000
-  server.keepAliveTimeout = 5_000
+  const server = createLatchServer()
   await new Promise<void>((resolve, reject) => {
     server.once('error', reject)
     server.listen(config.port, config.host, resolve)
