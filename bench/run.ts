@@ -1,0 +1,279 @@
+// npm run bench: how close Latch comes to the node:http limit, and how it holds up.
+//
+// Three processes share the two cores: the server under test, the load generator (autocannon,
+// bench/load.ts) and this one, which only steers and is idle while a figure is timed. Latch runs
+// as a child process through its real command line (`server.ts`, DATA_FILE=memory), with
+// its one log line per request going to a file, exactly as a user runs it: that gives honest
+// numbers, where an in-process server would share an event loop with the bench. The bare
+// node:http server (bench/bare.ts) answers the same request shapes with nothing else: the limit.
+//
+//   (a) POST /introspect of a live token              target: ≥ 80% of bare
+//   (b) POST /token, one fresh code per request          target: ≥ 50% of bare
+//       (the codes are minted through GET /auth and POST /auth/consent before the timed part)
+//   (c) GET /auth, the consent page
+//   (d) heap bytes per live token, 1,000,000 in a MemoryStore    target: ≤ 300
+//   (e) longest event-loop stall while they all expire            target: ≤ 20 ms
+//   (f) soak: SOAK_SECONDS (60) of mixed traffic, memory at start and end
+//
+// Settings: SOAK_SECONDS (60), BENCH_SECONDS per timed run (6), BENCH_CONNECTIONS (10).
+// The bench never fails: it prints what it measured, and which targets were missed.
+
+import { fork, spawn } from 'node:child_process'
+import type { ChildProcess } from 'node:child_process'
+import { closeSync, mkdtempSync, openSync, readFileSync, rmSync } from 'node:fs'
+import { Agent, request } from 'node:http'
+import { cpus, tmpdir } from 'node:os'
+import { join } from 'node:path'
+import { fileURLToPath } from 'node:url'
+import type { LoadJob, LoadResult, SoakJob } from './load.ts'
+
+const SOAK_SECONDS = Number(process.env.SOAK_SECONDS ?? 60)
+const MEASURE_SECONDS = Number(process.env.BENCH_SECONDS ?? 6)
+const WARMUP_SECONDS = 2
+const CONNECTIONS = Number(process.env.BENCH_CONNECTIONS ?? 10)
+/** Codes for the timed token exchanges: under the 10,000 unredeemed codes Latch keeps. */
+const TIMED_CODES = 9000
+const WARMUP_CODES = 800
+
+const ROOT = fileURLToPath(new URL('..', import.meta.url))
+const VERIFIER = 'dBjftJeZ4CVP-mB92K27uhbUJU1p1r_wW1gFWFOEjXk'
+const CHALLENGE = 'E9Melhoa2OwvFrEMTJguCHaoeK1t8URWbuGJSstw-cM'
+const CLIENT_ID = 'http://127.0.0.1:8080/'
+const REDIRECT_URI = 'http://127.0.0.1:8080/callback'
+const AUTHORIZATION_PATH = `/auth?${new URLSearchParams({ response_type: 'code', client_id: CLIENT_ID, redirect_uri: REDIRECT_URI, state: 'bench', code_challenge: CHALLENGE, code_challenge_method: 'S256', scope: 'profile create' })}`
+const TOKEN_BODY = `grant_type=authorization_code&code=CODE&${new URLSearchParams({ client_id: CLIENT_ID, redirect_uri: REDIRECT_URI, code_verifier: VERIFIER })}`
+
+// --- Processes ------------------------------------------------------------------------
+
+type Server = { url: string; child: ChildProcess; logFile: string }
+
+/** Starts a node process whose output goes to a file, and waits for the line that names its URL. */
+async function startServer(name: string, args: string[], env: Record<string, string>, ready: RegExp, dir: string): Promise<Server> {
+  const logFile = join(dir, `${name}.log`)
+  const fd = openSync(logFile, 'w')
+  const child = spawn(process.execPath, args, { cwd: ROOT, env: { ...cleanEnv(), ...env }, stdio: ['ignore', fd, fd, 'ipc'] })
+  closeSync(fd)
+  for (let waited = 0; waited < 20_000; waited += 50) {
+    const match = ready.exec(readFileSync(logFile, 'utf8'))
+    if (match !== null) return { url: match[1].startsWith('http') ? match[1] : `http://127.0.0.1:${match[1]}`, child, logFile }
+    if (child.exitCode !== null) break
+    await sleep(50)
+  }
+  throw new Error(`${name} did not start:\n${readFileSync(logFile, 'utf8')}`)
+}
+
+/** The environment without any Latch setting, so that the bench measures the defaults. */
+function cleanEnv(): Record<string, string> {
+  const env: Record<string, string> = {}
+  for (const [name, value] of Object.entries(process.env)) {
+    if (value !== undefined && !/^(PORT|HOST|ISSUER|ME|PASSWORD_HASH|DATA_FILE|CODE_TTL|ACCESS_TOKEN_TTL|REFRESH_TOKEN_TTL|INTROSPECTION_SECRET|PROFILE_\w+)$/.test(name)) env[name] = value
+  }
+  return env
+}
+
+function stop(child: ChildProcess): Promise<void> {
+  if (child.exitCode !== null || child.signalCode !== null) return Promise.resolve()
+  return new Promise((resolve) => {
+    child.once('exit', () => resolve())
+    child.kill('SIGTERM')
+  })
+}
+
+/** Asks a child for the one answer to one message. */
+function ask<T>(child: ChildProcess, message: unknown): Promise<T> {
+  return new Promise((resolve) => {
+    child.once('message', (answer) => resolve(answer as T))
+    child.send(message as object)
+  })
+}
+
+const sleep = (ms: number) => new Promise((resolve) => setTimeout(resolve, ms))
+
+// --- A small client for the untimed parts: signing in and minting codes ----------------
+
+const agent = new Agent({ keepAlive: true, maxSockets: 16 })
+
+type Answer = { status: number; location: string; cookie: string; text: string }
+
+function send(url: string, method: string, path: string, options: { body?: string; cookie?: string } = {}): Promise<Answer> {
+  const headers: Record<string, string> = {}
+  if (options.body !== undefined) headers['Content-Type'] = 'application/x-www-form-urlencoded'
+  if (options.cookie !== undefined) headers.Cookie = options.cookie
+  return new Promise((resolve, reject) => {
+    const req = request(`${url}${path}`, { method, headers, agent }, (res) => {
+      let text = ''
+      res.setEncoding('utf8')
+      res.on('data', (chunk: string) => (text += chunk))
+      res.on('end', () => resolve({ status: res.statusCode ?? 0, location: res.headers.location ?? '', cookie: (res.headers['set-cookie']?.[0] ?? '').split(';')[0], text }))
+    })
+    req.on('error', reject)
+    req.end(options.body)
+  })
+}
+
+/** One code, the way a person gets it: open the consent page, approve. */
+async function mintCode(url: string): Promise<string> {
+  const page = await send(url, 'GET', AUTHORIZATION_PATH)
+  const id = /name="request" value="([^"]+)"/.exec(page.text)?.[1]
+  const csrf = /name="csrf" value="([^"]+)"/.exec(page.text)?.[1]
+  const body = `request=${id}&csrf=${csrf}&scope=profile&scope=create&decision=approve`
+  const approved = await send(url, 'POST', '/auth/consent', { body, cookie: page.cookie })
+  const code = /[?&]code=([^&]+)/.exec(approved.location)?.[1]
+  if (code === undefined) throw new Error(`consent answered ${approved.status} ${approved.text.slice(0, 200)}`)
+  return code
+}
+
+async function mintCodes(url: string, count: number): Promise<string[]> {
+  const codes: string[] = []
+  let started = 0
+  const worker = async () => {
+    while (started++ < count) codes.push(await mintCode(url))
+  }
+  await Promise.all(Array.from({ length: 8 }, worker))
+  return codes
+}
+
+async function obtainAccessToken(url: string): Promise<string> {
+  const answer = await send(url, 'POST', '/token', { body: TOKEN_BODY.replace('CODE', await mintCode(url)) })
+  const token = /"access_token":"([^"]+)"/.exec(answer.text)?.[1]
+  if (token === undefined) throw new Error(`/token answered ${answer.status} ${answer.text}`)
+  return token
+}
+
+// --- Figures ----------------------------------------------------------------------------
+
+type Pair = { bare: LoadResult; latch: LoadResult }
+
+const loadJob = (url: string, fields: Partial<LoadJob>): LoadJob => ({ kind: 'load', url, path: '/', method: 'GET', connections: CONNECTIONS, ...fields })
+
+/** Warms up, then measures, the bare server first and Latch second, with the same request. */
+async function measurePair(load: ChildProcess, bare: Server, latch: Server, fields: Partial<LoadJob>): Promise<Pair> {
+  await ask(load, loadJob(bare.url, { ...fields, seconds: WARMUP_SECONDS }))
+  const bareResult = await ask<LoadResult>(load, loadJob(bare.url, { ...fields, seconds: MEASURE_SECONDS }))
+  await ask(load, loadJob(latch.url, { ...fields, seconds: WARMUP_SECONDS }))
+  const latchResult = await ask<LoadResult>(load, loadJob(latch.url, { ...fields, seconds: MEASURE_SECONDS }))
+  return { bare: bareResult, latch: latchResult }
+}
+
+/** Token exchange: every Latch request redeems its own code, minted before the clock starts. */
+async function measureTokenExchange(load: ChildProcess, bare: Server, latch: Server): Promise<Pair> {
+  const bodies = (codes: string[]) => codes.map((code) => TOKEN_BODY.replace('CODE', code))
+  const warmup = bodies(await mintCodes(latch.url, WARMUP_CODES))
+  await ask(load, loadJob(latch.url, { method: 'POST', path: '/token', bodies: warmup, amount: warmup.length - CONNECTIONS - 1 }))
+  const timed = bodies(await mintCodes(latch.url, TIMED_CODES))
+  const latchResult = await ask<LoadResult>(load, loadJob(latch.url, { method: 'POST', path: '/token', bodies: timed, amount: timed.length - CONNECTIONS - 1 }))
+  await ask(load, loadJob(bare.url, { method: 'POST', path: '/token', bodies: timed, seconds: WARMUP_SECONDS }))
+  const bareResult = await ask<LoadResult>(load, loadJob(bare.url, { method: 'POST', path: '/token', bodies: timed, seconds: MEASURE_SECONDS }))
+  return { bare: bareResult, latch: latchResult }
+}
+
+type Memory = { rss: number; heapUsed: number }
+
+type TokenMemory = { tokens: number; bytesPerToken: number; fillSeconds: number; drainSeconds: number; drained: boolean; left: number; maxStallMs: number; longestSweepMs: number; sweepIntervalMs: number }
+
+/** (d) and (e) run alone, in a process of their own with `--expose-gc`. */
+function measureTokenMemory(): Promise<TokenMemory> {
+  return new Promise((resolve, reject) => {
+    const child = spawn(process.execPath, ['--expose-gc', '--max-old-space-size=4096', '--import', 'tsx', 'bench/memory.ts'], { cwd: ROOT, stdio: ['ignore', 'pipe', 'inherit'] })
+    let output = ''
+    child.stdout.on('data', (chunk) => (output += chunk))
+    child.on('exit', (code) => (code === 0 ? resolve(JSON.parse(output.trim().split('\n').at(-1) ?? '') as TokenMemory) : reject(new Error(`bench/memory.ts exited ${code}`))))
+  })
+}
+
+// --- Printing ---------------------------------------------------------------------------
+
+const format = (value: number, digits = 0) => value.toLocaleString('en-US', { maximumFractionDigits: digits, minimumFractionDigits: digits })
+const mib = (bytes: number) => `${format(bytes / 2 ** 20, 1)} MiB`
+const percent = (ratio: number) => `${format(ratio * 100)}%`
+
+function describeRun(name: string, result: LoadResult): string {
+  const problems = [result.status4xx > 0 ? `${result.status4xx} 4xx` : '', result.status5xx > 0 ? `${result.status5xx} 5xx` : '', result.errors > 0 ? `${result.errors} errors` : '']
+  const note = problems.filter(Boolean).join(', ')
+  return `  ${name.padEnd(6)} ${format(result.rps).padStart(8)} req/s   p50 ${format(result.p50Ms).padStart(3)} ms   p99 ${format(result.p99Ms).padStart(3)} ms   (${format(result.requests)} requests in ${format(result.seconds, 1)} s${note === '' ? '' : `; ${note}`})`
+}
+
+function printPair(title: string, pair: Pair): void {
+  console.log(`\n${title}`)
+  console.log(describeRun('bare', pair.bare))
+  console.log(describeRun('Latch', pair.latch))
+  console.log(`  Latch/bare: ${percent(pair.latch.rps / pair.bare.rps)} of the requests per second`)
+}
+
+type Row = [figure: string, measured: string, target: string, verdict: string]
+
+function printTable(rows: Row[]): void {
+  const widths = [0, 1, 2, 3].map((i) => Math.max(...rows.map((row) => row[i].length)))
+  for (const [i, row] of rows.entries()) {
+    console.log(`  ${row.map((cell, j) => cell.padEnd(widths[j])).join('   ')}`.trimEnd())
+    if (i === 0) console.log(`  ${widths.map((width) => '-'.repeat(width)).join('   ')}`)
+  }
+}
+
+const verdict = (ok: boolean) => (ok ? 'ok' : 'MISSED')
+
+// --- Main -------------------------------------------------------------------------------
+
+async function main(): Promise<void> {
+  const began = performance.now()
+  console.log(`Latch bench: Node ${process.version}, ${cpus().length} cores, 127.0.0.1 only, ${CONNECTIONS} connections, ${MEASURE_SECONDS} s per timed run after ${WARMUP_SECONDS} s of warm-up`)
+  console.log('Latch runs as `node --import tsx server.ts` with DATA_FILE=memory in a child process; autocannon runs in another.')
+  console.log('Latencies are whole milliseconds, as autocannon records them; p99 figures below read Latch / bare.')
+  const dir = mkdtempSync(join(tmpdir(), 'latch-bench-'))
+  const probe = new URL('probe.ts', import.meta.url).href
+  const bare = await startServer('bare', ['--import', 'tsx', 'bench/bare.ts'], {}, /listening (\d+)/, dir)
+  const latch = await startServer('latch', ['--import', 'tsx', '--import', probe, 'server.ts'], { PORT: '0', DATA_FILE: 'memory' }, /listening on (http:\/\/\S+)/, dir)
+  const load = fork(join(ROOT, 'bench/load.ts'), { cwd: ROOT, execArgv: ['--import', 'tsx'], stdio: 'inherit' })
+  try {
+    const consentPage = await send(latch.url, 'GET', AUTHORIZATION_PATH)
+    await stop(bare.child)
+    Object.assign(bare, await startServer('bare', ['--import', 'tsx', 'bench/bare.ts'], { BARE_PAGE_BYTES: String(Buffer.byteLength(consentPage.text)) }, /listening (\d+)/, dir))
+
+    const token = await obtainAccessToken(latch.url)
+    const introspection = await measurePair(load, bare, latch, { method: 'POST', path: '/introspect', body: `token=${token}` })
+    printPair('(a) POST /introspect, a live token', introspection)
+
+    const exchange = await measureTokenExchange(load, bare, latch)
+    printPair(`(b) POST /token, each request with its own fresh code (${format(TIMED_CODES)} minted through GET /auth and POST /auth/consent first)`, exchange)
+
+    const consent = await measurePair(load, bare, latch, { method: 'GET', path: AUTHORIZATION_PATH })
+    printPair(`(c) GET /auth, the consent page (${format(Buffer.byteLength(consentPage.text))} bytes)`, consent)
+
+    console.log(`\n(f) Soak: ${SOAK_SECONDS} s of mixed traffic (sign in, exchange, introspect ×5, metadata, revoke, home page, again)`)
+    const soakStart = await ask<Memory>(latch.child, 'memory')
+    const soak = await ask<LoadResult>(load, { kind: 'soak', url: latch.url, authorizationPath: AUTHORIZATION_PATH, tokenBody: TOKEN_BODY, seconds: SOAK_SECONDS, connections: CONNECTIONS } satisfies SoakJob)
+    const soakEnd = await ask<Memory>(latch.child, 'memory')
+    console.log(describeRun('Latch', soak))
+    console.log(`  start: RSS ${mib(soakStart.rss)}, heapUsed ${mib(soakStart.heapUsed)}`)
+    console.log(`  end:   RSS ${mib(soakEnd.rss)}, heapUsed ${mib(soakEnd.heapUsed)}`)
+    const errorLines = readFileSync(latch.logFile, 'utf8').split('\n').filter((line) => /^error:|server_error/.test(line))
+    console.log(`  Latch logged ${errorLines.length} error lines during the whole bench${errorLines.length === 0 ? '' : `, the first: ${errorLines[0]}`}`)
+    await Promise.all([stop(latch.child), stop(bare.child), stop(load)])
+
+    console.log('\n(d) and (e): 1,000,000 live tokens in a MemoryStore, in a process of their own (node --expose-gc)')
+    const memory = await measureTokenMemory()
+    console.log(`  ${format(memory.tokens)} tokens, each with its own grant, saved in ${format(memory.fillSeconds, 1)} s: ${format(memory.bytesPerToken)} heap bytes per token`)
+    console.log(`  then all expired, swept by store.sweep(now) every ${memory.sweepIntervalMs} ms (the server sweeps every second): ${memory.drained ? 'empty' : `${format(memory.left)} entries left`} after ${format(memory.drainSeconds, 2)} s`)
+    console.log(`  longest event-loop stall ${format(memory.maxStallMs, 1)} ms; longest single sweep ${format(memory.longestSweepMs, 1)} ms`)
+
+    console.log('\nSummary')
+    const ratio = (pair: Pair) => pair.latch.rps / pair.bare.rps
+    const rows: Row[] = [
+      ['figure', 'measured', 'target', 'verdict'],
+      ['(a) introspection, Latch/bare req/s', `${percent(ratio(introspection))} (${format(introspection.latch.rps)} / ${format(introspection.bare.rps)}), p99 ${format(introspection.latch.p99Ms)} / ${format(introspection.bare.p99Ms)} ms`, '≥ 80%', verdict(ratio(introspection) >= 0.8)],
+      ['(b) token exchange, Latch/bare req/s', `${percent(ratio(exchange))} (${format(exchange.latch.rps)} / ${format(exchange.bare.rps)}), p99 ${format(exchange.latch.p99Ms)} / ${format(exchange.bare.p99Ms)} ms`, '≥ 50%', verdict(ratio(exchange) >= 0.5)],
+      ['(c) consent page, Latch/bare req/s', `${percent(ratio(consent))} (${format(consent.latch.rps)} / ${format(consent.bare.rps)}), p99 ${format(consent.latch.p99Ms)} / ${format(consent.bare.p99Ms)} ms`, '-', '-'],
+      ['(d) heap bytes per live token', format(memory.bytesPerToken), '≤ 300', verdict(memory.bytesPerToken <= 300)],
+      ['(e) max event-loop stall, 1M expiring', `${format(memory.maxStallMs, 1)} ms (empty after ${format(memory.drainSeconds, 1)} s)`, '≤ 20 ms', verdict(memory.maxStallMs <= 20 && memory.drained)],
+      [`(f) soak ${SOAK_SECONDS} s, RSS / heapUsed`, `${mib(soakStart.rss)} → ${mib(soakEnd.rss)} / ${mib(soakStart.heapUsed)} → ${mib(soakEnd.heapUsed)}`, '-', soak.status5xx + soak.errors === 0 ? 'no 5xx, no errors' : `${soak.status5xx} 5xx, ${soak.errors} errors`],
+    ]
+    printTable(rows)
+    console.log(`\nThe bench took ${format((performance.now() - began) / 1000)} s.`)
+  } finally {
+    agent.destroy()
+    await Promise.all([stop(latch.child), stop(bare.child), stop(load)])
+    rmSync(dir, { recursive: true, force: true })
+  }
+}
+
+await main()
