@@ -869,8 +869,7 @@ function withDeadline<T>(promise: Promise<T>, deadline: AbortSignal, timeoutMs: 
  */
 export async function discoverClient(clientId: string, options: { allowPrivate: boolean; fetch: ClientFetchOptions }): Promise<{ info: ClientInfo; maxAgeSeconds: number }> {
   const url = new URL(clientId)
-  const host = url.hostname
-  if (host === '127.0.0.1' || host === '[::1]') throw new Error('it is a loopback address, which IndieAuth forbids fetching')
+  if (isLoopbackClient(clientId)) throw new Error(LOOPBACK_CLIENT)
   const fetched = await fetchSafely(url, MAX_CLIENT_DOCUMENT_BYTES, options)
   const isJson = fetched.type === 'application/json' || fetched.type.endsWith('+json')
   const document = isJson ? readClientMetadata(fetched.body.toString('utf8'), clientId) : readClientPage(fetched.body.toString('utf8'), clientId)
@@ -885,6 +884,13 @@ function cacheLifetime(cacheControl: string): number {
   if (/\b(no-store|no-cache)\b/.test(directives)) return 0
   const maxAge = /\bmax-age\s*=\s*"?(\d+)/.exec(directives)
   return maxAge === null ? 0 : Math.min(Number(maxAge[1]), MAX_CLIENT_CACHE_SECONDS)
+}
+
+const LOOPBACK_CLIENT = 'it is a loopback address, which IndieAuth forbids fetching'
+
+function isLoopbackClient(url: string): boolean {
+  const host = new URL(url).hostname
+  return host === '127.0.0.1' || host === '[::1]' || host === 'localhost'
 }
 
 type ClientDocument = { name?: string; logoUrl?: string; redirectUris: string[] }
@@ -1027,9 +1033,8 @@ function cleanName(name: string): string | undefined {
 
 /** Fetches a logo under the same rules, and inlines it: images only, at most 64 KiB. */
 async function fetchLogo(logoUrl: string, options: { allowPrivate: boolean; fetch: ClientFetchOptions }): Promise<string | undefined> {
-  const url = new URL(logoUrl)
-  if (url.hostname === '127.0.0.1' || url.hostname === '[::1]' || url.hostname === 'localhost') return undefined
-  const fetched = await fetchSafely(url, MAX_LOGO_BYTES, options)
+  if (isLoopbackClient(logoUrl)) return undefined
+  const fetched = await fetchSafely(new URL(logoUrl), MAX_LOGO_BYTES, options)
   if (!LOGO_TYPES.has(fetched.type)) return undefined
   return `data:${fetched.type};base64,${fetched.body.toString('base64')}`
 }
@@ -1642,19 +1647,26 @@ export async function readForm(req: IncomingMessage): Promise<Params> {
 }
 
 function readBody(req: IncomingMessage): Promise<Buffer> {
-  const tooLarge = new OAuthError('invalid_request', 'The request body is larger than 64 KiB', { status: 413, headers: { Connection: 'close' } })
-  if (Number(req.headers['content-length']) > MAX_BODY_BYTES) return Promise.reject(tooLarge)
+  const tooLarge = () => new OAuthError('invalid_request', 'The request body is larger than 64 KiB', { status: 413, headers: { Connection: 'close' } })
+  if (Number(req.headers['content-length']) > MAX_BODY_BYTES) return Promise.reject(tooLarge())
   return new Promise((resolve, reject) => {
     const chunks: Buffer[] = []
     let size = 0
+    let ended = false
+    const cutShort = () => {
+      if (!ended) reject(new OAuthError('invalid_request', 'The request body ended early'))
+    }
     req.on('data', (chunk: Buffer) => {
       size += chunk.length
       if (size <= MAX_BODY_BYTES) chunks.push(chunk)
-      else reject(tooLarge) // later chunks are read and dropped until the connection closes
+      else if (size - chunk.length <= MAX_BODY_BYTES) reject(tooLarge()) // later chunks are read and dropped until the connection closes
     })
-    req.on('end', () => resolve(Buffer.concat(chunks)))
-    req.on('error', () => reject(new OAuthError('invalid_request', 'The request body ended early')))
-    req.on('close', () => reject(new OAuthError('invalid_request', 'The request body ended early')))
+    req.on('end', () => {
+      ended = true
+      resolve(chunks.length === 1 ? chunks[0] : Buffer.concat(chunks))
+    })
+    req.on('error', cutShort)
+    req.on('close', cutShort)
   })
 }
 
@@ -1682,8 +1694,9 @@ const NO_STORE = { 'Cache-Control': 'no-store', Pragma: 'no-cache' }
 
 /** Sends a JSON body. Every JSON answer carries `no-store`: most hold codes or tokens. */
 function sendJson(res: ServerResponse, status: number, body: unknown, headers: Record<string, string> = {}): void {
-  res.writeHead(status, { 'Content-Type': 'application/json', ...NO_STORE, ...headers })
-  res.end(JSON.stringify(body))
+  const json = JSON.stringify(body)
+  res.writeHead(status, { 'Content-Type': 'application/json', 'Content-Length': String(Buffer.byteLength(json)), ...NO_STORE, ...headers })
+  res.end(json)
 }
 
 /** Sends an OAuth error as JSON. */
@@ -1779,7 +1792,7 @@ ${body}
 }
 
 function sendPage(res: ServerResponse, status: number, html: string, headers: Record<string, string> = {}): void {
-  res.writeHead(status, { ...PAGE_HEADERS, ...headers })
+  res.writeHead(status, { ...PAGE_HEADERS, 'Content-Length': String(Buffer.byteLength(html)), ...headers })
   res.end(html)
 }
 
@@ -1968,6 +1981,7 @@ function stateOf(query: Params): string | undefined {
 async function findClient(clientId: string, ctx: Context): Promise<{ info?: ClientInfo; failure?: string }> {
   const cached = ctx.clients.get(clientId)
   if (cached !== undefined && cached.expiresAt > ctx.now()) return { info: cached.info }
+  if (isLoopbackClient(clientId)) return { failure: LOOPBACK_CLIENT }
   try {
     const { info, maxAgeSeconds } = await discoverClient(clientId, { allowPrivate: ctx.config.clientFetchPrivate, fetch: ctx.clientFetch })
     ctx.clients.delete(clientId)
@@ -2786,15 +2800,20 @@ export function createHandler(options: HandlerOptions): (req: IncomingMessage, r
     clientFetch: options.clientFetch ?? {},
     clients: new Map(),
   }
+  const ownHosts = ownHostsOf(ctx.config)
   return (req, res) => {
     const started = performance.now()
     const path = pathOf(req.url ?? '/')
     const { handler, cors } = selectRoute(req.method ?? 'GET', path)
     if (cors) res.setHeader('Access-Control-Allow-Origin', '*')
-    res.on('close', () => log(`${req.method} ${describePath(path, handler)} ${res.statusCode} ${Math.round(performance.now() - started)}ms`))
-    requireOwnHost(req, ctx.config)
-      .then(() => handler(req, res, ctx))
-      .catch((err: unknown) => renderError(err, res, PAGE_HANDLERS.has(handler), ctx))
+    res.on('close', () => {
+      const status = res.headersSent ? res.statusCode : 'closed before the answer'
+      log(`${req.method} ${describePath(path, handler)} ${status} ${Math.round(performance.now() - started)}ms`)
+    })
+    const checked = isOwnHost(req.headers.host, ownHosts)
+      ? handler(req, res, ctx)
+      : Promise.reject(new OAuthError('invalid_request', 'This server answers only to its own host name: set ISSUER to the URL you use, or set PASSWORD_HASH', { status: 421 }))
+    checked.catch((err: unknown) => renderError(err, res, PAGE_HANDLERS.has(handler), ctx))
   }
 }
 
@@ -2803,12 +2822,15 @@ export function createHandler(options: HandlerOptions): (req: IncomingMessage, r
  * page on another name that resolves to 127.0.0.1 (DNS rebinding) could; so only requests for
  * the issuer's host or a loopback name are served.
  */
-async function requireOwnHost(req: IncomingMessage, config: Config): Promise<void> {
-  if (config.passwordHash !== undefined || req.headers.host === undefined) return
-  const host = URL.canParse(`http://${req.headers.host}`) ? new URL(`http://${req.headers.host}`).hostname : ''
-  const bare = (name: string) => name.replace(/^\[|\]$/g, '')
-  if (LOOPBACK_HOSTS.has(bare(host)) || host === new URL(config.issuer).hostname) return
-  throw new OAuthError('invalid_request', 'This server answers only to its own host name: set ISSUER to the URL you use, or set PASSWORD_HASH', { status: 421 })
+function isOwnHost(hostHeader: string | undefined, ownHosts: Set<string> | undefined): boolean {
+  if (ownHosts === undefined || hostHeader === undefined) return true
+  return ownHosts.has(hostHeader.toLowerCase().replace(/:\d*$/, '').replace(/^\[(.*)\]$/, '$1'))
+}
+
+/** The host names served without a password: loopback names and the issuer's; with a password, any. */
+function ownHostsOf(config: Config): Set<string> | undefined {
+  if (config.passwordHash !== undefined) return undefined
+  return new Set([...LOOPBACK_HOSTS, new URL(config.issuer).hostname.replace(/^\[(.*)\]$/, '$1')])
 }
 
 /** The path as logged: an unknown path is not, since a client may have put anything in it. */
@@ -2915,6 +2937,22 @@ export function createLatchServer(timeouts: ServerTimeouts = SERVER_TIMEOUTS): S
   return server
 }
 
+/**
+ * A log that writes the lines of one turn of the event loop in one write, so that logging costs
+ * a request little. Lines still waiting are written when the process exits.
+ */
+export function createLineWriter(stream: NodeJS.WritableStream): (line: string) => void {
+  let lines: string[] = []
+  const flush = () => {
+    if (lines.length > 0) stream.write(`${lines.join('\n')}\n`)
+    lines = []
+  }
+  process.on('exit', flush)
+  return (line) => {
+    if (lines.push(line) === 1) setImmediate(flush)
+  }
+}
+
 /** Prints what the server is doing, once, at start-up. */
 function printStartup(config: Config, listeningUrl: string, store: MemoryStore | FileStore): void {
   const memory = store instanceof FileStore ? store.memory : store
@@ -2953,7 +2991,7 @@ async function main(argv: string[], env: Record<string, string | undefined>): Pr
   const address = server.address()
   const port = typeof address === 'object' && address !== null ? address.port : config.port
   if (config.port === 0) config = loadConfig(env, argv, { boundPort: port })
-  server.on('request', createHandler({ config, store }))
+  server.on('request', createHandler({ config, store, log: createLineWriter(process.stdout) }))
   setInterval(() => store.sweep(Date.now()), 1_000).unref() // expired entries go even while no one writes
   for (const signal of ['SIGINT', 'SIGTERM'] as const) {
     process.once(signal, () => {

@@ -751,8 +751,8 @@ const KNOWN_ISSUES: KnownIssue[] = [
   {
     id: 'status-of-unanswered-request',
     what:
-      'a request whose client went away (a cut body) or that node:http refused mid-way (garbage after it) is logged with the status ' +
-      'Latch meant to send, or 200 when it had set none: the log line is written on close from res.statusCode, answered or not',
+      'when bytes follow a request that node:http cannot parse, node answers 400 itself and closes the connection before Latch answers; ' +
+      'the log line still shows the status Latch wrote to the closed connection (a request whose client went away is logged as closed)',
     matches: (problem) => problem.kind === 'log' && /^logs [23]\d\d for a request it never answered: /.test(problem.detail),
   },
 ]
