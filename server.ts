@@ -509,6 +509,7 @@ export function parseForm(text: string): Params {
 }
 
 function decodeFormComponent(text: string): string {
+  if (/^[\x21-\x24\x26-\x2a\x2c-\x7e]*$/.test(text)) return text // printable ASCII without % or +: nothing to decode
   const bytes = Buffer.alloc(text.length)
   let length = 0
   for (let i = 0; i < text.length; i++) {
