@@ -1185,6 +1185,7 @@ export class MemoryStore implements Store {
   readonly #maxPendingRequests: number
   readonly #maxCodes: number
   readonly #log: (line: string) => void
+  readonly #shared = new Map<string, string | string[]>()
   #dropped = 0
 
   constructor(options: MemoryStoreOptions = {}) {
@@ -1228,7 +1229,7 @@ export class MemoryStore implements Store {
 
   async saveGrant(id: string, grant: Grant, now: number): Promise<void> {
     this.grants.sweep(now, SWEEP_BATCH)
-    this.grants.set(id, grant)
+    this.grants.set(id, { ...grant, client_id: this.#share(grant.client_id), scope: this.#share(grant.scope) })
   }
 
   async findGrant(id: string, now: number): Promise<Grant | undefined> {
@@ -1250,7 +1251,7 @@ export class MemoryStore implements Store {
 
   async saveToken(hash: string, token: Token, now: number): Promise<void> {
     this.tokens.sweep(now, SWEEP_BATCH)
-    this.tokens.set(hash, token)
+    this.tokens.set(hash, { ...token, scope: this.#share(token.scope) })
   }
 
   async findToken(hash: string, now: number): Promise<Token | undefined> {
@@ -1288,6 +1289,19 @@ export class MemoryStore implements Store {
     sweepOldest(this.sessions, now, budget)
     this.grants.sweep(now, budget)
     this.tokens.sweep(now, budget)
+  }
+
+  /**
+   * One copy of each client_id and scope list, however many grants and tokens hold it: a
+   * million grants of a few apps then hold a few copies. Values are never changed once stored.
+   */
+  #share<T extends string | string[]>(value: T): T {
+    const key = typeof value === 'string' ? value : `[${value.join(' ')}]`
+    const shared = this.#shared.get(key)
+    if (shared !== undefined) return shared as T
+    if (this.#shared.size >= 1_000) this.#shared.clear()
+    this.#shared.set(key, value)
+    return value
   }
 
   /** Drops the oldest entry of a capped map so that one more fits. */
