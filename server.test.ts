@@ -1152,6 +1152,17 @@ describe('POST /token with grant_type=refresh_token (IndieAuth ยง5.5, RFC 6749 ย
     assert.equal((await refresh(first.refresh_token)).status, 200)
   })
 
+  it('revokes the family when a rotated refresh token comes back, whatever else the request says', async () => {
+    const first = await firstTokens()
+    const second = (await (await refresh(first.refresh_token)).json()) as Tokens
+    await assertError(await refresh(first.refresh_token, { scope: 'create follow' }), 400, 'invalid_grant')
+    assert.deepEqual(await introspect(latch, second.access_token), { active: false })
+    const third = await firstTokens()
+    await refresh(third.refresh_token)
+    await assertError(await refresh(third.refresh_token, { client_id: 'http://127.0.0.1:9999/' }), 400, 'invalid_grant')
+    await assertError(await refresh(third.refresh_token), 400, 'invalid_grant')
+  })
+
   it('revokes refreshed tokens too when their code is replayed', async () => {
     const code = await obtainCode(latch)
     const first = (await (await exchange(latch, code)).json()) as Tokens
@@ -1506,6 +1517,9 @@ describe('GET / (home page)', () => {
     assert.ok(html.includes(`&#60;link rel=&#34;indieauth-metadata&#34; href=&#34;${latch.issuer}/.well-known/oauth-authorization-server&#34;&#62;`))
     assert.ok(html.includes('rel=&#34;authorization_endpoint&#34;'))
     assert.ok(html.includes('rel=&#34;token_endpoint&#34;'))
+    const head = await fetch(`${latch.base}/`, { method: 'HEAD' })
+    assert.equal(head.status, 200) // IndieAuth discovery may start with HEAD
+    assert.equal(head.headers.get('link'), response.headers.get('link'))
     assert.equal(
       response.headers.get('link'),
       `<${latch.issuer}/.well-known/oauth-authorization-server>; rel="indieauth-metadata", <${latch.issuer}/auth>; rel="authorization_endpoint", <${latch.issuer}/token>; rel="token_endpoint"`,

@@ -732,7 +732,7 @@ export function redirectUriProblem(redirectUri: string, clientId: string, client
 // redirects; a short deadline; a capped body; only a 200 counts.
 
 /** What a client publishes about itself. `logo` is a `data:` URL, fetched by Latch. */
-export type ClientInfo = { name?: string; logo?: string; redirectUris: string[] }
+export type ClientInfo = { name?: string; url?: string; logo?: string; redirectUris: string[] }
 
 /** How Latch fetches clients: tests and embedders may swap the resolver and the HTTP agent. */
 export type ClientFetchOptions = {
@@ -876,7 +876,7 @@ export async function discoverClient(clientId: string, options: { allowPrivate: 
   const document = isJson ? readClientMetadata(fetched.body.toString('utf8'), clientId) : readClientPage(fetched.body.toString('utf8'), clientId)
   const redirectUris = [...document.redirectUris, ...readLinkHeader(fetched.link, 'redirect_uri', clientId)]
   const logo = document.logoUrl === undefined ? undefined : await fetchLogo(document.logoUrl, options).catch(() => undefined)
-  return { info: { name: document.name, logo, redirectUris }, maxAgeSeconds: cacheLifetime(fetched.cacheControl) }
+  return { info: { name: document.name, url: document.url, logo, redirectUris }, maxAgeSeconds: cacheLifetime(fetched.cacheControl) }
 }
 
 /** How long `Cache-Control` lets a result be kept: `max-age`, capped at a day; 0 for no-store and no-cache. */
@@ -894,7 +894,7 @@ function isLoopbackClient(url: string): boolean {
   return host === '127.0.0.1' || host === '[::1]' || host === 'localhost'
 }
 
-type ClientDocument = { name?: string; logoUrl?: string; redirectUris: string[] }
+type ClientDocument = { name?: string; url?: string; logoUrl?: string; redirectUris: string[] }
 
 /**
  * Reads a client metadata document: its `client_id` must be the URL it came from, and its
@@ -918,6 +918,7 @@ export function readClientMetadata(text: string, clientId: string): ClientDocume
   const strings = (value: unknown) => (Array.isArray(value) ? value.filter((item): item is string => typeof item === 'string') : [])
   return {
     name: typeof metadata.client_name === 'string' ? cleanName(metadata.client_name) : undefined,
+    url: typeof metadata.client_uri === 'string' ? resolveUrl(metadata.client_uri, clientId) : undefined,
     logoUrl: typeof metadata.logo_uri === 'string' ? resolveUrl(metadata.logo_uri, clientId) : undefined,
     redirectUris: strings(metadata.redirect_uris),
   }
@@ -943,8 +944,10 @@ export function readClientPage(html: string, pageUrl: string): ClientDocument {
   const nameElement = inside.find((element) => hasToken(element.attributes.class, 'p-name'))
   const logoElement = inside.find((element) => hasToken(element.attributes.class, 'u-logo'))
   const logo = logoElement?.attributes.src ?? logoElement?.attributes.href
+  const url = inside.find((element) => hasToken(element.attributes.class, 'u-url'))?.attributes.href
   return {
     name: cleanName(nameElement?.text ?? elements[app].text),
+    url: url === undefined ? undefined : resolveUrl(url, pageUrl),
     logoUrl: logo === undefined ? undefined : resolveUrl(logo, pageUrl),
     redirectUris,
   }
@@ -1046,7 +1049,7 @@ async function fetchLogo(logoUrl: string, options: { allowPrivate: boolean; fetc
 // expired entries, soonest first, so no request ever scans every entry. Pending requests,
 // codes and sessions all live equally long, so a Map's insertion order is already their order
 // of expiry; grants and tokens need not, so their expiry times are kept in heaps.
-// To put SQLite or Redis behind Latch, implement `Store`: nineteen small methods.
+// To put SQLite or Redis behind Latch, implement `Store`: eighteen small methods.
 
 /** A binary min-heap of (expiry time, key), kept in two flat arrays: the soonest is on top. */
 class ExpiryHeap {
@@ -1489,7 +1492,9 @@ export type FileStoreOptions = MemoryStoreOptions & {
 
 /**
  * The durable `Store`: a `MemoryStore` that serves every read, behind a journal that every
- * change is written to before it is acknowledged. Open it with `FileStore.open(path)`.
+ * change is written to before it takes effect. A single-use mark (a code or refresh token
+ * taken) is set in memory first, so that two requests cannot both take it, and taken back if
+ * it cannot be stored. Open it with `FileStore.open(path)`.
  */
 export class FileStore implements Store {
   readonly memory: MemoryStore
@@ -1517,21 +1522,18 @@ export class FileStore implements Store {
     const text = await readFile(path, 'utf8').catch((err: NodeJS.ErrnoException) => (err.code === 'ENOENT' ? '' : Promise.reject(err)))
     const lines = text.split('\n')
     const torn = lines.pop() ?? '' // the text after the last newline: empty unless a write was cut short
-    let kept = text.length - torn.length
     const now = (options.now ?? Date.now)()
     for (let i = 0; i < lines.length; i++) {
       const record = parseJournalLine(lines[i])
-      if (record === undefined && i === lines.length - 1 && torn === '') {
-        kept -= lines[i].length + 1 // an unreadable last line is torn too
-        log(`warning: ${path} line ${i + 1} is incomplete, as a crash mid-write leaves it; dropping it`)
-      } else if (record === undefined) {
+      if (record === undefined) {
         throw new ConfigError(`${path} line ${i + 1} is not a Latch journal record: restore the file from a backup, or move it away to start empty`)
-      } else {
-        await applyRecord(memory, record, now)
       }
+      await applyRecord(memory, record, now)
     }
-    if (torn !== '') log(`warning: ${path} ends with an incomplete line, as a crash mid-write leaves it; dropping it`)
-    if (kept < text.length) await truncate(path, Buffer.byteLength(text.slice(0, kept)))
+    if (torn !== '') {
+      log(`warning: ${path} ends with an incomplete line, as a crash mid-write leaves it; dropping it`)
+      await truncate(path, Buffer.byteLength(text.slice(0, text.length - torn.length)))
+    }
     const file = await open(path, 'a', 0o600)
     await syncDirectory(dirname(path))
     return new FileStore(memory, new Journal(path, file, lines.length, log), options)
@@ -1550,8 +1552,8 @@ export class FileStore implements Store {
   }
 
   async saveCode(hash: string, code: AuthorizationCode, now: number): Promise<void> {
-    await this.memory.saveCode(hash, code, now)
     await this.#append({ set: 'code', key: hash, value: code })
+    await this.memory.saveCode(hash, code, now)
   }
 
   findCode(hash: string, now: number): Promise<AuthorizationCode | undefined> {
@@ -1559,15 +1561,15 @@ export class FileStore implements Store {
   }
 
   async takeCode(hash: string, now: number): Promise<boolean> {
-    if (!(await this.memory.takeCode(hash, now))) return false
+    if (!(await this.memory.takeCode(hash, now))) return false // marked used at once, so a second caller loses
     const code = this.memory.codes.get(hash)
-    if (code !== undefined) await this.#append({ set: 'code', key: hash, value: code })
+    if (code !== undefined) await this.#append({ set: 'code', key: hash, value: code }).catch(undo(() => (code.usedAt = undefined)))
     return true
   }
 
   async saveGrant(id: string, grant: Grant, now: number): Promise<void> {
-    await this.memory.saveGrant(id, grant, now)
     await this.#append({ set: 'grant', key: id, value: grant })
+    await this.memory.saveGrant(id, grant, now)
   }
 
   findGrant(id: string, now: number): Promise<Grant | undefined> {
@@ -1579,8 +1581,8 @@ export class FileStore implements Store {
   }
 
   async deleteGrant(id: string): Promise<void> {
-    await this.memory.deleteGrant(id)
     await this.#append({ delete: 'grant', key: id })
+    await this.memory.deleteGrant(id)
   }
 
   /** Last use is kept in memory only: after a restart it is the last time a token was issued. */
@@ -1589,8 +1591,8 @@ export class FileStore implements Store {
   }
 
   async saveToken(hash: string, token: Token, now: number): Promise<void> {
-    await this.memory.saveToken(hash, token, now)
     await this.#append({ set: 'token', key: hash, value: token })
+    await this.memory.saveToken(hash, token, now)
   }
 
   findToken(hash: string, now: number): Promise<Token | undefined> {
@@ -1598,20 +1600,20 @@ export class FileStore implements Store {
   }
 
   async takeToken(hash: string, now: number): Promise<boolean> {
-    if (!(await this.memory.takeToken(hash, now))) return false
+    if (!(await this.memory.takeToken(hash, now))) return false // marked used at once, so a second caller loses
     const token = this.memory.tokens.get(hash)
-    if (token !== undefined) await this.#append({ set: 'token', key: hash, value: token })
+    if (token !== undefined) await this.#append({ set: 'token', key: hash, value: token }).catch(undo(() => (token.usedAt = undefined)))
     return true
   }
 
   async deleteToken(hash: string): Promise<void> {
-    await this.memory.deleteToken(hash)
     await this.#append({ delete: 'token', key: hash })
+    await this.memory.deleteToken(hash)
   }
 
   async saveSession(hash: string, session: Session, now: number): Promise<void> {
-    await this.memory.saveSession(hash, session, now)
     await this.#append({ set: 'session', key: hash, value: session })
+    await this.memory.saveSession(hash, session, now)
   }
 
   findSession(hash: string, now: number): Promise<Session | undefined> {
@@ -1619,8 +1621,8 @@ export class FileStore implements Store {
   }
 
   async deleteSession(hash: string): Promise<void> {
-    await this.memory.deleteSession(hash)
     await this.#append({ delete: 'session', key: hash })
+    await this.memory.deleteSession(hash)
   }
 
   sweep(now: number, budget?: number): void {
@@ -1650,8 +1652,16 @@ export class FileStore implements Store {
     const now = this.#now()
     for (const [key, value] of this.memory.codes) if (value.expiresAt > now) yield { set: 'code', key, value }
     for (const [key, value] of this.memory.grants) if (value.expiresAt > now) yield { set: 'grant', key, value }
-    for (const [key, value] of this.memory.tokens) if (value.expiresAt > now) yield { set: 'token', key, value }
+    for (const [key, value] of this.memory.tokens) if (value.expiresAt > now && this.memory.grants.has(value.grantId)) yield { set: 'token', key, value }
     for (const [key, value] of this.memory.sessions) if (value.expiresAt > now) yield { set: 'session', key, value }
+  }
+}
+
+/** A change that could not be stored is taken back, so that nothing is done that was not stored. */
+function undo(takeBack: () => void): (err: unknown) => never {
+  return (err) => {
+    takeBack()
+    throw err
   }
 }
 
@@ -2426,15 +2436,18 @@ async function refreshGrant(form: Params, ctx: Context) {
   const clientId = requireParam(form, 'client_id')
   const found = await findLiveToken(hash, 'refresh', ctx)
   if (found === undefined) throw new OAuthError('invalid_grant', 'The refresh token is unknown, expired or revoked')
+  if (found.token.usedAt !== undefined) await revokeReusedRefreshToken(found.token.grantId, ctx) // whatever else the request says
   if (!isSameClientId(clientId, found.grant.client_id)) {
     throw new OAuthError('invalid_grant', 'client_id does not match the client the refresh token was issued to')
   }
   const scope = narrowScope(getParam(form, 'scope'), found.token.scope)
-  if (!(await ctx.store.takeToken(hash, ctx.now()))) {
-    await ctx.store.deleteGrant(found.token.grantId)
-    throw new OAuthError('invalid_grant', 'The refresh token was already used, so every token of its grant is revoked')
-  }
+  if (!(await ctx.store.takeToken(hash, ctx.now()))) await revokeReusedRefreshToken(found.token.grantId, ctx)
   return issueTokens(found.token.grantId, found.grant, scope, ctx)
+}
+
+async function revokeReusedRefreshToken(grantId: string, ctx: Context): Promise<never> {
+  await ctx.store.deleteGrant(grantId)
+  throw new OAuthError('invalid_grant', 'The refresh token was already used, so every token of its grant is revoked')
 }
 
 /** A refresh may ask for fewer scopes than were granted, never more (RFC 6749 §6). */
@@ -2762,9 +2775,9 @@ type Handler = (req: IncomingMessage, res: ServerResponse, ctx: Context) => Prom
 function routesOf(path: string): Partial<Record<string, Handler>> | undefined {
   switch (path) {
     case '/':
-      return { GET: handleHomePage }
+      return { GET: handleHomePage, HEAD: handleHomePage } // HEAD: IndieAuth discovery may start with it
     case '/.well-known/oauth-authorization-server':
-      return { GET: handleMetadataRequest }
+      return { GET: handleMetadataRequest, HEAD: handleMetadataRequest }
     case '/auth':
       return { GET: handleAuthorizationRequest, POST: handleProfileRedemption }
     case '/auth/consent':
@@ -3026,7 +3039,8 @@ function printStartup(config: Config, listeningUrl: string, store: MemoryStore |
   const memory = store instanceof FileStore ? store.memory : store
   const now = Date.now()
   const count = (map: { values(): Iterable<{ expiresAt: number }> }) => [...map.values()].filter((entry) => entry.expiresAt > now).length
-  const loaded = `${count(memory.codes)} live codes, ${count(memory.tokens)} live tokens and ${count(memory.grants)} grants loaded`
+  const liveTokens = [...memory.tokens.values()].filter((token) => token.expiresAt > now && memory.grants.has(token.grantId)).length
+  const loaded = `${count(memory.codes)} live codes, ${liveTokens} live tokens and ${count(memory.grants)} grants loaded`
   const data = config.dataFile === 'memory' ? 'in memory only: codes and tokens are lost when the server stops' : `${config.dataFile}: ${loaded}`
   for (const warning of configWarnings(config)) console.log(`warning: ${warning}`)
   console.log(

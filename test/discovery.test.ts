@@ -73,6 +73,15 @@ function site(req: IncomingMessage, res: ServerResponse): void {
       return sendHtml(res, `<div class="h-app">${'x'.repeat(1024 * 1024)}</div>`)
     case 'slow.example':
       return // never answers
+    case 'badlogo.example':
+      if (req.url === '/not-an-image') return sendHtml(res, '<p>not a logo</p>')
+      return sendJson(res, { client_id: 'http://badlogo.example/', client_name: 'Bad Logo', logo_uri: '/not-an-image', redirect_uris: ['https://other.example/callback'] })
+    case 'biglogo.example':
+      if (req.url === '/huge.png') {
+        res.writeHead(200, { 'Content-Type': 'image/png' })
+        return void res.end(Buffer.alloc(65 * 1024))
+      }
+      return sendJson(res, { client_id: 'http://biglogo.example/', client_name: 'Big Logo', logo_uri: '/huge.png', redirect_uris: ['https://other.example/callback'] })
     case 'failing.example':
       res.writeHead(500)
       return void res.end()
@@ -227,6 +236,16 @@ describe('Client discovery (IndieAuth §4.2)', () => {
     assert.equal((await authorize(latch, 'http://html.example/', 'http://html.example/ignored')).status, 200) // same host anyway
   })
 
+  it('inlines only images of at most 64 KiB as a logo, and still shows the name', async () => {
+    for (const host of ['badlogo.example', 'biglogo.example']) {
+      const response = await authorize(latch, `http://${host}/`, 'https://other.example/callback')
+      const html = await response.text()
+      assert.equal(response.status, 200, html)
+      assert.match(html, /<strong>(Bad|Big) Logo<\/strong>/)
+      assert.doesNotMatch(html, /<img/)
+    }
+  })
+
   it('does not follow a redirect from the client page', async () => {
     const before = fetchesOf('json.example')
     const response = await authorize(latch, 'http://redirecting.example/', 'https://other.example/callback')
@@ -294,8 +313,9 @@ describe('Client discovery (IndieAuth §4.2)', () => {
 
 describe('Discovery parsers and address rules', () => {
   it('reads the first h-app, and falls back to its text for a name', () => {
-    const page = readClientPage('<div class="h-x-app">  My\n <b>App</b> </div><div class="h-app"><span class="p-name">Second</span></div>', 'https://a.example/')
-    assert.equal(page.name, 'My App')
+    const page = readClientPage('<div class="h-x-app">  My\n <b>App</b> <a class="u-url" href="/home">home</a></div><div class="h-app"><span class="p-name">Second</span></div>', 'https://a.example/')
+    assert.equal(page.name, 'My App home')
+    assert.equal(page.url, 'https://a.example/home')
     assert.deepEqual(page.redirectUris, [])
   })
 
