@@ -1619,6 +1619,32 @@ describe('The command line', () => {
     assert.equal(result.code, 0)
   })
 
+  it('finishes a request in flight on SIGTERM, then exits 0', async () => {
+    const child = spawn(process.execPath, ['--import', 'tsx', 'server.ts'], { env: { ...process.env, PORT: '0', DATA_FILE: 'memory' } })
+    const exited = new Promise((resolve) => child.on('close', resolve))
+    let stdout = ''
+    const port = await new Promise<string>((resolve) => {
+      child.stdout.on('data', (chunk) => {
+        stdout += chunk
+        const match = /listening on http:\/\/127\.0\.0\.1:(\d+)[\s\S]*metadata/.exec(stdout)
+        if (match !== null) resolve(match[1])
+      })
+    })
+    const body = 'token=not-a-real-token'
+    const socket = connect(Number(port), '127.0.0.1')
+    let answer = ''
+    socket.on('data', (chunk) => (answer += chunk))
+    const closed = new Promise((resolve) => socket.on('close', resolve))
+    socket.write(`POST /revoke HTTP/1.1\r\nHost: 127.0.0.1:${port}\r\nContent-Type: application/x-www-form-urlencoded\r\nContent-Length: ${body.length}\r\n\r\n${body.slice(0, 5)}`)
+    await new Promise((resolve) => setTimeout(resolve, 100)) // the request has reached the server
+    child.kill('SIGTERM')
+    await new Promise((resolve) => child.stdout.once('data', resolve)) // it says it is stopping
+    socket.end(body.slice(5))
+    await closed
+    assert.match(answer, /^HTTP\/1\.1 200 /)
+    assert.equal(await exited, 0)
+  })
+
   it('refuses to serve a non-loopback interface without a password, naming the fix', async () => {
     const result = await run([], { HOST: '0.0.0.0', PORT: '0' })
     assert.equal(result.code, 1)
