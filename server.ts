@@ -2994,7 +2994,8 @@ function promptHidden(prompt: string): Promise<string> {
 async function runHashPassword(): Promise<void> {
   const password = await readPassword()
   if (password === '') throw new ConfigError('The password is empty: type one, or pipe one in')
-  console.log(await hashPassword(password))
+  const passwordHash = await hashPassword(password)
+  process.stdout.write(`${passwordHash}\n`) // the command's one line of output, for PASSWORD_HASH
 }
 
 /** How long a client may take: to send its headers, its whole request, and between requests. */
