@@ -472,8 +472,10 @@ describe('MemoryStore', () => {
     store.sweep(2000)
     assert.deepEqual([...store.grants.keys()], ['g1'])
     assert.deepEqual((await store.listGrants(2000)).map(([id]) => id), ['g1'])
-    await store.deleteGrant('g1')
+    await store.deleteGrant('g1', 2000)
     assert.equal(await store.findGrant('g1', 2000), undefined)
+    await store.saveGrant('g1', grant(9000), 2100) // a refresh that read it just before
+    assert.equal(await store.findGrant('g1', 2200), undefined)
   })
 
   it('sweeps expired tokens in batches of a given size', async () => {
@@ -1429,12 +1431,14 @@ describe('Sign-in sessions and connected apps', () => {
     assert.match(await appsPage(`latch_csrf=${csrf}; ${session}`), /type="password"/) // the old cookie no longer signs in
   })
 
-  it('names the session cookie __Host- and marks it Secure on an https issuer', async () => {
+  it('names the session and CSRF cookies __Host- and marks them Secure on an https issuer', async () => {
     const secure = await startLatch({ PASSWORD_HASH: await hashPassword(password, FAST_COST), ISSUER: 'https://auth.example.com' })
-    const csrf = createSecret()
-    const response = await post(`${secure.base}/sign-in`, form({ csrf, password }), { Cookie: `latch_csrf=${csrf}` })
+    after(() => secure.close())
+    const page = await fetch(`${secure.base}/apps`)
+    const csrf = /^__Host-latch_csrf=([A-Za-z0-9_-]{43}); Path=\/; HttpOnly; SameSite=Lax; Secure$/.exec(page.headers.get('set-cookie') ?? '')?.[1] ?? ''
+    assert.ok(csrf, 'the CSRF cookie is __Host- and Secure too')
+    const response = await post(`${secure.base}/sign-in`, form({ csrf, password }), { Cookie: `__Host-latch_csrf=${csrf}` })
     assert.match(response.headers.get('set-cookie') ?? '', /^__Host-latch_session=[A-Za-z0-9_-]{43}; Path=\/; Max-Age=604800; HttpOnly; SameSite=Lax; Secure$/)
-    await secure.close()
   })
 })
 

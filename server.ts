@@ -157,8 +157,11 @@ export interface Store {
   findGrant(id: string, now: number): Promise<Grant | undefined>
   /** Every unexpired grant, oldest first. */
   listGrants(now: number): Promise<[string, Grant][]>
-  /** Deletes a grant, which ends every token of its family. */
-  deleteGrant(id: string): Promise<void>
+  /**
+   * Deletes a grant, which ends every token of its family, and keeps it from being saved again:
+   * a refresh or an exchange that read it just before must not bring it back.
+   */
+  deleteGrant(id: string, now: number): Promise<void>
   /** Notes that a token of the grant was used; a store may keep this in memory only. */
   touchGrant(id: string, now: number): Promise<void>
   saveToken(hash: string, token: Token, now: number): Promise<void>
@@ -661,6 +664,7 @@ function isDomainName(host: string): boolean {
  * @see https://indieauth.spec.indieweb.org/#client-identifier IA §3.3
  */
 export function clientIdProblem(raw: string): string | undefined {
+  if (raw.length > 2_048) return 'it is longer than 2048 characters'
   const parts = splitHttpUrl(raw)
   if (typeof parts === 'string') return parts
   const problem = commonUrlProblem(parts)
@@ -748,6 +752,8 @@ const CLIENT_FETCH_TIMEOUT_MS = 5_000
 const MAX_CLIENT_DOCUMENT_BYTES = 256 * 1024
 const MAX_LOGO_BYTES = 64 * 1024
 const MAX_CLIENT_CACHE_SECONDS = 86_400
+const MAX_REDIRECT_URIS = 20
+const MAX_URL_LENGTH = 2_048
 const LOGO_TYPES = new Set(['image/png', 'image/jpeg', 'image/gif', 'image/webp', 'image/avif'])
 
 /** Addresses Latch never connects to: loopback, link-local and other special-use ranges. */
@@ -875,6 +881,8 @@ export async function discoverClient(clientId: string, options: { allowPrivate: 
   const isJson = fetched.type === 'application/json' || fetched.type.endsWith('+json')
   const document = isJson ? readClientMetadata(fetched.body.toString('utf8'), clientId) : readClientPage(fetched.body.toString('utf8'), clientId)
   const redirectUris = [...document.redirectUris, ...readLinkHeader(fetched.link, 'redirect_uri', clientId)]
+    .filter((uri) => uri.length <= MAX_URL_LENGTH)
+    .slice(0, MAX_REDIRECT_URIS) // what a client publishes is kept, so it is bounded
   const logo = document.logoUrl === undefined ? undefined : await fetchLogo(document.logoUrl, options).catch(() => undefined)
   return { info: { name: document.name, url: document.url, logo, redirectUris }, maxAgeSeconds: cacheLifetime(fetched.cacheControl) }
 }
@@ -946,45 +954,93 @@ export function readClientPage(html: string, pageUrl: string): ClientDocument {
   const logo = logoElement?.attributes.src ?? logoElement?.attributes.href
   const url = inside.find((element) => hasToken(element.attributes.class, 'u-url'))?.attributes.href
   return {
-    name: cleanName(nameElement?.text ?? elements[app].text),
+    name: cleanName(elementText(html, nameElement ?? elements[app])),
     url: url === undefined ? undefined : resolveUrl(url, pageUrl),
     logoUrl: logo === undefined ? undefined : resolveUrl(logo, pageUrl),
     redirectUris,
   }
 }
 
-type HtmlElement = { name: string; attributes: Record<string, string>; text: string; end: number }
+type HtmlElement = { name: string; attributes: Record<string, string>; textStart: number; textEnd: number; end: number }
 
 const VOID_ELEMENTS = new Set(['area', 'base', 'br', 'col', 'embed', 'hr', 'img', 'input', 'link', 'meta', 'source', 'track', 'wbr'])
+const MAX_HTML_ELEMENTS = 10_000
+const MAX_OPEN_ELEMENTS = 256
 
 /**
  * A small HTML scanner, enough for microformats: every start tag in order, with its attributes,
- * its text, and the index just past its last descendant. Comments, scripts and styles are skipped.
+ * where its text starts and ends, and the index just past its last descendant. Comments,
+ * scripts and styles are skipped. It reads each character a bounded number of times, and stops
+ * at 10,000 tags, so that a hostile page cannot keep the server busy.
  */
 export function scanHtml(html: string): HtmlElement[] {
-  const source = html.replace(/<!--[\s\S]*?-->/g, '').replace(/<(script|style)\b[\s\S]*?<\/\1\s*>/gi, '')
+  const lower = html.toLowerCase()
   const elements: HtmlElement[] = []
-  const open: { index: number; textStart: number }[] = []
-  const tag = /<(\/?)([a-zA-Z][a-zA-Z0-9-]*)((?:[^>"']|"[^"]*"|'[^']*')*)>/g
-  for (let match = tag.exec(source); match !== null; match = tag.exec(source)) {
-    const name = match[2].toLowerCase()
-    if (match[1] === '/') {
-      const at = open.findLastIndex((entry) => elements[entry.index].name === name)
-      if (at === -1) continue
-      for (const entry of open.splice(at)) {
-        elements[entry.index].end = elements.length
-        elements[entry.index].text = htmlText(source.slice(entry.textStart, match.index))
+  const open: number[] = [] // the elements not closed yet, outermost first
+  const tagName = /\/?[a-zA-Z][a-zA-Z0-9-]*/y
+  let at = 0
+  while (elements.length < MAX_HTML_ELEMENTS) {
+    const lt = html.indexOf('<', at)
+    if (lt === -1) break
+    if (html.startsWith('<!--', lt)) {
+      const end = html.indexOf('-->', lt + 4)
+      if (end === -1) break
+      at = end + 3
+      continue
+    }
+    tagName.lastIndex = lt + 1
+    const named = tagName.exec(html)
+    if (named === null) {
+      at = lt + 1
+      continue
+    }
+    const gt = findTagEnd(html, tagName.lastIndex)
+    if (gt === -1) break // no tag can end after this point
+    at = gt + 1
+    const name = named[0].replace('/', '').toLowerCase()
+    if (named[0].startsWith('/')) {
+      const index = open.findLastIndex((element) => elements[element].name === name)
+      for (const element of index === -1 ? [] : open.splice(index)) {
+        elements[element].end = elements.length
+        elements[element].textEnd = lt
       }
       continue
     }
-    elements.push({ name, attributes: readAttributes(match[3]), text: '', end: elements.length + 1 })
-    if (!VOID_ELEMENTS.has(name) && !match[3].endsWith('/')) open.push({ index: elements.length - 1, textStart: tag.lastIndex })
+    const attributes = html.slice(tagName.lastIndex, gt)
+    elements.push({ name, attributes: readAttributes(attributes), textStart: at, textEnd: at, end: elements.length + 1 })
+    if (name === 'script' || name === 'style') {
+      const close = lower.indexOf(`</${name}`, at) // raw text, not markup
+      at = close === -1 ? html.length : close
+    } else if (!VOID_ELEMENTS.has(name) && !attributes.endsWith('/') && open.length < MAX_OPEN_ELEMENTS) {
+      open.push(elements.length - 1)
+    }
   }
-  for (const entry of open) {
-    elements[entry.index].end = elements.length
-    elements[entry.index].text = htmlText(source.slice(entry.textStart))
+  for (const element of open) {
+    elements[element].end = elements.length
+    elements[element].textEnd = html.length
   }
   return elements
+}
+
+/** The index of the `>` that ends a tag, outside quoted attribute values, or -1. */
+function findTagEnd(html: string, from: number): number {
+  let quote = ''
+  for (let i = from; i < html.length; i++) {
+    const char = html[i]
+    if (quote !== '') {
+      if (char === quote) quote = ''
+    } else if (char === '"' || char === "'") {
+      quote = char
+    } else if (char === '>') {
+      return i
+    }
+  }
+  return -1
+}
+
+/** The text of an element, tags taken out, entities decoded, white space folded; at most 2,000 characters are read. */
+function elementText(html: string, element: HtmlElement): string {
+  return htmlText(html.slice(element.textStart, Math.min(element.textEnd, element.textStart + 2_000)))
 }
 
 function readAttributes(text: string): Record<string, string> {
@@ -998,12 +1054,12 @@ function readAttributes(text: string): Record<string, string> {
 }
 
 function htmlText(html: string): string {
-  return decodeEntities(html.replace(/<[^>]*>/g, ' ')).replace(/\s+/g, ' ').trim()
+  return decodeEntities(html.replace(/<[^<>]*>/g, ' ')).replace(/\s+/g, ' ').trim()
 }
 
 function decodeEntities(text: string): string {
   const named: Record<string, string> = { amp: '&', lt: '<', gt: '>', quot: '"', apos: "'", nbsp: ' ' }
-  return text.replace(/&(#x[0-9a-f]+|#\d+|[a-z]+);/gi, (entity, body: string) => {
+  return text.replace(/&(#x[0-9a-f]{1,6}|#\d{1,7}|[a-z]{1,10});/gi, (entity, body: string) => {
     const code = body[0] !== '#' ? undefined : body[1].toLowerCase() === 'x' ? parseInt(body.slice(2), 16) : parseInt(body.slice(1), 10)
     if (code === undefined) return named[body.toLowerCase()] ?? entity
     return code > 0 && code <= 0x10ffff ? String.fromCodePoint(code) : entity
@@ -1017,9 +1073,10 @@ function hasToken(list: string | undefined, token: string): boolean {
 /** The URLs of one relation in a `Link` header, resolved against the page's URL. */
 export function readLinkHeader(header: string, rel: string, base: string): string[] {
   const urls: string[] = []
-  for (const match of header.matchAll(/<([^>]*)>((?:\s*;\s*[^;,]+)*)/g)) {
-    const rels = /;\s*rel\s*=\s*(?:"([^"]*)"|([^\s;,]+))/i.exec(match[2])
-    const resolved = resolveUrl(match[1], base)
+  for (const link of header.split(/,(?=\s*<)/)) {
+    const match = /^\s*<([^>]*)>([^]*)$/.exec(link)
+    const rels = match === null ? null : /;\s*rel\s*=\s*(?:"([^"]*)"|([^\s;,]+))/i.exec(match[2])
+    const resolved = match === null ? undefined : resolveUrl(match[1], base)
     if (rels !== null && hasToken(rels[1] ?? rels[2], rel) && resolved !== undefined) urls.push(resolved)
   }
   return urls
@@ -1177,6 +1234,7 @@ export type MemoryStoreOptions = {
 }
 
 const SWEEP_BATCH = 100
+const REVOKED_GRANT_MEMORY_SECONDS = 86_400
 
 /** The in-memory `Store`: Maps with expiry timestamps, bounded where a stranger could fill them. */
 export class MemoryStore implements Store {
@@ -1184,6 +1242,8 @@ export class MemoryStore implements Store {
   readonly codes = new Map<string, AuthorizationCode>()
   readonly grants = new ExpiringMap<Grant>()
   readonly tokens = new ExpiringMap<Token>()
+  /** Grants revoked, kept until their tokens would have expired, so that no late save revives them. */
+  readonly revokedGrants = new ExpiringMap<{ expiresAt: number }>()
   readonly sessions = new Map<string, Session>()
   readonly #maxPendingRequests: number
   readonly #maxCodes: number
@@ -1232,6 +1292,8 @@ export class MemoryStore implements Store {
 
   async saveGrant(id: string, grant: Grant, now: number): Promise<void> {
     this.grants.sweep(now, SWEEP_BATCH)
+    this.revokedGrants.sweep(now, SWEEP_BATCH)
+    if (this.revokedGrants.has(id)) return // revoked while the request that saves it was under way
     this.grants.set(id, { ...grant, client_id: this.#share(grant.client_id), scope: this.#share(grant.scope) })
   }
 
@@ -1243,7 +1305,9 @@ export class MemoryStore implements Store {
     return [...this.grants].filter(([, grant]) => grant.expiresAt > now).sort(([, a], [, b]) => a.approvedAt - b.approvedAt)
   }
 
-  async deleteGrant(id: string): Promise<void> {
+  async deleteGrant(id: string, now: number): Promise<void> {
+    const expiresAt = Math.max(this.grants.get(id)?.expiresAt ?? 0, now + REVOKED_GRANT_MEMORY_SECONDS * 1000)
+    this.revokedGrants.set(id, { expiresAt })
     this.grants.delete(id) // its tokens die with it: every lookup checks the grant, and the sweep removes them
   }
 
@@ -1291,6 +1355,7 @@ export class MemoryStore implements Store {
     sweepOldest(this.codes, now, budget)
     sweepOldest(this.sessions, now, budget)
     this.grants.sweep(now, budget)
+    this.revokedGrants.sweep(now, budget)
     this.tokens.sweep(now, budget)
   }
 
@@ -1580,9 +1645,9 @@ export class FileStore implements Store {
     return this.memory.listGrants(now)
   }
 
-  async deleteGrant(id: string): Promise<void> {
+  async deleteGrant(id: string, now: number): Promise<void> {
     await this.#append({ delete: 'grant', key: id })
-    await this.memory.deleteGrant(id)
+    await this.memory.deleteGrant(id, now)
   }
 
   /** Last use is kept in memory only: after a restart it is the last time a token was issued. */
@@ -1652,6 +1717,7 @@ export class FileStore implements Store {
     const now = this.#now()
     for (const [key, value] of this.memory.codes) if (value.expiresAt > now) yield { set: 'code', key, value }
     for (const [key, value] of this.memory.grants) if (value.expiresAt > now) yield { set: 'grant', key, value }
+    for (const [key, value] of this.memory.revokedGrants) if (value.expiresAt > now) yield { delete: 'grant', key }
     for (const [key, value] of this.memory.tokens) if (value.expiresAt > now && this.memory.grants.has(value.grantId)) yield { set: 'token', key, value }
     for (const [key, value] of this.memory.sessions) if (value.expiresAt > now) yield { set: 'session', key, value }
   }
@@ -1686,7 +1752,7 @@ function parseJournalLine(line: string): JournalRecord | undefined {
 
 async function applyRecord(memory: MemoryStore, record: JournalRecord, now: number): Promise<void> {
   if ('delete' in record) {
-    if (record.delete === 'grant') await memory.deleteGrant(record.key)
+    if (record.delete === 'grant') await memory.deleteGrant(record.key, now)
     else if (record.delete === 'token') await memory.deleteToken(record.key)
     else await memory.deleteSession(record.key)
     return
@@ -1929,7 +1995,9 @@ function endpointUrl(config: Config, path: string): string {
 // every form repeats (double submit), and the owner's session. On https the session cookie takes
 // the `__Host-` prefix, which binds it to this host and the path `/`.
 
-const CSRF_COOKIE = 'latch_csrf'
+function csrfCookieName(config: Config): string {
+  return config.issuer.startsWith('https:') ? '__Host-latch_csrf' : 'latch_csrf'
+}
 
 function sessionCookieName(config: Config): string {
   return config.issuer.startsWith('https:') ? '__Host-latch_session' : 'latch_session'
@@ -1945,15 +2013,15 @@ function buildCookie(name: string, value: string, maxAgeSeconds: number | undefi
 }
 
 /** The CSRF value for a page: the browser's own when it has one, so that two open tabs both work. */
-function csrfFor(req: IncomingMessage): string {
-  const cookie = readCookie(req, CSRF_COOKIE)
+function csrfFor(req: IncomingMessage, config: Config): string {
+  const cookie = readCookie(req, csrfCookieName(config))
   return cookie !== undefined && /^[A-Za-z0-9_-]{43}$/.test(cookie) ? cookie : createSecret()
 }
 
 /** The form's `csrf` must equal the browser's CSRF cookie: a page elsewhere cannot read it. */
-function requireCsrf(form: Params, req: IncomingMessage): string {
+function requireCsrf(form: Params, req: IncomingMessage, config: Config): string {
   const csrf = getParam(form, 'csrf')
-  const cookie = readCookie(req, CSRF_COOKIE)
+  const cookie = readCookie(req, csrfCookieName(config))
   if (csrf === undefined || cookie === undefined || !safeEqual(csrf, cookie)) {
     throw new OAuthError('access_denied', 'This form was not sent from a page of this server in this browser: go back, reload the page and try again', { status: 403 })
   }
@@ -2038,12 +2106,12 @@ async function handleAuthorizationRequest(req: IncomingMessage, res: ServerRespo
     const params = { error: err.error, error_description: err.message, state, iss: ctx.config.issuer }
     return redirect(res, 302, buildRedirectUrl(redirectUri, params))
   }
-  const csrf = csrfFor(req)
+  const csrf = csrfFor(req, ctx.config)
   request.csrfHash = sha256(csrf)
   const id = createSecret()
   await ctx.store.savePending(sha256(id), request, ctx.now())
   const page = renderConsentPage(request, { id, csrf, config: ctx.config, signedIn: await isSignedIn(req, ctx), logo: client.info?.logo })
-  sendPage(res, 200, page, { 'Set-Cookie': buildCookie(CSRF_COOKIE, csrf, undefined, ctx.config) })
+  sendPage(res, 200, page, { 'Set-Cookie': buildCookie(csrfCookieName(ctx.config), csrf, undefined, ctx.config) })
 }
 
 /** The `state` to send back on an error redirect: none when it was sent twice. */
@@ -2073,7 +2141,7 @@ async function findClient(clientId: string, ctx: Context): Promise<{ info?: Clie
   }
 }
 
-const MAX_CACHED_CLIENTS = 1_000
+const MAX_CACHED_CLIENTS = 100
 
 /** Checks the rest of the request, one rule per line, in the order the contract lists them. */
 function buildPendingRequest(query: Params, client: { client_id: string; client_name: string | undefined; redirect_uri: string }, ctx: Context): PendingRequest {
@@ -2169,7 +2237,7 @@ async function handleConsent(req: IncomingMessage, res: ServerResponse, ctx: Con
   const id = requireParam(form, 'request')
   const request = await ctx.store.findPending(sha256(id), ctx.now())
   if (request === undefined) throw new OAuthError('invalid_request', 'This sign-in request is unknown or has expired: start again from the app')
-  const csrf = requireCsrf(form, req)
+  const csrf = requireCsrf(form, req, ctx.config)
   if (!safeEqual(sha256(csrf), request.csrfHash)) {
     throw new OAuthError('access_denied', 'This sign-in request was opened in another browser: start again from the app', { status: 403 })
   }
@@ -2352,7 +2420,7 @@ function isSameClientId(sent: string, stored: string): boolean {
  */
 async function consumeCode(codeHash: string, ctx: Context): Promise<void> {
   if (await ctx.store.takeCode(codeHash, ctx.now())) return
-  await ctx.store.deleteGrant(codeHash)
+  await ctx.store.deleteGrant(codeHash, ctx.now())
   throw new OAuthError('invalid_grant', 'The authorization code was already used, so the tokens issued from it are revoked')
 }
 
@@ -2446,7 +2514,7 @@ async function refreshGrant(form: Params, ctx: Context) {
 }
 
 async function revokeReusedRefreshToken(grantId: string, ctx: Context): Promise<never> {
-  await ctx.store.deleteGrant(grantId)
+  await ctx.store.deleteGrant(grantId, ctx.now())
   throw new OAuthError('invalid_grant', 'The refresh token was already used, so every token of its grant is revoked')
 }
 
@@ -2574,7 +2642,7 @@ async function handleLegacyRevocation(form: Params, res: ServerResponse, ctx: Co
 async function revokeToken(value: string, ctx: Context): Promise<void> {
   const hash = sha256(value)
   const token = await ctx.store.findToken(hash, ctx.now())
-  if (token?.kind === 'refresh') await ctx.store.deleteGrant(token.grantId)
+  if (token?.kind === 'refresh') await ctx.store.deleteGrant(token.grantId, ctx.now())
   await ctx.store.deleteToken(hash)
 }
 
@@ -2638,8 +2706,8 @@ async function requireAccessToken(req: IncomingMessage, form: Params | undefined
 
 /** Shows the connected apps to the signed-in owner, and a sign-in form to anyone else. */
 async function handleAppsPage(req: IncomingMessage, res: ServerResponse, ctx: Context): Promise<void> {
-  const csrf = csrfFor(req)
-  const headers = { 'Set-Cookie': buildCookie(CSRF_COOKIE, csrf, undefined, ctx.config) }
+  const csrf = csrfFor(req, ctx.config)
+  const headers = { 'Set-Cookie': buildCookie(csrfCookieName(ctx.config), csrf, undefined, ctx.config) }
   if (!(await isSignedIn(req, ctx))) return sendPage(res, 200, renderSignInPage({ csrf, config: ctx.config }), headers)
   sendPage(res, 200, renderAppsPage(await ctx.store.listGrants(ctx.now()), { csrf, config: ctx.config }), headers)
 }
@@ -2647,7 +2715,7 @@ async function handleAppsPage(req: IncomingMessage, res: ServerResponse, ctx: Co
 /** Checks the owner's password and starts a session. */
 async function handleSignIn(req: IncomingMessage, res: ServerResponse, ctx: Context): Promise<void> {
   const form = await readForm(req)
-  const csrf = requireCsrf(form, req)
+  const csrf = requireCsrf(form, req, ctx.config)
   const headers: Record<string, string> = {}
   if (ctx.config.passwordHash !== undefined) {
     const message = await checkPassword(getParam(form, 'password'), clientAddress(req), ctx)
@@ -2659,7 +2727,7 @@ async function handleSignIn(req: IncomingMessage, res: ServerResponse, ctx: Cont
 
 /** Ends the owner's session, here and in the store. */
 async function handleSignOut(req: IncomingMessage, res: ServerResponse, ctx: Context): Promise<void> {
-  requireCsrf(await readForm(req), req)
+  requireCsrf(await readForm(req), req, ctx.config)
   const name = sessionCookieName(ctx.config)
   const value = readCookie(req, name)
   if (value !== undefined) await ctx.store.deleteSession(sha256(value))
@@ -2670,19 +2738,19 @@ async function handleSignOut(req: IncomingMessage, res: ServerResponse, ctx: Con
 async function handleAppRevocation(req: IncomingMessage, res: ServerResponse, ctx: Context): Promise<void> {
   const form = await readForm(req)
   await requireOwner(form, req, ctx)
-  await ctx.store.deleteGrant(requireParam(form, 'grant'))
+  await ctx.store.deleteGrant(requireParam(form, 'grant'), ctx.now())
   redirect(res, 303, endpointUrl(ctx.config, '/apps'))
 }
 
 /** Revokes every grant. */
 async function handleAllAppsRevocation(req: IncomingMessage, res: ServerResponse, ctx: Context): Promise<void> {
   await requireOwner(await readForm(req), req, ctx)
-  for (const [id] of await ctx.store.listGrants(ctx.now())) await ctx.store.deleteGrant(id)
+  for (const [id] of await ctx.store.listGrants(ctx.now())) await ctx.store.deleteGrant(id, ctx.now())
   redirect(res, 303, endpointUrl(ctx.config, '/apps'))
 }
 
 async function requireOwner(form: Params, req: IncomingMessage, ctx: Context): Promise<void> {
-  requireCsrf(form, req)
+  requireCsrf(form, req, ctx.config)
   if (!(await isSignedIn(req, ctx))) throw new OAuthError('access_denied', 'Sign in first: your session has ended', { status: 401 })
 }
 

@@ -9,7 +9,7 @@ import { Agent, createServer } from 'node:http'
 import type { IncomingMessage, Server, ServerResponse } from 'node:http'
 import { connect } from 'node:net'
 import type { AddressInfo, Socket } from 'node:net'
-import { addressProblem, createHandler, loadConfig, readClientPage, readLinkHeader } from '../server.ts'
+import { addressProblem, createHandler, loadConfig, readClientPage, readLinkHeader, scanHtml } from '../server.ts'
 import type { ClientFetchOptions } from '../server.ts'
 
 const CHALLENGE = 'E9Melhoa2OwvFrEMTJguCHaoeK1t8URWbuGJSstw-cM'
@@ -317,6 +317,12 @@ describe('Discovery parsers and address rules', () => {
     assert.equal(page.name, 'My App home')
     assert.equal(page.url, 'https://a.example/home')
     assert.deepEqual(page.redirectUris, [])
+  })
+
+  it('stops at 10,000 tags and never leaves a tag unclosed past the end, however hostile the page', () => {
+    assert.equal(scanHtml('<b>'.repeat(20_000)).length, 10_000)
+    assert.deepEqual(scanHtml('<a href="x">ok</a><b title="never closed>').map((element) => element.name), ['a'])
+    assert.equal(readClientPage(`<div class="h-app">${'<span>'.repeat(300)}Name`, 'https://a.example/').name, 'Name')
   })
 
   it('resolves relative redirect URIs against the page and ignores other relations', () => {

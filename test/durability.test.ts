@@ -123,6 +123,26 @@ describe('DATA_FILE: restarts', () => {
     await third.stop()
   })
 
+  it('keeps a grant revoked while a refresh of it is under way, in memory and after a restart', async () => {
+    const file = join(directory, 'race', 'data.jsonl')
+    const first = await startOn(file)
+    const issued: string[] = []
+    for (let round = 0; round < 5; round++) {
+      const tokens = await obtainTokens(first.base)
+      issued.push(tokens.access_token)
+      const [refreshed] = await Promise.all([
+        post(`${first.base}/token`, form({ grant_type: 'refresh_token', refresh_token: tokens.refresh_token, client_id: CLIENT_ID })),
+        post(`${first.base}/revoke`, form({ token: tokens.refresh_token })),
+      ])
+      if (refreshed.status === 200) issued.push(((await refreshed.json()) as { access_token: string }).access_token)
+    }
+    for (const token of issued) assert.equal(await isActive(first.base, token), false)
+    await first.stop()
+    const second = await startOn(file)
+    for (const token of issued) assert.equal(await isActive(second.base, token), false)
+    await second.stop()
+  })
+
   it('creates the file with mode 0600 and never writes a raw code or token to it', async () => {
     const file = join(directory, 'secrets', 'nested', 'data.jsonl')
     const running = await startOn(file)
