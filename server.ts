@@ -1113,10 +1113,6 @@ class ExpiryHeap {
   #times: number[] = []
   #keys: string[] = []
 
-  get size(): number {
-    return this.#keys.length
-  }
-
   /** The soonest expiry time, or Infinity when empty. */
   peekTime(): number {
     return this.#keys.length === 0 ? Infinity : this.#times[0]
