@@ -36,7 +36,7 @@ import { request as httpsRequest } from 'node:https'
 import { lookup } from 'node:dns/promises'
 import type { LookupAddress } from 'node:dns'
 import { BlockList, isIP, isIPv6 } from 'node:net'
-import { createHash, randomBytes, scrypt, timingSafeEqual } from 'node:crypto'
+import { hash, randomBytes, randomFillSync, scrypt, timingSafeEqual } from 'node:crypto'
 import { realpathSync } from 'node:fs'
 import { mkdir, open, readFile, rename, rm, truncate } from 'node:fs/promises'
 import type { FileHandle } from 'node:fs/promises'
@@ -445,19 +445,29 @@ export function base64url(bytes: Buffer): string {
 
 /** SHA-256 of a string, base64url: the key under which a secret is stored. */
 export function sha256(value: string): string {
-  return base64url(createHash('sha256').update(value, 'utf8').digest())
+  return hash('sha256', value, 'base64url')
 }
+
+/**
+ * Random bytes for secrets, drawn from the system a few kilobytes at a time: one call for 32
+ * bytes costs as much as one for 4 KiB, and a token exchange needs two secrets.
+ */
+const randomPool = { bytes: Buffer.alloc(4096), used: 4096 }
 
 /** A fresh code or token: 32 random bytes, base64url (43 characters). */
 export function createSecret(): string {
-  return base64url(randomBytes(32))
+  if (randomPool.used === randomPool.bytes.length) {
+    randomFillSync(randomPool.bytes)
+    randomPool.used = 0
+  }
+  const secret = base64url(randomPool.bytes.subarray(randomPool.used, randomPool.used + 32))
+  randomPool.used += 32
+  return secret
 }
 
 /** Compares two secrets in constant time, whatever their lengths. */
 export function safeEqual(a: string, b: string): boolean {
-  const hashA = createHash('sha256').update(a, 'utf8').digest()
-  const hashB = createHash('sha256').update(b, 'utf8').digest()
-  return timingSafeEqual(hashA, hashB) && a.length === b.length
+  return timingSafeEqual(hash('sha256', a, 'buffer'), hash('sha256', b, 'buffer')) && a.length === b.length
 }
 
 /**
@@ -465,7 +475,7 @@ export function safeEqual(a: string, b: string): boolean {
  * @see https://www.rfc-editor.org/rfc/rfc7636#section-4.2
  */
 export function computeCodeChallenge(verifier: string): string {
-  return base64url(createHash('sha256').update(verifier, 'ascii').digest())
+  return hash('sha256', verifier, 'base64url') // isCodeVerifier allows ASCII only, so UTF-8 is ASCII here
 }
 
 /**
@@ -1900,7 +1910,7 @@ a { color: var(--accent); }
 
 const PAGE_HEADERS = {
   'Content-Type': 'text/html; charset=utf-8',
-  'Content-Security-Policy': `default-src 'none'; style-src 'sha256-${createHash('sha256').update(STYLESHEET).digest('base64')}'; img-src data:; frame-ancestors 'none'; base-uri 'none'`,
+  'Content-Security-Policy': `default-src 'none'; style-src 'sha256-${hash('sha256', STYLESHEET, 'base64')}'; img-src data:; frame-ancestors 'none'; base-uri 'none'`,
   'X-Frame-Options': 'DENY',
   'Referrer-Policy': 'no-referrer',
   'X-Content-Type-Options': 'nosniff',
@@ -2404,7 +2414,7 @@ async function checkCode(form: Params, options: { clientRequired: boolean }, ctx
 
 /** Compares a sent `client_id` with a stored canonical one, after canonicalizing it (IA §3.4). */
 function isSameClientId(sent: string, stored: string): boolean {
-  return isClientId(sent) && canonicalizeUrl(sent) === stored
+  return sent === stored || (isClientId(sent) && canonicalizeUrl(sent) === stored)
 }
 
 /**
@@ -2946,6 +2956,7 @@ export function createHandler(options: HandlerOptions): (req: IncomingMessage, r
     clients: new Map(),
   }
   const ownHosts = ownHostsOf(ctx.config)
+  let lastOwnHost: string | undefined // the Host header that passed last time: nearly every request repeats it
   return (req, res) => {
     const started = performance.now()
     const path = pathOf(req.url ?? '/')
@@ -2955,7 +2966,10 @@ export function createHandler(options: HandlerOptions): (req: IncomingMessage, r
       const status = res.headersSent ? res.statusCode : 'closed before the answer'
       log(`${req.method} ${describePath(path, handler)} ${status} ${Math.round(performance.now() - started)}ms`)
     })
-    const checked = isOwnHost(req.headers.host, ownHosts)
+    const host = req.headers.host
+    const own = host === lastOwnHost || isOwnHost(host, ownHosts)
+    if (own) lastOwnHost = host
+    const checked = own
       ? handler(req, res, ctx)
       : Promise.reject(new OAuthError('invalid_request', 'This server answers only to its own host name: set ISSUER to the URL you use, or set PASSWORD_HASH', { status: 421 }))
     checked.catch((err: unknown) => renderError(err, res, PAGE_HANDLERS.has(handler), ctx))
