@@ -5,7 +5,8 @@
 // as a child process through its real command line (`server.ts`, DATA_FILE=memory), with
 // its one log line per request going to a file, exactly as a user runs it: that gives honest
 // numbers, where an in-process server would share an event loop with the bench. The bare
-// node:http server (bench/bare.ts) answers the same request shapes with nothing else: the limit.
+// node:http server (bench/bare.ts) answers the same requests with the same headers and as many
+// bytes as Latch, and does nothing else: the limit.
 //
 //   (a) POST /introspect of a live token              target: ≥ 80% of bare
 //   (b) POST /token, one fresh code per request          target: ≥ 50% of bare
@@ -22,9 +23,11 @@ import { fork, spawn } from 'node:child_process'
 import type { ChildProcess } from 'node:child_process'
 import { closeSync, mkdtempSync, openSync, readFileSync, rmSync } from 'node:fs'
 import { Agent, request } from 'node:http'
+import type { IncomingHttpHeaders } from 'node:http'
 import { cpus, tmpdir } from 'node:os'
 import { join } from 'node:path'
 import { fileURLToPath } from 'node:url'
+import type { BareAnswers } from './bare.ts'
 import type { LoadJob, LoadResult, SoakJob } from './load.ts'
 
 const SOAK_SECONDS = Number(process.env.SOAK_SECONDS ?? 60)
@@ -93,7 +96,7 @@ const sleep = (ms: number) => new Promise((resolve) => setTimeout(resolve, ms))
 
 const agent = new Agent({ keepAlive: true, maxSockets: 16 })
 
-type Answer = { status: number; location: string; cookie: string; text: string }
+type Answer = { status: number; location: string; cookie: string; headers: IncomingHttpHeaders; text: string }
 
 function send(url: string, method: string, path: string, options: { body?: string; cookie?: string } = {}): Promise<Answer> {
   const headers: Record<string, string> = {}
@@ -104,7 +107,7 @@ function send(url: string, method: string, path: string, options: { body?: strin
       let text = ''
       res.setEncoding('utf8')
       res.on('data', (chunk: string) => (text += chunk))
-      res.on('end', () => resolve({ status: res.statusCode ?? 0, location: res.headers.location ?? '', cookie: (res.headers['set-cookie']?.[0] ?? '').split(';')[0], text }))
+      res.on('end', () => resolve({ status: res.statusCode ?? 0, location: res.headers.location ?? '', cookie: (res.headers['set-cookie']?.[0] ?? '').split(';')[0], headers: res.headers, text }))
     })
     req.on('error', reject)
     req.end(options.body)
@@ -133,11 +136,10 @@ async function mintCodes(url: string, count: number): Promise<string[]> {
   return codes
 }
 
-async function obtainAccessToken(url: string): Promise<string> {
-  const answer = await send(url, 'POST', '/token', { body: TOKEN_BODY.replace('CODE', await mintCode(url)) })
-  const token = /"access_token":"([^"]+)"/.exec(answer.text)?.[1]
-  if (token === undefined) throw new Error(`/token answered ${answer.status} ${answer.text}`)
-  return token
+/** What the bare server needs to answer like Latch did: the headers node:http does not add itself, and the body's length. */
+function shapeOf(answer: Answer): BareAnswers[string] {
+  const headers = Object.fromEntries(Object.entries(answer.headers).filter(([name]) => !['date', 'connection', 'keep-alive', 'content-length'].includes(name)))
+  return { headers, bytes: Buffer.byteLength(answer.text) }
 }
 
 // --- Figures ----------------------------------------------------------------------------
@@ -221,15 +223,17 @@ async function main(): Promise<void> {
   console.log('Latencies are whole milliseconds, as autocannon records them; p99 figures below read Latch / bare.')
   const dir = mkdtempSync(join(tmpdir(), 'latch-bench-'))
   const probe = new URL('probe.ts', import.meta.url).href
-  const bare = await startServer('bare', ['--import', 'tsx', 'bench/bare.ts'], {}, /listening (\d+)/, dir)
   const latch = await startServer('latch', ['--import', 'tsx', '--import', probe, 'server.ts'], { PORT: '0', DATA_FILE: 'memory' }, /listening on (http:\/\/\S+)/, dir)
+  // One answer of each kind from Latch, for the bare server to send the same headers and as many bytes.
+  const consentPage = await send(latch.url, 'GET', AUTHORIZATION_PATH)
+  const exchanged = await send(latch.url, 'POST', '/token', { body: TOKEN_BODY.replace('CODE', await mintCode(latch.url)) })
+  const token = /"access_token":"([^"]+)"/.exec(exchanged.text)?.[1]
+  if (token === undefined) throw new Error(`/token answered ${exchanged.status} ${exchanged.text}`)
+  const introspected = await send(latch.url, 'POST', '/introspect', { body: `token=${token}` })
+  const answers: BareAnswers = { '/auth': shapeOf(consentPage), '/token': shapeOf(exchanged), '/introspect': shapeOf(introspected) }
+  const bare = await startServer('bare', ['--import', 'tsx', 'bench/bare.ts'], { BARE_ANSWERS: JSON.stringify(answers) }, /listening (\d+)/, dir)
   const load = fork(join(ROOT, 'bench/load.ts'), { cwd: ROOT, execArgv: ['--import', 'tsx'], stdio: 'inherit' })
   try {
-    const consentPage = await send(latch.url, 'GET', AUTHORIZATION_PATH)
-    await stop(bare.child)
-    Object.assign(bare, await startServer('bare', ['--import', 'tsx', 'bench/bare.ts'], { BARE_PAGE_BYTES: String(Buffer.byteLength(consentPage.text)) }, /listening (\d+)/, dir))
-
-    const token = await obtainAccessToken(latch.url)
     const introspection = await measurePair(load, bare, latch, { method: 'POST', path: '/introspect', body: `token=${token}` })
     printPair('(a) POST /introspect, a live token', introspection)
 
