@@ -447,7 +447,7 @@ describe('MemoryStore', () => {
     assert.equal(await store.takeCode('h', 1000), false)
   })
 
-  it('sweeps expired entries on later writes, soonest first, without touching live ones', async () => {
+  it('sweeps expired entries on later writes without touching live ones', async () => {
     const store = new MemoryStore()
     await store.saveToken('late', token(5000), 0)
     await store.saveToken('early', token(1000), 0)
@@ -456,12 +456,31 @@ describe('MemoryStore', () => {
     assert.deepEqual([...store.tokens.keys()].sort(), ['fresh', 'late'])
   })
 
+  it('keeps grant and token times to the second, rounded down, as introspection reports them', async () => {
+    const store = new MemoryStore()
+    await store.saveToken('t', { ...token(2999), issuedAt: 1500 }, 0)
+    assert.deepEqual(await store.findToken('t', 1999), { ...token(2000), issuedAt: 1000 })
+    assert.equal(await store.findToken('t', 2000), undefined)
+    await store.saveGrant('g', { ...grant(5500), approvedAt: 1250, lastUsedAt: 1999 }, 0)
+    assert.deepEqual(await store.findGrant('g', 0), { ...grant(5000), approvedAt: 1000, lastUsedAt: 1000 })
+  })
+
+  it('keeps one copy of the client, me and scope that many grants share', async () => {
+    const store = new MemoryStore()
+    await store.saveGrant('g1', grant(9000), 0)
+    await store.saveGrant('g2', grant(9000), 0)
+    await store.saveGrant('g3', { ...grant(9000), client_name: 'Other' }, 0)
+    assert.equal(store.grants.get('g1')?.app, store.grants.get('g2')?.app)
+    assert.notEqual(store.grants.get('g1')?.app, store.grants.get('g3')?.app)
+    assert.equal((await store.findGrant('g3', 0))?.client_name, 'Other')
+  })
+
   it('marks a refresh token used once, atomically', async () => {
     const store = new MemoryStore()
     await store.saveToken('r', { ...token(9000), kind: 'refresh' }, 0)
-    assert.equal(await store.takeToken('r', 10), true)
-    assert.equal(await store.takeToken('r', 20), false)
-    assert.equal((await store.findToken('r', 30))?.usedAt, 10)
+    assert.equal(await store.takeToken('r', 1000), true)
+    assert.equal(await store.takeToken('r', 2000), false)
+    assert.equal((await store.findToken('r', 3000))?.usedAt, 1000)
   })
 
   it('keeps a grant saved again with a later expiry, and lists only live grants', async () => {

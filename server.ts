@@ -1111,125 +1111,146 @@ async function fetchLogo(logoUrl: string, options: { allowPrivate: boolean; fetc
 }
 
 // --- Storage --------------------------------------------------------------------
-// A `Store` keeps pending requests, codes, grants and tokens under the SHA-256 hashes of their
-// ids. This one keeps them in Maps. Every read checks expiry, and every write sweeps a few
-// expired entries, soonest first, so no request ever scans every entry. Pending requests,
-// codes and sessions all live equally long, so a Map's insertion order is already their order
-// of expiry; grants and tokens need not, so their expiry times are kept in heaps.
+// A `Store` keeps pending requests, codes, grants and tokens under the hashes of their ids.
+// This one keeps them in Maps. Every read checks expiry, and every write sweeps a few expired
+// entries, so no request ever scans every entry. Pending requests, codes and sessions all live
+// equally long, so a Map's insertion order is already their order of expiry: the sweep takes
+// them from the front. Grants and tokens need not; the sweep walks them in turn, a few at a time.
 // To put SQLite or Redis behind Latch, implement `Store`: eighteen small methods.
-
-/** A binary min-heap of (expiry time, key), kept in two flat arrays: the soonest is on top. */
-class ExpiryHeap {
-  #times: number[] = []
-  #keys: string[] = []
-
-  /** The soonest expiry time, or Infinity when empty. */
-  peekTime(): number {
-    return this.#keys.length === 0 ? Infinity : this.#times[0]
-  }
-
-  push(time: number, key: string): void {
-    let i = this.#keys.length
-    while (i > 0) {
-      const parent = (i - 1) >> 1
-      if (this.#times[parent] <= time) break
-      this.#move(parent, i)
-      i = parent
-    }
-    this.#times[i] = time
-    this.#keys[i] = key
-  }
-
-  /** Removes the soonest entry and returns its key. */
-  pop(): string | undefined {
-    const top = this.#keys[0]
-    const lastTime = this.#times.pop() ?? 0
-    const lastKey = this.#keys.pop() ?? ''
-    const size = this.#keys.length
-    if (size === 0) return top
-    let i = 0
-    while (true) {
-      const left = 2 * i + 1
-      if (left >= size) break
-      const child = left + 1 < size && this.#times[left + 1] < this.#times[left] ? left + 1 : left
-      if (this.#times[child] >= lastTime) break
-      this.#move(child, i)
-      i = child
-    }
-    this.#times[i] = lastTime
-    this.#keys[i] = lastKey
-    return top
-  }
-
-  #move(from: number, to: number): void {
-    this.#times[to] = this.#times[from]
-    this.#keys[to] = this.#keys[from]
-  }
-}
 
 /**
  * A Map of entries that expire, split in 64 shards by the first character of their keys (hashes
- * in base64url, so evenly), each with a heap of expiry times. V8 rehashes a whole table when it
- * shrinks; a table of a million entries stops the server for tens of milliseconds. Sweeping one
- * shard at a time keeps each rehash to a sixty-fourth of that.
+ * in base64url, so evenly). V8 rehashes a whole table when it grows or shrinks, and a table of
+ * a million entries stops the server for tens of milliseconds; a shard, for a sixty-fourth of
+ * that. Expired entries are found by walking the shards, `budget` entries a call, so nothing is
+ * kept per entry but the entry. `expiresAt` is in seconds here (see `StoredGrant`).
  */
 export class ExpiringMap<V extends { expiresAt: number }> {
-  readonly #shards = Array.from({ length: 64 }, () => ({ map: new Map<string, V>(), expiries: new ExpiryHeap() }))
-  #sweeping = 0
+  readonly #shards = Array.from({ length: 64 }, () => new Map<string, V>())
+  /** Where the sweep goes on from: a Map iterator survives deletes and inserts. */
+  #walk = { shard: 0, entries: this.#shards[0].entries() }
 
-  #shard(key: string): { map: Map<string, V>; expiries: ExpiryHeap } {
+  #shard(key: string): Map<string, V> {
     return this.#shards[key.charCodeAt(0) & 63]
   }
 
   get size(): number {
     let size = 0
-    for (const shard of this.#shards) size += shard.map.size
+    for (const shard of this.#shards) size += shard.size
     return size
   }
 
   get(key: string): V | undefined {
-    return this.#shard(key).map.get(key)
+    return this.#shard(key).get(key)
   }
 
   has(key: string): boolean {
-    return this.#shard(key).map.has(key)
+    return this.#shard(key).has(key)
   }
 
   set(key: string, value: V): this {
-    const shard = this.#shard(key)
-    shard.map.set(key, value)
-    shard.expiries.push(value.expiresAt, key)
+    this.#shard(key).set(key, value)
     return this
   }
 
   delete(key: string): boolean {
-    return this.#shard(key).map.delete(key) // its expiry stays in the heap, and is skipped when it comes up
+    return this.#shard(key).delete(key)
   }
 
-  /** Deletes up to `budget` expired entries, soonest first within a shard, one shard after another. */
+  /** Looks at the next `budget` entries, one shard after another, and deletes those expired. */
   sweep(now: number, budget: number): void {
-    for (let visited = 0; visited < 64 && budget > 0; visited++) {
-      const { map, expiries } = this.#shards[this.#sweeping]
-      while (budget > 0 && expiries.peekTime() <= now) {
-        const key = expiries.pop() ?? ''
-        if ((map.get(key)?.expiresAt ?? Infinity) <= now) map.delete(key) // an entry saved again later has a later expiry
-        budget--
+    const nowSeconds = now / 1000
+    let emptyShards = 0
+    while (budget > 0 && emptyShards < 64) {
+      const next = this.#walk.entries.next()
+      if (next.done === true) {
+        const shard = (this.#walk.shard + 1) & 63
+        this.#walk = { shard, entries: this.#shards[shard].entries() }
+        emptyShards = this.#shards[shard].size === 0 ? emptyShards + 1 : 0
+        continue
       }
-      if (budget > 0) this.#sweeping = (this.#sweeping + 1) & 63 // nothing more has expired here
+      const [key, value] = next.value
+      if (value.expiresAt <= nowSeconds) this.#shards[this.#walk.shard].delete(key)
+      budget--
     }
   }
 
   *[Symbol.iterator](): IterableIterator<[string, V]> {
-    for (const shard of this.#shards) yield* shard.map
+    for (const shard of this.#shards) yield* shard
   }
 
   *keys(): IterableIterator<string> {
-    for (const shard of this.#shards) yield* shard.map.keys()
+    for (const shard of this.#shards) yield* shard.keys()
   }
 
   *values(): IterableIterator<V> {
-    for (const shard of this.#shards) yield* shard.map.values()
+    for (const shard of this.#shards) yield* shard.values()
   }
+}
+
+// A million live tokens, each with a grant of its own, must fit in 300 MB of heap. So the store
+// keeps grants and tokens in a smaller shape than the one the rest of Latch sees:
+// - Times are whole seconds since 1970, rounded down, as the `exp` a token is introspected with
+//   is. V8 keeps an integer up to 2^31 (until 2038) inside the field; milliseconds since 1970
+//   would each take a box of 16 bytes of their own.
+// - The parts most grants share (client, name, `me`, scope) are one object, kept once.
+// - Scope lists too are kept once, however many tokens hold them.
+// A read returns a fresh record in the usual shape.
+
+type GrantedApp = Pick<Grant, 'client_id' | 'client_name' | 'me' | 'scope'>
+
+// Classes, not object literals, so that V8 gives them shapes of their own: literals with the
+// same fields as a `Token` would share its shape, in which the times are boxed.
+
+/** A grant as the store keeps it: times in seconds, and the parts that many grants share in `app`. */
+class StoredGrant {
+  readonly app: GrantedApp
+  readonly accessTokenTtlSeconds: number
+  readonly approvedAt: number
+  lastUsedAt: number
+  readonly expiresAt: number
+
+  constructor(grant: Grant, app: GrantedApp) {
+    this.app = app
+    this.accessTokenTtlSeconds = grant.accessTokenTtlSeconds
+    this.approvedAt = toSeconds(grant.approvedAt)
+    this.lastUsedAt = toSeconds(grant.lastUsedAt)
+    this.expiresAt = toSeconds(grant.expiresAt)
+  }
+
+  toGrant(): Grant {
+    return { ...this.app, accessTokenTtlSeconds: this.accessTokenTtlSeconds, approvedAt: this.approvedAt * 1000, lastUsedAt: this.lastUsedAt * 1000, expiresAt: this.expiresAt * 1000 }
+  }
+}
+
+/** A token as the store keeps it: times in seconds. */
+class StoredToken {
+  readonly kind: Token['kind']
+  readonly grantId: string
+  readonly scope: string[]
+  readonly issuedAt: number
+  readonly expiresAt: number
+  usedAt: number | undefined
+
+  constructor(token: Token, scope: string[]) {
+    this.kind = token.kind
+    this.grantId = token.grantId
+    this.scope = scope
+    this.issuedAt = toSeconds(token.issuedAt)
+    this.expiresAt = toSeconds(token.expiresAt)
+    this.usedAt = token.usedAt === undefined ? undefined : toSeconds(token.usedAt)
+  }
+
+  toToken(): Token {
+    const { kind, grantId, scope, issuedAt, expiresAt, usedAt } = this
+    return { kind, grantId, scope, issuedAt: issuedAt * 1000, expiresAt: expiresAt * 1000, usedAt: usedAt === undefined ? undefined : usedAt * 1000 }
+  }
+}
+
+/** Whole seconds, as a small integer where it fits: `Math.floor` alone may hand back a boxed number. */
+function toSeconds(ms: number): number {
+  const seconds = Math.floor(ms / 1000)
+  return (seconds | 0) === seconds ? seconds | 0 : seconds
 }
 
 /** Options of the in-memory store: caps so that a flood cannot grow memory without limit. */
@@ -1246,15 +1267,15 @@ const REVOKED_GRANT_MEMORY_SECONDS = 86_400
 export class MemoryStore implements Store {
   readonly pending = new Map<string, PendingRequest>()
   readonly codes = new Map<string, AuthorizationCode>()
-  readonly grants = new ExpiringMap<Grant>()
-  readonly tokens = new ExpiringMap<Token>()
+  readonly grants = new ExpiringMap<StoredGrant>()
+  readonly tokens = new ExpiringMap<StoredToken>()
   /** Grants revoked, kept until their tokens would have expired, so that no late save revives them. */
   readonly revokedGrants = new ExpiringMap<{ expiresAt: number }>()
   readonly sessions = new Map<string, Session>()
   readonly #maxPendingRequests: number
   readonly #maxCodes: number
   readonly #log: (line: string) => void
-  readonly #shared = new Map<string, string | string[]>()
+  readonly #shared = new Map<string, string[] | GrantedApp>()
   #dropped = 0
 
   constructor(options: MemoryStoreOptions = {}) {
@@ -1297,45 +1318,57 @@ export class MemoryStore implements Store {
   }
 
   async saveGrant(id: string, grant: Grant, now: number): Promise<void> {
-    this.grants.sweep(now, SWEEP_BATCH)
-    this.revokedGrants.sweep(now, SWEEP_BATCH)
+    this.grants.sweep(now, SWEEP_BATCH_WALKED)
+    this.revokedGrants.sweep(now, SWEEP_BATCH_WALKED)
     if (this.revokedGrants.has(id)) return // revoked while the request that saves it was under way
-    this.grants.set(id, { ...grant, client_id: this.#share(grant.client_id), scope: this.#share(grant.scope) })
+    const { client_id, client_name, me, scope } = grant
+    const app = this.#share(`app ${JSON.stringify([client_id, client_name, me, scope])}`, { client_id, client_name, me, scope })
+    this.grants.set(id, new StoredGrant(grant, app))
   }
 
   async findGrant(id: string, now: number): Promise<Grant | undefined> {
-    return live(this.grants.get(id), now)
+    const stored = this.grants.get(id)
+    return stored !== undefined && stored.expiresAt * 1000 > now ? stored.toGrant() : undefined
   }
 
   async listGrants(now: number): Promise<[string, Grant][]> {
-    return [...this.grants].filter(([, grant]) => grant.expiresAt > now).sort(([, a], [, b]) => a.approvedAt - b.approvedAt)
+    const grants: [string, Grant][] = []
+    for (const [id, stored] of this.grants) if (stored.expiresAt * 1000 > now) grants.push([id, stored.toGrant()])
+    return grants.sort(([, a], [, b]) => a.approvedAt - b.approvedAt)
   }
 
   async deleteGrant(id: string, now: number): Promise<void> {
-    const expiresAt = Math.max(this.grants.get(id)?.expiresAt ?? 0, now + REVOKED_GRANT_MEMORY_SECONDS * 1000)
+    const expiresAt = Math.max(this.grants.get(id)?.expiresAt ?? 0, toSeconds(now) + REVOKED_GRANT_MEMORY_SECONDS)
     this.revokedGrants.set(id, { expiresAt })
     this.grants.delete(id) // its tokens die with it: every lookup checks the grant, and the sweep removes them
   }
 
   async touchGrant(id: string, now: number): Promise<void> {
-    const grant = this.grants.get(id)
-    if (grant !== undefined) grant.lastUsedAt = now
+    const stored = this.grants.get(id)
+    if (stored !== undefined) stored.lastUsedAt = toSeconds(now)
   }
 
   async saveToken(hash: string, token: Token, now: number): Promise<void> {
-    this.tokens.sweep(now, SWEEP_BATCH)
-    this.tokens.set(hash, { ...token, scope: this.#share(token.scope) })
+    this.tokens.sweep(now, SWEEP_BATCH_WALKED)
+    this.tokens.set(hash, new StoredToken(token, this.#share(`scope ${token.scope.join(' ')}`, token.scope)))
   }
 
   async findToken(hash: string, now: number): Promise<Token | undefined> {
-    return live(this.tokens.get(hash), now)
+    const stored = this.tokens.get(hash)
+    return stored !== undefined && stored.expiresAt * 1000 > now ? stored.toToken() : undefined
   }
 
   async takeToken(hash: string, now: number): Promise<boolean> {
-    const token = live(this.tokens.get(hash), now)
-    if (token === undefined || token.usedAt !== undefined) return false
-    token.usedAt = now
+    const stored = this.tokens.get(hash)
+    if (stored === undefined || stored.expiresAt * 1000 <= now || stored.usedAt !== undefined) return false
+    stored.usedAt = toSeconds(now)
     return true
+  }
+
+  /** Takes back a `takeToken`, for a durable store that could not write it down. */
+  untakeToken(hash: string): void {
+    const stored = this.tokens.get(hash)
+    if (stored !== undefined) stored.usedAt = undefined
   }
 
   async deleteToken(hash: string): Promise<void> {
@@ -1365,12 +1398,22 @@ export class MemoryStore implements Store {
     this.tokens.sweep(now, budget)
   }
 
+  /** The records that rebuild this store's unexpired codes, grants, tokens and sessions: a snapshot for the journal. */
+  *records(now: number): Iterable<JournalRecord> {
+    for (const [key, value] of this.codes) if (value.expiresAt > now) yield { set: 'code', key, value }
+    for (const [key, stored] of this.grants) if (stored.expiresAt * 1000 > now) yield { set: 'grant', key, value: stored.toGrant() }
+    for (const [key, revoked] of this.revokedGrants) if (revoked.expiresAt * 1000 > now) yield { delete: 'grant', key }
+    for (const [key, stored] of this.tokens) {
+      if (stored.expiresAt * 1000 > now && this.grants.has(stored.grantId)) yield { set: 'token', key, value: stored.toToken() }
+    }
+    for (const [key, value] of this.sessions) if (value.expiresAt > now) yield { set: 'session', key, value }
+  }
+
   /**
-   * One copy of each client_id and scope list, however many grants and tokens hold it: a
-   * million grants of a few apps then hold a few copies. Values are never changed once stored.
+   * One copy of each value that many grants and tokens hold: a million grants of a few apps
+   * then hold a few copies. Values are never changed once stored.
    */
-  #share<T extends string | string[]>(value: T): T {
-    const key = typeof value === 'string' ? value : `[${value.join(' ')}]`
+  #share<T extends string[] | GrantedApp>(key: string, value: T): T {
     const shared = this.#shared.get(key)
     if (shared !== undefined) return shared as T
     if (this.#shared.size >= 1_000) this.#shared.clear()
@@ -1386,6 +1429,10 @@ export class MemoryStore implements Store {
     if (this.#dropped++ % 1000 === 0) this.#log(`store: the cap of ${max} ${what} was reached; dropped the oldest (${this.#dropped} so far)`)
   }
 }
+
+/** How many entries a write walks in the grants or tokens: more than it adds, so expired ones cannot pile up. */
+const SWEEP_BATCH_WALKED = 4
+
 
 /** Deletes up to `budget` expired entries from a map whose insertion order is its expiry order. */
 function sweepOldest(map: Map<string, { expiresAt: number }>, now: number, budget: number): void {
@@ -1672,8 +1719,8 @@ export class FileStore implements Store {
 
   async takeToken(hash: string, now: number): Promise<boolean> {
     if (!(await this.memory.takeToken(hash, now))) return false // marked used at once, so a second caller loses
-    const token = this.memory.tokens.get(hash)
-    if (token !== undefined) await this.#append({ set: 'token', key: hash, value: token }).catch(undo(() => (token.usedAt = undefined)))
+    const token = await this.memory.findToken(hash, now)
+    if (token !== undefined) await this.#append({ set: 'token', key: hash, value: token }).catch(undo(() => this.memory.untakeToken(hash)))
     return true
   }
 
@@ -1712,20 +1759,10 @@ export class FileStore implements Store {
     const live = this.memory.codes.size + this.memory.grants.size + this.memory.tokens.size + this.memory.sessions.size
     if (this.compaction === undefined && this.#journal.lines > Math.max(COMPACT_MIN_LINES, COMPACT_FACTOR * live)) {
       this.compaction = this.#journal
-        .compact(() => this.#liveRecords())
+        .compact(() => this.memory.records(this.#now()))
         .catch((err: unknown) => this.#log(`journal: compacting ${this.#journal.path} failed: ${String(err)}`))
         .finally(() => (this.compaction = undefined))
     }
-  }
-
-  /** One record per unexpired entry: the snapshot a compaction writes. */
-  *#liveRecords(): Iterable<JournalRecord> {
-    const now = this.#now()
-    for (const [key, value] of this.memory.codes) if (value.expiresAt > now) yield { set: 'code', key, value }
-    for (const [key, value] of this.memory.grants) if (value.expiresAt > now) yield { set: 'grant', key, value }
-    for (const [key, value] of this.memory.revokedGrants) if (value.expiresAt > now) yield { delete: 'grant', key }
-    for (const [key, value] of this.memory.tokens) if (value.expiresAt > now && this.memory.grants.has(value.grantId)) yield { set: 'token', key, value }
-    for (const [key, value] of this.memory.sessions) if (value.expiresAt > now) yield { set: 'session', key, value }
   }
 }
 
@@ -3117,9 +3154,9 @@ export function createLineWriter(stream: NodeJS.WritableStream): (line: string) 
 function printStartup(config: Config, listeningUrl: string, store: MemoryStore | FileStore): void {
   const memory = store instanceof FileStore ? store.memory : store
   const now = Date.now()
-  const count = (map: { values(): Iterable<{ expiresAt: number }> }) => [...map.values()].filter((entry) => entry.expiresAt > now).length
-  const liveTokens = [...memory.tokens.values()].filter((token) => token.expiresAt > now && memory.grants.has(token.grantId)).length
-  const loaded = `${count(memory.codes)} live codes, ${liveTokens} live tokens and ${count(memory.grants)} grants loaded`
+  const live = { code: 0, grant: 0, token: 0, session: 0 }
+  for (const record of memory.records(now)) if ('set' in record) live[record.set]++
+  const loaded = `${live.code} live codes, ${live.token} live tokens and ${live.grant} grants loaded`
   const data = config.dataFile === 'memory' ? 'in memory only: codes and tokens are lost when the server stops' : `${config.dataFile}: ${loaded}`
   for (const warning of configWarnings(config)) console.log(`warning: ${warning}`)
   console.log(
