@@ -23,6 +23,7 @@ import {
   createHandler,
   createSecret,
   getParam,
+  hashSecret,
   hashPassword,
   isClientId,
   isCodeVerifier,
@@ -32,7 +33,6 @@ import {
   parseScope,
   profileUrlProblem,
   safeEqual,
-  sha256,
   verifyPassword,
 } from './server.ts'
 import type { AuthorizationCode, Grant, PasswordAttempts, Store, Token } from './server.ts'
@@ -342,11 +342,11 @@ describe('Secrets and PKCE', () => {
     })
   }
 
-  it('makes 43-character base64url secrets and stores them by SHA-256', () => {
-    const secret = createSecret()
-    assert.match(secret, /^[A-Za-z0-9_-]{43}$/)
-    assert.notEqual(createSecret(), secret)
-    assert.equal(sha256('abc'), 'ungWv48Bz-pBQUDeXa4iI7ADYaOWF3qctBD_YfIAFa0')
+  it('makes 43-character base64url secrets, all different, and stores them by 128 bits of SHA-256', () => {
+    const secrets = Array.from({ length: 1000 }, () => createSecret()) // several refills of the random pool
+    for (const secret of secrets) assert.match(secret, /^[A-Za-z0-9_-]{43}$/)
+    assert.equal(new Set(secrets).size, secrets.length)
+    assert.equal(hashSecret('abc'), 'ungWv48Bz-pBQUDeXa4iIw') // SHA-256 ungWv48Bz-pBQUDeXa4iI7ADYaOWF3qctBD_YfIAFa0, cut to 16 bytes
   })
 
   it('compares secrets of any length', () => {

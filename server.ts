@@ -89,12 +89,12 @@ export type PendingRequest = {
   scope: string[]
   /** The `me` the client suggested: shown to the owner, never trusted. */
   meHint: string | undefined
-  /** SHA-256 of the CSRF cookie of the browser that opened the request. */
+  /** The hash (`hashSecret`) of the CSRF cookie of the browser that opened the request. */
   csrfHash: string
   expiresAt: number
 }
 
-/** An authorization code as stored: under the SHA-256 hash of its value. */
+/** An authorization code as stored: under the hash (`hashSecret`) of its value. */
 export type AuthorizationCode = {
   client_id: string
   client_name: string | undefined
@@ -128,7 +128,7 @@ export type Grant = {
   expiresAt: number
 }
 
-/** An access or refresh token as stored: under the SHA-256 hash of its value. */
+/** An access or refresh token as stored: under the hash (`hashSecret`) of its value. */
 export type Token = {
   kind: 'access' | 'refresh'
   grantId: string
@@ -139,10 +139,10 @@ export type Token = {
   usedAt: number | undefined
 }
 
-/** The owner, signed in: stored under the SHA-256 hash of the session cookie's value. */
+/** The owner, signed in: stored under the hash (`hashSecret`) of the session cookie's value. */
 export type Session = { createdAt: number; expiresAt: number }
 
-/** Where codes and tokens live. Keys are SHA-256 hashes; raw secrets never reach a store. */
+/** Where codes and tokens live. Keys are hashes (`hashSecret`); raw secrets never reach a store. */
 export interface Store {
   savePending(id: string, request: PendingRequest, now: number): Promise<void>
   findPending(id: string, now: number): Promise<PendingRequest | undefined>
@@ -443,9 +443,13 @@ export function base64url(bytes: Buffer): string {
   return bytes.toString('base64url')
 }
 
-/** SHA-256 of a string, base64url: the key under which a secret is stored. */
-export function sha256(value: string): string {
-  return hash('sha256', value, 'base64url')
+/**
+ * The key under which a secret is stored: its SHA-256, cut to the first 128 bits, base64url (22
+ * characters). Finding a secret for a key stays out of reach; a million keys take 24 MB less
+ * than whole hashes would.
+ */
+export function hashSecret(value: string): string {
+  return hash('sha256', value, 'buffer').toString('base64url', 0, 16)
 }
 
 /**
@@ -1794,17 +1798,23 @@ function parseJournalLine(line: string): JournalRecord | undefined {
 }
 
 async function applyRecord(memory: MemoryStore, record: JournalRecord, now: number): Promise<void> {
+  const key = currentKey(record.key)
   if ('delete' in record) {
-    if (record.delete === 'grant') await memory.deleteGrant(record.key, now)
-    else if (record.delete === 'token') await memory.deleteToken(record.key)
-    else await memory.deleteSession(record.key)
+    if (record.delete === 'grant') await memory.deleteGrant(key, now)
+    else if (record.delete === 'token') await memory.deleteToken(key)
+    else await memory.deleteSession(key)
     return
   }
   if (record.value.expiresAt <= now) return
-  if (record.set === 'code') await memory.saveCode(record.key, record.value, now)
-  else if (record.set === 'grant') await memory.saveGrant(record.key, record.value, now)
-  else if (record.set === 'token') await memory.saveToken(record.key, record.value, now)
-  else await memory.saveSession(record.key, record.value, now)
+  if (record.set === 'code') await memory.saveCode(key, record.value, now)
+  else if (record.set === 'grant') await memory.saveGrant(key, record.value, now)
+  else if (record.set === 'token') await memory.saveToken(key, { ...record.value, grantId: currentKey(record.value.grantId) }, now)
+  else await memory.saveSession(key, record.value, now)
+}
+
+/** Latch 0.1 kept whole SHA-256 hashes (43 characters): a key from then is cut as `hashSecret` cuts. */
+function currentKey(key: string): string {
+  return key.length === 43 ? Buffer.from(key, 'base64url').toString('base64url', 0, 16) : key
 }
 
 /** The store a configuration asks for: in memory, or a journal at `DATA_FILE`. */
@@ -2075,7 +2085,7 @@ function requireCsrf(form: Params, req: IncomingMessage, config: Config): string
 async function isSignedIn(req: IncomingMessage, ctx: Context): Promise<boolean> {
   if (ctx.config.passwordHash === undefined) return true
   const value = readCookie(req, sessionCookieName(ctx.config))
-  return value !== undefined && (await ctx.store.findSession(sha256(value), ctx.now())) !== undefined
+  return value !== undefined && (await ctx.store.findSession(hashSecret(value), ctx.now())) !== undefined
 }
 
 /** Starts a session for the owner and returns its Set-Cookie value. */
@@ -2083,7 +2093,7 @@ async function startSession(ctx: Context): Promise<string> {
   const value = createSecret()
   const now = ctx.now()
   const ttl = ctx.config.sessionTtlSeconds
-  await ctx.store.saveSession(sha256(value), { createdAt: now, expiresAt: now + ttl * 1000 }, now)
+  await ctx.store.saveSession(hashSecret(value), { createdAt: now, expiresAt: now + ttl * 1000 }, now)
   return buildCookie(sessionCookieName(ctx.config), value, ttl, ctx.config)
 }
 
@@ -2150,9 +2160,9 @@ async function handleAuthorizationRequest(req: IncomingMessage, res: ServerRespo
     return redirect(res, 302, buildRedirectUrl(redirectUri, params))
   }
   const csrf = csrfFor(req, ctx.config)
-  request.csrfHash = sha256(csrf)
+  request.csrfHash = hashSecret(csrf)
   const id = createSecret()
-  await ctx.store.savePending(sha256(id), request, ctx.now())
+  await ctx.store.savePending(hashSecret(id), request, ctx.now())
   const page = renderConsentPage(request, { id, csrf, config: ctx.config, signedIn: await isSignedIn(req, ctx), logo: client.info?.logo })
   sendPage(res, 200, page, { 'Set-Cookie': buildCookie(csrfCookieName(ctx.config), csrf, undefined, ctx.config) })
 }
@@ -2278,10 +2288,10 @@ function requireLifetime(value: string | undefined, config: Config): number {
 async function handleConsent(req: IncomingMessage, res: ServerResponse, ctx: Context): Promise<void> {
   const form = await readForm(req)
   const id = requireParam(form, 'request')
-  const request = await ctx.store.findPending(sha256(id), ctx.now())
+  const request = await ctx.store.findPending(hashSecret(id), ctx.now())
   if (request === undefined) throw new OAuthError('invalid_request', 'This sign-in request is unknown or has expired: start again from the app')
   const csrf = requireCsrf(form, req, ctx.config)
-  if (!safeEqual(sha256(csrf), request.csrfHash)) {
+  if (!safeEqual(hashSecret(csrf), request.csrfHash)) {
     throw new OAuthError('access_denied', 'This sign-in request was opened in another browser: start again from the app', { status: 403 })
   }
   const decision = getParam(form, 'decision')
@@ -2296,7 +2306,7 @@ async function handleConsent(req: IncomingMessage, res: ServerResponse, ctx: Con
     }
     headers['Set-Cookie'] = await startSession(ctx)
   }
-  if ((await ctx.store.takePending(sha256(id), ctx.now())) === undefined) {
+  if ((await ctx.store.takePending(hashSecret(id), ctx.now())) === undefined) {
     throw new OAuthError('invalid_request', 'This sign-in request was already answered: start again from the app')
   }
   const iss = ctx.config.issuer
@@ -2314,7 +2324,7 @@ async function issueCode(request: PendingRequest, grant: { scope: string[]; acce
   const code = createSecret()
   const now = ctx.now()
   await ctx.store.saveCode(
-    sha256(code),
+    hashSecret(code),
     {
       client_id: request.client_id,
       client_name: request.client_name,
@@ -2434,7 +2444,7 @@ async function checkCode(form: Params, options: { clientRequired: boolean }, ctx
   const redirectUri = options.clientRequired ? requireParam(form, 'redirect_uri') : getParam(form, 'redirect_uri')
   const verifier = requireParam(form, 'code_verifier')
   if (!isCodeVerifier(verifier)) throw new OAuthError('invalid_request', 'code_verifier must be 43 to 128 characters of A-Z, a-z, 0-9 and -._~')
-  const codeHash = sha256(value)
+  const codeHash = hashSecret(value)
   const code = await ctx.store.findCode(codeHash, ctx.now())
   if (code === undefined) throw new OAuthError('invalid_grant', 'The authorization code is unknown or has expired')
   if (clientId !== undefined && !isSameClientId(clientId, code.client_id)) {
@@ -2543,7 +2553,7 @@ async function exchangeCode(form: Params, ctx: Context) {
  * @see https://www.rfc-editor.org/rfc/rfc9700#section-4.14.2 RFC 9700 §4.14.2
  */
 async function refreshGrant(form: Params, ctx: Context) {
-  const hash = sha256(requireParam(form, 'refresh_token'))
+  const hash = hashSecret(requireParam(form, 'refresh_token'))
   const clientId = requireParam(form, 'client_id')
   const found = await findLiveToken(hash, 'refresh', ctx)
   if (found === undefined) throw new OAuthError('invalid_grant', 'The refresh token is unknown, expired or revoked')
@@ -2586,8 +2596,8 @@ async function issueTokens(grantId: string, grant: Grant, scope: string[], ctx: 
   const expiresAt = Math.max(grant.expiresAt, access.expiresAt, refresh.expiresAt)
   await Promise.all([
     ctx.store.saveGrant(grantId, { ...grant, lastUsedAt: now, expiresAt }, now),
-    ctx.store.saveToken(sha256(accessToken), access, now),
-    ctx.store.saveToken(sha256(refreshToken), refresh, now),
+    ctx.store.saveToken(hashSecret(accessToken), access, now),
+    ctx.store.saveToken(hashSecret(refreshToken), refresh, now),
   ])
   const body = {
     access_token: accessToken,
@@ -2622,7 +2632,7 @@ async function findLiveToken(hash: string, kind: Token['kind'], ctx: Context): P
 async function handleIntrospectionRequest(req: IncomingMessage, res: ServerResponse, ctx: Context): Promise<void> {
   requireIntrospectionCaller(req, ctx.config)
   const form = await readForm(req)
-  const found = await findLiveToken(sha256(requireParam(form, 'token')), 'access', ctx)
+  const found = await findLiveToken(hashSecret(requireParam(form, 'token')), 'access', ctx)
   if (found === undefined) return sendJson(res, 200, { active: false })
   const { token, grant } = found
   await ctx.store.touchGrant(token.grantId, ctx.now())
@@ -2683,7 +2693,7 @@ async function handleLegacyRevocation(form: Params, res: ServerResponse, ctx: Co
  * @see https://www.rfc-editor.org/rfc/rfc7009#section-2.1
  */
 async function revokeToken(value: string, ctx: Context): Promise<void> {
-  const hash = sha256(value)
+  const hash = hashSecret(value)
   const token = await ctx.store.findToken(hash, ctx.now())
   if (token?.kind === 'refresh') await ctx.store.deleteGrant(token.grantId, ctx.now())
   await ctx.store.deleteToken(hash)
@@ -2734,7 +2744,7 @@ async function requireAccessToken(req: IncomingMessage, form: Params | undefined
   if (value === undefined) {
     throw new OAuthError('invalid_token', 'Send an access token as Authorization: Bearer', { headers: { 'WWW-Authenticate': realm } })
   }
-  const found = await findLiveToken(sha256(value), 'access', ctx)
+  const found = await findLiveToken(hashSecret(value), 'access', ctx)
   if (found === undefined) {
     throw new OAuthError('invalid_token', 'The access token is unknown, expired or revoked', { headers: { 'WWW-Authenticate': `${realm}, error="invalid_token"` } })
   }
@@ -2773,7 +2783,7 @@ async function handleSignOut(req: IncomingMessage, res: ServerResponse, ctx: Con
   requireCsrf(await readForm(req), req, ctx.config)
   const name = sessionCookieName(ctx.config)
   const value = readCookie(req, name)
-  if (value !== undefined) await ctx.store.deleteSession(sha256(value))
+  if (value !== undefined) await ctx.store.deleteSession(hashSecret(value))
   redirect(res, 303, endpointUrl(ctx.config, '/apps'), { 'Set-Cookie': buildCookie(name, '', 0, ctx.config) })
 }
 

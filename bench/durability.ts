@@ -13,7 +13,7 @@ import { Agent, request } from 'node:http'
 import { tmpdir } from 'node:os'
 import { join } from 'node:path'
 import { fileURLToPath } from 'node:url'
-import { FileStore, sha256 } from '../server.ts'
+import { FileStore, hashSecret } from '../server.ts'
 
 const EXCHANGES = Number(process.env.BENCH_EXCHANGES ?? 4_000)
 const CONCURRENCY = Number(process.env.BENCH_CONCURRENCY ?? 16)
@@ -105,11 +105,11 @@ function writeJournal(path: string, count: number): void {
   const now = Date.now()
   const lines: string[] = []
   for (let i = 0; i < count; i++) {
-    const grantId = sha256(`startup-code-${i}`)
+    const grantId = hashSecret(`startup-code-${i}`)
     const expiresAt = now + 7 * 86400_000
     const grant = { client_id: CLIENT_ID, me: 'http://127.0.0.1:3000/', scope: ['create'], accessTokenTtlSeconds: 604800, approvedAt: now, lastUsedAt: now, expiresAt }
     lines.push(JSON.stringify({ set: 'grant', key: grantId, value: grant }))
-    lines.push(JSON.stringify({ set: 'token', key: sha256(`startup-token-${i}`), value: { kind: 'access', grantId, scope: ['create'], issuedAt: now, expiresAt } }))
+    lines.push(JSON.stringify({ set: 'token', key: hashSecret(`startup-token-${i}`), value: { kind: 'access', grantId, scope: ['create'], issuedAt: now, expiresAt } }))
   }
   writeFileSync(path, `${lines.join('\n')}\n`, { mode: 0o600 })
 }

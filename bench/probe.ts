@@ -1,8 +1,10 @@
-// Preloaded into the Latch process (node --import tsx --import bench/probe.ts server.ts): answers
-// the bench's "memory" message over the IPC channel with this process's memory. Nothing else.
+// Preloaded into the servers the bench measures (node --import tsx --import bench/probe.ts …):
+// answers the bench's "usage" message over the IPC channel with this process's memory and the
+// CPU time it has used so far. Nothing else.
 
 process.on('message', (message) => {
-  if (message !== 'memory') return
+  if (message !== 'usage') return
   const { rss, heapUsed } = process.memoryUsage()
-  process.send?.({ rss, heapUsed })
+  const { user, system } = process.cpuUsage()
+  process.send?.({ rss, heapUsed, cpuMicros: user + system })
 })

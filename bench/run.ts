@@ -36,6 +36,7 @@ const WARMUP_SECONDS = 2
 const CONNECTIONS = Number(process.env.BENCH_CONNECTIONS ?? 10)
 /** Codes for the timed token exchanges: under the 10,000 unredeemed codes Latch keeps. */
 const TIMED_CODES = 9000
+const EXCHANGE_ROUNDS = 3
 const WARMUP_CODES = 800
 
 const ROOT = fileURLToPath(new URL('..', import.meta.url))
@@ -144,32 +145,70 @@ function shapeOf(answer: Answer): BareAnswers[string] {
 
 // --- Figures ----------------------------------------------------------------------------
 
-type Pair = { bare: LoadResult; latch: LoadResult }
+/** A timed run, with the CPU time the server spent per request: a figure the load generator's own limits do not blur. */
+type Measured = LoadResult & { cpuMicrosPerRequest: number }
+
+type Pair = { bare: Measured; latch: Measured }
 
 const loadJob = (url: string, fields: Partial<LoadJob>): LoadJob => ({ kind: 'load', url, path: '/', method: 'GET', connections: CONNECTIONS, ...fields })
+
+async function measure(load: ChildProcess, server: Server, job: LoadJob): Promise<Measured> {
+  const before = await ask<Usage>(server.child, 'usage')
+  const result = await ask<LoadResult>(load, job)
+  const after = await ask<Usage>(server.child, 'usage')
+  return { ...result, cpuMicrosPerRequest: (after.cpuMicros - before.cpuMicros) / result.requests }
+}
 
 /** Warms up, then measures, the bare server first and Latch second, with the same request. */
 async function measurePair(load: ChildProcess, bare: Server, latch: Server, fields: Partial<LoadJob>): Promise<Pair> {
   await ask(load, loadJob(bare.url, { ...fields, seconds: WARMUP_SECONDS }))
-  const bareResult = await ask<LoadResult>(load, loadJob(bare.url, { ...fields, seconds: MEASURE_SECONDS }))
+  const bareResult = await measure(load, bare, loadJob(bare.url, { ...fields, seconds: MEASURE_SECONDS }))
   await ask(load, loadJob(latch.url, { ...fields, seconds: WARMUP_SECONDS }))
-  const latchResult = await ask<LoadResult>(load, loadJob(latch.url, { ...fields, seconds: MEASURE_SECONDS }))
+  const latchResult = await measure(load, latch, loadJob(latch.url, { ...fields, seconds: MEASURE_SECONDS }))
   return { bare: bareResult, latch: latchResult }
 }
 
-/** Token exchange: every Latch request redeems its own code, minted before the clock starts. */
+/**
+ * Token exchange: every Latch request redeems its own code, minted before the clock starts.
+ * Latch keeps at most 10,000 unredeemed codes, so the timed part runs in rounds of 9,000.
+ */
 async function measureTokenExchange(load: ChildProcess, bare: Server, latch: Server): Promise<Pair> {
   const bodies = (codes: string[]) => codes.map((code) => TOKEN_BODY.replace('CODE', code))
-  const warmup = bodies(await mintCodes(latch.url, WARMUP_CODES))
-  await ask(load, loadJob(latch.url, { method: 'POST', path: '/token', bodies: warmup, amount: warmup.length - CONNECTIONS - 1 }))
-  const timed = bodies(await mintCodes(latch.url, TIMED_CODES))
-  const latchResult = await ask<LoadResult>(load, loadJob(latch.url, { method: 'POST', path: '/token', bodies: timed, amount: timed.length - CONNECTIONS - 1 }))
-  await ask(load, loadJob(bare.url, { method: 'POST', path: '/token', bodies: timed, seconds: WARMUP_SECONDS }))
-  const bareResult = await ask<LoadResult>(load, loadJob(bare.url, { method: 'POST', path: '/token', bodies: timed, seconds: MEASURE_SECONDS }))
-  return { bare: bareResult, latch: latchResult }
+  const exchange = (codes: string[]): LoadJob => loadJob(latch.url, { method: 'POST', path: '/token', bodies: bodies(codes), amount: codes.length - CONNECTIONS - 1 })
+  await ask(load, exchange(await mintCodes(latch.url, WARMUP_CODES)))
+  const rounds: Measured[] = []
+  let codes: string[] = []
+  for (let round = 0; round < EXCHANGE_ROUNDS; round++) {
+    codes = await mintCodes(latch.url, TIMED_CODES)
+    rounds.push(await measure(load, latch, exchange(codes)))
+  }
+  await ask(load, loadJob(bare.url, { method: 'POST', path: '/token', bodies: bodies(codes), seconds: WARMUP_SECONDS }))
+  const bareResult = await measure(load, bare, loadJob(bare.url, { method: 'POST', path: '/token', bodies: bodies(codes), seconds: MEASURE_SECONDS }))
+  return { bare: bareResult, latch: combine(rounds) }
 }
 
-type Memory = { rss: number; heapUsed: number }
+/** Several runs as one: their requests over their time; the worst of their latency percentiles. */
+function combine(runs: Measured[]): Measured {
+  const sum = (pick: (run: Measured) => number) => runs.reduce((total, run) => total + pick(run), 0)
+  const max = (pick: (run: Measured) => number) => Math.max(...runs.map(pick))
+  const requests = sum((run) => run.requests)
+  const seconds = sum((run) => run.seconds)
+  return {
+    requests,
+    seconds,
+    rps: requests / seconds,
+    p50Ms: max((run) => run.p50Ms),
+    p99Ms: max((run) => run.p99Ms),
+    status4xx: sum((run) => run.status4xx),
+    status5xx: sum((run) => run.status5xx),
+    errors: sum((run) => run.errors),
+    resets: sum((run) => run.resets),
+    cpuMicrosPerRequest: sum((run) => run.cpuMicrosPerRequest * run.requests) / requests,
+  }
+}
+
+/** What bench/probe.ts answers: memory, and CPU time used so far (all threads: GC helpers count). */
+type Usage = { rss: number; heapUsed: number; cpuMicros: number }
 
 type TokenMemory = { tokens: number; bytesPerToken: number; fillSeconds: number; drainSeconds: number; drained: boolean; left: number; maxStallMs: number; longestSweepMs: number; sweepIntervalMs: number }
 
@@ -189,17 +228,18 @@ const format = (value: number, digits = 0) => value.toLocaleString('en-US', { ma
 const mib = (bytes: number) => `${format(bytes / 2 ** 20, 1)} MiB`
 const percent = (ratio: number) => `${format(ratio * 100)}%`
 
-function describeRun(name: string, result: LoadResult): string {
+function describeRun(name: string, result: LoadResult & { cpuMicrosPerRequest?: number }): string {
   const problems = [result.status4xx > 0 ? `${result.status4xx} 4xx` : '', result.status5xx > 0 ? `${result.status5xx} 5xx` : '', result.errors > 0 ? `${result.errors} errors` : '']
   const note = problems.filter(Boolean).join(', ')
-  return `  ${name.padEnd(6)} ${format(result.rps).padStart(8)} req/s   p50 ${format(result.p50Ms).padStart(3)} ms   p99 ${format(result.p99Ms).padStart(3)} ms   (${format(result.requests)} requests in ${format(result.seconds, 1)} s${note === '' ? '' : `; ${note}`})`
+  const cpu = result.cpuMicrosPerRequest === undefined ? '' : `   CPU ${format(result.cpuMicrosPerRequest).padStart(3)} µs/request`
+  return `  ${name.padEnd(6)} ${format(result.rps).padStart(8)} req/s   p50 ${format(result.p50Ms).padStart(3)} ms   p99 ${format(result.p99Ms).padStart(3)} ms${cpu}   (${format(result.requests)} requests in ${format(result.seconds, 1)} s${note === '' ? '' : `; ${note}`})`
 }
 
 function printPair(title: string, pair: Pair): void {
   console.log(`\n${title}`)
   console.log(describeRun('bare', pair.bare))
   console.log(describeRun('Latch', pair.latch))
-  console.log(`  Latch/bare: ${percent(pair.latch.rps / pair.bare.rps)} of the requests per second`)
+  console.log(`  Latch/bare: ${percent(pair.latch.rps / pair.bare.rps)} of the requests per second; ${format(pair.latch.cpuMicrosPerRequest / pair.bare.cpuMicrosPerRequest, 1)}× the server CPU time per request`)
 }
 
 type Row = [figure: string, measured: string, target: string, verdict: string]
@@ -231,7 +271,7 @@ async function main(): Promise<void> {
   if (token === undefined) throw new Error(`/token answered ${exchanged.status} ${exchanged.text}`)
   const introspected = await send(latch.url, 'POST', '/introspect', { body: `token=${token}` })
   const answers: BareAnswers = { '/auth': shapeOf(consentPage), '/token': shapeOf(exchanged), '/introspect': shapeOf(introspected) }
-  const bare = await startServer('bare', ['--import', 'tsx', 'bench/bare.ts'], { BARE_ANSWERS: JSON.stringify(answers) }, /listening (\d+)/, dir)
+  const bare = await startServer('bare', ['--import', 'tsx', '--import', probe, 'bench/bare.ts'], { BARE_ANSWERS: JSON.stringify(answers) }, /listening (\d+)/, dir)
   const load = fork(join(ROOT, 'bench/load.ts'), { cwd: ROOT, execArgv: ['--import', 'tsx'], stdio: 'inherit' })
   try {
     const introspection = await measurePair(load, bare, latch, { method: 'POST', path: '/introspect', body: `token=${token}` })
@@ -244,9 +284,9 @@ async function main(): Promise<void> {
     printPair(`(c) GET /auth, the consent page (${format(Buffer.byteLength(consentPage.text))} bytes)`, consent)
 
     console.log(`\n(f) Soak: ${SOAK_SECONDS} s of mixed traffic (sign in, exchange, introspect ×5, metadata, revoke, home page, again)`)
-    const soakStart = await ask<Memory>(latch.child, 'memory')
+    const soakStart = await ask<Usage>(latch.child, 'usage')
     const soak = await ask<LoadResult>(load, { kind: 'soak', url: latch.url, authorizationPath: AUTHORIZATION_PATH, tokenBody: TOKEN_BODY, seconds: SOAK_SECONDS, connections: CONNECTIONS } satisfies SoakJob)
-    const soakEnd = await ask<Memory>(latch.child, 'memory')
+    const soakEnd = await ask<Usage>(latch.child, 'usage')
     console.log(describeRun('Latch', soak))
     console.log(`  start: RSS ${mib(soakStart.rss)}, heapUsed ${mib(soakStart.heapUsed)}`)
     console.log(`  end:   RSS ${mib(soakEnd.rss)}, heapUsed ${mib(soakEnd.heapUsed)}`)
@@ -257,7 +297,7 @@ async function main(): Promise<void> {
     console.log('\n(d) and (e): 1,000,000 live tokens in a MemoryStore, in a process of their own (node --expose-gc)')
     const memory = await measureTokenMemory()
     console.log(`  ${format(memory.tokens)} tokens, each with its own grant, saved in ${format(memory.fillSeconds, 1)} s: ${format(memory.bytesPerToken)} heap bytes per token`)
-    console.log(`  then all expired, swept by store.sweep(now) every ${memory.sweepIntervalMs} ms (the server sweeps every second): ${memory.drained ? 'empty' : `${format(memory.left)} entries left`} after ${format(memory.drainSeconds, 2)} s`)
+    console.log(`  then all expired, swept by store.sweep(now) every ${memory.sweepIntervalMs} ms (the server does every 100 ms): ${memory.drained ? 'empty' : `${format(memory.left)} entries left`} after ${format(memory.drainSeconds, 2)} s`)
     console.log(`  longest event-loop stall ${format(memory.maxStallMs, 1)} ms; longest single sweep ${format(memory.longestSweepMs, 1)} ms`)
 
     console.log('\nSummary')

@@ -5,12 +5,13 @@
 import { after, before, describe, it } from 'node:test'
 import assert from 'node:assert/strict'
 import { spawn } from 'node:child_process'
+import { createHash } from 'node:crypto'
 import type { ChildProcessWithoutNullStreams } from 'node:child_process'
-import { mkdtemp, readFile, rm, stat, writeFile } from 'node:fs/promises'
+import { mkdir, mkdtemp, readFile, rm, stat, writeFile } from 'node:fs/promises'
 import { createServer } from 'node:http'
 import type { AddressInfo } from 'node:net'
 import { tmpdir } from 'node:os'
-import { join } from 'node:path'
+import { dirname, join } from 'node:path'
 import { ConfigError, FileStore, createHandler, loadConfig } from '../server.ts'
 import type { Token } from '../server.ts'
 
@@ -141,6 +142,30 @@ describe('DATA_FILE: restarts', () => {
     const second = await startOn(file)
     for (const token of issued) assert.equal(await isActive(second.base, token), false)
     await second.stop()
+  })
+
+  it('reads a journal keyed by whole SHA-256 hashes, as Latch 0.1 wrote it', async () => {
+    const file = join(directory, 'v0.1', 'data.jsonl')
+    const wholeHash = (value: string) => createHash('sha256').update(value).digest('base64url')
+    const grant = { client_id: CLIENT_ID, me: 'http://127.0.0.1/', scope: ['create'], accessTokenTtlSeconds: 3600, approvedAt: time, lastUsedAt: time, expiresAt: time + 86400_000 }
+    const access = { kind: 'access', grantId: wholeHash('old-code'), scope: ['create'], issuedAt: time, expiresAt: time + 3600_000 }
+    const lines = [
+      { set: 'grant', key: wholeHash('old-code'), value: grant },
+      { set: 'token', key: wholeHash('old-access-token'), value: access },
+      { set: 'token', key: wholeHash('old-revoked-token'), value: access },
+      { delete: 'token', key: wholeHash('old-revoked-token') },
+    ]
+    await mkdir(dirname(file), { recursive: true })
+    await writeFile(file, lines.map((line) => `${JSON.stringify(line)}\n`).join(''))
+    const running = await startOn(file)
+    try {
+      assert.equal(await isActive(running.base, 'old-access-token'), true)
+      assert.equal(await isActive(running.base, 'old-revoked-token'), false)
+      await post(`${running.base}/revoke`, form({ token: 'old-access-token' }))
+      assert.equal(await isActive(running.base, 'old-access-token'), false)
+    } finally {
+      await running.stop()
+    }
   })
 
   it('creates the file with mode 0600 and never writes a raw code or token to it', async () => {
