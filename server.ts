@@ -503,7 +503,7 @@ export function isScopeToken(value: string): boolean {
   return /^[\x21\x23-\x5b\x5d-\x7e]+$/.test(value) // scope-token = 1*( %x21 / %x23-5B / %x5D-7E )
 }
 
-const utf8 = new TextDecoder('utf-8', { fatal: true })
+const utf8 = new TextDecoder('utf-8', { fatal: true, ignoreBOM: true }) // the URL standard keeps a BOM in a value
 
 /**
  * Parses `application/x-www-form-urlencoded` text (a body or a query string): `+` is a space,
@@ -527,6 +527,13 @@ export function parseForm(text: string): Params {
 
 function decodeFormComponent(text: string): string {
   if (/^[\x21-\x24\x26-\x2a\x2c-\x7e]*$/.test(text)) return text // printable ASCII without % or +: nothing to decode
+  if (/^[\x21-\x7e]*$/.test(text)) {
+    try {
+      return decodeURIComponent(text.replaceAll('+', ' ')) // the usual case: escapes in ASCII, decoded natively
+    } catch {
+      // a malformed escape or invalid UTF-8: the loop below says which
+    }
+  }
   const bytes = Buffer.alloc(text.length)
   let length = 0
   for (let i = 0; i < text.length; i++) {
@@ -1132,7 +1139,7 @@ async function fetchLogo(logoUrl: string, options: { allowPrivate: boolean; fetc
 export class ExpiringMap<V extends { expiresAt: number }> {
   readonly #shards = Array.from({ length: 64 }, () => new Map<string, V>())
   /** Where the sweep goes on from: a Map iterator survives deletes and inserts. */
-  #walk = { shard: 0, entries: this.#shards[0].entries() }
+  #walk = { shard: 0, keys: this.#shards[0].keys() }
 
   #shard(key: string): Map<string, V> {
     return this.#shards[key.charCodeAt(0) & 63]
@@ -1161,21 +1168,24 @@ export class ExpiringMap<V extends { expiresAt: number }> {
     return this.#shard(key).delete(key)
   }
 
-  /** Looks at the next `budget` entries, one shard after another, and deletes those expired. */
+  /**
+   * Takes up to `budget` steps of the walk, deleting what it finds expired: a step looks at one
+   * entry, or moves on to the next shard. A full round takes as many steps as entries, plus 64;
+   * one call takes one round at most.
+   */
   sweep(now: number, budget: number): void {
     const nowSeconds = now / 1000
-    let emptyShards = 0
-    while (budget > 0 && emptyShards < 64) {
-      const next = this.#walk.entries.next()
+    let shardsLeft = 65 // a round ends back in the shard where it began, which it may have begun halfway through
+    for (let step = 0; step < budget; step++) {
+      const next = this.#walk.keys.next()
       if (next.done === true) {
+        if (--shardsLeft === 0) return
         const shard = (this.#walk.shard + 1) & 63
-        this.#walk = { shard, entries: this.#shards[shard].entries() }
-        emptyShards = this.#shards[shard].size === 0 ? emptyShards + 1 : 0
+        this.#walk = { shard, keys: this.#shards[shard].keys() }
         continue
       }
-      const [key, value] = next.value
-      if (value.expiresAt <= nowSeconds) this.#shards[this.#walk.shard].delete(key)
-      budget--
+      const map = this.#shards[this.#walk.shard]
+      if ((map.get(next.value)?.expiresAt ?? Infinity) <= nowSeconds) map.delete(next.value)
     }
   }
 
@@ -1223,7 +1233,8 @@ class StoredGrant {
   }
 
   toGrant(): Grant {
-    return { ...this.app, accessTokenTtlSeconds: this.accessTokenTtlSeconds, approvedAt: this.approvedAt * 1000, lastUsedAt: this.lastUsedAt * 1000, expiresAt: this.expiresAt * 1000 }
+    const { client_id, client_name, me, scope } = this.app
+    return { client_id, client_name, me, scope, accessTokenTtlSeconds: this.accessTokenTtlSeconds, approvedAt: this.approvedAt * 1000, lastUsedAt: this.lastUsedAt * 1000, expiresAt: this.expiresAt * 1000 }
   }
 }
 
@@ -1833,7 +1844,9 @@ const MAX_BODY_BYTES = 64 * 1024
  * @see https://www.rfc-editor.org/rfc/rfc6749#appendix-B
  */
 export async function readForm(req: IncomingMessage): Promise<Params> {
-  const [mediaType, ...parameters] = (req.headers['content-type'] ?? '').split(';').map((part) => part.trim().toLowerCase())
+  const contentType = req.headers['content-type'] ?? ''
+  if (contentType === 'application/x-www-form-urlencoded') return parseForm((await readBody(req)).toString('latin1'))
+  const [mediaType, ...parameters] = contentType.split(';').map((part) => part.trim().toLowerCase())
   if (mediaType !== 'application/x-www-form-urlencoded') {
     throw new OAuthError('invalid_request', 'The body must be application/x-www-form-urlencoded')
   }
@@ -1844,28 +1857,27 @@ export async function readForm(req: IncomingMessage): Promise<Params> {
 }
 
 function readBody(req: IncomingMessage): Promise<Buffer> {
-  const tooLarge = () => new OAuthError('invalid_request', 'The request body is larger than 64 KiB', { status: 413, headers: { Connection: 'close' } })
-  if (Number(req.headers['content-length']) > MAX_BODY_BYTES) return Promise.reject(tooLarge())
+  if (Number(req.headers['content-length']) > MAX_BODY_BYTES) return Promise.reject(bodyTooLarge())
   return new Promise((resolve, reject) => {
     const chunks: Buffer[] = []
     let size = 0
     let ended = false
-    const cutShort = () => {
-      if (!ended) reject(new OAuthError('invalid_request', 'The request body ended early'))
-    }
     req.on('data', (chunk: Buffer) => {
       size += chunk.length
       if (size <= MAX_BODY_BYTES) chunks.push(chunk)
-      else if (size - chunk.length <= MAX_BODY_BYTES) reject(tooLarge()) // later chunks are read and dropped until the connection closes
+      else if (size - chunk.length <= MAX_BODY_BYTES) reject(bodyTooLarge()) // later chunks are read and dropped until the connection closes
     })
     req.on('end', () => {
       ended = true
       resolve(chunks.length === 1 ? chunks[0] : Buffer.concat(chunks))
     })
-    req.on('error', cutShort)
-    req.on('close', cutShort)
+    req.on('error', () => ended || reject(bodyCutShort()))
+    req.on('close', () => ended || reject(bodyCutShort()))
   })
 }
+
+const bodyTooLarge = () => new OAuthError('invalid_request', 'The request body is larger than 64 KiB', { status: 413, headers: { Connection: 'close' } })
+const bodyCutShort = () => new OAuthError('invalid_request', 'The request body ended early')
 
 /** The path of a request target, without its query. */
 function pathOf(target: string): string {
