@@ -16,7 +16,8 @@
 //   (e) longest event-loop stall while they all expire            target: ≤ 20 ms
 //   (f) soak: SOAK_SECONDS (60) of mixed traffic, memory at start and end
 //
-// Settings: SOAK_SECONDS (60), BENCH_SECONDS per timed run (6), BENCH_CONNECTIONS (10).
+// Settings: SOAK_SECONDS (60), BENCH_SECONDS per timed run (6), BENCH_CONNECTIONS (10),
+// BENCH_FIGURES (abcdef: the letters of the figures to measure).
 // The bench never fails: it prints what it measured, and which targets were missed.
 
 import { fork, spawn } from 'node:child_process'
@@ -34,6 +35,8 @@ const SOAK_SECONDS = Number(process.env.SOAK_SECONDS ?? 60)
 const MEASURE_SECONDS = Number(process.env.BENCH_SECONDS ?? 6)
 const WARMUP_SECONDS = 2
 const CONNECTIONS = Number(process.env.BENCH_CONNECTIONS ?? 10)
+/** Which figures to measure, by letter: all by default; `BENCH_FIGURES=ab` for introspection and exchange only. */
+const FIGURES = process.env.BENCH_FIGURES ?? 'abcdef'
 /** Codes for the timed token exchanges: under the 10,000 unredeemed codes Latch keeps. */
 const TIMED_CODES = 9000
 const EXCHANGE_ROUNDS = 3
@@ -274,43 +277,54 @@ async function main(): Promise<void> {
   const bare = await startServer('bare', ['--import', 'tsx', '--import', probe, 'bench/bare.ts'], { BARE_ANSWERS: JSON.stringify(answers) }, /listening (\d+)/, dir)
   const load = fork(join(ROOT, 'bench/load.ts'), { cwd: ROOT, execArgv: ['--import', 'tsx'], stdio: 'inherit' })
   try {
-    const introspection = await measurePair(load, bare, latch, { method: 'POST', path: '/introspect', body: `token=${token}` })
-    printPair('(a) POST /introspect, a live token', introspection)
+    const rows: Row[] = [['figure', 'measured', 'target', 'verdict']]
+    const ratio = (pair: Pair) => pair.latch.rps / pair.bare.rps
+    const describePair = (pair: Pair) => `${percent(ratio(pair))} (${format(pair.latch.rps)} / ${format(pair.bare.rps)}), p99 ${format(pair.latch.p99Ms)} / ${format(pair.bare.p99Ms)} ms`
 
-    const exchange = await measureTokenExchange(load, bare, latch)
-    printPair(`(b) POST /token, each request with its own fresh code (${format(TIMED_CODES)} minted through GET /auth and POST /auth/consent first)`, exchange)
+    if (FIGURES.includes('a')) {
+      const introspection = await measurePair(load, bare, latch, { method: 'POST', path: '/introspect', body: `token=${token}` })
+      printPair('(a) POST /introspect, a live token', introspection)
+      rows.push(['(a) introspection, Latch/bare req/s', describePair(introspection), '≥ 80%', verdict(ratio(introspection) >= 0.8)])
+    }
 
-    const consent = await measurePair(load, bare, latch, { method: 'GET', path: AUTHORIZATION_PATH })
-    printPair(`(c) GET /auth, the consent page (${format(Buffer.byteLength(consentPage.text))} bytes)`, consent)
+    if (FIGURES.includes('b')) {
+      const exchange = await measureTokenExchange(load, bare, latch)
+      printPair(`(b) POST /token, each request with its own fresh code (${EXCHANGE_ROUNDS} rounds of ${format(TIMED_CODES)}, minted through GET /auth and POST /auth/consent first)`, exchange)
+      rows.push(['(b) token exchange, Latch/bare req/s', describePair(exchange), '≥ 50%', verdict(ratio(exchange) >= 0.5)])
+    }
 
-    console.log(`\n(f) Soak: ${SOAK_SECONDS} s of mixed traffic (sign in, exchange, introspect ×5, metadata, revoke, home page, again)`)
-    const soakStart = await ask<Usage>(latch.child, 'usage')
-    const soak = await ask<LoadResult>(load, { kind: 'soak', url: latch.url, authorizationPath: AUTHORIZATION_PATH, tokenBody: TOKEN_BODY, seconds: SOAK_SECONDS, connections: CONNECTIONS } satisfies SoakJob)
-    const soakEnd = await ask<Usage>(latch.child, 'usage')
-    console.log(describeRun('Latch', soak))
-    console.log(`  start: RSS ${mib(soakStart.rss)}, heapUsed ${mib(soakStart.heapUsed)}`)
-    console.log(`  end:   RSS ${mib(soakEnd.rss)}, heapUsed ${mib(soakEnd.heapUsed)}`)
-    const errorLines = readFileSync(latch.logFile, 'utf8').split('\n').filter((line) => /^error:|server_error/.test(line))
-    console.log(`  Latch logged ${errorLines.length} error lines during the whole bench${errorLines.length === 0 ? '' : `, the first: ${errorLines[0]}`}`)
+    if (FIGURES.includes('c')) {
+      const consent = await measurePair(load, bare, latch, { method: 'GET', path: AUTHORIZATION_PATH })
+      printPair(`(c) GET /auth, the consent page (${format(Buffer.byteLength(consentPage.text))} bytes)`, consent)
+      rows.push(['(c) consent page, Latch/bare req/s', describePair(consent), '-', '-'])
+    }
+
+    if (FIGURES.includes('f')) {
+      console.log(`\n(f) Soak: ${SOAK_SECONDS} s of mixed traffic (sign in, exchange, introspect ×5, metadata, revoke, home page, again)`)
+      const soakStart = await ask<Usage>(latch.child, 'usage')
+      const soak = await ask<LoadResult>(load, { kind: 'soak', url: latch.url, authorizationPath: AUTHORIZATION_PATH, tokenBody: TOKEN_BODY, seconds: SOAK_SECONDS, connections: CONNECTIONS } satisfies SoakJob)
+      const soakEnd = await ask<Usage>(latch.child, 'usage')
+      console.log(describeRun('Latch', soak))
+      console.log(`  start: RSS ${mib(soakStart.rss)}, heapUsed ${mib(soakStart.heapUsed)}`)
+      console.log(`  end:   RSS ${mib(soakEnd.rss)}, heapUsed ${mib(soakEnd.heapUsed)}`)
+      const errorLines = readFileSync(latch.logFile, 'utf8').split('\n').filter((line) => /^error:|server_error/.test(line))
+      console.log(`  Latch logged ${errorLines.length} error lines during the whole bench${errorLines.length === 0 ? '' : `, the first: ${errorLines[0]}`}`)
+      const outcome = soak.status5xx + soak.errors === 0 && errorLines.length === 0 ? 'no 5xx, no errors' : `${soak.status5xx} 5xx, ${soak.errors + errorLines.length} errors`
+      rows.push([`(f) soak ${SOAK_SECONDS} s, RSS / heapUsed`, `${mib(soakStart.rss)} → ${mib(soakEnd.rss)} / ${mib(soakStart.heapUsed)} → ${mib(soakEnd.heapUsed)}`, '-', outcome])
+    }
     await Promise.all([stop(latch.child), stop(bare.child), stop(load)])
 
-    console.log('\n(d) and (e): 1,000,000 live tokens in a MemoryStore, in a process of their own (node --expose-gc)')
-    const memory = await measureTokenMemory()
-    console.log(`  ${format(memory.tokens)} tokens, each with its own grant, saved in ${format(memory.fillSeconds, 1)} s: ${format(memory.bytesPerToken)} heap bytes per token`)
-    console.log(`  then all expired, swept by store.sweep(now) every ${memory.sweepIntervalMs} ms (the server does every 100 ms): ${memory.drained ? 'empty' : `${format(memory.left)} entries left`} after ${format(memory.drainSeconds, 2)} s`)
-    console.log(`  longest event-loop stall ${format(memory.maxStallMs, 1)} ms; longest single sweep ${format(memory.longestSweepMs, 1)} ms`)
+    if (FIGURES.includes('d') || FIGURES.includes('e')) {
+      console.log('\n(d) and (e): 1,000,000 live tokens in a MemoryStore, in a process of their own (node --expose-gc)')
+      const memory = await measureTokenMemory()
+      console.log(`  ${format(memory.tokens)} tokens, each with its own grant, saved in ${format(memory.fillSeconds, 1)} s: ${format(memory.bytesPerToken)} heap bytes per token`)
+      console.log(`  then all expired, swept by store.sweep(now) every ${memory.sweepIntervalMs} ms (the server does every 100 ms): ${memory.drained ? 'empty' : `${format(memory.left)} entries left`} after ${format(memory.drainSeconds, 2)} s`)
+      console.log(`  longest event-loop stall ${format(memory.maxStallMs, 1)} ms; longest single sweep ${format(memory.longestSweepMs, 1)} ms`)
+      rows.push(['(d) heap bytes per live token', format(memory.bytesPerToken), '≤ 300', verdict(memory.bytesPerToken <= 300)])
+      rows.push(['(e) max event-loop stall, 1M expiring', `${format(memory.maxStallMs, 1)} ms (empty after ${format(memory.drainSeconds, 1)} s)`, '≤ 20 ms', verdict(memory.maxStallMs <= 20 && memory.drained)])
+    }
 
     console.log('\nSummary')
-    const ratio = (pair: Pair) => pair.latch.rps / pair.bare.rps
-    const rows: Row[] = [
-      ['figure', 'measured', 'target', 'verdict'],
-      ['(a) introspection, Latch/bare req/s', `${percent(ratio(introspection))} (${format(introspection.latch.rps)} / ${format(introspection.bare.rps)}), p99 ${format(introspection.latch.p99Ms)} / ${format(introspection.bare.p99Ms)} ms`, '≥ 80%', verdict(ratio(introspection) >= 0.8)],
-      ['(b) token exchange, Latch/bare req/s', `${percent(ratio(exchange))} (${format(exchange.latch.rps)} / ${format(exchange.bare.rps)}), p99 ${format(exchange.latch.p99Ms)} / ${format(exchange.bare.p99Ms)} ms`, '≥ 50%', verdict(ratio(exchange) >= 0.5)],
-      ['(c) consent page, Latch/bare req/s', `${percent(ratio(consent))} (${format(consent.latch.rps)} / ${format(consent.bare.rps)}), p99 ${format(consent.latch.p99Ms)} / ${format(consent.bare.p99Ms)} ms`, '-', '-'],
-      ['(d) heap bytes per live token', format(memory.bytesPerToken), '≤ 300', verdict(memory.bytesPerToken <= 300)],
-      ['(e) max event-loop stall, 1M expiring', `${format(memory.maxStallMs, 1)} ms (empty after ${format(memory.drainSeconds, 1)} s)`, '≤ 20 ms', verdict(memory.maxStallMs <= 20 && memory.drained)],
-      [`(f) soak ${SOAK_SECONDS} s, RSS / heapUsed`, `${mib(soakStart.rss)} → ${mib(soakEnd.rss)} / ${mib(soakStart.heapUsed)} → ${mib(soakEnd.heapUsed)}`, '-', soak.status5xx + soak.errors === 0 ? 'no 5xx, no errors' : `${soak.status5xx} 5xx, ${soak.errors} errors`],
-    ]
     printTable(rows)
     console.log(`\nThe bench took ${format((performance.now() - began) / 1000)} s.`)
   } finally {
