@@ -21,6 +21,7 @@ import {
   countAttempt,
   createLatchServer,
   createHandler,
+  createLineWriter,
   createSecret,
   getParam,
   hashSecret,
@@ -1294,6 +1295,21 @@ describe('Legacy IndieAuth', () => {
     await assertError(await exchange(latch, code), 400, 'invalid_grant')
     const redeemed = await post(`${latch.base}/auth`, form({ code, code_verifier: VERIFIER }))
     assert.deepEqual(await redeemed.json(), { me: 'https://example.com/' })
+  })
+})
+
+describe('The log', () => {
+  it('writes lines in batches: after the interval, or at once past 64 KiB', (t) => {
+    t.mock.timers.enable({ apis: ['setTimeout'] })
+    const writes: string[] = []
+    const log = createLineWriter({ write: (text: string) => writes.push(text) } as unknown as NodeJS.WritableStream, 100)
+    log('GET / 200 1ms')
+    log('GET /apps 200 2ms')
+    assert.deepEqual(writes, [])
+    t.mock.timers.tick(100)
+    assert.deepEqual(writes, ['GET / 200 1ms\nGET /apps 200 2ms\n'])
+    log('x'.repeat(70_000))
+    assert.equal(writes.length, 2)
   })
 })
 

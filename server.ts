@@ -3157,18 +3157,24 @@ export function createLatchServer(timeouts: ServerTimeouts = SERVER_TIMEOUTS): S
 }
 
 /**
- * A log that writes the lines of one turn of the event loop in one write, so that logging costs
- * a request little. Lines still waiting are written when the process exits.
+ * A log that gathers lines for up to `everyMs` (or 64 KiB) and writes them in one go. Writing to
+ * a file or a terminal blocks; once a request, it cost as much as answering one. Lines still
+ * waiting are written when the process exits.
  */
-export function createLineWriter(stream: NodeJS.WritableStream): (line: string) => void {
-  let lines: string[] = []
+export function createLineWriter(stream: NodeJS.WritableStream, everyMs = 100): (line: string) => void {
+  let pending = ''
+  let timer: NodeJS.Timeout | undefined
   const flush = () => {
-    if (lines.length > 0) stream.write(`${lines.join('\n')}\n`)
-    lines = []
+    clearTimeout(timer)
+    timer = undefined
+    if (pending !== '') stream.write(pending)
+    pending = ''
   }
   process.on('exit', flush)
   return (line) => {
-    if (lines.push(line) === 1) setImmediate(flush)
+    pending += `${line}\n`
+    if (pending.length >= 65_536) flush()
+    else timer ??= setTimeout(flush, everyMs)
   }
 }
 
