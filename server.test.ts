@@ -1536,6 +1536,11 @@ describe('Slow clients', () => {
     assert.match(answer, /^HTTP\/1\.1 408/)
   })
 
+  it('closes a connection that never sends a byte', async () => {
+    const { closedAfterMs } = await holdOpen('')
+    assert.ok(closedAfterMs < 3000, `closed after ${closedAfterMs} ms`)
+  })
+
   it('closes a connection whose body never finishes', async () => {
     const head = 'POST /token HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/x-www-form-urlencoded\r\nContent-Length: 100\r\n\r\ncode=abc'
     const { closedAfterMs } = await holdOpen(head)

@@ -3152,7 +3152,6 @@ export function createLatchServer(timeouts: ServerTimeouts = SERVER_TIMEOUTS): S
     keepAliveTimeout: timeouts.keepAliveMs,
     connectionsCheckingInterval: timeouts.checkEveryMs,
   })
-  server.timeout = timeouts.requestMs // a socket idle this long in the middle of a body is closed too
   return server
 }
 
