@@ -1129,17 +1129,21 @@ async function fetchLogo(logoUrl: string, options: { allowPrivate: boolean; fetc
 // them from the front. Grants and tokens need not; the sweep walks them in turn, a few at a time.
 // To put SQLite or Redis behind Latch, implement `Store`: eighteen small methods.
 
+/** An iterator with nothing left: where the walk stands in an empty shard, so as not to make one per step. */
+const NOTHING_TO_WALK: Iterator<string> = [][Symbol.iterator]()
+
 /**
  * A Map of entries that expire, split in 64 shards by the first character of their keys (hashes
  * in base64url, so evenly). V8 rehashes a whole table when it grows or shrinks, and a table of
  * a million entries stops the server for tens of milliseconds; a shard, for a sixty-fourth of
- * that. Expired entries are found by walking the shards, `budget` entries a call, so nothing is
+ * that. Expired entries are found by walking the shards, a few steps a call, so nothing is
  * kept per entry but the entry. `expiresAt` is in seconds here (see `StoredGrant`).
  */
 export class ExpiringMap<V extends { expiresAt: number }> {
   readonly #shards = Array.from({ length: 64 }, () => new Map<string, V>())
   /** Where the sweep goes on from: a Map iterator survives deletes and inserts. */
-  #walk = { shard: 0, keys: this.#shards[0].keys() }
+  #walkShard = 0
+  #walkKeys: Iterator<string> = NOTHING_TO_WALK
 
   #shard(key: string): Map<string, V> {
     return this.#shards[key.charCodeAt(0) & 63]
@@ -1177,14 +1181,15 @@ export class ExpiringMap<V extends { expiresAt: number }> {
     const nowSeconds = now / 1000
     let shardsLeft = 65 // a round ends back in the shard where it began, which it may have begun halfway through
     for (let step = 0; step < budget; step++) {
-      const next = this.#walk.keys.next()
+      const next = this.#walkKeys.next()
       if (next.done === true) {
         if (--shardsLeft === 0) return
-        const shard = (this.#walk.shard + 1) & 63
-        this.#walk = { shard, keys: this.#shards[shard].keys() }
+        this.#walkShard = (this.#walkShard + 1) & 63
+        const shard = this.#shards[this.#walkShard]
+        this.#walkKeys = shard.size === 0 ? NOTHING_TO_WALK : shard.keys()
         continue
       }
-      const map = this.#shards[this.#walk.shard]
+      const map = this.#shards[this.#walkShard]
       if ((map.get(next.value)?.expiresAt ?? Infinity) <= nowSeconds) map.delete(next.value)
     }
   }
@@ -2441,7 +2446,7 @@ async function handleProfileRedemption(req: IncomingMessage, res: ServerResponse
   }
   const { code, codeHash } = await checkCode(form, { clientRequired: false }, ctx)
   await consumeCode(codeHash, ctx)
-  sendJson(res, 200, withProfile({ me: code.me }, code.scope, ctx.config.profile))
+  sendJson(res, 200, { me: code.me, profile: buildProfile(code.scope, ctx.config.profile) }) // JSON leaves out a profile that is undefined
 }
 
 /**
@@ -2487,15 +2492,6 @@ async function consumeCode(codeHash: string, ctx: Context): Promise<void> {
   if (await ctx.store.takeCode(codeHash, ctx.now())) return
   await ctx.store.deleteGrant(codeHash, ctx.now())
   throw new OAuthError('invalid_grant', 'The authorization code was already used, so the tokens issued from it are revoked')
-}
-
-/**
- * Adds the owner's profile information to a response when the `profile` scope was granted.
- * @see https://indieauth.spec.indieweb.org/#profile-information IA §5.3.4
- */
-function withProfile<T extends object>(body: T, scope: string[], profile: Profile): T & { profile?: Record<string, string> } {
-  const info = buildProfile(scope, profile)
-  return info === undefined ? body : { ...body, profile: info }
 }
 
 /**
@@ -2611,15 +2607,15 @@ async function issueTokens(grantId: string, grant: Grant, scope: string[], ctx: 
     ctx.store.saveToken(hashSecret(accessToken), access, now),
     ctx.store.saveToken(hashSecret(refreshToken), refresh, now),
   ])
-  const body = {
+  return {
     access_token: accessToken,
     token_type: 'Bearer',
     scope: scope.join(' '),
     me: grant.me,
     expires_in: accessTokenTtlSeconds,
     refresh_token: refreshToken,
+    profile: buildProfile(scope, ctx.config.profile), // left out of the JSON when undefined: without the profile scope
   }
-  return withProfile(body, scope, ctx.config.profile)
 }
 
 /** A live token of the given kind with its live grant, or undefined. */
