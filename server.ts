@@ -564,9 +564,12 @@ function decodeFormComponent(text: string): string {
  * @see https://www.rfc-editor.org/rfc/rfc6749#section-3.1
  */
 export function getParam(params: Params, name: string): string | undefined {
-  const values = params.get(name)?.filter((value) => value !== '') ?? []
-  if (values.length > 1) throw new OAuthError('invalid_request', `Parameter ${name} was sent more than once`)
-  return values[0]
+  const values = params.get(name)
+  if (values === undefined) return undefined
+  if (values.length === 1) return values[0] === '' ? undefined : values[0] // the usual case, without a new array
+  const sent = values.filter((value) => value !== '')
+  if (sent.length > 1) throw new OAuthError('invalid_request', `Parameter ${name} was sent more than once`)
+  return sent[0]
 }
 
 /** Like `getParam`, but a missing parameter is `invalid_request` too. */
