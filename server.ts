@@ -454,7 +454,9 @@ export function hashSecret(value: string): string {
 
 /**
  * Random bytes for secrets, drawn from the system a few kilobytes at a time: one call for 32
- * bytes costs as much as one for 4 KiB, and a token exchange needs two secrets.
+ * bytes costs as much as one for 4 KiB, and a token exchange needs two secrets. Bytes are zeroed
+ * once used, so the pool never holds a secret already handed out (Node's randomUUID keeps a
+ * cache the same way).
  */
 const randomPool = { bytes: Buffer.alloc(4096), used: 4096 }
 
@@ -464,7 +466,9 @@ export function createSecret(): string {
     randomFillSync(randomPool.bytes)
     randomPool.used = 0
   }
-  const secret = base64url(randomPool.bytes.subarray(randomPool.used, randomPool.used + 32))
+  const bytes = randomPool.bytes.subarray(randomPool.used, randomPool.used + 32)
+  const secret = base64url(bytes)
+  bytes.fill(0)
   randomPool.used += 32
   return secret
 }
@@ -1132,15 +1136,20 @@ async function fetchLogo(logoUrl: string, options: { allowPrivate: boolean; fetc
 // them from the front. Grants and tokens need not; the sweep walks them in turn, a few at a time.
 // To put SQLite or Redis behind Latch, implement `Store`: eighteen small methods.
 
+/** The 6-bit value of each base64url character, by character code: a key's shard is its first. */
+const BASE64URL_VALUES = new Uint8Array(128)
+for (const [value, char] of [...'ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789-_'].entries()) BASE64URL_VALUES[char.charCodeAt(0)] = value
+
 /** An iterator with nothing left: where the walk stands in an empty shard, so as not to make one per step. */
 const NOTHING_TO_WALK: Iterator<string> = [][Symbol.iterator]()
 
 /**
  * A Map of entries that expire, split in 64 shards by the first character of their keys (hashes
- * in base64url, so evenly). V8 rehashes a whole table when it grows or shrinks, and a table of
- * a million entries stops the server for tens of milliseconds; a shard, for a sixty-fourth of
- * that. Expired entries are found by walking the shards, a few steps a call, so nothing is
- * kept per entry but the entry. `expiresAt` is in seconds here (see `StoredGrant`).
+ * in base64url, so evenly: each character is one of 64). V8 rehashes a whole table when it grows
+ * or shrinks, and a table of a million entries stops the server for tens of milliseconds; a
+ * shard, for a sixty-fourth of that. Expired entries are found by walking the shards, a few
+ * steps a call, so nothing is kept per entry but the entry. `expiresAt` is in seconds here (see
+ * `StoredGrant`).
  */
 export class ExpiringMap<V extends { expiresAt: number }> {
   readonly #shards = Array.from({ length: 64 }, () => new Map<string, V>())
@@ -1149,7 +1158,7 @@ export class ExpiringMap<V extends { expiresAt: number }> {
   #walkKeys: Iterator<string> = NOTHING_TO_WALK
 
   #shard(key: string): Map<string, V> {
-    return this.#shards[key.charCodeAt(0) & 63]
+    return this.#shards[BASE64URL_VALUES[key.charCodeAt(0) & 127]]
   }
 
   get size(): number {
@@ -3172,7 +3181,7 @@ export function createLineWriter(stream: NodeJS.WritableStream, everyMs = 100): 
   return (line) => {
     pending += `${line}\n`
     if (pending.length >= 65_536) flush()
-    else timer ??= setTimeout(flush, everyMs)
+    else timer ??= setTimeout(flush, everyMs).unref() // the exit handler writes what is left
   }
 }
 
@@ -3215,11 +3224,12 @@ async function main(argv: string[], env: Record<string, string | undefined>): Pr
   const address = server.address()
   const port = typeof address === 'object' && address !== null ? address.port : config.port
   if (config.port === 0) config = loadConfig(env, argv, { boundPort: port })
-  server.on('request', createHandler({ config, store, log: createLineWriter(process.stdout) }))
+  const log = createLineWriter(process.stdout)
+  server.on('request', createHandler({ config, store, log }))
   setInterval(() => store.sweep(Date.now()), 100).unref() // expired entries go even while no one writes: 20,000 a second of each kind
   for (const signal of ['SIGINT', 'SIGTERM'] as const) {
     process.once(signal, () => {
-      console.log(`${signal}: finishing requests in flight, then stopping`)
+      log(`${signal}: finishing requests in flight, then stopping`) // after the lines of requests already answered
       server.close(async () => {
         if (store instanceof FileStore) await store.close()
         process.exit(0)
