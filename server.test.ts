@@ -479,12 +479,27 @@ describe('MemoryStore', () => {
     assert.equal((await store.findGrant('g3', 0))?.client_name, 'Other')
   })
 
-  it('marks a refresh token used once, atomically', async () => {
+  it('redeems a refresh token once, atomically, saving the new tokens only the first time', async () => {
     const store = new MemoryStore()
     await store.saveToken('r', { ...token(9000), kind: 'refresh' }, 0)
-    assert.equal(await store.takeToken('r', 1000), true)
-    assert.equal(await store.takeToken('r', 2000), false)
+    const issue = (tokenHash: string) => ({ redeemed: { kind: 'refresh' as const, hash: 'r' }, grantId: 'g', grant: grant(9000), tokens: [[tokenHash, token(9000)]] as [string, Token][] })
+    assert.equal(await store.issueTokens(issue('first'), 1000), true)
+    assert.equal(await store.issueTokens(issue('second'), 2000), false)
     assert.equal((await store.findToken('r', 3000))?.usedAt, 1000)
+    assert.ok(store.tokens.has('first'))
+    assert.equal(store.tokens.has('second'), false)
+    assert.ok(store.grants.has('g'))
+  })
+
+  it('redeems a code once for a grant and its tokens, and never an expired code', async () => {
+    const store = new MemoryStore()
+    await store.saveCode('c', code(5000), 0)
+    const issue = { redeemed: { kind: 'code' as const, hash: 'c' }, grantId: 'c', grant: grant(9000), tokens: [['a', token(9000)]] as [string, Token][] }
+    assert.equal(await store.issueTokens(issue, 5000), false) // expired
+    assert.equal(store.grants.has('c'), false)
+    assert.equal(await store.issueTokens(issue, 1000), true)
+    assert.equal(await store.takeCode('c', 1000), false)
+    assert.deepEqual([store.grants.has('c'), store.tokens.has('a')], [true, true])
   })
 
   it('keeps a grant saved again with a later expiry, and lists only live grants', async () => {

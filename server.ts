@@ -139,6 +139,16 @@ export type Token = {
   usedAt: number | undefined
 }
 
+/** What one token exchange or refresh stores: what it redeems, and the grant and tokens it issues. */
+export type TokenIssue = {
+  /** The hash of the code or refresh token redeemed, which can be redeemed once only. */
+  redeemed: { kind: 'code' | 'refresh'; hash: string }
+  grantId: string
+  grant: Grant
+  /** The new tokens, each under the hash of its value. */
+  tokens: [hash: string, token: Token][]
+}
+
 /** The owner, signed in: stored under the hash (`hashSecret`) of the session cookie's value. */
 export type Session = { createdAt: number; expiresAt: number }
 
@@ -167,8 +177,12 @@ export interface Store {
   saveToken(hash: string, token: Token, now: number): Promise<void>
   /** Returns an unexpired token, used or not. */
   findToken(hash: string, now: number): Promise<Token | undefined>
-  /** Marks an unexpired token used, in one step: true only for the first caller. */
-  takeToken(hash: string, now: number): Promise<boolean>
+  /**
+   * Redeems a code or a refresh token for new tokens, in one step: marks what is redeemed used
+   * (if it is unexpired and unused), then saves the grant and the tokens. True only for the
+   * first caller; nothing is saved for any other.
+   */
+  issueTokens(issue: TokenIssue, now: number): Promise<boolean>
   deleteToken(hash: string): Promise<void>
   saveSession(hash: string, session: Session, now: number): Promise<void>
   findSession(hash: string, now: number): Promise<Session | undefined>
@@ -1343,10 +1357,7 @@ export class MemoryStore implements Store {
   }
 
   async takeCode(hash: string, now: number): Promise<boolean> {
-    const code = live(this.codes.get(hash), now)
-    if (code === undefined || code.usedAt !== undefined) return false
-    code.usedAt = now
-    return true
+    return this.redeem({ kind: 'code', hash }, now)
   }
 
   async saveGrant(id: string, grant: Grant, now: number): Promise<void> {
@@ -1390,17 +1401,31 @@ export class MemoryStore implements Store {
     return stored !== undefined && stored.expiresAt * 1000 > now ? stored.toToken() : undefined
   }
 
-  async takeToken(hash: string, now: number): Promise<boolean> {
-    const stored = this.tokens.get(hash)
+  async issueTokens(issue: TokenIssue, now: number): Promise<boolean> {
+    if (!this.redeem(issue.redeemed, now)) return false
+    await this.saveGrant(issue.grantId, issue.grant, now)
+    for (const [hash, token] of issue.tokens) await this.saveToken(hash, token, now)
+    return true
+  }
+
+  /** Marks an unexpired, unused code or refresh token used: true only for the first caller. */
+  redeem(redeemed: TokenIssue['redeemed'], now: number): boolean {
+    if (redeemed.kind === 'code') {
+      const code = live(this.codes.get(redeemed.hash), now)
+      if (code === undefined || code.usedAt !== undefined) return false
+      code.usedAt = now
+      return true
+    }
+    const stored = this.tokens.get(redeemed.hash)
     if (stored === undefined || stored.expiresAt * 1000 <= now || stored.usedAt !== undefined) return false
     stored.usedAt = toSeconds(now)
     return true
   }
 
-  /** Takes back a `takeToken`, for a durable store that could not write it down. */
-  untakeToken(hash: string): void {
-    const stored = this.tokens.get(hash)
-    if (stored !== undefined) stored.usedAt = undefined
+  /** Takes back a `redeem`, for a durable store that could not write it down. */
+  unredeem(redeemed: TokenIssue['redeemed']): void {
+    const entry = redeemed.kind === 'code' ? this.codes.get(redeemed.hash) : this.tokens.get(redeemed.hash)
+    if (entry !== undefined) entry.usedAt = undefined
   }
 
   async deleteToken(hash: string): Promise<void> {
@@ -1494,7 +1519,7 @@ type JournalRecord =
   | { set: 'session'; key: string; value: Session }
   | { delete: 'grant' | 'token' | 'session'; key: string }
 
-/** An append-only file with group commit: `append` resolves once its line is fsync'd. */
+/** An append-only file with group commit: `append` resolves once its lines are fsync'd. */
 class Journal {
   readonly path: string
   /** Lines in the file, as a measure of how far it has grown past the live data. */
@@ -1516,10 +1541,12 @@ class Journal {
     this.#log = log
   }
 
-  append(record: JournalRecord): Promise<void> {
-    const line = `${JSON.stringify(record)}\n`
-    this.#sinceSnapshot?.push(line)
-    this.#queue.push(line)
+  append(records: JournalRecord[]): Promise<void> {
+    for (const record of records) {
+      const line = `${JSON.stringify(record)}\n`
+      this.#sinceSnapshot?.push(line)
+      this.#queue.push(line)
+    }
     if (!this.#scheduled) {
       this.#scheduled = true
       setImmediate(() => {
@@ -1702,7 +1729,7 @@ export class FileStore implements Store {
   }
 
   async saveCode(hash: string, code: AuthorizationCode, now: number): Promise<void> {
-    await this.#append({ set: 'code', key: hash, value: code })
+    await this.#append([{ set: 'code', key: hash, value: code }])
     await this.memory.saveCode(hash, code, now)
   }
 
@@ -1711,14 +1738,32 @@ export class FileStore implements Store {
   }
 
   async takeCode(hash: string, now: number): Promise<boolean> {
-    if (!(await this.memory.takeCode(hash, now))) return false // marked used at once, so a second caller loses
-    const code = this.memory.codes.get(hash)
-    if (code !== undefined) await this.#append({ set: 'code', key: hash, value: code }).catch(undo(() => (code.usedAt = undefined)))
+    const redeemed = { kind: 'code', hash } as const
+    if (!this.memory.redeem(redeemed, now)) return false // marked used at once, so a second caller loses
+    await this.#append([this.#redeemedRecord(redeemed)]).catch(undo(() => this.memory.unredeem(redeemed)))
     return true
   }
 
+  /** The code or refresh token taken, the grant and its new tokens: one write to the journal, and so one fsync. */
+  async issueTokens(issue: TokenIssue, now: number): Promise<boolean> {
+    const { redeemed, grantId, grant, tokens } = issue
+    if (!this.memory.redeem(redeemed, now)) return false // marked used at once, so a second caller loses
+    const records: JournalRecord[] = [this.#redeemedRecord(redeemed), { set: 'grant', key: grantId, value: grant }]
+    for (const [key, value] of tokens) records.push({ set: 'token', key, value })
+    await this.#append(records).catch(undo(() => this.memory.unredeem(redeemed)))
+    await this.memory.saveGrant(grantId, grant, now)
+    for (const [hash, token] of tokens) await this.memory.saveToken(hash, token, now)
+    return true
+  }
+
+  /** The record of a code or refresh token just marked used, as the memory now holds it. */
+  #redeemedRecord({ kind, hash }: TokenIssue['redeemed']): JournalRecord {
+    if (kind === 'code') return { set: 'code', key: hash, value: this.memory.codes.get(hash) as AuthorizationCode }
+    return { set: 'token', key: hash, value: (this.memory.tokens.get(hash) as StoredToken).toToken() }
+  }
+
   async saveGrant(id: string, grant: Grant, now: number): Promise<void> {
-    await this.#append({ set: 'grant', key: id, value: grant })
+    await this.#append([{ set: 'grant', key: id, value: grant }])
     await this.memory.saveGrant(id, grant, now)
   }
 
@@ -1731,7 +1776,7 @@ export class FileStore implements Store {
   }
 
   async deleteGrant(id: string, now: number): Promise<void> {
-    await this.#append({ delete: 'grant', key: id })
+    await this.#append([{ delete: 'grant', key: id }])
     await this.memory.deleteGrant(id, now)
   }
 
@@ -1741,7 +1786,7 @@ export class FileStore implements Store {
   }
 
   async saveToken(hash: string, token: Token, now: number): Promise<void> {
-    await this.#append({ set: 'token', key: hash, value: token })
+    await this.#append([{ set: 'token', key: hash, value: token }])
     await this.memory.saveToken(hash, token, now)
   }
 
@@ -1749,20 +1794,13 @@ export class FileStore implements Store {
     return this.memory.findToken(hash, now)
   }
 
-  async takeToken(hash: string, now: number): Promise<boolean> {
-    if (!(await this.memory.takeToken(hash, now))) return false // marked used at once, so a second caller loses
-    const token = await this.memory.findToken(hash, now)
-    if (token !== undefined) await this.#append({ set: 'token', key: hash, value: token }).catch(undo(() => this.memory.untakeToken(hash)))
-    return true
-  }
-
   async deleteToken(hash: string): Promise<void> {
-    await this.#append({ delete: 'token', key: hash })
+    await this.#append([{ delete: 'token', key: hash }])
     await this.memory.deleteToken(hash)
   }
 
   async saveSession(hash: string, session: Session, now: number): Promise<void> {
-    await this.#append({ set: 'session', key: hash, value: session })
+    await this.#append([{ set: 'session', key: hash, value: session }])
     await this.memory.saveSession(hash, session, now)
   }
 
@@ -1771,7 +1809,7 @@ export class FileStore implements Store {
   }
 
   async deleteSession(hash: string): Promise<void> {
-    await this.#append({ delete: 'session', key: hash })
+    await this.#append([{ delete: 'session', key: hash }])
     await this.memory.deleteSession(hash)
   }
 
@@ -1785,9 +1823,9 @@ export class FileStore implements Store {
     await this.#journal.close()
   }
 
-  /** Appends a change, then compacts once the file holds far more lines than live entries. */
-  async #append(record: JournalRecord): Promise<void> {
-    await this.#journal.append(record)
+  /** Appends changes, then compacts once the file holds far more lines than live entries. */
+  async #append(records: JournalRecord[]): Promise<void> {
+    await this.#journal.append(records)
     const live = this.memory.codes.size + this.memory.grants.size + this.memory.tokens.size + this.memory.sessions.size
     if (this.compaction === undefined && this.#journal.lines > Math.max(COMPACT_MIN_LINES, COMPACT_FACTOR * live)) {
       this.compaction = this.#journal
@@ -2493,16 +2531,19 @@ function isSameClientId(sent: string, stored: string): boolean {
   return sent === stored || (isClientId(sent) && canonicalizeUrl(sent) === stored)
 }
 
+/** Marks a checked code used, or, when it was used before, revokes what was issued from it. */
+async function consumeCode(codeHash: string, ctx: Context): Promise<void> {
+  if (!(await ctx.store.takeCode(codeHash, ctx.now()))) await revokeReplayedCode(codeHash, ctx)
+}
+
 /**
- * Marks a checked code used. A code that was used before is a replay: the grant made from it,
- * and so every token issued from it, is revoked, because "the authorization server MUST deny
- * the request and SHOULD revoke (when possible) all tokens previously issued based on that
- * authorization code".
+ * A code that was used before is a replay: the grant made from it, and so every token issued
+ * from it, is revoked, because "the authorization server MUST deny the request and SHOULD
+ * revoke (when possible) all tokens previously issued based on that authorization code".
  * @see https://www.rfc-editor.org/rfc/rfc6749#section-4.1.2
  */
-async function consumeCode(codeHash: string, ctx: Context): Promise<void> {
-  if (await ctx.store.takeCode(codeHash, ctx.now())) return
-  await ctx.store.deleteGrant(codeHash, ctx.now())
+async function revokeReplayedCode(codeHash: string, ctx: Context): Promise<never> {
+  await ctx.store.deleteGrant(codeHash, ctx.now()) // a grant's id is the hash of its code
   throw new OAuthError('invalid_grant', 'The authorization code was already used, so the tokens issued from it are revoked')
 }
 
@@ -2552,7 +2593,6 @@ async function exchangeCode(form: Params, ctx: Context) {
   if (code.scope.length === 0) {
     throw new OAuthError('invalid_grant', 'This code was issued without scope, so it only proves identity: redeem it at the authorization endpoint instead')
   }
-  await consumeCode(codeHash, ctx)
   const grant = {
     client_id: code.client_id,
     client_name: code.client_name,
@@ -2563,7 +2603,7 @@ async function exchangeCode(form: Params, ctx: Context) {
     lastUsedAt: 0,
     expiresAt: 0,
   }
-  return issueTokens(codeHash, grant, code.scope, ctx)
+  return issueTokens({ kind: 'code', hash: codeHash }, codeHash, grant, code.scope, ctx)
 }
 
 /**
@@ -2582,8 +2622,7 @@ async function refreshGrant(form: Params, ctx: Context) {
     throw new OAuthError('invalid_grant', 'client_id does not match the client the refresh token was issued to')
   }
   const scope = narrowScope(getParam(form, 'scope'), found.token.scope)
-  if (!(await ctx.store.takeToken(hash, ctx.now()))) await revokeReusedRefreshToken(found.token.grantId, ctx)
-  return issueTokens(found.token.grantId, found.grant, scope, ctx)
+  return issueTokens({ kind: 'refresh', hash }, found.token.grantId, found.grant, scope, ctx)
 }
 
 async function revokeReusedRefreshToken(grantId: string, ctx: Context): Promise<never> {
@@ -2602,10 +2641,11 @@ function narrowScope(requested: string | undefined, granted: string[]): string[]
 }
 
 /**
- * Issues an access token for `scope` and a refresh token for the whole grant, and saves the
- * grant with its new expiry. The three writes are saved together.
+ * Redeems a code or a refresh token for an access token for `scope` and a refresh token for the
+ * whole grant, and saves the grant with its new expiry: all in one store write. Redeemed twice,
+ * by a replay or a race, the grant is revoked.
  */
-async function issueTokens(grantId: string, grant: Grant, scope: string[], ctx: Context) {
+async function issueTokens(redeemed: TokenIssue['redeemed'], grantId: string, grant: Grant, scope: string[], ctx: Context) {
   const now = ctx.now()
   const { accessTokenTtlSeconds } = grant
   const { refreshTokenTtlSeconds } = ctx.config
@@ -2614,11 +2654,13 @@ async function issueTokens(grantId: string, grant: Grant, scope: string[], ctx: 
   const access: Token = { kind: 'access', grantId, scope, issuedAt: now, expiresAt: now + accessTokenTtlSeconds * 1000, usedAt: undefined }
   const refresh: Token = { kind: 'refresh', grantId, scope: grant.scope, issuedAt: now, expiresAt: now + refreshTokenTtlSeconds * 1000, usedAt: undefined }
   const expiresAt = Math.max(grant.expiresAt, access.expiresAt, refresh.expiresAt)
-  await Promise.all([
-    ctx.store.saveGrant(grantId, { ...grant, lastUsedAt: now, expiresAt }, now),
-    ctx.store.saveToken(hashSecret(accessToken), access, now),
-    ctx.store.saveToken(hashSecret(refreshToken), refresh, now),
-  ])
+  const tokens: TokenIssue['tokens'] = [
+    [hashSecret(accessToken), access],
+    [hashSecret(refreshToken), refresh],
+  ]
+  if (!(await ctx.store.issueTokens({ redeemed, grantId, grant: { ...grant, lastUsedAt: now, expiresAt }, tokens }, now))) {
+    await (redeemed.kind === 'code' ? revokeReplayedCode(grantId, ctx) : revokeReusedRefreshToken(grantId, ctx))
+  }
   return {
     access_token: accessToken,
     token_type: 'Bearer',

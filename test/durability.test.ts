@@ -255,6 +255,22 @@ describe('DATA_FILE: compaction and failures', () => {
     assert.equal(await isActive(running.base, access_token), true) // a revocation that was not stored did not happen
     await running.stop().catch(() => {}) // the file is closed already
   })
+
+  it('stores an exchange as the used code, the grant and both tokens, and takes the code back when that fails', async () => {
+    const file = join(directory, 'exchange.jsonl')
+    const running = await startOn(file)
+    await obtainTokens(running.base)
+    const written = (await readFile(file, 'utf8')).trim().split('\n').map((line) => JSON.parse(line) as Record<string, unknown>)
+    assert.deepEqual(written.map((record) => record.set), ['code', 'code', 'grant', 'token', 'token']) // the code saved, then the exchange
+    assert.equal(typeof (written[1].value as { usedAt?: number }).usedAt, 'number')
+    const code = await obtainCode(running.base)
+    await running.store.close() // every later write to the file fails
+    const grants = running.store.memory.grants.size
+    assert.equal((await exchange(running.base, code)).status, 500)
+    assert.equal(running.store.memory.grants.size, grants)
+    assert.deepEqual([...running.store.memory.codes.values()].map((stored) => stored.usedAt === undefined), [false, true]) // the second code is not spent
+    await running.stop().catch(() => {})
+  })
 })
 
 // --- A real crash ------------------------------------------------------------------------
