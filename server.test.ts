@@ -17,6 +17,7 @@ import {
   canonicalizeUrl,
   clientIdProblem,
   computeCodeChallenge,
+  verifyCodeChallenge,
   configWarnings,
   countAttempt,
   createLatchServer,
@@ -325,6 +326,9 @@ describe('Form parser', () => {
 describe('Secrets and PKCE', () => {
   it('computes the S256 challenge of RFC 7636 Appendix B', () => {
     assert.equal(computeCodeChallenge(VERIFIER), CHALLENGE)
+    assert.equal(verifyCodeChallenge(VERIFIER, CHALLENGE), true)
+    assert.equal(verifyCodeChallenge(`${VERIFIER}x`, CHALLENGE), false)
+    assert.equal(verifyCodeChallenge(VERIFIER, CHALLENGE.slice(0, 42)), false)
   })
 
   const verifiers: [string, boolean][] = [

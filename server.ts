@@ -501,6 +501,18 @@ export function computeCodeChallenge(verifier: string): string {
 }
 
 /**
+ * True when a verifier matches a stored challenge, compared in constant time. Both are 43
+ * characters (`isCodeChallenge` checked the stored one), so the bytes are compared as they
+ * are, with no hashing to hide a length.
+ * @see https://www.rfc-editor.org/rfc/rfc7636#section-4.6
+ */
+export function verifyCodeChallenge(verifier: string, challenge: string): boolean {
+  const computed = Buffer.from(computeCodeChallenge(verifier), 'latin1')
+  const stored = Buffer.from(challenge, 'latin1')
+  return computed.length === stored.length && timingSafeEqual(computed, stored)
+}
+
+/**
  * True when a `code_verifier` has the form RFC 7636 requires.
  * @see https://www.rfc-editor.org/rfc/rfc7636#section-4.1
  */
@@ -2520,7 +2532,7 @@ async function checkCode(form: Params, options: { clientRequired: boolean }, ctx
   if (redirectUri !== undefined && redirectUri !== code.redirect_uri) {
     throw new OAuthError('invalid_grant', 'redirect_uri does not match the one in the authorization request')
   }
-  if (!safeEqual(computeCodeChallenge(verifier), code.code_challenge)) {
+  if (!verifyCodeChallenge(verifier, code.code_challenge)) {
     throw new OAuthError('invalid_grant', 'PKCE check failed: code_verifier does not match code_challenge')
   }
   return { code, codeHash }
