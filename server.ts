@@ -31,7 +31,7 @@
 // node: modules only. Latch has no runtime dependencies.
 
 import { createServer, request as httpRequest } from 'node:http'
-import type { Agent, IncomingMessage, Server, ServerResponse } from 'node:http'
+import type { Agent, IncomingMessage, OutgoingHttpHeaders, Server, ServerResponse } from 'node:http'
 import { request as httpsRequest } from 'node:https'
 import { lookup } from 'node:dns/promises'
 import type { LookupAddress } from 'node:dns'
@@ -1968,10 +1968,24 @@ function readCookie(req: IncomingMessage, name: string): string | undefined {
 
 const NO_STORE = { 'Cache-Control': 'no-store', Pragma: 'no-cache' }
 
+/**
+ * The responses of endpoints that browser apps on any origin may call, as the router marks
+ * them. Their headers get `Access-Control-Allow-Origin: *` where they are written: setting it
+ * early with `res.setHeader` would send node:http down a slower path for every other header.
+ */
+const corsResponses = new WeakSet<ServerResponse>()
+
+/** Adds `Access-Control-Allow-Origin: *` to a fresh headers object when the response is a CORS one. */
+function withCors(res: ServerResponse, headers: OutgoingHttpHeaders): OutgoingHttpHeaders {
+  if (corsResponses.has(res)) headers['Access-Control-Allow-Origin'] = '*'
+  return headers
+}
+
 /** Sends a JSON body. Every JSON answer carries `no-store`: most hold codes or tokens. */
-function sendJson(res: ServerResponse, status: number, body: unknown, headers: Record<string, string> = {}): void {
+function sendJson(res: ServerResponse, status: number, body: unknown, headers?: Record<string, string>): void {
   const json = JSON.stringify(body)
-  res.writeHead(status, { 'Content-Type': 'application/json', 'Content-Length': String(Buffer.byteLength(json)), ...NO_STORE, ...headers })
+  const head = withCors(res, { 'Content-Type': 'application/json', 'Content-Length': Buffer.byteLength(json), 'Cache-Control': 'no-store', Pragma: 'no-cache' })
+  res.writeHead(status, headers === undefined ? head : Object.assign(head, headers))
   res.end(json)
 }
 
@@ -2748,7 +2762,7 @@ function requireIntrospectionCaller(req: IncomingMessage, config: Config): void 
 async function handleRevocationRequest(req: IncomingMessage, res: ServerResponse, ctx: Context): Promise<void> {
   const form = await readForm(req)
   await revokeToken(requireParam(form, 'token'), ctx)
-  res.writeHead(200, NO_STORE)
+  res.writeHead(200, withCors(res, { ...NO_STORE }))
   res.end()
 }
 
@@ -2756,7 +2770,7 @@ async function handleRevocationRequest(req: IncomingMessage, res: ServerResponse
 async function handleLegacyRevocation(form: Params, res: ServerResponse, ctx: Context): Promise<void> {
   if (getParam(form, 'action') !== 'revoke') throw new OAuthError('invalid_request', 'action must be revoke')
   await revokeToken(requireParam(form, 'token'), ctx)
-  res.writeHead(200, NO_STORE)
+  res.writeHead(200, withCors(res, { ...NO_STORE }))
   res.end()
 }
 
@@ -3048,6 +3062,7 @@ function selectRoute(method: string, path: string): { handler: Handler; cors: bo
 function answerPreflight(methods: string[]): Handler {
   return async (_req, res) => {
     res.writeHead(204, {
+      'Access-Control-Allow-Origin': '*',
       'Access-Control-Allow-Methods': methods.join(', '),
       'Access-Control-Allow-Headers': 'Authorization, Content-Type',
       'Access-Control-Max-Age': '86400',
@@ -3082,7 +3097,7 @@ export function createHandler(options: HandlerOptions): (req: IncomingMessage, r
     const started = performance.now()
     const path = pathOf(req.url ?? '/')
     const { handler, cors } = selectRoute(req.method ?? 'GET', path)
-    if (cors) res.setHeader('Access-Control-Allow-Origin', '*')
+    if (cors) corsResponses.add(res)
     res.on('close', () => {
       const status = res.headersSent ? res.statusCode : 'closed before the answer'
       log(`${req.method} ${describePath(path, handler)} ${status} ${Math.round(performance.now() - started)}ms`)
