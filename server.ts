@@ -1541,7 +1541,11 @@ class Journal {
   #waiters: { resolve: () => void; reject: (err: unknown) => void }[] = []
   #scheduled = false
   #running: Promise<void> | undefined
-  /** While compacting: every line appended since it began, for the new file. */
+  /**
+   * While compacting: every line stored since it began, for the new file. A line joins once
+   * its write succeeds: one queued or being written when the compaction began is not in the
+   * snapshot yet, and one whose write failed never happened.
+   */
   #sinceSnapshot: string[] | undefined
   #closed = false
   readonly #log: (line: string) => void
@@ -1555,9 +1559,7 @@ class Journal {
 
   append(records: JournalRecord[]): Promise<void> {
     for (const record of records) {
-      const line = `${JSON.stringify(record)}\n`
-      this.#sinceSnapshot?.push(line)
-      this.#queue.push(line)
+      this.#queue.push(`${JSON.stringify(record)}\n`)
     }
     if (!this.#scheduled) {
       this.#scheduled = true
@@ -1577,7 +1579,10 @@ class Journal {
     this.#queue = []
     this.#waiters = []
     this.#running = this.#writeLines(lines).then(
-      () => waiters.forEach((waiter) => waiter.resolve()),
+      () => {
+        for (const line of lines) this.#sinceSnapshot?.push(line)
+        waiters.forEach((waiter) => waiter.resolve())
+      },
       (err: unknown) => {
         this.#log(`journal: writing ${this.path} failed, so ${lines.length} changes were not stored: ${String(err)}`)
         waiters.forEach((waiter) => waiter.reject(err))

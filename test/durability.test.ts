@@ -243,6 +243,26 @@ describe('DATA_FILE: compaction and failures', () => {
     await reopened.close()
   })
 
+  it('keeps an exchange that was being written when a compaction began', async () => {
+    const file = join(directory, 'compact-race.jsonl')
+    await writeFile(file, `${JSON.stringify({ delete: 'session', key: 'old' })}\n`.repeat(9_999))
+    const store = await FileStore.open(file, { now: () => START, log: () => {} })
+    const app = { client_id: CLIENT_ID, client_name: undefined, me: 'https://example.com/', scope: ['create'] }
+    await store.saveCode('c', { ...app, redirect_uri: REDIRECT_URI, code_challenge: CHALLENGE, accessTokenTtlSeconds: 3600, issuedAt: START, expiresAt: START + 60_000, usedAt: undefined }, START)
+    const session = store.saveSession('s', { createdAt: START, expiresAt: START + 3600_000 }, START) // its line starts the compaction
+    await new Promise((resolve) => setImmediate(resolve)) // that line is being written now
+    const token = (kind: Token['kind']): Token => ({ kind, grantId: 'c', scope: ['create'], issuedAt: START, expiresAt: START + 3600_000, usedAt: undefined })
+    const grant = { ...app, accessTokenTtlSeconds: 3600, approvedAt: START, lastUsedAt: START, expiresAt: START + 3600_000 }
+    assert.equal(await store.issueTokens({ redeemed: { kind: 'code', hash: 'c' }, grantId: 'c', grant, tokens: [['a', token('access')], ['r', token('refresh')]] }, START), true)
+    await session
+    assert.ok(store.compaction !== undefined, 'no compaction started')
+    await store.close() // lets the compaction finish first
+    const reopened = await FileStore.open(file, { now: () => START, log: () => {} })
+    assert.deepEqual([reopened.memory.grants.has('c'), reopened.memory.tokens.has('a'), reopened.memory.tokens.has('r')], [true, true, true])
+    assert.notEqual(reopened.memory.codes.get('c')?.usedAt, undefined)
+    await reopened.close()
+  })
+
   it('answers 500 server_error, and says so in the log, when the disk write fails', async () => {
     const file = join(directory, 'failing.jsonl')
     const running = await startOn(file)
