@@ -5,8 +5,7 @@
 import { after, before, describe, it } from 'node:test'
 import assert from 'node:assert/strict'
 import { spawn } from 'node:child_process'
-import { createServer, request } from 'node:http'
-import type { Server } from 'node:http'
+import { request } from 'node:http'
 import { connect } from 'node:net'
 import type { AddressInfo } from 'node:net'
 import {
@@ -37,7 +36,9 @@ import {
   safeEqual,
   verifyPassword,
 } from './server.ts'
-import type { AuthorizationCode, Grant, PasswordAttempts, Store, Token } from './server.ts'
+import type { AuthorizationCode, Grant, PasswordAttempts, Token } from './server.ts'
+import { START, startLatch } from './test/harness.ts'
+import type { TestServer } from './test/harness.ts'
 
 // --- Harness ----------------------------------------------------------------------
 
@@ -46,39 +47,7 @@ const VERIFIER = 'dBjftJeZ4CVP-mB92K27uhbUJU1p1r_wW1gFWFOEjXk'
 const CHALLENGE = 'E9Melhoa2OwvFrEMTJguCHaoeK1t8URWbuGJSstw-cM'
 const CLIENT_ID = 'http://127.0.0.1:8080/'
 const REDIRECT_URI = 'http://127.0.0.1:8080/callback'
-const START = Date.UTC(2027, 0, 1)
 const FAST_COST = { ln: 10, r: 8, p: 1 }
-
-type TestServer = {
-  base: string
-  issuer: string
-  logs: string[]
-  advance: (seconds: number) => void
-  close: () => Promise<void>
-}
-
-/** Starts Latch on 127.0.0.1 and a free port, with a clock the test controls. */
-async function startLatch(env: Record<string, string> = {}, options: { store?: Store } = {}): Promise<TestServer> {
-  const server: Server = createServer()
-  await new Promise<void>((resolve) => server.listen(0, '127.0.0.1', resolve))
-  const port = (server.address() as AddressInfo).port
-  const config = loadConfig({ PORT: '0', ...env }, [], { boundPort: port })
-  let time = START
-  const logs: string[] = []
-  server.on('request', createHandler({ config, store: options.store, now: () => time, log: (line) => logs.push(line) }))
-  return {
-    base: `http://127.0.0.1:${port}`,
-    issuer: config.issuer,
-    logs,
-    advance: (seconds) => {
-      time += seconds * 1000
-    },
-    close: () => {
-      server.closeAllConnections()
-      return new Promise((resolve) => server.close(() => resolve()))
-    },
-  }
-}
 
 function authorizationUrl(latch: TestServer, overrides: Record<string, string | undefined> = {}): string {
   const params: Record<string, string | undefined> = {

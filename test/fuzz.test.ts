@@ -9,11 +9,12 @@
 
 import { after, before, describe, it } from 'node:test'
 import assert from 'node:assert/strict'
-import { createServer, request } from 'node:http'
-import type { IncomingHttpHeaders, Server } from 'node:http'
+import { request } from 'node:http'
+import type { IncomingHttpHeaders } from 'node:http'
 import { connect } from 'node:net'
-import type { AddressInfo } from 'node:net'
-import { createHandler, hashPassword, loadConfig } from '../server.ts'
+import { hashPassword } from '../server.ts'
+import { startLatch } from './harness.ts'
+import type { TestServer } from './harness.ts'
 
 const SEED = Number(process.env.FUZZ_SEED ?? 20270101) >>> 0
 const CASES = Number(process.env.FUZZ_CASES ?? 5000)
@@ -60,33 +61,22 @@ const CLIENT_ID = 'http://127.0.0.1:8080/'
 const REDIRECT_URI = 'http://127.0.0.1:8080/callback'
 const PASSWORD = 'correct horse battery staple'
 const INTROSPECTION_SECRET = 'fuzz-introspection-secret-0123456789'
-const START = Date.UTC(2027, 0, 1)
 
 /** Secrets of one server that the fuzzer mutates, so that some requests get past the first checks. */
 type Live = { request: string; csrf: string; cookie: string; code: string; token: string; refresh: string }
 
-type Target = {
+type Target = Pick<TestServer, 'port' | 'logs' | 'advance' | 'close'> & {
   name: 'open' | 'locked'
-  port: number
   password: string | undefined
   introspectionSecret: string | undefined
-  logs: string[]
   /** How many log lines earlier cases have already looked at. */
   logCursor: number
   live: Live
-  advance: (seconds: number) => void
-  close: () => Promise<void>
 }
 
-/** Starts Latch on 127.0.0.1 and a free port, with a clock the test controls and a captured log. */
-async function startLatch(name: Target['name'], env: Record<string, string>): Promise<Target> {
-  const server: Server = createServer()
-  await new Promise<void>((resolve) => server.listen(0, '127.0.0.1', resolve))
-  const port = (server.address() as AddressInfo).port
-  const config = loadConfig({ PORT: '0', ...env }, [], { boundPort: port })
-  let time = START
-  const logs: string[] = []
-  server.on('request', createHandler({ config, now: () => time, log: (line) => logs.push(line) }))
+/** Starts Latch (test/harness.ts), with what the fuzzer needs to know of it. */
+async function startTarget(name: Target['name'], env: Record<string, string>): Promise<Target> {
+  const { port, logs, advance, close } = await startLatch(env)
   return {
     name,
     port,
@@ -95,13 +85,8 @@ async function startLatch(name: Target['name'], env: Record<string, string>): Pr
     logs,
     logCursor: 0,
     live: { request: '', csrf: '', cookie: '', code: '', token: '', refresh: '' },
-    advance: (seconds) => {
-      time += seconds * 1000
-    },
-    close: () => {
-      server.closeAllConnections()
-      return new Promise((resolve) => server.close(() => resolve()))
-    },
+    advance,
+    close,
   }
 }
 
@@ -766,9 +751,9 @@ describe(`Fuzzing (FUZZ_SEED=${SEED}, ${CASES} cases)`, () => {
   const tally = { latch: 0, node: 0, silent: 0, refusals: 0, successes: 0 }
 
   before(async () => {
-    targets.push(await startLatch('open', {}))
+    targets.push(await startTarget('open', {}))
     const PASSWORD_HASH = await hashPassword(PASSWORD, { ln: 10, r: 8, p: 1 })
-    targets.push(await startLatch('locked', { PASSWORD_HASH, INTROSPECTION_SECRET, ME: 'https://example.com/' }))
+    targets.push(await startTarget('locked', { PASSWORD_HASH, INTROSPECTION_SECRET, ME: 'https://example.com/' }))
   })
   after(() => Promise.all(targets.map((target) => target.close())))
 

@@ -6,15 +6,12 @@
 
 import { after, before, describe, it } from 'node:test'
 import assert from 'node:assert/strict'
-import { createServer } from 'node:http'
-import type { Server } from 'node:http'
-import type { AddressInfo } from 'node:net'
 import * as oauth from 'oauth4webapi'
-import { createHandler, loadConfig } from '../server.ts'
+import { START, startLatch } from './harness.ts'
+import type { TestServer } from './harness.ts'
 
 // --- Harness ----------------------------------------------------------------------
 
-const START = Date.UTC(2027, 0, 1)
 const ME = 'https://example.com/'
 const PROFILE = { name: 'Ada Lovelace', url: ME, photo: 'https://example.com/ada.jpg' }
 
@@ -25,24 +22,6 @@ const REDIRECT_URI = 'http://127.0.0.1:8080/callback'
 
 /** Latch speaks plain http on 127.0.0.1; the library refuses http unless told otherwise. */
 const insecure = { [oauth.allowInsecureRequests]: true } as const
-
-type TestServer = { issuer: string; close: () => Promise<void> }
-
-/** Starts Latch on 127.0.0.1 and a free port, with a clock that stands still. */
-async function startLatch(env: Record<string, string> = {}): Promise<TestServer> {
-  const server: Server = createServer()
-  await new Promise<void>((resolve) => server.listen(0, '127.0.0.1', resolve))
-  const port = (server.address() as AddressInfo).port
-  const config = loadConfig({ PORT: '0', ...env }, [], { boundPort: port })
-  server.on('request', createHandler({ config, now: () => START, log: () => {} }))
-  return {
-    issuer: config.issuer,
-    close: () => {
-      server.closeAllConnections()
-      return new Promise((resolve) => server.close(() => resolve()))
-    },
-  }
-}
 
 /** Discovery from the issuer alone, as RFC 8414 §3 describes it. */
 async function discover(issuer: string): Promise<oauth.AuthorizationServer> {

@@ -1,0 +1,44 @@
+// How the tests start Latch: in process, on 127.0.0.1 and a free port, with a clock the test
+// moves by hand and the log kept in memory, where assertions can read it.
+
+import { createServer } from 'node:http'
+import type { AddressInfo } from 'node:net'
+import { createHandler, loadConfig } from '../server.ts'
+import type { Store } from '../server.ts'
+
+/** Where every test clock starts: a fixed instant, so that `exp` and `iat` can be asserted. */
+export const START = Date.UTC(2027, 0, 1)
+
+export type TestServer = {
+  base: string
+  port: number
+  issuer: string
+  logs: string[]
+  /** Moves the server's clock forward. */
+  advance: (seconds: number) => void
+  close: () => Promise<void>
+}
+
+/** Starts Latch with the given settings (PORT is 0), and a store of the test's own if it passes one. */
+export async function startLatch(env: Record<string, string> = {}, options: { store?: Store } = {}): Promise<TestServer> {
+  const server = createServer()
+  await new Promise<void>((resolve) => server.listen(0, '127.0.0.1', resolve))
+  const port = (server.address() as AddressInfo).port
+  const config = loadConfig({ PORT: '0', ...env }, [], { boundPort: port })
+  let time = START
+  const logs: string[] = []
+  server.on('request', createHandler({ config, store: options.store, now: () => time, log: (line) => logs.push(line) }))
+  return {
+    base: `http://127.0.0.1:${port}`,
+    port,
+    issuer: config.issuer,
+    logs,
+    advance: (seconds) => {
+      time += seconds * 1000
+    },
+    close: () => {
+      server.closeAllConnections()
+      return new Promise((resolve) => server.close(() => resolve()))
+    },
+  }
+}
