@@ -457,13 +457,31 @@ export function base64url(bytes: Buffer): string {
   return bytes.toString('base64url')
 }
 
+const BASE64URL_ALPHABET = 'ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789-_'
+
+/** The 6-bit value of each base64url character, by character code. */
+const BASE64URL_VALUES = new Uint8Array(128)
+for (const [value, char] of [...BASE64URL_ALPHABET].entries()) BASE64URL_VALUES[char.charCodeAt(0)] = value
+
+/** Each base64url character, by character code, with its last 4 bits zeroed. */
+const TOP_TWO_BITS = Array.from({ length: 128 }, (_, code) => BASE64URL_ALPHABET[BASE64URL_VALUES[code] & 0b110000])
+
 /**
  * The key under which a secret is stored: its SHA-256, cut to the first 128 bits, base64url (22
  * characters). Finding a secret for a key stays out of reach; a million keys take 24 MB less
  * than whole hashes would.
  */
 export function hashSecret(value: string): string {
-  return hash('sha256', value, 'buffer').toString('base64url', 0, 16)
+  return cutHash(hash('sha256', value, 'base64url'))
+}
+
+/**
+ * The first 128 bits of a whole hash in base64url: 21 characters of 6 bits, and the first 2
+ * bits of the 22nd, whose other 4 become zero (as if the bytes stopped there). Joined, not
+ * added with `+`: V8 would keep that as a pair of parts still holding the whole hash.
+ */
+function cutHash(whole: string): string {
+  return [whole.slice(0, 21), TOP_TWO_BITS[whole.charCodeAt(21) & 127]].join('')
 }
 
 /**
@@ -480,10 +498,10 @@ export function createSecret(): string {
     randomFillSync(randomPool.bytes)
     randomPool.used = 0
   }
-  const bytes = randomPool.bytes.subarray(randomPool.used, randomPool.used + 32)
-  const secret = base64url(bytes)
-  bytes.fill(0)
+  const start = randomPool.used
   randomPool.used += 32
+  const secret = randomPool.bytes.toString('base64url', start, randomPool.used)
+  randomPool.bytes.fill(0, start, randomPool.used)
   return secret
 }
 
@@ -1162,12 +1180,8 @@ async function fetchLogo(logoUrl: string, options: { allowPrivate: boolean; fetc
 // them from the front. Grants and tokens need not; the sweep walks them in turn, a few at a time.
 // To put SQLite or Redis behind Latch, implement `Store`: eighteen small methods.
 
-/** The 6-bit value of each base64url character, by character code: a key's shard is its first. */
-const BASE64URL_VALUES = new Uint8Array(128)
-for (const [value, char] of [...'ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789-_'].entries()) BASE64URL_VALUES[char.charCodeAt(0)] = value
-
 /** An iterator with nothing left: where the walk stands in an empty shard, so as not to make one per step. */
-const NOTHING_TO_WALK: Iterator<string> = [][Symbol.iterator]()
+const NOTHING_TO_WALK: Iterator<never> = [][Symbol.iterator]()
 
 /**
  * A Map of entries that expire, split in 64 shards by the first character of their keys (hashes
@@ -1181,7 +1195,7 @@ export class ExpiringMap<V extends { expiresAt: number }> {
   readonly #shards = Array.from({ length: 64 }, () => new Map<string, V>())
   /** Where the sweep goes on from: a Map iterator survives deletes and inserts. */
   #walkShard = 0
-  #walkKeys: Iterator<string> = NOTHING_TO_WALK
+  #walkEntries: Iterator<[string, V]> = NOTHING_TO_WALK
 
   #shard(key: string): Map<string, V> {
     return this.#shards[BASE64URL_VALUES[key.charCodeAt(0) & 127]]
@@ -1219,16 +1233,16 @@ export class ExpiringMap<V extends { expiresAt: number }> {
     const nowSeconds = now / 1000
     let shardsLeft = 65 // a round ends back in the shard where it began, which it may have begun halfway through
     for (let step = 0; step < budget; step++) {
-      const next = this.#walkKeys.next()
+      const next = this.#walkEntries.next()
       if (next.done === true) {
         if (--shardsLeft === 0) return
         this.#walkShard = (this.#walkShard + 1) & 63
         const shard = this.#shards[this.#walkShard]
-        this.#walkKeys = shard.size === 0 ? NOTHING_TO_WALK : shard.keys()
+        this.#walkEntries = shard.size === 0 ? NOTHING_TO_WALK : shard.entries()
         continue
       }
-      const map = this.#shards[this.#walkShard]
-      if ((map.get(next.value)?.expiresAt ?? Infinity) <= nowSeconds) map.delete(next.value)
+      const [key, entry] = next.value
+      if (entry.expiresAt <= nowSeconds) this.#shards[this.#walkShard].delete(key)
     }
   }
 
@@ -1373,12 +1387,7 @@ export class MemoryStore implements Store {
   }
 
   async saveGrant(id: string, grant: Grant, now: number): Promise<void> {
-    this.grants.sweep(now, SWEEP_BATCH_WALKED)
-    this.revokedGrants.sweep(now, SWEEP_BATCH_WALKED)
-    if (this.revokedGrants.has(id)) return // revoked while the request that saves it was under way
-    const { client_id, client_name, me, scope } = grant
-    const app = this.#share(`app ${JSON.stringify([client_id, client_name, me, scope])}`, { client_id, client_name, me, scope })
-    this.grants.set(id, new StoredGrant(grant, app))
+    this.#putGrant(id, grant, now)
   }
 
   async findGrant(id: string, now: number): Promise<Grant | undefined> {
@@ -1404,8 +1413,7 @@ export class MemoryStore implements Store {
   }
 
   async saveToken(hash: string, token: Token, now: number): Promise<void> {
-    this.tokens.sweep(now, SWEEP_BATCH_WALKED)
-    this.tokens.set(hash, new StoredToken(token, this.#share(`scope ${token.scope.join(' ')}`, token.scope)))
+    this.#putToken(hash, token, now)
   }
 
   async findToken(hash: string, now: number): Promise<Token | undefined> {
@@ -1415,9 +1423,14 @@ export class MemoryStore implements Store {
 
   async issueTokens(issue: TokenIssue, now: number): Promise<boolean> {
     if (!this.redeem(issue.redeemed, now)) return false
-    await this.saveGrant(issue.grantId, issue.grant, now)
-    for (const [hash, token] of issue.tokens) await this.saveToken(hash, token, now)
+    this.keepIssued(issue, now)
     return true
+  }
+
+  /** Saves the grant and the tokens of an issue already redeemed. */
+  keepIssued(issue: TokenIssue, now: number): void {
+    this.#putGrant(issue.grantId, issue.grant, now)
+    for (const [hash, token] of issue.tokens) this.#putToken(hash, token, now)
   }
 
   /** Marks an unexpired, unused code or refresh token used: true only for the first caller. */
@@ -1476,6 +1489,21 @@ export class MemoryStore implements Store {
       if (stored.expiresAt * 1000 > now && this.grants.has(stored.grantId)) yield { set: 'token', key, value: stored.toToken() }
     }
     for (const [key, value] of this.sessions) if (value.expiresAt > now) yield { set: 'session', key, value }
+  }
+
+  #putGrant(id: string, grant: Grant, now: number): void {
+    this.grants.sweep(now, SWEEP_BATCH_WALKED)
+    this.revokedGrants.sweep(now, SWEEP_BATCH_WALKED)
+    if (this.revokedGrants.has(id)) return // revoked while the request that saves it was under way
+    const { client_id, client_name, me, scope } = grant
+    // Neither URLs nor scopes hold a line break, so only the name, last, could: the key is unambiguous.
+    const key = `app ${client_id}\n${me}\n${scope.join(' ')}\n${client_name === undefined ? '-' : `+${client_name}`}`
+    this.grants.set(id, new StoredGrant(grant, this.#share(key, { client_id, client_name, me, scope })))
+  }
+
+  #putToken(hash: string, token: Token, now: number): void {
+    this.tokens.sweep(now, SWEEP_BATCH_WALKED)
+    this.tokens.set(hash, new StoredToken(token, this.#share(`scope ${token.scope.join(' ')}`, token.scope)))
   }
 
   /**
@@ -1768,8 +1796,7 @@ export class FileStore implements Store {
     const records: JournalRecord[] = [this.#redeemedRecord(redeemed), { set: 'grant', key: grantId, value: grant }]
     for (const [key, value] of tokens) records.push({ set: 'token', key, value })
     await this.#append(records).catch(undo(() => this.memory.unredeem(redeemed)))
-    await this.memory.saveGrant(grantId, grant, now)
-    for (const [hash, token] of tokens) await this.memory.saveToken(hash, token, now)
+    this.memory.keepIssued(issue, now)
     return true
   }
 
@@ -1897,7 +1924,7 @@ async function applyRecord(memory: MemoryStore, record: JournalRecord, now: numb
 
 /** Latch 0.1 kept whole SHA-256 hashes (43 characters): a key from then is cut as `hashSecret` cuts. */
 function currentKey(key: string): string {
-  return key.length === 43 ? Buffer.from(key, 'base64url').toString('base64url', 0, 16) : key
+  return key.length === 43 ? cutHash(key) : key
 }
 
 /** The store a configuration asks for: in memory, or a journal at `DATA_FILE`. */
