@@ -520,15 +520,19 @@ export function computeCodeChallenge(verifier: string): string {
 
 /**
  * True when a verifier matches a stored challenge, compared in constant time. Both are 43
- * characters (`isCodeChallenge` checked the stored one), so the bytes are compared as they
- * are, with no hashing to hide a length.
+ * characters (`isCodeChallenge` checked the stored one; a store that returns another length
+ * fails here), so the bytes are compared as they are, with no hashing to hide a length.
  * @see https://www.rfc-editor.org/rfc/rfc7636#section-4.6
  */
 export function verifyCodeChallenge(verifier: string, challenge: string): boolean {
-  const computed = Buffer.from(computeCodeChallenge(verifier), 'latin1')
-  const stored = Buffer.from(challenge, 'latin1')
-  return computed.length === stored.length && timingSafeEqual(computed, stored)
+  if (challenge.length !== 43) return false
+  challengeBytes.computed.write(computeCodeChallenge(verifier), 'latin1')
+  challengeBytes.stored.write(challenge, 'latin1')
+  return timingSafeEqual(challengeBytes.computed, challengeBytes.stored)
 }
+
+/** Where `verifyCodeChallenge` puts the two challenges it compares, so as not to allocate each time. */
+const challengeBytes = { computed: Buffer.alloc(43), stored: Buffer.alloc(43) }
 
 /**
  * True when a `code_verifier` has the form RFC 7636 requires.
@@ -1180,8 +1184,11 @@ async function fetchLogo(logoUrl: string, options: { allowPrivate: boolean; fetc
 // them from the front. Grants and tokens need not; the sweep walks them in turn, a few at a time.
 // To put SQLite or Redis behind Latch, implement `Store`: eighteen small methods.
 
-/** An iterator with nothing left: where the walk stands in an empty shard, so as not to make one per step. */
-const NOTHING_TO_WALK: Iterator<never> = [][Symbol.iterator]()
+/**
+ * An iterator with nothing left: where the walk stands in an empty shard, so as not to make one
+ * per step. A Map's, like the others the walk meets, so that V8 sees one kind of iterator.
+ */
+const NOTHING_TO_WALK: IterableIterator<[never, never]> = new Map<never, never>().entries()
 
 /**
  * A Map of entries that expire, split in 64 shards by the first character of their keys (hashes
@@ -1195,7 +1202,7 @@ export class ExpiringMap<V extends { expiresAt: number }> {
   readonly #shards = Array.from({ length: 64 }, () => new Map<string, V>())
   /** Where the sweep goes on from: a Map iterator survives deletes and inserts. */
   #walkShard = 0
-  #walkEntries: Iterator<[string, V]> = NOTHING_TO_WALK
+  #walkEntries: IterableIterator<[string, V]> = NOTHING_TO_WALK
 
   #shard(key: string): Map<string, V> {
     return this.#shards[BASE64URL_VALUES[key.charCodeAt(0) & 127]]
@@ -1230,19 +1237,23 @@ export class ExpiringMap<V extends { expiresAt: number }> {
    * one call takes one round at most.
    */
   sweep(now: number, budget: number): void {
+    if (budget <= 0) return
     const nowSeconds = now / 1000
-    let shardsLeft = 65 // a round ends back in the shard where it began, which it may have begun halfway through
-    for (let step = 0; step < budget; step++) {
-      const next = this.#walkEntries.next()
-      if (next.done === true) {
-        if (--shardsLeft === 0) return
-        this.#walkShard = (this.#walkShard + 1) & 63
-        const shard = this.#shards[this.#walkShard]
-        this.#walkEntries = shard.size === 0 ? NOTHING_TO_WALK : shard.entries()
-        continue
+    let steps = 0
+    // A round ends back in the shard where it began, which it may have begun halfway through.
+    for (let shardsLeft = 64; ; shardsLeft--) {
+      const shard = this.#shards[this.#walkShard]
+      // `for…of` goes on where the walk stopped last time: a Map iterator has no `return`, so
+      // leaving the loop early does not close it. Unlike `next()` by hand, V8 allocates nothing.
+      for (const [key, entry] of this.#walkEntries) {
+        if (entry.expiresAt <= nowSeconds) shard.delete(key)
+        if (++steps === budget) return
       }
-      const [key, entry] = next.value
-      if (entry.expiresAt <= nowSeconds) this.#shards[this.#walkShard].delete(key)
+      if (shardsLeft === 0) return
+      this.#walkShard = (this.#walkShard + 1) & 63
+      const next = this.#shards[this.#walkShard]
+      this.#walkEntries = next.size === 0 ? NOTHING_TO_WALK : next.entries()
+      if (++steps === budget) return
     }
   }
 
@@ -1348,6 +1359,8 @@ export class MemoryStore implements Store {
   readonly #maxCodes: number
   readonly #log: (line: string) => void
   readonly #shared = new Map<string, string[] | GrantedApp>()
+  #lastApp: GrantedApp | undefined
+  #lastScope: string[] | undefined
   #dropped = 0
 
   constructor(options: MemoryStoreOptions = {}) {
@@ -1403,6 +1416,7 @@ export class MemoryStore implements Store {
 
   async deleteGrant(id: string, now: number): Promise<void> {
     const expiresAt = Math.max(this.grants.get(id)?.expiresAt ?? 0, toSeconds(now) + REVOKED_GRANT_MEMORY_SECONDS)
+    this.revokedGrants.sweep(now, SWEEP_BATCH_WALKED)
     this.revokedGrants.set(id, { expiresAt })
     this.grants.delete(id) // its tokens die with it: every lookup checks the grant, and the sweep removes them
   }
@@ -1493,27 +1507,37 @@ export class MemoryStore implements Store {
 
   #putGrant(id: string, grant: Grant, now: number): void {
     this.grants.sweep(now, SWEEP_BATCH_WALKED)
-    this.revokedGrants.sweep(now, SWEEP_BATCH_WALKED)
     if (this.revokedGrants.has(id)) return // revoked while the request that saves it was under way
-    const { client_id, client_name, me, scope } = grant
-    // Neither URLs nor scopes hold a line break, so only the name, last, could: the key is unambiguous.
-    const key = `app ${client_id}\n${me}\n${scope.join(' ')}\n${client_name === undefined ? '-' : `+${client_name}`}`
-    this.grants.set(id, new StoredGrant(grant, this.#share(key, { client_id, client_name, me, scope })))
+    this.grants.set(id, new StoredGrant(grant, this.#shareApp(grant)))
   }
 
   #putToken(hash: string, token: Token, now: number): void {
     this.tokens.sweep(now, SWEEP_BATCH_WALKED)
-    this.tokens.set(hash, new StoredToken(token, this.#share(`scope ${token.scope.join(' ')}`, token.scope)))
+    this.tokens.set(hash, new StoredToken(token, this.#shareScope(token.scope)))
   }
 
-  /**
-   * One copy of each value that many grants and tokens hold: a million grants of a few apps
-   * then hold a few copies. Values are never changed once stored.
-   */
-  #share<T extends string[] | GrantedApp>(key: string, value: T): T {
+  // One copy of each value that many grants and tokens hold: a million grants of a few apps
+  // then hold a few copies. Values are never changed once stored. The one shared last is
+  // compared first, field by field: most saves repeat it, and that spares making a key.
+
+  #shareApp({ client_id, client_name, me, scope }: Grant): GrantedApp {
+    const last = this.#lastApp
+    if (last !== undefined && last.client_id === client_id && last.client_name === client_name && last.me === me && sameList(last.scope, scope)) return last
+    // Neither URLs nor scopes hold a line break, so only the name, last, could: the key is unambiguous.
+    const key = `app ${client_id}\n${me}\n${scope.join(' ')}\n${client_name === undefined ? '-' : `+${client_name}`}`
+    return (this.#lastApp = this.#share(key, () => ({ client_id, client_name, me, scope: this.#shareScope(scope) })))
+  }
+
+  #shareScope(scope: string[]): string[] {
+    if (this.#lastScope !== undefined && sameList(this.#lastScope, scope)) return this.#lastScope
+    return (this.#lastScope = this.#share(`scope ${scope.join(' ')}`, () => scope))
+  }
+
+  #share<T extends string[] | GrantedApp>(key: string, make: () => T): T {
     const shared = this.#shared.get(key)
     if (shared !== undefined) return shared as T
     if (this.#shared.size >= 1_000) this.#shared.clear()
+    const value = make()
     this.#shared.set(key, value)
     return value
   }
@@ -1538,6 +1562,12 @@ function sweepOldest(map: Map<string, { expiresAt: number }>, now: number, budge
     if (entry.expiresAt > now || swept++ === budget) return
     map.delete(key)
   }
+}
+
+function sameList(a: string[], b: string[]): boolean {
+  if (a.length !== b.length) return false
+  for (let i = 0; i < a.length; i++) if (a[i] !== b[i]) return false
+  return true
 }
 
 function live<T extends { expiresAt: number }>(entry: T | undefined, now: number): T | undefined {
@@ -2661,7 +2691,7 @@ async function exchangeCode(form: Params, ctx: Context) {
     lastUsedAt: 0,
     expiresAt: 0,
   }
-  return issueTokens({ kind: 'code', hash: codeHash }, codeHash, grant, code.scope, ctx)
+  return await issueTokens({ kind: 'code', hash: codeHash }, codeHash, grant, code.scope, ctx) // awaited: a returned promise takes two more turns
 }
 
 /**
@@ -2680,7 +2710,7 @@ async function refreshGrant(form: Params, ctx: Context) {
     throw new OAuthError('invalid_grant', 'client_id does not match the client the refresh token was issued to')
   }
   const scope = narrowScope(getParam(form, 'scope'), found.token.scope)
-  return issueTokens({ kind: 'refresh', hash }, found.token.grantId, found.grant, scope, ctx)
+  return await issueTokens({ kind: 'refresh', hash }, found.token.grantId, found.grant, scope, ctx)
 }
 
 async function revokeReusedRefreshToken(grantId: string, ctx: Context): Promise<never> {
