@@ -5,6 +5,7 @@
 import { after, before, describe, it } from 'node:test'
 import assert from 'node:assert/strict'
 import { spawn } from 'node:child_process'
+import { createHash } from 'node:crypto'
 import { request } from 'node:http'
 import { connect } from 'node:net'
 import type { AddressInfo } from 'node:net'
@@ -321,6 +322,7 @@ describe('Secrets and PKCE', () => {
     for (const secret of secrets) assert.match(secret, /^[A-Za-z0-9_-]{43}$/)
     assert.equal(new Set(secrets).size, secrets.length)
     assert.equal(hashSecret('abc'), 'ungWv48Bz-pBQUDeXa4iIw') // SHA-256 ungWv48Bz-pBQUDeXa4iI7ADYaOWF3qctBD_YfIAFa0, cut to 16 bytes
+    for (const secret of secrets) assert.equal(hashSecret(secret), createHash('sha256').update(secret).digest().toString('base64url', 0, 16))
   })
 
   it('compares secrets of any length', () => {
@@ -447,8 +449,10 @@ describe('MemoryStore', () => {
     await store.saveGrant('g1', grant(9000), 0)
     await store.saveGrant('g2', grant(9000), 0)
     await store.saveGrant('g3', { ...grant(9000), client_name: 'Other' }, 0)
+    await store.saveGrant('g4', grant(9000), 0) // the same as g1 again, after another
     assert.equal(store.grants.get('g1')?.app, store.grants.get('g2')?.app)
     assert.notEqual(store.grants.get('g1')?.app, store.grants.get('g3')?.app)
+    assert.equal(store.grants.get('g1')?.app, store.grants.get('g4')?.app)
     assert.equal((await store.findGrant('g3', 0))?.client_name, 'Other')
   })
 
