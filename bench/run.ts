@@ -19,7 +19,7 @@
 // (a) to (c) measure the two servers in turn, round after round, and keep each one's best run:
 // on two shared cores a neighbour's load can halve a run.
 //
-// Settings: SOAK_SECONDS (60), BENCH_SECONDS per timed run (6), BENCH_ROUNDS (3),
+// Settings: SOAK_SECONDS (60), BENCH_SECONDS per timed run (6), BENCH_ROUNDS (5),
 // BENCH_CONNECTIONS (10), BENCH_FIGURES (abcdef: the letters of the figures to measure).
 // The bench never fails: it prints what it measured, and which targets were missed.
 
@@ -43,7 +43,7 @@ const FIGURES = process.env.BENCH_FIGURES ?? 'abcdef'
 /** Codes for the timed token exchanges: under the 10,000 unredeemed codes Latch keeps. */
 const TIMED_CODES = 9000
 /** Rounds of each pair of runs; each server's best counts. */
-const ROUNDS = Number(process.env.BENCH_ROUNDS ?? 3)
+const ROUNDS = Number(process.env.BENCH_ROUNDS ?? 5)
 const WARMUP_CODES = 800
 
 const ROOT = fileURLToPath(new URL('..', import.meta.url))
