@@ -3164,8 +3164,12 @@ export function createHandler(options: HandlerOptions): (req: IncomingMessage, r
     const path = pathOf(req.url ?? '/')
     const { handler, cors } = selectRoute(req.method ?? 'GET', path)
     if (cors) (res as MarkedResponse)[CORS] = true
+    // Answered only once the whole answer went to the socket: node:http may have closed it first,
+    // after bytes it could not parse, and the client may have gone away.
+    let answered = false
+    res.on('finish', () => (answered = true))
     res.on('close', () => {
-      const status = res.headersSent ? res.statusCode : 'closed before the answer'
+      const status = answered ? res.statusCode : 'closed before the answer'
       log(`${req.method} ${describePath(path, handler)} ${status} ${Math.round(performance.now() - started)}ms`)
     })
     const host = req.headers.host

@@ -732,15 +732,7 @@ function shapeProblems(c: Case, reply: Reply): Problem[] {
 
 type KnownIssue = { id: string; what: string; matches: (problem: Problem, c: Case) => boolean }
 
-const KNOWN_ISSUES: KnownIssue[] = [
-  {
-    id: 'status-of-unanswered-request',
-    what:
-      'when bytes follow a request that node:http cannot parse, node answers 400 itself and closes the connection before Latch answers; ' +
-      'the log line still shows the status Latch wrote to the closed connection (a request whose client went away is logged as closed)',
-    matches: (problem) => problem.kind === 'log' && /^logs [23]\d\d for a request it never answered: /.test(problem.detail),
-  },
-]
+const KNOWN_ISSUES: KnownIssue[] = [] // none open
 
 // --- The run ---------------------------------------------------------------------------------
 
