@@ -1575,19 +1575,28 @@ function live<T extends { expiresAt: number }>(entry: T | undefined, now: number
 }
 
 // --- Durable storage ------------------------------------------------------------
-// `DATA_FILE` is an append-only journal: one JSON line per change to a code, grant, token or session,
-// replayed into a `MemoryStore` at start-up. A line sets or deletes one entry, so replaying a
-// line twice changes nothing; that is what lets compaction run while writes go on. A change is
-// on disk (fsync'd) before the response that depends on it is sent, and the changes made in
-// one turn of the event loop share one fsync. Pending authorization requests are not kept:
-// they live ten minutes, and a person who meets a restart simply starts again.
+// `DATA_FILE` is an append-only journal: one JSON line per change to a code, grant, token or
+// session (a token exchange's changes share one line), replayed into a `MemoryStore` at start-up.
+// A change sets or deletes one entry, so replaying it twice changes nothing; that is what lets
+// compaction run while writes go on. A change is on disk (fsync'd) before the response that
+// depends on it is sent, and the changes made in one turn of the event loop share one fsync.
+// Pending authorization requests are not kept: they live ten minutes, and a person who meets a
+// restart simply starts again.
 
+/** One change to one entry. */
 type JournalRecord =
   | { set: 'code'; key: string; value: AuthorizationCode }
   | { set: 'grant'; key: string; value: Grant }
   | { set: 'token'; key: string; value: Token }
   | { set: 'session'; key: string; value: Session }
   | { delete: 'grant' | 'token' | 'session'; key: string }
+
+/**
+ * A line of the journal: one change, or `{"all": [...]}`, changes that count together or not
+ * at all. A crash can cut the last line short, and a cut line is dropped whole: a token
+ * exchange cut short leaves its code unused, not spent without the tokens it paid for.
+ */
+type JournalLine = JournalRecord | { all: JournalRecord[] }
 
 /** An append-only file with group commit: `append` resolves once its lines are fsync'd. */
 class Journal {
@@ -1615,10 +1624,10 @@ class Journal {
     this.#log = log
   }
 
+  /** Appends the records as one line, so that a replay finds all of them or none. */
   append(records: JournalRecord[]): Promise<void> {
-    for (const record of records) {
-      this.#queue.push(`${JSON.stringify(record)}\n`)
-    }
+    const line: JournalLine = records.length === 1 ? records[0] : { all: records }
+    this.#queue.push(`${JSON.stringify(line)}\n`)
     if (!this.#scheduled) {
       this.#scheduled = true
       setImmediate(() => {
@@ -1776,11 +1785,11 @@ export class FileStore implements Store {
     const torn = lines.pop() ?? '' // the text after the last newline: empty unless a write was cut short
     const now = (options.now ?? Date.now)()
     for (let i = 0; i < lines.length; i++) {
-      const record = parseJournalLine(lines[i])
-      if (record === undefined) {
+      const records = parseJournalLine(lines[i])
+      if (records === undefined) {
         throw new ConfigError(`${path} line ${i + 1} is not a Latch journal record: restore the file from a backup, or move it away to start empty`)
       }
-      await applyRecord(memory, record, now)
+      for (const record of records) await applyRecord(memory, record, now)
     }
     if (torn !== '') {
       log(`warning: ${path} ends with an incomplete line, as a crash mid-write leaves it; dropping it`)
@@ -1819,7 +1828,7 @@ export class FileStore implements Store {
     return true
   }
 
-  /** The code or refresh token taken, the grant and its new tokens: one write to the journal, and so one fsync. */
+  /** The code or refresh token taken, the grant and its new tokens: one line of the journal, and so one fsync. */
   async issueTokens(issue: TokenIssue, now: number): Promise<boolean> {
     const { redeemed, grantId, grant, tokens } = issue
     if (!this.memory.redeem(redeemed, now)) return false // marked used at once, so a second caller loses
@@ -1921,20 +1930,25 @@ function undo(takeBack: () => void): (err: unknown) => never {
 const COMPACT_MIN_LINES = 10_000
 const COMPACT_FACTOR = 4
 
-/** Reads one journal line, or undefined when it is not a record Latch wrote. */
-function parseJournalLine(line: string): JournalRecord | undefined {
-  let record: unknown
+/** Reads one journal line into its records, or undefined when it is not a line Latch wrote. */
+function parseJournalLine(line: string): JournalRecord[] | undefined {
+  let parsed: unknown
   try {
-    record = JSON.parse(line)
+    parsed = JSON.parse(line)
   } catch {
     return undefined
   }
-  if (typeof record !== 'object' || record === null || typeof (record as { key?: unknown }).key !== 'string') return undefined
+  const all = typeof parsed === 'object' && parsed !== null ? (parsed as { all?: unknown }).all : undefined
+  const records: unknown[] = Array.isArray(all) ? all : [parsed]
+  return records.length > 0 && records.every(isJournalRecord) ? records : undefined
+}
+
+function isJournalRecord(record: unknown): record is JournalRecord {
+  if (typeof record !== 'object' || record === null || typeof (record as { key?: unknown }).key !== 'string') return false
   const { set, value } = record as { set?: unknown; value?: unknown; delete?: unknown }
   const deleted = (record as { delete?: unknown }).delete
-  if ((set === 'code' || set === 'grant' || set === 'token' || set === 'session') && typeof value === 'object' && value !== null) return record as JournalRecord
-  if (deleted === 'grant' || deleted === 'token' || deleted === 'session') return record as JournalRecord
-  return undefined
+  if ((set === 'code' || set === 'grant' || set === 'token' || set === 'session') && typeof value === 'object' && value !== null) return true
+  return deleted === 'grant' || deleted === 'token' || deleted === 'session'
 }
 
 async function applyRecord(memory: MemoryStore, record: JournalRecord, now: number): Promise<void> {

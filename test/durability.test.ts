@@ -200,6 +200,23 @@ describe('DATA_FILE: damaged files', () => {
     await reopened.close()
   })
 
+  it('drops a torn exchange whole, so that its code is still unused and can be redeemed again', async () => {
+    const file = join(directory, 'torn-exchange.jsonl')
+    const running = await startOn(file)
+    const code = await obtainCode(running.base)
+    assert.equal((await exchange(running.base, code)).status, 200)
+    await running.stop()
+    const text = await readFile(file, 'utf8')
+    await writeFile(file, text.slice(0, text.lastIndexOf('"token"'))) // cut inside the exchange's line, after its used code and grant
+    const restarted = await startOn(file)
+    assert.ok(restarted.logs.some((entry) => /warning: .*incomplete/.test(entry)))
+    assert.equal(restarted.store.memory.grants.size, 0)
+    const again = await exchange(restarted.base, code)
+    assert.equal(again.status, 200)
+    assert.equal(await isActive(restarted.base, ((await again.json()) as { access_token: string }).access_token), true)
+    await restarted.stop()
+  })
+
   it('refuses an unreadable last line that has its newline: a cut write never ends with one', async () => {
     const file = join(directory, 'torn-newline.jsonl')
     await writeFile(file, grant + line('a') + '{"set":"tok\n')
@@ -276,13 +293,16 @@ describe('DATA_FILE: compaction and failures', () => {
     await running.stop().catch(() => {}) // the file is closed already
   })
 
-  it('stores an exchange as the used code, the grant and both tokens, and takes the code back when that fails', async () => {
+  it('stores an exchange as one line (the used code, the grant and both tokens), and takes the code back when that fails', async () => {
     const file = join(directory, 'exchange.jsonl')
     const running = await startOn(file)
     await obtainTokens(running.base)
-    const written = (await readFile(file, 'utf8')).trim().split('\n').map((line) => JSON.parse(line) as Record<string, unknown>)
-    assert.deepEqual(written.map((record) => record.set), ['code', 'code', 'grant', 'token', 'token']) // the code saved, then the exchange
-    assert.equal(typeof (written[1].value as { usedAt?: number }).usedAt, 'number')
+    type Change = { set: string; value: { usedAt?: number } }
+    const [saved, exchanged, ...more] = (await readFile(file, 'utf8')).trim().split('\n').map((line) => JSON.parse(line) as Change & { all: Change[] })
+    assert.equal(saved.set, 'code')
+    assert.deepEqual(exchanged.all.map((record) => record.set), ['code', 'grant', 'token', 'token'])
+    assert.equal(typeof exchanged.all[0].value.usedAt, 'number')
+    assert.equal(more.length, 0)
     const code = await obtainCode(running.base)
     await running.store.close() // every later write to the file fails
     const grants = running.store.memory.grants.size
