@@ -36,8 +36,9 @@ import {
   profileUrlProblem,
   safeEqual,
   verifyPassword,
+  withPasswordSlot,
 } from './server.ts'
-import type { AuthorizationCode, Grant, PasswordAttempts, Token } from './server.ts'
+import type { AuthorizationCode, Grant, PasswordAttempts, PasswordSlots, Token } from './server.ts'
 import { START, startLatch } from './test/harness.ts'
 import type { TestServer } from './test/harness.ts'
 
@@ -822,7 +823,35 @@ describe('POST /auth/consent with a password', () => {
     assert.equal(statuses.filter((status) => status === 401).length, 6)
     assert.equal(statuses.filter((status) => status === 429).length, 14)
   })
+
+  it('locks every address once twenty guesses in total fail, from however many addresses', async () => {
+    latch.advance(86400)
+    const consent = await openConsent(latch)
+    // Each address stays under its own five free guesses; 127.0.0.0/8 all reaches the server.
+    const from = (host: number, password: string) => submitConsentFrom(latch, consent, `127.0.0.${host}`, password)
+    for (let host = 10; host < 15; host++) {
+      for (let i = 0; i < 4; i++) assert.equal(await from(host, `guess ${host}.${i}`), 401)
+    }
+    assert.equal(await from(20, 'guess 21'), 401) // the twenty-first locks them all for 2 seconds
+    assert.equal(await from(21, 'correct horse'), 429)
+    latch.advance(2)
+    assert.equal(await from(21, 'correct horse'), 303)
+  })
 })
+
+/** Submits the consent form from a given local address, for the per-address counts; answers the status. */
+function submitConsentFrom(latch: TestServer, consent: Consent, localAddress: string, password: string): Promise<number> {
+  const body = form({ request: consent.request, csrf: consent.csrf, scope: ['profile', 'create'], decision: 'approve', password }).toString()
+  const headers = { 'Content-Type': 'application/x-www-form-urlencoded', Cookie: consent.cookie }
+  return new Promise((resolve, reject) => {
+    const req = request({ host: '127.0.0.1', port: latch.port, localAddress, method: 'POST', path: '/auth/consent', headers, agent: false }, (res) => {
+      res.resume()
+      res.on('end', () => resolve(res.statusCode ?? 0))
+    })
+    req.on('error', reject)
+    req.end(body)
+  })
+}
 
 describe('POST /auth (IndieAuth §5.3.2)', () => {
   let latch: TestServer
@@ -1354,6 +1383,27 @@ describe('Password attempts', () => {
     }
     assert.deepEqual(waits, [0, 0, 0, 0, 0, 2, 4, 8, 16, 32, 64, 128, 256, 512, 900, 900])
     assert.equal(countAttempt(attempts, 1000 + 86401_000, 5).count, 1)
+  })
+
+  it('runs two password checks at once, queues 32 in order, and answers 429 past that', async () => {
+    const slots: PasswordSlots = { running: 0, waiting: [] }
+    const started: number[] = []
+    const finish: (() => void)[] = []
+    const check = (i: number) => () => {
+      started.push(i)
+      return new Promise<number>((resolve) => finish.push(() => resolve(i)))
+    }
+    const checks = Array.from({ length: 34 }, (_, i) => withPasswordSlot(slots, check(i)))
+    await assert.rejects(withPasswordSlot(slots, check(34)), (err: unknown) => err instanceof OAuthError && err.status === 429 && err.headers['Retry-After'] === '5')
+    await new Promise((resolve) => setImmediate(resolve))
+    assert.deepEqual(started, [0, 1])
+    assert.equal(slots.waiting.length, 32)
+    for (let i = 0; i < 34; i++) {
+      finish[i]()
+      assert.equal(await checks[i], i)
+    }
+    assert.deepEqual(started, Array.from({ length: 34 }, (_, i) => i))
+    assert.deepEqual(slots, { running: 0, waiting: [] })
   })
 })
 

@@ -218,7 +218,7 @@ type Context = {
 /** Password attempts from one address, or from all: how many, the last, and until when the next must wait. */
 export type PasswordAttempts = { count: number; lastAt: number; lockedUntil: number }
 
-type PasswordSlots = { running: number; waiting: (() => void)[] }
+export type PasswordSlots = { running: number; waiting: (() => void)[] }
 
 /** Query or form parameters: every value of every name, in the order sent. */
 export type Params = Map<string, string[]>
@@ -2567,7 +2567,7 @@ export function countAttempt(previous: PasswordAttempts | undefined, now: number
 }
 
 /** Runs a password check when one of the few slots is free; past the queue's length, 429. */
-async function withPasswordSlot<T>(slots: PasswordSlots, check: () => Promise<T>): Promise<T> {
+export async function withPasswordSlot<T>(slots: PasswordSlots, check: () => Promise<T>): Promise<T> {
   if (slots.running < MAX_PARALLEL_PASSWORD_CHECKS) {
     slots.running++
   } else if (slots.waiting.length < MAX_WAITING_PASSWORD_CHECKS) {
