@@ -3344,7 +3344,8 @@ function printStartup(config: Config, listeningUrl: string, store: MemoryStore |
   const now = Date.now()
   const live = { code: 0, grant: 0, token: 0, session: 0 }
   for (const record of memory.records(now)) if ('set' in record) live[record.set]++
-  const loaded = `${live.code} live codes, ${live.token} live tokens and ${live.grant} grants loaded`
+  const count = (n: number, what: string) => `${n} ${what}${n === 1 ? '' : 's'}`
+  const loaded = `${count(live.code, 'live code')}, ${count(live.token, 'live token')} and ${count(live.grant, 'grant')} loaded`
   const data = config.dataFile === 'memory' ? 'in memory only: codes and tokens are lost when the server stops' : `${config.dataFile}: ${loaded}`
   for (const warning of configWarnings(config)) console.log(`warning: ${warning}`)
   console.log(
