@@ -6,7 +6,7 @@ import { after, before, describe, it } from 'node:test'
 import assert from 'node:assert/strict'
 import { spawn } from 'node:child_process'
 import { createHash } from 'node:crypto'
-import { request } from 'node:http'
+import { createServer, request } from 'node:http'
 import { connect } from 'node:net'
 import type { AddressInfo } from 'node:net'
 import {
@@ -1646,6 +1646,21 @@ describe('Router and errors', () => {
     await broken.close()
   })
 
+  it('closes the connection, and does not crash, when an embedding app makes writeHead throw', async () => {
+    const handler = createHandler({ config: loadConfig({ PORT: '0', DATA_FILE: 'memory' }), log: () => {} })
+    const server = createServer((req, res) => {
+      res.writeHead = () => {
+        throw new Error('a hook of the embedding app')
+      }
+      handler(req, res)
+    })
+    await new Promise<void>((resolve) => server.listen(0, '127.0.0.1', resolve))
+    const { port } = server.address() as AddressInfo
+    await assert.rejects(fetch(`http://127.0.0.1:${port}/introspect`, { method: 'POST', headers: { 'Content-Type': 'application/x-www-form-urlencoded' }, body: 'token=x' }))
+    server.closeAllConnections()
+    await new Promise((resolve) => server.close(resolve))
+  })
+
   it('logs one line per request: method, path without query, status, milliseconds', async () => {
     latch.logs.length = 0
     await fetch(`${latch.base}/.well-known/oauth-authorization-server?x=1`)
@@ -1671,8 +1686,7 @@ describe('Router and errors', () => {
     socket.on('data', (chunk) => (answer += chunk))
     await new Promise((resolve) => socket.on('close', resolve))
     await new Promise((resolve) => setImmediate(resolve))
-    assert.match(answer, /^HTTP\/1\.1 400 Bad Request\r\n/)
-    assert.equal(answer.includes('"active"'), false)
+    assert.equal(answer, 'HTTP/1.1 400 Bad Request\r\nConnection: close\r\n\r\n') // node's answer alone
     assert.equal(latch.logs.length, 1)
     assert.match(latch.logs[0], /^POST \/introspect closed before the answer \d+ms$/)
   })

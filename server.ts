@@ -2078,8 +2078,12 @@ function sendJson(res: ServerResponse, status: number, body: unknown, headers?: 
 
 function writeJson(res: ServerResponse, status: number, headers: OutgoingHttpHeaders, json: string): void {
   if (res.headersSent || res.destroyed) return // answered meanwhile, or the connection is gone
-  res.writeHead(status, headers)
-  res.end(json)
+  try {
+    res.writeHead(status, headers)
+    res.end(json)
+  } catch {
+    res.destroy() // only an embedding app's hook on writeHead could throw here: close, do not crash
+  }
 }
 
 /** Sends an OAuth error as JSON. */
