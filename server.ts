@@ -2061,26 +2061,31 @@ function withCors(res: MarkedResponse, headers: OutgoingHttpHeaders): OutgoingHt
   return headers
 }
 
-/**
- * Sends a JSON body. Every JSON answer carries `no-store`: most hold codes or tokens.
- *
- * The answer is written in `setImmediate`, once node:http has read every request that was ready
- * in this turn of the event loop, so that the answers to many connections leave together. A
- * client on the same machine, such as a resource server introspecting tokens over a pool of
- * connections, is then woken once for a batch of answers rather than once for each. Under load
- * those wake-ups were a sixth of the CPU time of a token exchange (`npm run bench`).
- */
+/** Sends a JSON body. Every JSON answer carries `no-store`: most hold codes or tokens. */
 function sendJson(res: ServerResponse, status: number, body: unknown, headers?: Record<string, string>): void {
   const json = JSON.stringify(body)
   const head = withCors(res, { 'Content-Type': 'application/json', 'Content-Length': Buffer.byteLength(json), 'Cache-Control': 'no-store', Pragma: 'no-cache' })
-  setImmediate(writeJson, res, status, headers === undefined ? head : Object.assign(head, headers), json)
+  setImmediate(writeAnswer, res, status, headers === undefined ? head : Object.assign(head, headers), json)
 }
 
-function writeJson(res: ServerResponse, status: number, headers: OutgoingHttpHeaders, json: string): void {
+/** Answers 200 with no body, as revocation does. */
+function sendEmptyOk(res: ServerResponse): void {
+  setImmediate(writeAnswer, res, 200, withCors(res, { ...NO_STORE }), '')
+}
+
+/**
+ * Writes an answer of the endpoints that programs call (JSON, and revocation's empty 200). It
+ * runs in `setImmediate`, once node:http has read every request that was ready in this turn of
+ * the event loop, so that the answers to many connections leave together. A client on the same
+ * machine, such as a resource server introspecting tokens over a pool of connections, is then
+ * woken once for a batch of answers rather than once for each. Under load those wake-ups were a
+ * sixth of the CPU time of a token exchange (`npm run bench`).
+ */
+function writeAnswer(res: ServerResponse, status: number, headers: OutgoingHttpHeaders, body: string): void {
   if (res.headersSent || res.destroyed) return // answered meanwhile, or the connection is gone
   try {
     res.writeHead(status, headers)
-    res.end(json)
+    res.end(body)
   } catch {
     res.destroy() // only an embedding app's hook on writeHead could throw here: close, do not crash
   }
@@ -2859,16 +2864,14 @@ function requireIntrospectionCaller(req: IncomingMessage, config: Config): void 
 async function handleRevocationRequest(req: IncomingMessage, res: ServerResponse, ctx: Context): Promise<void> {
   const form = await readForm(req)
   await revokeToken(requireParam(form, 'token'), ctx)
-  res.writeHead(200, withCors(res, { ...NO_STORE }))
-  res.end()
+  sendEmptyOk(res)
 }
 
 /** The revocation that IndieAuth clients made before §7: `POST /token` with `action=revoke`. */
 async function handleLegacyRevocation(form: Params, res: ServerResponse, ctx: Context): Promise<void> {
   if (getParam(form, 'action') !== 'revoke') throw new OAuthError('invalid_request', 'action must be revoke')
   await revokeToken(requireParam(form, 'token'), ctx)
-  res.writeHead(200, withCors(res, { ...NO_STORE }))
-  res.end()
+  sendEmptyOk(res)
 }
 
 /**
