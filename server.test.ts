@@ -1091,6 +1091,7 @@ describe('POST /revoke (IndieAuth §7, RFC 7009)', () => {
     const token = await obtainToken(latch)
     const response = await post(`${latch.base}/revoke`, form({ token }))
     assert.equal(response.status, 200)
+    assert.equal(response.headers.get('content-length'), '0')
     assert.equal(await response.text(), '')
     assert.deepEqual(await introspect(latch, token), { active: false })
   })

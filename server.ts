@@ -2070,7 +2070,7 @@ function sendJson(res: ServerResponse, status: number, body: unknown, headers?: 
 
 /** Answers 200 with no body, as revocation does. */
 function sendEmptyOk(res: ServerResponse): void {
-  setImmediate(writeAnswer, res, 200, withCors(res, { ...NO_STORE }), '')
+  setImmediate(writeAnswer, res, 200, withCors(res, { 'Content-Length': 0, ...NO_STORE }), '') // a length, not an empty chunked body
 }
 
 /**
