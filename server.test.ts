@@ -1,16 +1,21 @@
-// Tests for Latch, one `describe` per part of the wire contract (../shared/PROTOCOL.md), in the
+// Tests for Latch, one `describe` per part of the wire contract (the README's endpoints), in the
 // order a client meets them, then a full flow. Every HTTP test runs a real server on port 0 and
 // calls it with fetch; time comes from a clock the test advances, never from sleeping.
 
 import { after, before, describe, it } from 'node:test'
 import assert from 'node:assert/strict'
-import { spawn } from 'node:child_process'
+import { fork, spawn } from 'node:child_process'
 import { createHash } from 'node:crypto'
-import { createServer, request } from 'node:http'
+import { Agent, createServer, request } from 'node:http'
 import { connect } from 'node:net'
 import type { AddressInfo } from 'node:net'
+import { fileURLToPath } from 'node:url'
+import { mkdtemp } from 'node:fs/promises'
+import { tmpdir } from 'node:os'
+import { join } from 'node:path'
 import {
   ConfigError,
+  FileStore,
   MemoryStore,
   OAuthError,
   buildHelp,
@@ -50,6 +55,8 @@ const CHALLENGE = 'E9Melhoa2OwvFrEMTJguCHaoeK1t8URWbuGJSstw-cM'
 const CLIENT_ID = 'http://127.0.0.1:8080/'
 const REDIRECT_URI = 'http://127.0.0.1:8080/callback'
 const FAST_COST = { ln: 10, r: 8, p: 1 }
+/** A hash of 'correct horse', made with the fast cost, for settings that need one to be valid. */
+const PASSWORD_HASH = await hashPassword('correct horse', FAST_COST)
 
 function authorizationUrl(latch: TestServer, overrides: Record<string, string | undefined> = {}): string {
   const params: Record<string, string | undefined> = {
@@ -193,7 +200,7 @@ describe('Configuration', () => {
   })
 
   it('drops a trailing slash from ISSUER and canonicalizes ME', () => {
-    const config = loadConfig({ ISSUER: 'https://Auth.Example.com/latch/', ME: 'HTTPS://Example.COM' })
+    const config = loadConfig({ ISSUER: 'https://Auth.Example.com/latch/', ME: 'HTTPS://Example.COM', PASSWORD_HASH: PASSWORD_HASH })
     assert.equal(config.issuer, 'https://auth.example.com/latch')
     assert.equal(config.me, 'https://example.com/')
   })
@@ -225,6 +232,8 @@ describe('Configuration', () => {
     ['a profile URL that URL() cannot parse', { ME: 'http://xn--a.com/' }, [], /ME/],
     ['a password hash Latch did not make', { PASSWORD_HASH: 'hunter2' }, [], /PASSWORD_HASH.*hash-password/],
     ['a non-loopback host without a password', { HOST: '0.0.0.0' }, [], /PASSWORD_HASH.*hash-password/],
+    ['a public issuer without a password (a proxy connects from loopback)', { ISSUER: 'https://auth.example.com' }, [], /ISSUER.*PASSWORD_HASH.*hash-password/],
+    ['a refresh grace period over 10 minutes', { REFRESH_TOKEN_GRACE: '11m' }, [], /REFRESH_TOKEN_GRACE/],
     ['a short introspection secret', { INTROSPECTION_SECRET: 'short' }, [], /INTROSPECTION_SECRET/],
     ['an unknown flag', {}, ['--colour', 'blue'], /--colour/],
     ['a profile photo that is not a URL', { PROFILE_PHOTO: 'me.jpg' }, [], /PROFILE_PHOTO/],
@@ -246,7 +255,7 @@ describe('Configuration', () => {
   it('warns about a profile URL with a port or an IP address, and about http off loopback', () => {
     assert.equal(configWarnings(loadConfig({ ME: 'https://example.com/' })).length, 0)
     assert.match(configWarnings(loadConfig({})).join('\n'), /ME/)
-    assert.match(configWarnings(loadConfig({ ISSUER: 'http://auth.example.com', ME: 'https://example.com/' })).join('\n'), /ISSUER/)
+    assert.match(configWarnings(loadConfig({ ISSUER: 'http://auth.example.com', ME: 'https://example.com/', PASSWORD_HASH })).join('\n'), /ISSUER/)
   })
 
   it('prints every setting with its flag in --help', () => {
@@ -655,6 +664,31 @@ describe('GET /auth (IndieAuth §5.2)', () => {
     assertErrorRedirect(latch, response, 'invalid_request')
   })
 
+  const overLimits: [string, Record<string, string>, string, string | null][] = [
+    ['more than 50 scopes', { scope: Array.from({ length: 51 }, (_, i) => `s${i}`).join(' ') }, 'invalid_scope', 'state-1234'],
+    ['a scope longer than 100 characters', { scope: `create ${'x'.repeat(101)}` }, 'invalid_scope', 'state-1234'],
+    ['a me longer than 2,048 characters', { me: `https://example.com/${'m'.repeat(2_048)}` }, 'invalid_request', 'state-1234'],
+    ['a state longer than 1,024 characters (not sent back)', { state: 's'.repeat(1_025) }, 'invalid_request', null],
+  ]
+  for (const [what, overrides, error, state] of overLimits) {
+    it(`redirects ${what} back with ${error}`, async () => {
+      assertErrorRedirect(latch, await fetch(authorizationUrl(latch, overrides), { redirect: 'manual' }), error, state)
+    })
+  }
+
+  it('accepts a request at every limit at once: 50 scopes of 100 characters and a state of 1,024, in 8,192 characters', async () => {
+    const scope = Array.from({ length: 50 }, (_, i) => `${i}`.padStart(100, 'x')).join(' ')
+    const me = `https://example.com/${'m'.repeat(1_500)}`
+    const response = await fetch(authorizationUrl(latch, { scope, state: 's'.repeat(1_024), me }), { redirect: 'manual' })
+    assert.equal(response.status, 200)
+  })
+
+  it('answers a request URL longer than 8,192 characters with 414 and a page', async () => {
+    const response = await fetch(`${authorizationUrl(latch)}&padding=${'p'.repeat(8_192)}`, { redirect: 'manual' })
+    assert.equal(response.status, 414)
+    assert.equal(response.headers.get('content-type'), 'text/html; charset=utf-8')
+  })
+
   it('sends no state back when state itself was repeated', async () => {
     const response = await fetch(`${authorizationUrl(latch)}&state=other`, { redirect: 'manual' })
     assertErrorRedirect(latch, response, 'invalid_request', null)
@@ -684,6 +718,43 @@ describe('GET /auth (IndieAuth §5.2)', () => {
     const response = await fetch(`${latch.base}/auth?client_id=%zz`, { redirect: 'manual' })
     assert.equal(response.status, 400)
     assert.equal(response.headers.get('location'), null)
+  })
+})
+
+describe('GET /auth under a flood', () => {
+  it('keeps the memory a flood of the largest and of over-limit requests costs to tens of MB', { timeout: 120_000 }, async () => {
+    const child = fork(fileURLToPath(new URL('./test/fixtures/flood-server.ts', import.meta.url)), [], { execArgv: ['--expose-gc', '--import', 'tsx'] })
+    const ask = <T>(message?: string) =>
+      new Promise<T>((resolve) => {
+        child.once('message', (answer) => resolve(answer as T))
+        if (message !== undefined) child.send(message)
+      })
+    const { port } = await ask<{ port: number }>()
+    const rss = async () => (await ask<{ rss: number }>('rss')).rss
+    const query = (fields: Record<string, string>) =>
+      new URLSearchParams({ client_id: CLIENT_ID, redirect_uri: REDIRECT_URI, code_challenge: CHALLENGE, ...fields }).toString()
+    const largest = `/auth?${query({ scope: Array.from({ length: 50 }, (_, i) => `${i}`.padStart(100, 'x')).join(' '), state: 's'.repeat(1_024) })}`
+    const hostile = `/auth?${query({ scope: Array.from({ length: 2_000 }, (_, i) => i.toString(36)).join(' ') })}` // 2,000 scopes in 8 KiB
+    const flood = async (path: string, count: number) => {
+      const agent = new Agent({ keepAlive: true, maxSockets: 16 })
+      const one = () =>
+        new Promise<void>((resolve, reject) => {
+          const req = request({ host: '127.0.0.1', port, path, agent }, (res) => res.resume().on('end', resolve))
+          req.on('error', reject).end()
+        })
+      for (let sent = 0; sent < count; sent += 16) await Promise.all(Array.from({ length: 16 }, one))
+      agent.destroy()
+    }
+    try {
+      await flood(largest, 200) // warm up: code compiled, pools allocated
+      const before = await rss()
+      await flood(largest, 2_000)
+      await flood(hostile, 2_000)
+      const grown = (await rss()) - before
+      assert.ok(grown < 48 * 1024 * 1024, `the flood grew the server's memory by ${Math.round(grown / 1024 / 1024)} MiB`)
+    } finally {
+      child.disconnect()
+    }
   })
 })
 
@@ -1135,6 +1206,7 @@ describe('POST /token with grant_type=refresh_token (IndieAuth §5.5, RFC 6749 �
   it('revokes the whole family when a rotated refresh token comes back (RFC 9700 §4.14.2)', async () => {
     const first = await firstTokens()
     const second = (await (await refresh(first.refresh_token)).json()) as Tokens
+    latch.advance(31) // past REFRESH_TOKEN_GRACE
     await assertError(await refresh(first.refresh_token), 400, 'invalid_grant')
     assert.deepEqual(await introspect(latch, first.access_token), { active: false })
     assert.deepEqual(await introspect(latch, second.access_token), { active: false })
@@ -1202,12 +1274,50 @@ describe('POST /token with grant_type=refresh_token (IndieAuth §5.5, RFC 6749 �
   it('revokes the family when a rotated refresh token comes back, whatever else the request says', async () => {
     const first = await firstTokens()
     const second = (await (await refresh(first.refresh_token)).json()) as Tokens
+    latch.advance(31) // past REFRESH_TOKEN_GRACE
     await assertError(await refresh(first.refresh_token, { scope: 'create follow' }), 400, 'invalid_grant')
     assert.deepEqual(await introspect(latch, second.access_token), { active: false })
     const third = await firstTokens()
     await refresh(third.refresh_token)
+    latch.advance(31)
     await assertError(await refresh(third.refresh_token, { client_id: 'http://127.0.0.1:9999/' }), 400, 'invalid_grant')
     await assertError(await refresh(third.refresh_token), 400, 'invalid_grant')
+  })
+
+  it('answers two refreshes of one refresh token sent at once with tokens that both stay live, every time', async () => {
+    for (let round = 0; round < 25; round++) {
+      const first = await firstTokens()
+      const answers = await Promise.all([refresh(first.refresh_token), refresh(first.refresh_token)])
+      assert.deepEqual(answers.map((answer) => answer.status), [200, 200])
+      for (const answer of answers) {
+        const tokens = (await answer.json()) as Tokens
+        assert.equal((await introspect(latch, tokens.access_token)).active, true, `round ${round}`)
+        assert.equal((await refresh(tokens.refresh_token)).status, 200, `round ${round}`)
+      }
+    }
+  })
+
+  it('serves a retry of a rotated refresh token within REFRESH_TOKEN_GRACE, revokes after it, and never with 0', async () => {
+    const first = await firstTokens()
+    const second = (await (await refresh(first.refresh_token)).json()) as Tokens
+    latch.advance(29)
+    const retried = await refresh(first.refresh_token) // the answer to the first refresh was lost on the way
+    assert.equal(retried.status, 200)
+    const third = (await retried.json()) as Tokens
+    assert.equal((await introspect(latch, second.access_token)).active, true)
+    assert.equal((await introspect(latch, third.access_token)).active, true)
+    latch.advance(2) // 31 seconds after the rotation
+    await assertError(await refresh(first.refresh_token), 400, 'invalid_grant')
+    assert.deepEqual(await introspect(latch, third.access_token), { active: false })
+
+    // REFRESH_TOKEN_GRACE=0: any reuse is theft, at once
+    const strict = await startLatch({ REFRESH_TOKEN_GRACE: '0' })
+    const original = (await (await exchange(strict, await obtainCode(strict))).json()) as Tokens
+    const rotate = (token: string) => post(`${strict.base}/token`, form({ grant_type: 'refresh_token', refresh_token: token, client_id: CLIENT_ID }))
+    const rotated = (await (await rotate(original.refresh_token)).json()) as Tokens
+    await assertError(await rotate(original.refresh_token), 400, 'invalid_grant')
+    assert.deepEqual(await introspect(strict, rotated.access_token), { active: false })
+    await strict.close()
   })
 
   it('revokes refreshed tokens too when their code is replayed', async () => {
@@ -1425,6 +1535,8 @@ describe('Sign-in sessions and connected apps', () => {
     assert.equal(response.status, 200)
     return response.text()
   }
+  /** The value the signed-in owner's forms carry: derived from the session, not the CSRF cookie. */
+  const formTokenOf = async (cookie: string) => /name="csrf" value="([^"]+)"/.exec(await appsPage(cookie))?.[1] ?? ''
 
   it('starts a session when the password is accepted, so the next consent needs no password', async () => {
     const first = await openConsent(latch)
@@ -1471,10 +1583,11 @@ describe('Sign-in sessions and connected apps', () => {
     const code = await obtainCode(latch, { scope: 'create media' }, { scope: ['create', 'media'], password })
     const tokens = (await (await exchange(latch, code)).json()) as { access_token: string; refresh_token: string }
     const html = await appsPage(`latch_csrf=${csrf}; ${session}`)
-    assert.match(html, /<h2>http:\/\/127\.0\.0\.1:8080\/<\/h2>/)
+    assert.match(html, /<h2><bdi>http:\/\/127\.0\.0\.1:8080\/<\/bdi><\/h2>/)
     assert.match(html, /<dd>create media<\/dd>/)
     const grant = [...html.matchAll(/name="grant" value="([^"]+)"/g)].map((match) => match[1]).at(-1) ?? ''
-    const revoked = await post(`${latch.base}/apps/revoke`, form({ csrf, grant }), { Cookie: `latch_csrf=${csrf}; ${session}` })
+    const token = /name="csrf" value="([^"]+)"/.exec(html)?.[1] ?? ''
+    const revoked = await post(`${latch.base}/apps/revoke`, form({ csrf: token, grant }), { Cookie: `latch_csrf=${csrf}; ${session}` })
     assert.equal(revoked.status, 303)
     assert.equal(revoked.headers.get('location'), `${latch.issuer}/apps`)
     assert.deepEqual(await introspect(latch, tokens.access_token), { active: false })
@@ -1486,7 +1599,8 @@ describe('Sign-in sessions and connected apps', () => {
     const csrf = createSecret()
     const session = await signIn(csrf)
     const tokens = [await obtainToken(latch, { password }), await obtainToken(latch, { password })]
-    const response = await post(`${latch.base}/apps/revoke-all`, form({ csrf }), { Cookie: `latch_csrf=${csrf}; ${session}` })
+    const token = await formTokenOf(`latch_csrf=${csrf}; ${session}`)
+    const response = await post(`${latch.base}/apps/revoke-all`, form({ csrf: token }), { Cookie: `latch_csrf=${csrf}; ${session}` })
     assert.equal(response.status, 303)
     for (const token of tokens) assert.deepEqual(await introspect(latch, token), { active: false })
     assert.match(await appsPage(`latch_csrf=${csrf}; ${session}`), /No app holds a token/)
@@ -1506,10 +1620,45 @@ describe('Sign-in sessions and connected apps', () => {
   it('ends the session on sign-out', async () => {
     const csrf = createSecret()
     const session = await signIn(csrf)
-    const response = await post(`${latch.base}/sign-out`, form({ csrf }), { Cookie: `latch_csrf=${csrf}; ${session}` })
+    const token = await formTokenOf(`latch_csrf=${csrf}; ${session}`)
+    const response = await post(`${latch.base}/sign-out`, form({ csrf: token }), { Cookie: `latch_csrf=${csrf}; ${session}` })
     assert.equal(response.status, 303)
     assert.match(response.headers.get('set-cookie') ?? '', /^latch_session=; Path=\/; Max-Age=0/)
     assert.match(await appsPage(`latch_csrf=${csrf}; ${session}`), /type="password"/) // the old cookie no longer signs in
+  })
+
+  it('refuses a consent from a page on another port that planted its own CSRF cookie, though the owner is signed in', async () => {
+    const planted = createSecret() // what a page on another port of 127.0.0.1 can set: cookies ignore ports
+    const session = await signIn(createSecret())
+    const forged = await openConsent(latch, {}, `latch_csrf=${planted}`) // the request, opened by that page's server
+    assert.equal(forged.csrf, planted)
+    const response = await post(`${latch.base}/auth/consent`, form({ request: forged.request, csrf: planted, scope: 'create', decision: 'approve' }), {
+      Cookie: `latch_csrf=${planted}; ${session}`,
+    })
+    assert.equal(response.status, 403)
+    assert.equal(response.headers.get('location'), null)
+  })
+
+  it('refuses a form whose browser says it came from another origin (Sec-Fetch-Site), even with the right value', async () => {
+    const csrf = createSecret()
+    const session = await signIn(csrf)
+    const token = await formTokenOf(`latch_csrf=${csrf}; ${session}`)
+    const headers = { Cookie: `latch_csrf=${csrf}; ${session}` }
+    assert.equal((await post(`${latch.base}/sign-out`, form({ csrf: token }), { ...headers, 'Sec-Fetch-Site': 'same-site' })).status, 403)
+    assert.match(await appsPage(headers.Cookie), /Connected apps/)
+    assert.equal((await post(`${latch.base}/sign-out`, form({ csrf: token }), { ...headers, 'Sec-Fetch-Site': 'same-origin' })).status, 303)
+  })
+
+  it('signs out everywhere: every session of the owner ends, in every browser', async () => {
+    const [csrf, other] = [createSecret(), createSecret()]
+    const [first, second] = [await signIn(csrf), await signIn(other)]
+    const token = await formTokenOf(`latch_csrf=${csrf}; ${first}`)
+    const response = await post(`${latch.base}/sign-out-everywhere`, form({ csrf: token }), { Cookie: `latch_csrf=${csrf}; ${first}` })
+    assert.equal(response.status, 303)
+    assert.match(response.headers.get('set-cookie') ?? '', /^latch_session=; Path=\/; Max-Age=0/)
+    assert.match(await appsPage(`latch_csrf=${csrf}; ${first}`), /type="password"/)
+    assert.match(await appsPage(`latch_csrf=${other}; ${second}`), /type="password"/)
+    assert.ok(latch.logs.some((line) => /^security: .*every session ended/.test(line)))
   })
 
   it('names the session and CSRF cookies __Host- and marks them Secure on an https issuer', async () => {
@@ -1520,6 +1669,31 @@ describe('Sign-in sessions and connected apps', () => {
     assert.ok(csrf, 'the CSRF cookie is __Host- and Secure too')
     const response = await post(`${secure.base}/sign-in`, form({ csrf, password }), { Cookie: `__Host-latch_csrf=${csrf}` })
     assert.match(response.headers.get('set-cookie') ?? '', /^__Host-latch_session=[A-Za-z0-9_-]{43}; Path=\/; Max-Age=604800; HttpOnly; SameSite=Lax; Secure$/)
+  })
+})
+
+describe('A new PASSWORD_HASH', () => {
+  it('ends every session started with the old password, across a restart', async () => {
+    const file = join(await mkdtemp(join(tmpdir(), 'latch-password-')), 'data.jsonl')
+    const newHash = await hashPassword('battery staple', FAST_COST)
+    const serve = async (passwordHash: string) => {
+      const store = await FileStore.open(file, { log: () => {} })
+      const latch = await startLatch({ PASSWORD_HASH: passwordHash }, { store })
+      return { latch, stop: async () => (await latch.close(), await store.close()) }
+    }
+    const apps = async (latch: TestServer, cookie: string) => (await fetch(`${latch.base}/apps`, { headers: { Cookie: cookie } })).text()
+    const first = await serve(PASSWORD_HASH)
+    const csrf = createSecret()
+    const signedIn = await post(`${first.latch.base}/sign-in`, form({ csrf, password: 'correct horse' }), { Cookie: `latch_csrf=${csrf}` })
+    const cookie = `latch_csrf=${csrf}; ${(signedIn.headers.get('set-cookie') ?? '').split(';')[0]}`
+    assert.match(await apps(first.latch, cookie), /Connected apps/)
+    await first.stop()
+    const same = await serve(PASSWORD_HASH)
+    assert.match(await apps(same.latch, cookie), /Connected apps/) // a restart alone keeps the owner signed in
+    await same.stop()
+    const changed = await serve(newHash)
+    assert.match(await apps(changed.latch, cookie), /type="password"/)
+    await changed.stop()
   })
 })
 

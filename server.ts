@@ -64,6 +64,8 @@ export type Config = {
   accessTokenTtlSeconds: number
   /** A refresh token expires after this long without use. */
   refreshTokenTtlSeconds: number
+  /** How long a rotated refresh token may be presented again, as a retry, without revoking its grant. */
+  refreshTokenGraceSeconds: number
   /** How long the owner stays signed in after entering the password. */
   sessionTtlSeconds: number
   /** When set, `/introspect` callers must send it as a Bearer credential. */
@@ -141,16 +143,22 @@ export type Token = {
 
 /** What one token exchange or refresh stores: what it redeems, and the grant and tokens it issues. */
 export type TokenIssue = {
-  /** The hash of the code or refresh token redeemed, which can be redeemed once only. */
-  redeemed: { kind: 'code' | 'refresh'; hash: string }
+  /**
+   * The hash of the code or refresh token redeemed, which can be redeemed once only; a refresh
+   * token used at or after `retriedSince` may be redeemed again, as a retry within the grace period.
+   */
+  redeemed: { kind: 'code' | 'refresh'; hash: string; retriedSince?: number }
   grantId: string
   grant: Grant
   /** The new tokens, each under the hash of its value. */
   tokens: [hash: string, token: Token][]
 }
 
-/** The owner, signed in: stored under the hash (`hashSecret`) of the session cookie's value. */
-export type Session = { createdAt: number; expiresAt: number }
+/**
+ * The owner, signed in: stored under the hash (`hashSecret`) of the session cookie's value.
+ * `passwordTag` tells which password it was started with (see `passwordTag`).
+ */
+export type Session = { createdAt: number; expiresAt: number; passwordTag: string }
 
 /** Where codes and tokens live. Keys are hashes (`hashSecret`); raw secrets never reach a store. */
 export interface Store {
@@ -187,6 +195,8 @@ export interface Store {
   saveSession(hash: string, session: Session, now: number): Promise<void>
   findSession(hash: string, now: number): Promise<Session | undefined>
   deleteSession(hash: string): Promise<void>
+  /** Deletes every session: the owner signed out everywhere. */
+  deleteAllSessions(): Promise<void>
 }
 
 /** What `createHandler` takes. Only `config` is needed; the rest have defaults. */
@@ -213,12 +223,20 @@ type Context = {
   clientFetch: ClientFetchOptions
   /** Client information by client_id, kept as long as its Cache-Control allows. */
   clients: Map<string, { info: ClientInfo; expiresAt: number }>
+  /** Clients whose fetch failed, with when to try again. */
+  failedClients: Map<string, number>
+  /** Fetches under way, by client_id, for requests that arrive meanwhile to share. */
+  clientLookups: Map<string, Promise<{ info?: ClientInfo }>>
+  clientFetchSlots: Slots
 }
 
 /** Password attempts from one address, or from all: how many, the last, and until when the next must wait. */
 export type PasswordAttempts = { count: number; lastAt: number; lockedUntil: number }
 
-export type PasswordSlots = { running: number; waiting: (() => void)[] }
+/** Tasks running, and the tasks waiting for one of them to end. */
+export type Slots = { running: number; waiting: (() => void)[] }
+
+export type PasswordSlots = Slots
 
 /** Query or form parameters: every value of every name, in the order sent. */
 export type Params = Map<string, string[]>
@@ -238,6 +256,7 @@ export const SETTINGS = [
   { name: 'CODE_TTL', default: '300', help: 'Authorization code lifetime (90s, 10m, 12h, 7d; at most 600).' },
   { name: 'ACCESS_TOKEN_TTL', default: '604800', help: 'Access token lifetime (7 days).' },
   { name: 'REFRESH_TOKEN_TTL', default: '2592000', help: 'A refresh token expires after this long without use (30 days).' },
+  { name: 'REFRESH_TOKEN_GRACE', default: '30', help: 'A rotated refresh token sent again this soon is a retry, not a theft (0 turns it off; at most 600).' },
   { name: 'SESSION_TTL', default: '604800', help: 'How long you stay signed in after entering your password (7 days).' },
   { name: 'INTROSPECTION_SECRET', default: 'unset', help: 'Unset: /introspect is open. Set: callers send `Authorization: Bearer <secret>`.' },
   { name: 'CLIENT_FETCH_PRIVATE', default: 'unset', help: '`allow` lets client discovery fetch apps on private addresses (a LAN); loopback stays forbidden.' },
@@ -256,6 +275,7 @@ const LOOPBACK_HOSTS = new Set(['127.0.0.1', '::1', 'localhost'])
 const MAX_CODE_TTL_SECONDS = 600
 const MIN_SECRET_LENGTH = 16
 const MAX_DURATION_SECONDS = 3650 * 86400
+const MAX_REFRESH_GRACE_SECONDS = 600
 
 /**
  * Reads the configuration from environment variables and command-line flags, or throws a
@@ -283,6 +303,12 @@ export function loadConfig(
         'create a hash with `npx tsx server.ts hash-password` and set PASSWORD_HASH, or bind HOST=127.0.0.1',
     )
   }
+  if (passwordHash === undefined && !LOOPBACK_HOSTS.has(new URL(issuer).hostname.replace(/^\[|\]$/g, ''))) {
+    throw new ConfigError(
+      `ISSUER ${issuer} is not on a loopback host, and behind a proxy anyone could approve sign-ins without PASSWORD_HASH: ` +
+        'create a hash with `npx tsx server.ts hash-password` and set PASSWORD_HASH',
+    )
+  }
   const dataFile = raw.DATA_FILE ?? 'latch-data.jsonl'
   const codeTtlSeconds = parseDuration('CODE_TTL', raw.CODE_TTL ?? '300')
   if (codeTtlSeconds > MAX_CODE_TTL_SECONDS) {
@@ -290,6 +316,10 @@ export function loadConfig(
   }
   const accessTokenTtlSeconds = parseDuration('ACCESS_TOKEN_TTL', raw.ACCESS_TOKEN_TTL ?? '604800')
   const refreshTokenTtlSeconds = parseDuration('REFRESH_TOKEN_TTL', raw.REFRESH_TOKEN_TTL ?? '2592000')
+  const refreshTokenGraceSeconds = /^0+[smhd]?$/.test(raw.REFRESH_TOKEN_GRACE ?? '') ? 0 : parseDuration('REFRESH_TOKEN_GRACE', raw.REFRESH_TOKEN_GRACE ?? '30')
+  if (refreshTokenGraceSeconds > MAX_REFRESH_GRACE_SECONDS) {
+    throw new ConfigError('REFRESH_TOKEN_GRACE is longer than 10 minutes, which would let a stolen refresh token go unnoticed: use 600 or less')
+  }
   const sessionTtlSeconds = parseDuration('SESSION_TTL', raw.SESSION_TTL ?? '604800')
   const introspectionSecret = raw.INTROSPECTION_SECRET
   if (introspectionSecret !== undefined && introspectionSecret.length < MIN_SECRET_LENGTH) {
@@ -317,6 +347,7 @@ export function loadConfig(
     codeTtlSeconds,
     accessTokenTtlSeconds,
     refreshTokenTtlSeconds,
+    refreshTokenGraceSeconds,
     sessionTtlSeconds,
     introspectionSecret,
     clientFetchPrivate,
@@ -781,10 +812,11 @@ const UNSAFE_SCHEMES = new Set(['javascript', 'data', 'vbscript', 'file', 'blob'
  * Why `redirect_uri` may not be used with this client, or undefined when it may. It must be
  * absolute and without a fragment, and either on the same scheme, host and port as
  * `client_id`, or exactly one of the redirect URIs the client publishes (a native app's
- * `com.example.app:/callback`, say). `client` is what discovery found, or why it found nothing.
+ * `com.example.app:/callback`, say). `client` is what discovery found, if anything.
  * @see https://indieauth.spec.indieweb.org/#redirect-url IA §4.2.2
  */
-export function redirectUriProblem(redirectUri: string, clientId: string, client: { info?: ClientInfo; failure?: string } = {}): string | undefined {
+export function redirectUriProblem(redirectUri: string, clientId: string, client: { info?: ClientInfo } = {}): string | undefined {
+  if (redirectUri.length > MAX_URL_LENGTH) return `redirect_uri is longer than ${MAX_URL_LENGTH} characters`
   if (redirectUri.includes('#')) return 'redirect_uri must not contain a fragment'
   const scheme = /^([a-zA-Z][a-zA-Z0-9+.-]*):/.exec(redirectUri)?.[1].toLowerCase()
   if (scheme === undefined || !/^[\x21-\x7e]+$/.test(redirectUri) || redirectUri.includes('\\') || !URL.canParse(redirectUri)) {
@@ -796,8 +828,9 @@ export function redirectUriProblem(redirectUri: string, clientId: string, client
   const origin = new URL(clientId)
   if (redirect.protocol === origin.protocol && redirect.host === origin.host) return undefined
   if (client.info?.redirectUris.includes(redirectUri)) return undefined
+  if (isLoopbackClient(clientId)) return 'redirect_uri is not on the scheme, host and port of client_id, as a loopback client, never fetched, requires'
   if (client.info === undefined) {
-    return `redirect_uri is not on the scheme, host and port of client_id, and the client could not be fetched to check it: ${client.failure ?? 'it was not fetched'}`
+    return "redirect_uri is not on the scheme, host and port of client_id, and the app's information could not be fetched to check it"
   }
   const published = client.info.redirectUris.length === 0 ? 'none' : client.info.redirectUris.join(' , ')
   return `redirect_uri is not on the scheme, host and port of client_id, nor one of the redirect URIs the client publishes: ${published}`
@@ -832,29 +865,40 @@ const MAX_REDIRECT_URIS = 20
 const MAX_URL_LENGTH = 2_048
 const LOGO_TYPES = new Set(['image/png', 'image/jpeg', 'image/gif', 'image/webp', 'image/avif'])
 
-/** Addresses Latch never connects to: loopback, link-local and other special-use ranges. */
+/**
+ * Addresses Latch never connects to: every range of the IANA IPv4 and IPv6 special-purpose
+ * address registries that is not globally reachable, and multicast.
+ * @see https://www.iana.org/assignments/iana-ipv4-special-registry/
+ * @see https://www.iana.org/assignments/iana-ipv6-special-registry/
+ */
 const FORBIDDEN_ADDRESSES = new BlockList()
 for (const [network, prefix] of [
   ['0.0.0.0', 8], // "this network"
   ['127.0.0.0', 8], // loopback
   ['169.254.0.0', 16], // link-local, and cloud metadata services
   ['192.0.0.0', 24], // IETF protocol assignments
-  ['192.0.2.0', 24], // documentation
+  ['192.0.2.0', 24], // documentation (TEST-NET-1)
+  ['192.88.99.0', 24], // deprecated 6to4 relay anycast
   ['198.18.0.0', 15], // benchmarking
-  ['198.51.100.0', 24], // documentation
-  ['203.0.113.0', 24], // documentation
-  ['224.0.0.0', 3], // multicast and reserved, up to 255.255.255.255
+  ['198.51.100.0', 24], // documentation (TEST-NET-2)
+  ['203.0.113.0', 24], // documentation (TEST-NET-3)
+  ['224.0.0.0', 4], // multicast
+  ['240.0.0.0', 4], // reserved, and the limited broadcast address 255.255.255.255
 ] as const) {
   FORBIDDEN_ADDRESSES.addSubnet(network, prefix, 'ipv4')
 }
 for (const [network, prefix] of [
-  ['::', 127], // unspecified and loopback
-  ['64:ff9b::', 96], // NAT64
-  ['100::', 64], // discard
-  ['2001::', 23], // IETF protocol assignments, Teredo
+  ['::', 96], // unspecified, loopback, and the deprecated IPv4-compatible addresses (::127.0.0.1)
+  ['64:ff9b:1::', 48], // local-use IPv4/IPv6 translation
+  ['100::', 64], // discard-only
+  ['100:0:0:1::', 64], // dummy prefix
+  ['2001::', 23], // IETF protocol assignments, Teredo among them
   ['2001:db8::', 32], // documentation
   ['2002::', 16], // 6to4
+  ['3fff::', 20], // documentation
+  ['5f00::', 16], // segment routing (SRv6) SIDs
   ['fe80::', 10], // link-local
+  ['fec0::', 10], // site-local, deprecated
   ['ff00::', 8], // multicast
 ] as const) {
   FORBIDDEN_ADDRESSES.addSubnet(network, prefix, 'ipv6')
@@ -867,12 +911,41 @@ for (const [network, prefix] of [['10.0.0.0', 8], ['100.64.0.0', 10], ['172.16.0
 }
 PRIVATE_ADDRESSES.addSubnet('fc00::', 7, 'ipv6') // unique local
 
-/** Why Latch may not connect to an address, or undefined when it may. */
+/** Why Latch may not connect to an address, or undefined when it may. An IPv4 address inside an IPv6 one is checked as IPv4. */
 export function addressProblem(address: string, allowPrivate: boolean): string | undefined {
-  const type = isIPv6(address) ? 'ipv6' : 'ipv4'
-  if (FORBIDDEN_ADDRESSES.check(address, type)) return `it resolves to ${address}, a loopback, link-local or special-use address`
-  if (!allowPrivate && PRIVATE_ADDRESSES.check(address, type)) return `it resolves to ${address}, a private address (CLIENT_FETCH_PRIVATE=allow permits it)`
+  const embedded = isIPv6(address) ? embeddedIpv4(address) : address
+  const [checked, type] = embedded === undefined ? [address, 'ipv6' as const] : [embedded, 'ipv4' as const]
+  if (FORBIDDEN_ADDRESSES.check(checked, type)) return `it resolves to ${address}, a loopback, link-local or special-use address`
+  if (!allowPrivate && PRIVATE_ADDRESSES.check(checked, type)) return `it resolves to ${address}, a private address (CLIENT_FETCH_PRIVATE=allow permits it)`
   return undefined
+}
+
+/**
+ * The IPv4 address an IPv6 address carries in its last 32 bits, for the forms that reach it:
+ * IPv4-mapped (`::ffff:0:0/96`), IPv4-translated (`::ffff:0:0:0/96`) and NAT64 (`64:ff9b::/96`).
+ */
+function embeddedIpv4(address: string): string | undefined {
+  const words = ipv6Words(address)
+  const zeros = (from: number, to: number) => words.slice(from, to).every((word) => word === 0)
+  const mapped = zeros(0, 5) && words[5] === 0xffff
+  const translated = zeros(0, 4) && words[4] === 0xffff && words[5] === 0
+  const nat64 = words[0] === 0x64 && words[1] === 0xff9b && zeros(2, 6)
+  if (!mapped && !translated && !nat64) return undefined
+  return [words[6] >> 8, words[6] & 255, words[7] >> 8, words[7] & 255].join('.')
+}
+
+/** The eight 16-bit words of a valid IPv6 address, `::` and a dotted IPv4 tail expanded. */
+function ipv6Words(address: string): number[] {
+  let text = address.replace(/%.*$/, '') // a zone, as in fe80::1%eth0
+  const dotted = /(\d+)\.(\d+)\.(\d+)\.(\d+)$/.exec(text)
+  if (dotted !== null) {
+    const [a, b, c, d] = dotted.slice(1).map(Number)
+    text = `${text.slice(0, dotted.index)}${((a << 8) | b).toString(16)}:${((c << 8) | d).toString(16)}`
+  }
+  const [head, tail] = text.split('::')
+  const parse = (part: string | undefined) => (part === undefined || part === '' ? [] : part.split(':').map((word) => parseInt(word, 16)))
+  const [first, last] = [parse(head), parse(tail)]
+  return [...first, ...new Array<number>(8 - first.length - last.length).fill(0), ...last]
 }
 
 function lookupAll(hostname: string): Promise<LookupAddress[]> {
@@ -1041,21 +1114,26 @@ type HtmlElement = { name: string; attributes: Record<string, string>; textStart
 
 const VOID_ELEMENTS = new Set(['area', 'base', 'br', 'col', 'embed', 'hr', 'img', 'input', 'link', 'meta', 'source', 'track', 'wbr'])
 const MAX_HTML_ELEMENTS = 10_000
+const MAX_HTML_CLOSING_TAGS = 10_000
 const MAX_OPEN_ELEMENTS = 256
 
 /**
  * A small HTML scanner, enough for microformats: every start tag in order, with its attributes,
  * where its text starts and ends, and the index just past its last descendant. Comments,
- * scripts and styles are skipped. It reads each character a bounded number of times, and stops
- * at 10,000 tags, so that a hostile page cannot keep the server busy.
+ * scripts and styles are skipped. The work is linear in the page, however hostile: each
+ * character is read a bounded number of times, a closing tag looks among the open elements only
+ * when one of its name is open (and each element is closed once), and the scan stops at 10,000
+ * start tags or 10,000 closing tags.
  */
 export function scanHtml(html: string): HtmlElement[] {
   const lower = html.toLowerCase()
   const elements: HtmlElement[] = []
   const open: number[] = [] // the elements not closed yet, outermost first
+  const openByName = new Map<string, number>() // how many of `open` have each name
   const tagName = /\/?[a-zA-Z][a-zA-Z0-9-]*/y
+  let closingTags = 0
   let at = 0
-  while (elements.length < MAX_HTML_ELEMENTS) {
+  while (elements.length < MAX_HTML_ELEMENTS && closingTags < MAX_HTML_CLOSING_TAGS) {
     const lt = html.indexOf('<', at)
     if (lt === -1) break
     if (html.startsWith('<!--', lt)) {
@@ -1075,8 +1153,11 @@ export function scanHtml(html: string): HtmlElement[] {
     at = gt + 1
     const name = named[0].replace('/', '').toLowerCase()
     if (named[0].startsWith('/')) {
+      closingTags++
+      if ((openByName.get(name) ?? 0) === 0) continue // nothing to close: no search
       const index = open.findLastIndex((element) => elements[element].name === name)
-      for (const element of index === -1 ? [] : open.splice(index)) {
+      for (const element of open.splice(index)) {
+        openByName.set(elements[element].name, (openByName.get(elements[element].name) ?? 1) - 1)
         elements[element].end = elements.length
         elements[element].textEnd = lt
       }
@@ -1089,6 +1170,7 @@ export function scanHtml(html: string): HtmlElement[] {
       at = close === -1 ? html.length : close
     } else if (!VOID_ELEMENTS.has(name) && !attributes.endsWith('/') && open.length < MAX_OPEN_ELEMENTS) {
       open.push(elements.length - 1)
+      openByName.set(name, (openByName.get(name) ?? 0) + 1)
     }
   }
   for (const element of open) {
@@ -1162,10 +1244,21 @@ function resolveUrl(href: string, base: string): string | undefined {
   return URL.canParse(href.trim(), base) ? new URL(href.trim(), base).href : undefined
 }
 
-/** A name as the consent page shows it: one line, at most 100 characters. */
-function cleanName(name: string): string | undefined {
-  const clean = name.replace(/[\s\x00-\x1f\x7f]+/g, ' ').trim().slice(0, 100)
+/** A name as the consent page shows it: one line of plain text (`plainText`), at most 100 characters. */
+export function cleanName(name: string): string | undefined {
+  const clean = plainText(name).slice(0, 100).replace(/[\ud800-\udbff]$/, '') // not half a character cut by the slice
   return clean === '' ? undefined : clean
+}
+
+/**
+ * Text on one line, without control or formatting characters, so that right-to-left overrides,
+ * isolates and invisible marks cannot disguise what a stranger chose.
+ */
+function plainText(text: string): string {
+  return text
+    .replace(/[\s\p{Cc}\p{Zl}\p{Zp}]+/gu, ' ')
+    .replace(/\p{Cf}/gu, '') // bidi overrides, isolates and marks, zero-width characters
+    .trim()
 }
 
 /** Fetches a logo under the same rules, and inlines it: images only, at most 64 KiB. */
@@ -1364,7 +1457,7 @@ export class MemoryStore implements Store {
   #dropped = 0
 
   constructor(options: MemoryStoreOptions = {}) {
-    this.#maxPendingRequests = options.maxPendingRequests ?? 10_000
+    this.#maxPendingRequests = options.maxPendingRequests ?? 1_000
     this.#maxCodes = options.maxCodes ?? 10_000
     this.#log = options.log ?? console.log
   }
@@ -1396,7 +1489,7 @@ export class MemoryStore implements Store {
   }
 
   async takeCode(hash: string, now: number): Promise<boolean> {
-    return this.redeem({ kind: 'code', hash }, now)
+    return this.redeem({ kind: 'code', hash }, now) !== undefined
   }
 
   async saveGrant(id: string, grant: Grant, now: number): Promise<void> {
@@ -1436,7 +1529,7 @@ export class MemoryStore implements Store {
   }
 
   async issueTokens(issue: TokenIssue, now: number): Promise<boolean> {
-    if (!this.redeem(issue.redeemed, now)) return false
+    if (this.redeem(issue.redeemed, now) === undefined) return false
     this.keepIssued(issue, now)
     return true
   }
@@ -1447,21 +1540,28 @@ export class MemoryStore implements Store {
     for (const [hash, token] of issue.tokens) this.#putToken(hash, token, now)
   }
 
-  /** Marks an unexpired, unused code or refresh token used: true only for the first caller. */
-  redeem(redeemed: TokenIssue['redeemed'], now: number): boolean {
+  /**
+   * Marks an unexpired, unused code or refresh token used, in one step: `first` for the first
+   * caller, `again` for a retry that `retriedSince` allows, undefined for any other.
+   */
+  redeem(redeemed: TokenIssue['redeemed'], now: number): 'first' | 'again' | undefined {
     if (redeemed.kind === 'code') {
       const code = live(this.codes.get(redeemed.hash), now)
-      if (code === undefined || code.usedAt !== undefined) return false
+      if (code === undefined || code.usedAt !== undefined) return undefined
       code.usedAt = now
-      return true
+      return 'first'
     }
     const stored = this.tokens.get(redeemed.hash)
-    if (stored === undefined || stored.expiresAt * 1000 <= now || stored.usedAt !== undefined) return false
-    stored.usedAt = toSeconds(now)
-    return true
+    if (stored === undefined || stored.expiresAt * 1000 <= now) return undefined
+    if (stored.usedAt === undefined) {
+      stored.usedAt = toSeconds(now)
+      return 'first'
+    }
+    const since = redeemed.retriedSince
+    return since !== undefined && (stored.usedAt + 1) * 1000 > since ? 'again' : undefined // kept in whole seconds, rounded down
   }
 
-  /** Takes back a `redeem`, for a durable store that could not write it down. */
+  /** Takes back a first `redeem`, for a durable store that could not write it down. */
   unredeem(redeemed: TokenIssue['redeemed']): void {
     const entry = redeemed.kind === 'code' ? this.codes.get(redeemed.hash) : this.tokens.get(redeemed.hash)
     if (entry !== undefined) entry.usedAt = undefined
@@ -1484,6 +1584,10 @@ export class MemoryStore implements Store {
     this.sessions.delete(hash)
   }
 
+  async deleteAllSessions(): Promise<void> {
+    this.sessions.clear()
+  }
+
   /** Deletes up to `budget` expired entries of each kind; a timer may call it between requests. */
   sweep(now: number, budget = 2_000): void {
     sweepOldest(this.pending, now, budget)
@@ -1494,13 +1598,21 @@ export class MemoryStore implements Store {
     this.tokens.sweep(now, budget)
   }
 
-  /** The records that rebuild this store's unexpired codes, grants, tokens and sessions: a snapshot for the journal. */
-  *records(now: number): Iterable<JournalRecord> {
-    for (const [key, value] of this.codes) if (value.expiresAt > now) yield { set: 'code', key, value }
+  /**
+   * The records that rebuild this store's unexpired codes, grants, tokens and sessions: a
+   * snapshot for the journal. Codes and refresh tokens in `unsaved` were marked used by a
+   * redemption whose write has not yet succeeded, and are written as unused: the redemption's
+   * own line follows the snapshot if it succeeds.
+   */
+  *records(now: number, unsaved: ReadonlySet<string> = new Set()): Iterable<JournalRecord> {
+    for (const [key, value] of this.codes) {
+      if (value.expiresAt > now) yield { set: 'code', key, value: unsaved.has(key) ? { ...value, usedAt: undefined } : value }
+    }
     for (const [key, stored] of this.grants) if (stored.expiresAt * 1000 > now) yield { set: 'grant', key, value: stored.toGrant() }
     for (const [key, revoked] of this.revokedGrants) if (revoked.expiresAt * 1000 > now) yield { delete: 'grant', key }
     for (const [key, stored] of this.tokens) {
-      if (stored.expiresAt * 1000 > now && this.grants.has(stored.grantId)) yield { set: 'token', key, value: stored.toToken() }
+      if (stored.expiresAt * 1000 <= now || !this.grants.has(stored.grantId)) continue
+      yield { set: 'token', key, value: unsaved.has(key) ? { ...stored.toToken(), usedAt: undefined } : stored.toToken() }
     }
     for (const [key, value] of this.sessions) if (value.expiresAt > now) yield { set: 'session', key, value }
   }
@@ -1598,12 +1710,21 @@ type JournalRecord =
  */
 type JournalLine = JournalRecord | { all: JournalRecord[] }
 
-/** An append-only file with group commit: `append` resolves once its lines are fsync'd. */
+/**
+ * An append-only file with group commit: `append` resolves once its lines are fsync'd. A write
+ * can fail, or on a full disk write only part of what it was given without failing; either way
+ * the file is cut back to where the last whole write ended, so that the next write starts on a
+ * clean line, and the changes are refused. When space comes back, writes simply succeed again.
+ */
 class Journal {
   readonly path: string
   /** Lines in the file, as a measure of how far it has grown past the live data. */
   lines: number
   #file: FileHandle
+  /** Where the last whole, fsync'd write ended. */
+  #size: number
+  /** Set when a failed write may have left bytes past `#size` that could not yet be cut off. */
+  #torn = false
   #queue: string[] = []
   #waiters: { resolve: () => void; reject: (err: unknown) => void }[] = []
   #scheduled = false
@@ -1617,9 +1738,10 @@ class Journal {
   #closed = false
   readonly #log: (line: string) => void
 
-  constructor(path: string, file: FileHandle, lines: number, log: (line: string) => void) {
+  constructor(path: string, file: FileHandle, size: number, lines: number, log: (line: string) => void) {
     this.path = path
     this.#file = file
+    this.#size = size
     this.lines = lines
     this.#log = log
   }
@@ -1661,28 +1783,53 @@ class Journal {
     })
   }
 
+  /** Writes lines whole and fsyncs them, or cuts the file back to where it was and throws. */
   async #writeLines(lines: string[]): Promise<void> {
-    await this.#file.write(lines.join(''))
-    await this.#file.datasync()
+    const bytes = Buffer.from(lines.join(''))
+    try {
+      if (this.#torn) await this.#cutBack()
+      await writeAll(this.#file, bytes)
+      await this.#file.datasync()
+    } catch (err) {
+      this.#torn = true
+      await this.#cutBack().catch(() => {}) // tried again before the next write
+      throw err
+    }
+    this.#size += bytes.length
     this.lines += lines.length
+  }
+
+  /** Cuts off whatever a failed write left past the last whole line, and makes the cut durable. */
+  async #cutBack(): Promise<void> {
+    await this.#file.truncate(this.#size)
+    await this.#file.datasync()
+    this.#torn = false
   }
 
   /**
    * Rewrites the file as a snapshot of `live` plus what was appended meanwhile: a temporary
-   * file, fsync, rename over, fsync the directory. The snapshot is written in slices, so
-   * requests go on being served; none of their writes is lost.
+   * file, written whole and fsync'd, renamed over the journal, then the directory fsync'd. A
+   * snapshot that could not be written whole never replaces the journal. The snapshot is
+   * written in slices, so requests go on being served; none of their writes is lost.
    */
   async compact(live: () => Iterable<JournalRecord>): Promise<void> {
     this.#sinceSnapshot = []
     const temporary = `${this.path}.compacting`
     const out = await open(temporary, 'w', 0o600)
+    let next: FileHandle | undefined
     try {
       let slice: string[] = []
       let lines = 0
+      let size = 0
+      const write = async (text: string) => {
+        const bytes = Buffer.from(text)
+        await writeAll(out, bytes)
+        size += bytes.length
+      }
       for (const record of live()) {
         slice.push(`${JSON.stringify(record)}\n`)
         if (slice.length === 2_000) {
-          await out.write(slice.join(''))
+          await write(slice.join(''))
           lines += slice.length
           slice = []
           await new Promise((resolve) => setImmediate(resolve))
@@ -1691,20 +1838,24 @@ class Journal {
       await this.#exclusive(async () => {
         if (this.#closed) throw new Error('the journal was closed while compacting')
         const meanwhile = this.#sinceSnapshot ?? []
-        await out.write(slice.join('') + meanwhile.join(''))
+        await write(slice.join('') + meanwhile.join(''))
         await out.datasync()
-        await out.close()
+        next = await open(temporary, 'a', 0o600) // the journal's handle from now on: the same file, once renamed
         await rename(temporary, this.path)
-        await syncDirectory(dirname(this.path))
-        await this.#file.close()
-        this.#file = await open(this.path, 'a', 0o600)
+        const previous = this.#file
+        this.#file = next
+        this.#size = size
+        this.#torn = false
         this.lines = lines + slice.length + meanwhile.length
+        await previous.close().catch(() => {})
+        await syncDirectory(dirname(this.path))
       })
     } catch (err) {
-      await out.close().catch(() => {})
-      await rm(temporary, { force: true })
+      if (next !== undefined && this.#file !== next) await next.close().catch(() => {})
+      await rm(temporary, { force: true }).catch(() => {})
       throw err
     } finally {
+      await out.close().catch(() => {})
       this.#sinceSnapshot = undefined
     }
   }
@@ -1715,9 +1866,12 @@ class Journal {
       this.#closed = true
       if (this.#queue.length > 0) {
         const lines = this.#queue
+        const waiters = this.#waiters.splice(0)
         this.#queue = []
-        await this.#writeLines(lines)
-        this.#waiters.splice(0).forEach((waiter) => waiter.resolve())
+        await this.#writeLines(lines).then(
+          () => waiters.forEach((waiter) => waiter.resolve()),
+          (err: unknown) => waiters.forEach((waiter) => waiter.reject(err)),
+        )
       }
       await this.#file.close()
     })
@@ -1733,6 +1887,18 @@ class Journal {
       this.#running = undefined
       this.#kick()
     }
+  }
+}
+
+/**
+ * Writes all of `bytes`: a write may take fewer bytes than it was given without failing (on a
+ * full disk, the next one fails), so it is called again for the rest.
+ */
+async function writeAll(file: FileHandle, bytes: Buffer): Promise<void> {
+  for (let at = 0; at < bytes.length; ) {
+    const { bytesWritten } = await file.write(bytes, at, bytes.length - at)
+    if (bytesWritten === 0) throw new Error('the disk took no more bytes')
+    at += bytesWritten
   }
 }
 
@@ -1761,6 +1927,10 @@ export class FileStore implements Store {
   readonly memory: MemoryStore
   /** The compaction under way, if any. */
   compaction: Promise<void> | undefined
+  /** Codes and refresh tokens marked used whose write is under way (see `MemoryStore.records`). */
+  readonly #unsaved = new Set<string>()
+  /** After a failed compaction, how long the journal must grow before the next try. */
+  #compactAfterLines = 0
   readonly #journal: Journal
   readonly #now: () => number
   readonly #log: (line: string) => void
@@ -1785,9 +1955,9 @@ export class FileStore implements Store {
     const torn = lines.pop() ?? '' // the text after the last newline: empty unless a write was cut short
     const now = (options.now ?? Date.now)()
     for (let i = 0; i < lines.length; i++) {
-      const records = parseJournalLine(lines[i])
-      if (records === undefined) {
-        throw new ConfigError(`${path} line ${i + 1} is not a Latch journal record: restore the file from a backup, or move it away to start empty`)
+      const records = readJournalLine(lines[i])
+      if (typeof records === 'string') {
+        throw new ConfigError(`${path} line ${i + 1} is not a Latch journal record (${records}): restore the file from a backup, or move it away to start empty`)
       }
       for (const record of records) await applyRecord(memory, record, now)
     }
@@ -1797,7 +1967,8 @@ export class FileStore implements Store {
     }
     const file = await open(path, 'a', 0o600)
     await syncDirectory(dirname(path))
-    return new FileStore(memory, new Journal(path, file, lines.length, log), options)
+    const { size } = await file.stat()
+    return new FileStore(memory, new Journal(path, file, size, lines.length, log), options)
   }
 
   savePending(id: string, request: PendingRequest, now: number): Promise<void> {
@@ -1823,19 +1994,36 @@ export class FileStore implements Store {
 
   async takeCode(hash: string, now: number): Promise<boolean> {
     const redeemed = { kind: 'code', hash } as const
-    if (!this.memory.redeem(redeemed, now)) return false // marked used at once, so a second caller loses
-    await this.#append([this.#redeemedRecord(redeemed)]).catch(undo(() => this.memory.unredeem(redeemed)))
-    return true
+    return this.#redeemAndStore(redeemed, now, [])
   }
 
   /** The code or refresh token taken, the grant and its new tokens: one line of the journal, and so one fsync. */
   async issueTokens(issue: TokenIssue, now: number): Promise<boolean> {
     const { redeemed, grantId, grant, tokens } = issue
-    if (!this.memory.redeem(redeemed, now)) return false // marked used at once, so a second caller loses
-    const records: JournalRecord[] = [this.#redeemedRecord(redeemed), { set: 'grant', key: grantId, value: grant }]
+    const records: JournalRecord[] = [{ set: 'grant', key: grantId, value: grant }]
     for (const [key, value] of tokens) records.push({ set: 'token', key, value })
-    await this.#append(records).catch(undo(() => this.memory.unredeem(redeemed)))
+    if (!(await this.#redeemAndStore(redeemed, now, records))) return false
     this.memory.keepIssued(issue, now)
+    return true
+  }
+
+  /**
+   * Marks a code or refresh token used in memory at once, so that a second caller loses, then
+   * writes that with `records` as one line. A write that fails takes the mark back.
+   */
+  async #redeemAndStore(redeemed: TokenIssue['redeemed'], now: number, records: JournalRecord[]): Promise<boolean> {
+    const redemption = this.memory.redeem(redeemed, now)
+    if (redemption === undefined) return false
+    if (redemption === 'again') return this.#append(records).then(() => true)
+    this.#unsaved.add(redeemed.hash)
+    try {
+      await this.#append([this.#redeemedRecord(redeemed), ...records])
+    } catch (err) {
+      this.memory.unredeem(redeemed)
+      throw err
+    } finally {
+      this.#unsaved.delete(redeemed.hash)
+    }
     return true
   }
 
@@ -1896,6 +2084,12 @@ export class FileStore implements Store {
     await this.memory.deleteSession(hash)
   }
 
+  async deleteAllSessions(): Promise<void> {
+    const records: JournalRecord[] = [...this.memory.sessions.keys()].map((key) => ({ delete: 'session', key }))
+    if (records.length > 0) await this.#append(records)
+    await this.memory.deleteAllSessions()
+  }
+
   sweep(now: number, budget?: number): void {
     this.memory.sweep(now, budget)
   }
@@ -1910,45 +2104,85 @@ export class FileStore implements Store {
   async #append(records: JournalRecord[]): Promise<void> {
     await this.#journal.append(records)
     const live = this.memory.codes.size + this.memory.grants.size + this.memory.tokens.size + this.memory.sessions.size
-    if (this.compaction === undefined && this.#journal.lines > Math.max(COMPACT_MIN_LINES, COMPACT_FACTOR * live)) {
+    const threshold = Math.max(COMPACT_MIN_LINES, COMPACT_FACTOR * live, this.#compactAfterLines)
+    if (this.compaction === undefined && this.#journal.lines > threshold) {
       this.compaction = this.#journal
-        .compact(() => this.memory.records(this.#now()))
-        .catch((err: unknown) => this.#log(`journal: compacting ${this.#journal.path} failed: ${String(err)}`))
+        .compact(() => this.memory.records(this.#now(), this.#unsaved))
+        .catch((err: unknown) => {
+          this.#compactAfterLines = this.#journal.lines + COMPACT_MIN_LINES // not again at every write, on a disk still full
+          this.#log(`journal: compacting ${this.#journal.path} failed, so it stays as it was: ${String(err)}`)
+        })
         .finally(() => (this.compaction = undefined))
     }
-  }
-}
-
-/** A change that could not be stored is taken back, so that nothing is done that was not stored. */
-function undo(takeBack: () => void): (err: unknown) => never {
-  return (err) => {
-    takeBack()
-    throw err
   }
 }
 
 const COMPACT_MIN_LINES = 10_000
 const COMPACT_FACTOR = 4
 
-/** Reads one journal line into its records, or undefined when it is not a line Latch wrote. */
-function parseJournalLine(line: string): JournalRecord[] | undefined {
+/** Reads one journal line into its records, or says what is wrong with it. */
+function readJournalLine(line: string): JournalRecord[] | string {
   let parsed: unknown
   try {
     parsed = JSON.parse(line)
   } catch {
-    return undefined
+    return 'it is not JSON'
   }
-  const all = typeof parsed === 'object' && parsed !== null ? (parsed as { all?: unknown }).all : undefined
+  const all = isObject(parsed) ? parsed.all : undefined
   const records: unknown[] = Array.isArray(all) ? all : [parsed]
-  return records.length > 0 && records.every(isJournalRecord) ? records : undefined
+  if (records.length === 0) return 'it is an empty group of changes'
+  for (const record of records) {
+    const problem = journalRecordProblem(record)
+    if (problem !== undefined) return problem
+  }
+  return records as JournalRecord[]
 }
 
-function isJournalRecord(record: unknown): record is JournalRecord {
-  if (typeof record !== 'object' || record === null || typeof (record as { key?: unknown }).key !== 'string') return false
-  const { set, value } = record as { set?: unknown; value?: unknown; delete?: unknown }
-  const deleted = (record as { delete?: unknown }).delete
-  if ((set === 'code' || set === 'grant' || set === 'token' || set === 'session') && typeof value === 'object' && value !== null) return true
-  return deleted === 'grant' || deleted === 'token' || deleted === 'session'
+/** What a stored value of each kind holds, field by field: `?` marks a field that may be absent. */
+const JOURNAL_FIELDS = {
+  code: {
+    client_id: 'string', client_name: 'string?', redirect_uri: 'string', code_challenge: 'string', scope: 'strings', me: 'string',
+    accessTokenTtlSeconds: 'number', issuedAt: 'number', expiresAt: 'number', usedAt: 'number?',
+  },
+  grant: {
+    client_id: 'string', client_name: 'string?', me: 'string', scope: 'strings', accessTokenTtlSeconds: 'number',
+    approvedAt: 'number', lastUsedAt: 'number', expiresAt: 'number',
+  },
+  token: { kind: 'kind', grantId: 'key', scope: 'strings', issuedAt: 'number', expiresAt: 'number', usedAt: 'number?' },
+  session: { createdAt: 'number', expiresAt: 'number', passwordTag: 'string?' },
+} as const
+
+/** Why a record is not one Latch writes, or undefined when it is. */
+function journalRecordProblem(record: unknown): string | undefined {
+  if (!isObject(record)) return 'a change is not a JSON object'
+  if (!isJournalKey(record.key)) return 'a change has no valid key'
+  if (record.delete !== undefined) {
+    return record.delete === 'grant' || record.delete === 'token' || record.delete === 'session' ? undefined : `it deletes an unknown kind ${String(record.delete)}`
+  }
+  if (typeof record.set !== 'string' || !Object.hasOwn(JOURNAL_FIELDS, record.set)) return 'a change neither sets nor deletes a known kind of entry'
+  if (!isObject(record.value)) return `a ${record.set} has no value`
+  for (const [field, kind] of Object.entries(JOURNAL_FIELDS[record.set as keyof typeof JOURNAL_FIELDS])) {
+    const value = record.value[field]
+    const valid =
+      kind === 'string' ? typeof value === 'string'
+      : kind === 'string?' ? value === undefined || typeof value === 'string'
+      : kind === 'number' ? Number.isFinite(value)
+      : kind === 'number?' ? value === undefined || Number.isFinite(value)
+      : kind === 'strings' ? Array.isArray(value) && value.every((item) => typeof item === 'string')
+      : kind === 'key' ? isJournalKey(value)
+      : value === 'access' || value === 'refresh'
+    if (!valid) return `a ${record.set}'s ${field} is ${value === undefined ? 'missing' : `not a valid ${kind.replace('?', '')}`}`
+  }
+  return undefined
+}
+
+/** A key: what `hashSecret` made, or a whole SHA-256 as Latch 0.1 kept it, or a store's own id. */
+function isJournalKey(key: unknown): key is string {
+  return typeof key === 'string' && key !== ''
+}
+
+function isObject(value: unknown): value is Record<string, unknown> {
+  return typeof value === 'object' && value !== null && !Array.isArray(value)
 }
 
 async function applyRecord(memory: MemoryStore, record: JournalRecord, now: number): Promise<void> {
@@ -1963,7 +2197,7 @@ async function applyRecord(memory: MemoryStore, record: JournalRecord, now: numb
   if (record.set === 'code') await memory.saveCode(key, record.value, now)
   else if (record.set === 'grant') await memory.saveGrant(key, record.value, now)
   else if (record.set === 'token') await memory.saveToken(key, { ...record.value, grantId: currentKey(record.value.grantId) }, now)
-  else await memory.saveSession(key, record.value, now)
+  else await memory.saveSession(key, { ...record.value, passwordTag: record.value.passwordTag ?? '' }, now) // before 0.2: ended by the check
 }
 
 /** Latch 0.1 kept whole SHA-256 hashes (43 characters): a key from then is cut as `hashSecret` cuts. */
@@ -2164,6 +2398,11 @@ export function escapeHtml(text: string): string {
   return text.replace(/[&<>"']/g, (char) => `&#${char.charCodeAt(0)};`)
 }
 
+/** Text a stranger chose, as plain text, escaped and isolated: whatever its direction, it cannot reorder the text around it. */
+function isolate(text: string): string {
+  return `<bdi>${escapeHtml(plainText(text))}</bdi>`
+}
+
 function renderPage(title: string, body: string): string {
   return `<!doctype html>
 <html lang="en">
@@ -2239,9 +2478,13 @@ function endpointUrl(config: Config, path: string): string {
 }
 
 // --- Cookies --------------------------------------------------------------------
-// Two cookies, both HttpOnly and SameSite=Lax, and Secure on an https issuer: a CSRF value that
-// every form repeats (double submit), and the owner's session. On https the session cookie takes
-// the `__Host-` prefix, which binds it to this host and the path `/`.
+// Two cookies, both HttpOnly and SameSite=Lax, and Secure on an https issuer: the browser's CSRF
+// value, and the owner's session. On https both take the `__Host-` prefix, which binds them to
+// this host and the path `/`. Cookies ignore ports, though: a page on another port of the same
+// host can set a cookie of the same name, and its form posts count as same-site. So the hidden
+// `csrf` field of a signed-in owner's forms is not the cookie's value but a token derived from
+// the session cookie, which no page can read (HttpOnly) nor derive without it; forms of someone
+// not signed in carry the CSRF cookie's value (double submit), and approve only with the password.
 
 function csrfCookieName(config: Config): string {
   return config.issuer.startsWith('https:') ? '__Host-latch_csrf' : 'latch_csrf'
@@ -2260,27 +2503,55 @@ function buildCookie(name: string, value: string, maxAgeSeconds: number | undefi
   return `${name}=${value}; Path=${path}${maxAge}; HttpOnly; SameSite=Lax${secure}`
 }
 
-/** The CSRF value for a page: the browser's own when it has one, so that two open tabs both work. */
-function csrfFor(req: IncomingMessage, config: Config): string {
-  const cookie = readCookie(req, csrfCookieName(config))
-  return cookie !== undefined && /^[A-Za-z0-9_-]{43}$/.test(cookie) ? cookie : createSecret()
+/** Who is at the browser: its CSRF value, the owner's session (if signed in), and whether approving needs no password. */
+type Visitor = { csrf: string; session: string | undefined; signedIn: boolean }
+
+/** Reads the visitor of a page. The CSRF value is the browser's own when it has one, so that two open tabs both work. */
+async function readVisitor(req: IncomingMessage, ctx: Context): Promise<Visitor> {
+  const cookie = readCookie(req, csrfCookieName(ctx.config))
+  const csrf = cookie !== undefined && /^[A-Za-z0-9_-]{43}$/.test(cookie) ? cookie : createSecret()
+  const session = await findOwnerSession(req, ctx)
+  return { csrf, session, signedIn: ctx.config.passwordHash === undefined || session !== undefined }
 }
 
-/** The form's `csrf` must equal the browser's CSRF cookie: a page elsewhere cannot read it. */
-function requireCsrf(form: Params, req: IncomingMessage, config: Config): string {
-  const csrf = getParam(form, 'csrf')
-  const cookie = readCookie(req, csrfCookieName(config))
-  if (csrf === undefined || cookie === undefined || !safeEqual(csrf, cookie)) {
+/** The value a visitor's forms carry in their `csrf` field: derived from the session when signed in. */
+function formToken(visitor: Pick<Visitor, 'csrf' | 'session'>): string {
+  return visitor.session === undefined ? visitor.csrf : hash('sha256', `latch form ${visitor.session}`, 'base64url')
+}
+
+/**
+ * Checks the `csrf` field of a form posted from one of Latch's pages: with a live session it must
+ * be the session's token, and otherwise the browser's CSRF cookie; and a browser that says where
+ * the form came from (`Sec-Fetch-Site`) must say this origin. Returns the visitor it names.
+ */
+async function requireFormToken(form: Params, req: IncomingMessage, ctx: Context): Promise<Visitor> {
+  const site = req.headers['sec-fetch-site'] // sent by browsers since 2023: a form of this server's own pages is same-origin
+  const sent = site === undefined || site === 'same-origin' ? getParam(form, 'csrf') : undefined
+  const cookie = readCookie(req, csrfCookieName(ctx.config))
+  const session = await findOwnerSession(req, ctx)
+  const visitor = { csrf: cookie ?? '', session, signedIn: ctx.config.passwordHash === undefined || session !== undefined }
+  if (sent === undefined || (session === undefined && cookie === undefined) || !safeEqual(sent, formToken(visitor))) {
     throw new OAuthError('access_denied', 'This form was not sent from a page of this server in this browser: go back, reload the page and try again', { status: 403 })
   }
-  return csrf
+  return visitor
 }
 
-/** True when the owner is signed in, or when no password is set (and so nobody needs to sign in). */
-async function isSignedIn(req: IncomingMessage, ctx: Context): Promise<boolean> {
-  if (ctx.config.passwordHash === undefined) return true
+/**
+ * The value of the browser's session cookie when it names a live session started with the
+ * current password: a new `PASSWORD_HASH` ends every session made with the old one.
+ */
+async function findOwnerSession(req: IncomingMessage, ctx: Context): Promise<string | undefined> {
   const value = readCookie(req, sessionCookieName(ctx.config))
-  return value !== undefined && (await ctx.store.findSession(hashSecret(value), ctx.now())) !== undefined
+  if (value === undefined || ctx.config.passwordHash === undefined) return undefined
+  const session = await ctx.store.findSession(hashSecret(value), ctx.now())
+  if (session === undefined) return undefined
+  if (session.passwordTag !== passwordTag(ctx.config.passwordHash)) return void (await ctx.store.deleteSession(hashSecret(value)))
+  return value
+}
+
+/** What a session keeps of the password it was started with: enough to tell a new one, nothing to guess it by. */
+function passwordTag(passwordHash: string): string {
+  return hashSecret(`latch session ${passwordHash}`)
 }
 
 /** Starts a session for the owner and returns its Set-Cookie value. */
@@ -2288,7 +2559,8 @@ async function startSession(ctx: Context): Promise<string> {
   const value = createSecret()
   const now = ctx.now()
   const ttl = ctx.config.sessionTtlSeconds
-  await ctx.store.saveSession(hashSecret(value), { createdAt: now, expiresAt: now + ttl * 1000 }, now)
+  const session = { createdAt: now, expiresAt: now + ttl * 1000, passwordTag: passwordTag(ctx.config.passwordHash ?? '') }
+  await ctx.store.saveSession(hashSecret(value), session, now)
   return buildCookie(sessionCookieName(ctx.config), value, ttl, ctx.config)
 }
 
@@ -2354,30 +2626,45 @@ async function handleAuthorizationRequest(req: IncomingMessage, res: ServerRespo
     const params = { error: err.error, error_description: err.message, state, iss: ctx.config.issuer }
     return redirect(res, 302, buildRedirectUrl(redirectUri, params))
   }
-  const csrf = csrfFor(req, ctx.config)
-  request.csrfHash = hashSecret(csrf)
+  const visitor = await readVisitor(req, ctx)
+  request.csrfHash = hashSecret(visitor.csrf) // the request is answered from this browser only
   const id = createSecret()
   await ctx.store.savePending(hashSecret(id), request, ctx.now())
-  const page = renderConsentPage(request, { id, csrf, config: ctx.config, signedIn: await isSignedIn(req, ctx), logo: client.info?.logo })
-  sendPage(res, 200, page, { 'Set-Cookie': buildCookie(csrfCookieName(ctx.config), csrf, undefined, ctx.config) })
+  const page = renderConsentPage(request, { id, csrf: formToken(visitor), config: ctx.config, signedIn: visitor.signedIn, logo: client.info?.logo })
+  sendPage(res, 200, page, { 'Set-Cookie': buildCookie(csrfCookieName(ctx.config), visitor.csrf, undefined, ctx.config) })
 }
 
-/** The `state` to send back on an error redirect: none when it was sent twice. */
+/** The `state` to send back on an error redirect: none when it was sent twice or is too long. */
 function stateOf(query: Params): string | undefined {
   const values = query.get('state')?.filter((value) => value !== '') ?? []
-  return values.length === 1 ? values[0] : undefined
+  return values.length === 1 && values[0].length <= MAX_STATE_LENGTH ? values[0] : undefined
 }
 
 /**
- * What discovery knows of a client, fetched at most once per Cache-Control lifetime, or why it
- * knows nothing. Failures are never cached.
+ * What discovery knows of a client, or that it knows nothing. A client is fetched at most once
+ * per Cache-Control lifetime; requests for the same client while it is being fetched share the
+ * fetch; a failure is remembered for 30 seconds; and at most 8 fetches run at once, with 8 more
+ * waiting, so that a flood of made-up clients costs a bounded amount of memory. Why a fetch
+ * failed goes to the log only: it can name addresses and ports of the server's network.
  */
-async function findClient(clientId: string, ctx: Context): Promise<{ info?: ClientInfo; failure?: string }> {
+async function findClient(clientId: string, ctx: Context): Promise<{ info?: ClientInfo }> {
+  const now = ctx.now()
   const cached = ctx.clients.get(clientId)
-  if (cached !== undefined && cached.expiresAt > ctx.now()) return { info: cached.info }
-  if (isLoopbackClient(clientId)) return { failure: LOOPBACK_CLIENT }
+  if (cached !== undefined && cached.expiresAt > now) return { info: cached.info }
+  if (isLoopbackClient(clientId) || (ctx.failedClients.get(clientId) ?? 0) > now) return {}
+  let lookup = ctx.clientLookups.get(clientId)
+  if (lookup === undefined) {
+    lookup = fetchClient(clientId, ctx).finally(() => ctx.clientLookups.delete(clientId))
+    ctx.clientLookups.set(clientId, lookup)
+  }
+  return lookup
+}
+
+async function fetchClient(clientId: string, ctx: Context): Promise<{ info?: ClientInfo }> {
+  const busy = new Error('too many apps are being looked up at once')
   try {
-    const { info, maxAgeSeconds } = await discoverClient(clientId, { allowPrivate: ctx.config.clientFetchPrivate, fetch: ctx.clientFetch })
+    const options = { allowPrivate: ctx.config.clientFetchPrivate, fetch: ctx.clientFetch }
+    const { info, maxAgeSeconds } = await withSlot(ctx.clientFetchSlots, CLIENT_FETCH_SLOTS, () => busy, () => discoverClient(clientId, options))
     ctx.clients.delete(clientId)
     if (maxAgeSeconds > 0) {
       if (ctx.clients.size >= MAX_CACHED_CLIENTS) ctx.clients.delete(ctx.clients.keys().next().value ?? '')
@@ -2385,11 +2672,21 @@ async function findClient(clientId: string, ctx: Context): Promise<{ info?: Clie
     }
     return { info }
   } catch (err) {
-    return { failure: err instanceof Error ? err.message : String(err) }
+    const failure = err instanceof Error ? err.message : String(err)
+    ctx.log(`discovery: ${clientId} could not be fetched: ${failure}`)
+    if (err !== busy) {
+      ctx.failedClients.delete(clientId)
+      if (ctx.failedClients.size >= MAX_REMEMBERED_FAILURES) ctx.failedClients.delete(ctx.failedClients.keys().next().value ?? '')
+      ctx.failedClients.set(clientId, ctx.now() + FAILED_CLIENT_MEMORY_SECONDS * 1000)
+    }
+    return {}
   }
 }
 
 const MAX_CACHED_CLIENTS = 100
+const MAX_REMEMBERED_FAILURES = 1_000
+const FAILED_CLIENT_MEMORY_SECONDS = 30
+const CLIENT_FETCH_SLOTS = { running: 8, waiting: 8 }
 
 /** Checks the rest of the request, one rule per line, in the order the contract lists them. */
 function buildPendingRequest(query: Params, client: { client_id: string; client_name: string | undefined; redirect_uri: string }, ctx: Context): PendingRequest {
@@ -2402,16 +2699,29 @@ function buildPendingRequest(query: Params, client: { client_id: string; client_
   if (!isCodeChallenge(codeChallenge)) throw new OAuthError('invalid_request', 'code_challenge must be 43 base64url characters')
   const method = getParam(query, 'code_challenge_method') ?? 'S256'
   if (method !== 'S256') throw new OAuthError('invalid_request', 'code_challenge_method must be S256')
+  const state = getParam(query, 'state')
+  if (state !== undefined && state.length > MAX_STATE_LENGTH) throw new OAuthError('invalid_request', `state is longer than ${MAX_STATE_LENGTH} characters`)
+  const meHint = getParam(query, 'me')
+  if (meHint !== undefined && meHint.length > MAX_URL_LENGTH) throw new OAuthError('invalid_request', `me is longer than ${MAX_URL_LENGTH} characters`)
+  const scope = responseType === 'id' ? [] : parseScope(getParam(query, 'scope')) // `id`: the profile-only request of older clients
+  if (scope.length > MAX_SCOPES) throw new OAuthError('invalid_scope', `The request asks for more than ${MAX_SCOPES} scopes`)
+  if (scope.some((one) => one.length > MAX_SCOPE_LENGTH)) throw new OAuthError('invalid_scope', `A scope is longer than ${MAX_SCOPE_LENGTH} characters`)
   return {
     ...client,
-    state: getParam(query, 'state'),
+    state,
     code_challenge: codeChallenge,
-    scope: responseType === 'id' ? [] : parseScope(getParam(query, 'scope')), // `id`: the profile-only request of older clients
-    meHint: getParam(query, 'me'),
+    scope,
+    meHint,
     csrfHash: '',
     expiresAt: ctx.now() + PENDING_TTL_SECONDS * 1000,
   }
 }
+
+// What a pending request may hold: with the 8 KiB request target, these keep the 1,000 pending
+// requests a store holds at once to a few megabytes, and the consent page to a few kilobytes.
+const MAX_STATE_LENGTH = 1_024
+const MAX_SCOPES = 50
+const MAX_SCOPE_LENGTH = 100
 
 /** The consent page: who asks, where the browser goes next, what access, and one form. */
 function renderConsentPage(
@@ -2426,14 +2736,14 @@ function renderConsentPage(
       return `<label><input type="checkbox" name="scope" value="${escapeHtml(scope)}" checked> <code>${escapeHtml(scope)}</code> · ${escapeHtml(description)}</label>`
     })
     .join('\n')
-  const hint = request.meHint !== undefined && request.meHint !== config.me ? `<p class="muted">The app expected <code>${escapeHtml(request.meHint)}</code>.</p>` : ''
+  const hint = request.meHint !== undefined && request.meHint !== config.me ? `<p class="muted">The app expected <code>${isolate(request.meHint)}</code>.</p>` : ''
   return renderPage(
     'Sign in',
     `<h1>Sign in to an app as ${escapeHtml(config.me)}</h1>
 ${form.logo === undefined ? '' : `<p><img class="logo" src="${escapeHtml(form.logo)}" alt="" width="64" height="64"></p>`}
-<p>The app ${request.client_name === undefined ? '' : `<strong>${escapeHtml(request.client_name)}</strong> at `}<code>${escapeHtml(request.client_id)}</code> wants to know that you are <code>${escapeHtml(config.me)}</code>.</p>
+<p>The app ${request.client_name === undefined ? '' : `<strong>${isolate(request.client_name)}</strong> at `}<code>${isolate(request.client_id)}</code> wants to know that you are <code>${escapeHtml(config.me)}</code>.</p>
 ${hint}
-<p class="muted">After you decide, your browser goes to <code>${escapeHtml(redirectHost)}</code>.</p>
+<p class="muted">After you decide, your browser goes to <code>${isolate(redirectHost)}</code>.</p>
 <form method="post" action="${escapeHtml(endpointUrl(config, '/auth/consent'))}">
 <input type="hidden" name="request" value="${escapeHtml(form.id)}">
 <input type="hidden" name="csrf" value="${escapeHtml(form.csrf)}">
@@ -2485,19 +2795,19 @@ async function handleConsent(req: IncomingMessage, res: ServerResponse, ctx: Con
   const id = requireParam(form, 'request')
   const request = await ctx.store.findPending(hashSecret(id), ctx.now())
   if (request === undefined) throw new OAuthError('invalid_request', 'This sign-in request is unknown or has expired: start again from the app')
-  const csrf = requireCsrf(form, req, ctx.config)
-  if (!safeEqual(hashSecret(csrf), request.csrfHash)) {
+  const visitor = await requireFormToken(form, req, ctx)
+  if (!safeEqual(hashSecret(readCookie(req, csrfCookieName(ctx.config)) ?? ''), request.csrfHash)) {
     throw new OAuthError('access_denied', 'This sign-in request was opened in another browser: start again from the app', { status: 403 })
   }
   const decision = getParam(form, 'decision')
   if (decision !== 'approve' && decision !== 'deny') throw new OAuthError('invalid_request', 'Choose Approve or Deny')
   const lifetime = requireLifetime(getParam(form, 'lifetime'), ctx.config)
   const headers: Record<string, string> = {}
-  if (decision === 'approve' && !(await isSignedIn(req, ctx))) {
+  if (decision === 'approve' && !visitor.signedIn) {
     const message = await checkPassword(getParam(form, 'password'), clientAddress(req), ctx)
     if (message !== undefined) {
       const logo = ctx.clients.get(request.client_id)?.info.logo
-      return sendPage(res, 401, renderConsentPage(request, { id, csrf, config: ctx.config, signedIn: false, logo, message }))
+      return sendPage(res, 401, renderConsentPage(request, { id, csrf: formToken(visitor), config: ctx.config, signedIn: false, logo, message }))
     }
     headers['Set-Cookie'] = await startSession(ctx)
   }
@@ -2589,16 +2899,24 @@ export function countAttempt(previous: PasswordAttempts | undefined, now: number
 }
 
 /** Runs a password check when one of the few slots is free; past the queue's length, 429. */
-export async function withPasswordSlot<T>(slots: PasswordSlots, check: () => Promise<T>): Promise<T> {
-  if (slots.running < MAX_PARALLEL_PASSWORD_CHECKS) {
+export function withPasswordSlot<T>(slots: PasswordSlots, check: () => Promise<T>): Promise<T> {
+  const busy = () => new OAuthError('too_many_requests', 'The server is busy checking passwords: try again in a few seconds', { headers: { 'Retry-After': '5' } })
+  return withSlot(slots, PASSWORD_CHECK_SLOTS, busy, check)
+}
+
+const PASSWORD_CHECK_SLOTS = { running: MAX_PARALLEL_PASSWORD_CHECKS, waiting: MAX_WAITING_PASSWORD_CHECKS }
+
+/** Runs a task when fewer than `limits.running` run, queued in order behind at most `limits.waiting`; past that, throws `busy()`. */
+async function withSlot<T>(slots: Slots, limits: { running: number; waiting: number }, busy: () => Error, task: () => Promise<T>): Promise<T> {
+  if (slots.running < limits.running) {
     slots.running++
-  } else if (slots.waiting.length < MAX_WAITING_PASSWORD_CHECKS) {
-    await new Promise<void>((resolve) => slots.waiting.push(resolve)) // the slot is handed over by the check that ends
+  } else if (slots.waiting.length < limits.waiting) {
+    await new Promise<void>((resolve) => slots.waiting.push(resolve)) // the slot is handed over by the task that ends
   } else {
-    throw new OAuthError('too_many_requests', 'The server is busy checking passwords: try again in a few seconds', { headers: { 'Retry-After': '5' } })
+    throw busy()
   }
   try {
-    return await check()
+    return await task()
   } finally {
     const next = slots.waiting.shift()
     if (next === undefined) slots.running--
@@ -2736,7 +3054,9 @@ async function exchangeCode(form: Params, ctx: Context) {
 
 /**
  * Rotates a refresh token: the old one stops working, and presenting it again revokes the
- * whole grant, since one of the two presenters must have stolen it.
+ * whole grant, since one of the two presenters must have stolen it. Within
+ * `REFRESH_TOKEN_GRACE` of its rotation, though, it is a retry (the answer was lost on the way,
+ * or the client refreshed twice at once) and gets fresh tokens too: RFC 9700 §4.14.2 allows it.
  * @see https://www.rfc-editor.org/rfc/rfc6749#section-6
  * @see https://www.rfc-editor.org/rfc/rfc9700#section-4.14.2 RFC 9700 §4.14.2
  */
@@ -2745,12 +3065,17 @@ async function refreshGrant(form: Params, ctx: Context) {
   const clientId = requireParam(form, 'client_id')
   const found = await findLiveToken(hash, 'refresh', ctx)
   if (found === undefined) throw new OAuthError('invalid_grant', 'The refresh token is unknown, expired or revoked')
-  if (found.token.usedAt !== undefined) await revokeReusedRefreshToken(found.token.grantId, ctx) // whatever else the request says
+  const retriedSince = ctx.now() - ctx.config.refreshTokenGraceSeconds * 1000
+  const { usedAt } = found.token
+  if (usedAt !== undefined && !(ctx.config.refreshTokenGraceSeconds > 0 && usedAt + 1000 > retriedSince)) {
+    await revokeReusedRefreshToken(found.token.grantId, ctx) // whatever else the request says
+  }
   if (!isSameClientId(clientId, found.grant.client_id)) {
     throw new OAuthError('invalid_grant', 'client_id does not match the client the refresh token was issued to')
   }
   const scope = narrowScope(getParam(form, 'scope'), found.token.scope)
-  return await issueTokens({ kind: 'refresh', hash }, found.token.grantId, found.grant, scope, ctx)
+  const redeemed = { kind: 'refresh', hash, retriedSince: ctx.config.refreshTokenGraceSeconds > 0 ? retriedSince : undefined } as const
+  return await issueTokens(redeemed, found.token.grantId, found.grant, scope, ctx)
 }
 
 async function revokeReusedRefreshToken(grantId: string, ctx: Context): Promise<never> {
@@ -2947,20 +3272,21 @@ async function requireAccessToken(req: IncomingMessage, form: Params | undefined
 
 /** Shows the connected apps to the signed-in owner, and a sign-in form to anyone else. */
 async function handleAppsPage(req: IncomingMessage, res: ServerResponse, ctx: Context): Promise<void> {
-  const csrf = csrfFor(req, ctx.config)
-  const headers = { 'Set-Cookie': buildCookie(csrfCookieName(ctx.config), csrf, undefined, ctx.config) }
-  if (!(await isSignedIn(req, ctx))) return sendPage(res, 200, renderSignInPage({ csrf, config: ctx.config }), headers)
-  sendPage(res, 200, renderAppsPage(await ctx.store.listGrants(ctx.now()), { csrf, config: ctx.config }), headers)
+  const visitor = await readVisitor(req, ctx)
+  const headers = { 'Set-Cookie': buildCookie(csrfCookieName(ctx.config), visitor.csrf, undefined, ctx.config) }
+  const page = { csrf: formToken(visitor), config: ctx.config }
+  if (!visitor.signedIn) return sendPage(res, 200, renderSignInPage(page), headers)
+  sendPage(res, 200, renderAppsPage(await ctx.store.listGrants(ctx.now()), page), headers)
 }
 
 /** Checks the owner's password and starts a session. */
 async function handleSignIn(req: IncomingMessage, res: ServerResponse, ctx: Context): Promise<void> {
   const form = await readForm(req)
-  const csrf = requireCsrf(form, req, ctx.config)
+  const visitor = await requireFormToken(form, req, ctx)
   const headers: Record<string, string> = {}
-  if (ctx.config.passwordHash !== undefined) {
+  if (!visitor.signedIn) {
     const message = await checkPassword(getParam(form, 'password'), clientAddress(req), ctx)
-    if (message !== undefined) return sendPage(res, 401, renderSignInPage({ csrf, config: ctx.config, message }))
+    if (message !== undefined) return sendPage(res, 401, renderSignInPage({ csrf: formToken(visitor), config: ctx.config, message }))
     headers['Set-Cookie'] = await startSession(ctx)
   }
   redirect(res, 303, endpointUrl(ctx.config, '/apps'), headers)
@@ -2968,11 +3294,17 @@ async function handleSignIn(req: IncomingMessage, res: ServerResponse, ctx: Cont
 
 /** Ends the owner's session, here and in the store. */
 async function handleSignOut(req: IncomingMessage, res: ServerResponse, ctx: Context): Promise<void> {
-  requireCsrf(await readForm(req), req, ctx.config)
-  const name = sessionCookieName(ctx.config)
-  const value = readCookie(req, name)
-  if (value !== undefined) await ctx.store.deleteSession(hashSecret(value))
-  redirect(res, 303, endpointUrl(ctx.config, '/apps'), { 'Set-Cookie': buildCookie(name, '', 0, ctx.config) })
+  const { session } = await requireFormToken(await readForm(req), req, ctx)
+  if (session !== undefined) await ctx.store.deleteSession(hashSecret(session))
+  redirect(res, 303, endpointUrl(ctx.config, '/apps'), { 'Set-Cookie': buildCookie(sessionCookieName(ctx.config), '', 0, ctx.config) })
+}
+
+/** Ends every session of the owner, in every browser: after a lost phone or a shared computer. */
+async function handleSignOutEverywhere(req: IncomingMessage, res: ServerResponse, ctx: Context): Promise<void> {
+  await requireOwner(await readForm(req), req, ctx)
+  await ctx.store.deleteAllSessions()
+  ctx.log('security: the owner signed out everywhere, so every session ended')
+  redirect(res, 303, endpointUrl(ctx.config, '/apps'), { 'Set-Cookie': buildCookie(sessionCookieName(ctx.config), '', 0, ctx.config) })
 }
 
 /** Revokes one grant: its access and refresh tokens stop working at once. */
@@ -2991,8 +3323,7 @@ async function handleAllAppsRevocation(req: IncomingMessage, res: ServerResponse
 }
 
 async function requireOwner(form: Params, req: IncomingMessage, ctx: Context): Promise<void> {
-  requireCsrf(form, req, ctx.config)
-  if (!(await isSignedIn(req, ctx))) throw new OAuthError('access_denied', 'Sign in first: your session has ended', { status: 401 })
+  if (!(await requireFormToken(form, req, ctx)).signedIn) throw new OAuthError('access_denied', 'Sign in first: your session has ended', { status: 401 })
 }
 
 function renderSignInPage(page: { csrf: string; config: Config; message?: string }): string {
@@ -3015,9 +3346,9 @@ function renderAppsPage(grants: [string, Grant][], page: { csrf: string; config:
   const apps = grants
     .map(
       ([id, grant]) => `<section class="app">
-<h2>${escapeHtml(grant.client_name ?? grant.client_id)}</h2>
+<h2>${isolate(grant.client_name ?? grant.client_id)}</h2>
 <dl>
-${grant.client_name === undefined ? '' : `<dt>App</dt><dd><code>${escapeHtml(grant.client_id)}</code></dd>`}
+${grant.client_name === undefined ? '' : `<dt>App</dt><dd><code>${isolate(grant.client_id)}</code></dd>`}
 <dt>Scopes</dt><dd>${escapeHtml(grant.scope.join(' '))}</dd>
 <dt>Approved</dt><dd>${formatTime(grant.approvedAt)}</dd>
 <dt>Last used</dt><dd>${formatTime(grant.lastUsedAt)}</dd>
@@ -3028,14 +3359,17 @@ ${grant.client_name === undefined ? '' : `<dt>App</dt><dd><code>${escapeHtml(gra
     )
     .join('\n')
   const signOut =
-    config.passwordHash === undefined ? '' : `<form method="post" action="${escapeHtml(endpointUrl(config, '/sign-out'))}">${csrfField}<button>Sign out</button></form>`
+    config.passwordHash === undefined
+      ? ''
+      : `<form method="post" action="${escapeHtml(endpointUrl(config, '/sign-out'))}">${csrfField}<button>Sign out</button></form>`
   const revokeAll = `<form method="post" action="${escapeHtml(endpointUrl(config, '/apps/revoke-all'))}">${csrfField}<button class="danger">Revoke all</button></form>`
   return renderPage(
     'Connected apps',
     `<div class="bar"><span class="muted">${escapeHtml(config.me)}</span>${signOut}</div>
 <h1>Connected apps</h1>
 <p>These apps can act as you. Revoking one ends its access and refresh tokens at once; “Access ends” is when it would end anyway, unless the app refreshes it.</p>
-${apps === '' ? '<p class="muted">No app holds a token right now.</p>' : `${apps}\n<div class="actions">${revokeAll}</div>`}`,
+${apps === '' ? '<p class="muted">No app holds a token right now.</p>' : `${apps}\n<div class="actions">${revokeAll}</div>`}
+${config.passwordHash === undefined ? '' : `<p class="muted">Signed in on a device you no longer have?</p>\n<form method="post" action="${escapeHtml(endpointUrl(config, '/sign-out-everywhere'))}">${csrfField}<button>Sign out everywhere</button></form>`}`,
   )
 }
 
@@ -3109,6 +3443,8 @@ function routesOf(path: string): Partial<Record<string, Handler>> | undefined {
       return { POST: handleSignIn }
     case '/sign-out':
       return { POST: handleSignOut }
+    case '/sign-out-everywhere':
+      return { POST: handleSignOutEverywhere }
     default:
       return undefined
   }
@@ -3122,6 +3458,7 @@ const PAGE_HANDLERS = new Set<Handler>([
   handleAppsPage,
   handleSignIn,
   handleSignOut,
+  handleSignOutEverywhere,
   handleAppRevocation,
   handleAllAppsRevocation,
 ])
@@ -3190,6 +3527,9 @@ export function createHandler(options: HandlerOptions): (req: IncomingMessage, r
     passwordSlots: { running: 0, waiting: [] },
     clientFetch: options.clientFetch ?? {},
     clients: new Map(),
+    failedClients: new Map(),
+    clientLookups: new Map(),
+    clientFetchSlots: { running: 0, waiting: [] },
   }
   const ownHosts = ownHostsOf(ctx.config)
   let lastOwnHost: string | undefined // the Host header that passed last time: nearly every request repeats it
@@ -3209,12 +3549,17 @@ export function createHandler(options: HandlerOptions): (req: IncomingMessage, r
     const host = req.headers.host
     const own = host === lastOwnHost || isOwnHost(host, ownHosts)
     if (own) lastOwnHost = host
-    const checked = own
-      ? handler(req, res, ctx)
-      : Promise.reject(new OAuthError('invalid_request', 'This server answers only to its own host name: set ISSUER to the URL you use, or set PASSWORD_HASH', { status: 421 }))
+    const checked = !own
+      ? Promise.reject(new OAuthError('invalid_request', 'This server answers only to its own host name: set ISSUER to the URL you use, or set PASSWORD_HASH', { status: 421 }))
+      : (req.url ?? '').length > MAX_REQUEST_TARGET
+        ? Promise.reject(new OAuthError('invalid_request', `The request URL is longer than ${MAX_REQUEST_TARGET} characters`, { status: 414 }))
+        : handler(req, res, ctx)
     checked.catch((err: unknown) => renderError(err, res, PAGE_HANDLERS.has(handler), ctx))
   }
 }
+
+/** The longest request target (path and query) Latch reads: what it keeps of a request is bounded by it. */
+const MAX_REQUEST_TARGET = 8_192
 
 /**
  * Without a password, anyone who can load a page from this server can approve a sign-in. A web

@@ -9,6 +9,9 @@ import { Agent, createServer } from 'node:http'
 import type { IncomingMessage, Server, ServerResponse } from 'node:http'
 import { connect } from 'node:net'
 import type { AddressInfo, Socket } from 'node:net'
+import { performance } from 'node:perf_hooks'
+import { setTimeout as delay } from 'node:timers/promises'
+import * as latchModule from '../server.ts'
 import { addressProblem, createHandler, loadConfig, readClientPage, readLinkHeader, scanHtml } from '../server.ts'
 import type { ClientFetchOptions } from '../server.ts'
 
@@ -30,12 +33,39 @@ function sendHtml(res: ServerResponse, html: string, headers: Record<string, str
   res.end(html)
 }
 
+/**
+ * Sites that hold their answers until the test releases them: `shared.example` and
+ * `heldN.example`. `open` counts their requests not answered yet, `most` the largest `open` seen.
+ */
+const held = { parked: [] as (() => void)[], released: false, open: 0, most: 0 }
+
+function holdAnswers(): void {
+  held.released = false
+  held.most = held.open
+}
+
+function releaseHeld(): void {
+  held.released = true
+  for (const answer of held.parked.splice(0)) answer()
+}
+
+function hold(res: ServerResponse, answer: () => void): void {
+  held.open++
+  held.most = Math.max(held.most, held.open)
+  res.on('close', () => held.open--)
+  if (held.released) answer()
+  else held.parked.push(answer)
+}
+
 function site(req: IncomingMessage, res: ServerResponse): void {
   const host = (req.headers.host ?? '').split(':')[0]
   requests.push(`${host} ${req.url}`)
   if (req.url === '/logo.png') {
     res.writeHead(200, { 'Content-Type': 'image/png' })
     return void res.end(PNG)
+  }
+  if (host === 'shared.example' || /^held\d+\.example$/.test(host)) {
+    return hold(res, () => sendJson(res, { client_id: `http://${host}/`, client_name: 'Held', redirect_uris: ['https://other.example/callback'] }))
   }
   switch (host) {
     case 'json.example':
@@ -87,6 +117,12 @@ function site(req: IncomingMessage, res: ServerResponse): void {
       return void res.end()
     case 'lan.example':
       return sendJson(res, { client_id: 'http://lan.example/', client_name: 'On the LAN', redirect_uris: ['https://other.example/callback'] })
+    case 'bidi.example':
+      return sendJson(res, {
+        client_id: 'http://bidi.example/',
+        client_name: '\u202eAcme\u202c \u2066Notes\u2069\u200b\u200e\u200f\u0007App',
+        redirect_uris: ['https://other.example/callback'],
+      })
     default:
       res.writeHead(404)
       res.end()
@@ -137,16 +173,21 @@ after(async () => {
 
 // --- Latch ---------------------------------------------------------------------------------
 
-type Latch = { base: string; advance: (seconds: number) => void; close: () => Promise<void> }
+type Latch = { base: string; logs: string[]; received: () => number; advance: (seconds: number) => void; close: () => Promise<void> }
 
-async function startLatch(env: Record<string, string> = {}): Promise<Latch> {
+async function startLatch(env: Record<string, string> = {}, fetchOptions: ClientFetchOptions = clientFetch): Promise<Latch> {
   const server = createServer()
   await new Promise<void>((resolve) => server.listen(0, '127.0.0.1', resolve))
   const config = loadConfig({ PORT: '0', DATA_FILE: 'memory', ...env }, [], { boundPort: (server.address() as AddressInfo).port })
   let time = Date.UTC(2027, 0, 1)
-  server.on('request', createHandler({ config, now: () => time, log: () => {}, clientFetch }))
+  const logs: string[] = []
+  let received = 0
+  server.on('request', createHandler({ config, now: () => time, log: (line) => logs.push(line), clientFetch: fetchOptions }))
+  server.on('request', () => received++) // after the handler, which runs up to its first wait
   return {
     base: config.issuer,
+    logs,
+    received: () => received,
     advance: (seconds) => {
       time += seconds * 1000
     },
@@ -162,8 +203,31 @@ function authorize(latch: Latch, clientId: string, redirectUri: string): Promise
   return fetch(`${latch.base}/auth?${query}`, { redirect: 'manual' })
 }
 
+/**
+ * Asserts a refusal: a 400 page that says only that the app's information could not be fetched,
+ * while the log says why.
+ */
+async function assertNotFetched(latch: Latch, response: Response, clientId: string, why: RegExp): Promise<void> {
+  assert.equal(response.status, 400)
+  const html = await response.text()
+  assert.match(html, /information could not be fetched/)
+  assert.doesNotMatch(html, why)
+  const line = latch.logs.findLast((entry) => entry.startsWith(`discovery: ${clientId} `))
+  assert.match(line ?? '', why)
+}
+
 function fetchesOf(host: string): number {
   return requests.filter((request) => request === `${host} /`).length
+}
+
+/** Polls a condition every few milliseconds for at most `ms`; says whether it came true. */
+async function until(condition: () => boolean, ms = 5_000): Promise<boolean> {
+  const deadline = performance.now() + ms
+  while (!condition()) {
+    if (performance.now() > deadline) return false
+    await delay(5)
+  }
+  return true
 }
 
 // --- Tests ------------------------------------------------------------------------------------
@@ -177,7 +241,7 @@ describe('Client discovery (IndieAuth §4.2)', () => {
     const response = await authorize(latch, 'http://json.example/', 'https://other.example/callback')
     const html = await response.text()
     assert.equal(response.status, 200, html)
-    assert.match(html, /<strong>Jot &#60;Notes&#62;<\/strong> at <code>http:\/\/json\.example\/<\/code>/)
+    assert.match(html, /<strong><bdi>Jot &#60;Notes&#62;<\/bdi><\/strong> at <code><bdi>http:\/\/json\.example\/<\/bdi><\/code>/)
     assert.ok(html.includes(`src="data:image/png;base64,${PNG.toString('base64')}"`))
     assert.doesNotMatch(html, /src="http/) // the page loads nothing from elsewhere
   })
@@ -210,8 +274,7 @@ describe('Client discovery (IndieAuth §4.2)', () => {
 
   it('refuses metadata whose client_id is not the URL it came from', async () => {
     const response = await authorize(latch, 'http://mismatch.example/', 'https://other.example/callback')
-    assert.equal(response.status, 400)
-    assert.match(await response.text(), /another client_id/)
+    await assertNotFetched(latch, response, 'http://mismatch.example/', /another client_id/)
     const sameHost = await authorize(latch, 'http://mismatch.example/', 'http://mismatch.example/callback')
     const html = await sameHost.text()
     assert.equal(sameHost.status, 200) // a redirect on the client's own host needs no discovery
@@ -220,8 +283,7 @@ describe('Client discovery (IndieAuth §4.2)', () => {
 
   it('refuses metadata whose client_uri is not a prefix of client_id', async () => {
     const response = await authorize(latch, 'http://prefix.example/app/', 'https://other.example/callback')
-    assert.equal(response.status, 400)
-    assert.match(await response.text(), /client_uri/)
+    await assertNotFetched(latch, response, 'http://prefix.example/app/', /client_uri is not a prefix/)
   })
 
   it('reads an HTML page: h-app name and logo, rel=redirect_uri in elements and in the Link header', async () => {
@@ -229,7 +291,7 @@ describe('Client discovery (IndieAuth §4.2)', () => {
       const response = await authorize(latch, 'http://html.example/', redirectUri)
       const html = await response.text()
       assert.equal(response.status, 200, `${redirectUri}: ${html}`)
-      assert.match(html, /<strong>Quill &#38; Ink<\/strong>/)
+      assert.match(html, /<strong><bdi>Quill &#38; Ink<\/bdi><\/strong>/)
       assert.match(html, /src="data:image\/png;base64,/)
     }
     assert.equal((await authorize(latch, 'http://html.example/', 'https://commented.example/')).status, 400)
@@ -241,7 +303,7 @@ describe('Client discovery (IndieAuth §4.2)', () => {
       const response = await authorize(latch, `http://${host}/`, 'https://other.example/callback')
       const html = await response.text()
       assert.equal(response.status, 200, html)
-      assert.match(html, /<strong>(Bad|Big) Logo<\/strong>/)
+      assert.match(html, /<strong><bdi>(Bad|Big) Logo<\/bdi><\/strong>/)
       assert.doesNotMatch(html, /<img/)
     }
   })
@@ -249,18 +311,15 @@ describe('Client discovery (IndieAuth §4.2)', () => {
   it('does not follow a redirect from the client page', async () => {
     const before = fetchesOf('json.example')
     const response = await authorize(latch, 'http://redirecting.example/', 'https://other.example/callback')
-    assert.equal(response.status, 400)
-    assert.match(await response.text(), /answered 302/)
+    await assertNotFetched(latch, response, 'http://redirecting.example/', /answered 302/)
     assert.equal(fetchesOf('json.example'), before)
   })
 
   it('gives up on an oversized page and on a slow one', async () => {
     const big = await authorize(latch, 'http://big.example/', 'https://other.example/callback')
-    assert.equal(big.status, 400)
-    assert.match(await big.text(), /larger than 256 KiB/)
+    await assertNotFetched(latch, big, 'http://big.example/', /larger than 256 KiB/)
     const slow = await authorize(latch, 'http://slow.example/', 'https://other.example/callback')
-    assert.equal(slow.status, 400)
-    assert.match(await slow.text(), /did not answer within 300 ms/)
+    await assertNotFetched(latch, slow, 'http://slow.example/', /did not answer within 300 ms/)
   })
 
   it('never fetches a loopback client_id, by address or by what its name resolves to', async () => {
@@ -269,16 +328,14 @@ describe('Client discovery (IndieAuth §4.2)', () => {
     assert.equal((await authorize(latch, 'http://[::1]:8080/', 'http://other.example/callback')).status, 400)
     for (const host of ['loop.example', 'mapped.example', 'metadata.example']) {
       const response = await authorize(latch, `http://${host}/`, 'https://other.example/callback')
-      assert.equal(response.status, 400)
-      assert.match(await response.text(), /loopback, link-local or special-use/)
+      await assertNotFetched(latch, response, `http://${host}/`, /loopback, link-local or special-use/)
     }
     assert.equal(requests.length, count)
   })
 
   it('never fetches a private address unless CLIENT_FETCH_PRIVATE=allow', async () => {
     const refused = await authorize(latch, 'http://lan.example/', 'https://other.example/callback')
-    assert.equal(refused.status, 400)
-    assert.match(await refused.text(), /private address/)
+    await assertNotFetched(latch, refused, 'http://lan.example/', /10\.1\.2\.3, a private address/)
     assert.equal(fetchesOf('lan.example'), 0)
     const lan = await startLatch({ CLIENT_FETCH_PRIVATE: 'allow' })
     const allowed = await authorize(lan, 'http://lan.example/', 'https://other.example/callback')
@@ -287,13 +344,12 @@ describe('Client discovery (IndieAuth §4.2)', () => {
     await lan.close()
   })
 
-  it('says so when the name does not resolve', async () => {
+  it('tells a stranger only that the app could not be fetched, and the log why (no addresses, no system errors)', async () => {
     const response = await authorize(latch, 'http://nowhere.example/', 'https://other.example/callback')
-    assert.equal(response.status, 400)
-    assert.match(await response.text(), /does not resolve/)
+    await assertNotFetched(latch, response, 'http://nowhere.example/', /does not resolve \(ENOTFOUND\)/)
   })
 
-  it('caches a result as long as Cache-Control allows, and never caches a failure', async () => {
+  it('caches a result as long as Cache-Control allows, and a failure for 30 seconds', async () => {
     const cached = await startLatch()
     const before = fetchesOf('json.example')
     await authorize(cached, 'http://json.example/', 'https://other.example/callback')
@@ -306,8 +362,77 @@ describe('Client discovery (IndieAuth §4.2)', () => {
     const failures = fetchesOf('failing.example')
     await authorize(cached, 'http://failing.example/', 'https://other.example/callback')
     await authorize(cached, 'http://failing.example/', 'https://other.example/callback')
+    assert.equal(fetchesOf('failing.example'), failures + 1)
+    cached.advance(31)
+    await authorize(cached, 'http://failing.example/', 'https://other.example/callback')
     assert.equal(fetchesOf('failing.example'), failures + 2)
     await cached.close()
+  })
+
+  it('shows a name without bidi overrides, isolates, invisible marks or controls, isolated in <bdi>', async () => {
+    const response = await authorize(latch, 'http://bidi.example/', 'https://other.example/callback')
+    const html = await response.text()
+    assert.equal(response.status, 200, html)
+    const hidden = /[\u0000-\u0008\u000b\u000c\u000e-\u001f\u007f\u200b-\u200f\u202a-\u202e\u2066-\u2069]/u.exec(html)
+    assert.ok(hidden === null, `the page carries U+${hidden?.[0].codePointAt(0)?.toString(16).padStart(4, '0')}`)
+    assert.match(html, /<strong><bdi>Acme Notes App<\/bdi><\/strong> at <code><bdi>http:\/\/bidi\.example\/<\/bdi><\/code>/)
+  })
+})
+
+describe('Discovery under load', () => {
+  // Held answers would time out at 300 ms: these Latches wait as long as production does.
+  const patient: ClientFetchOptions = { ...clientFetch, timeoutMs: 5_000 }
+
+  it('shares one fetch among concurrent requests for the same client', async () => {
+    holdAnswers()
+    const latch = await startLatch({}, patient)
+    try {
+      const before = fetchesOf('shared.example')
+      const answers = Array.from({ length: 20 }, async () => {
+        const response = await authorize(latch, 'http://shared.example/', 'https://other.example/callback')
+        await response.arrayBuffer()
+        return response.status
+      })
+      assert.ok(await until(() => latch.received() === 20 && held.parked.length > 0), 'all 20 requests arrived and the site was asked')
+      releaseHeld()
+      assert.deepEqual(await Promise.all(answers), new Array(20).fill(200))
+      assert.equal(fetchesOf('shared.example') - before, 1) // nothing is cached: the site sent no Cache-Control
+    } finally {
+      releaseHeld()
+      await latch.close()
+    }
+  })
+
+  it('runs at most 8 fetches at once, queues 8 more, and answers the rest at once with a 400 and no fetch', async () => {
+    holdAnswers()
+    const latch = await startLatch({}, patient)
+    const hosts = Array.from({ length: 30 }, (_, i) => `held${i}.example`)
+    const statuses = new Map<string, number>()
+    try {
+      const answers = hosts.map(async (host) => {
+        const response = await authorize(latch, `http://${host}/`, 'https://other.example/callback')
+        await response.arrayBuffer()
+        statuses.set(host, response.status)
+      })
+      const refused = () => [...statuses.values()].filter((status) => status === 400).length
+      await until(() => held.most > 8 || (held.open === 8 && refused() >= 14))
+      assert.ok(held.most <= 8, `the sites saw ${held.most} requests at once`)
+      assert.equal(held.open, 8)
+      assert.ok(refused() >= 14, `${refused()} of 30 were refused before any fetch ended`)
+      assert.equal(statuses.size, refused()) // none was answered otherwise
+      releaseHeld()
+      await Promise.all(answers)
+      assert.ok(held.most <= 8, `the sites saw ${held.most} requests at once`)
+      for (const host of hosts) {
+        const status = statuses.get(host)
+        assert.ok(status === 200 || status === 400, `${host}: ${status}`)
+        assert.equal(fetchesOf(host), status === 200 ? 1 : 0, host)
+      }
+      assert.equal([...statuses.values()].filter((status) => status === 200).length, 16)
+    } finally {
+      releaseHeld()
+      await latch.close()
+    }
   })
 })
 
@@ -323,6 +448,41 @@ describe('Discovery parsers and address rules', () => {
     assert.equal(scanHtml('<b>'.repeat(20_000)).length, 10_000)
     assert.deepEqual(scanHtml('<a href="x">ok</a><b title="never closed>').map((element) => element.name), ['a'])
     assert.equal(readClientPage(`<div class="h-app">${'<span>'.repeat(300)}Name`, 'https://a.example/').name, 'Name')
+  })
+
+  it('stops at 10,000 closing tags', () => {
+    const names = (html: string) => scanHtml(html).map((element) => element.name)
+    assert.deepEqual(names(`${'</x>'.repeat(9_999)}<a class="h-app">`), ['a'])
+    assert.deepEqual(names(`${'</x>'.repeat(10_000)}<a class="h-app">`), [])
+  })
+
+  it('scans a page of deep nesting and stray closing tags in time linear in its size', () => {
+    const size = 256 * 1024
+    const nested = '<div>'.repeat(256)
+    const crafted = nested + '</x>'.repeat((size - nested.length) / 4)
+    const plain = '<p>a</p>'.repeat(size / 8) // as many tags, every one of them matched
+    assert.equal(crafted.length, size)
+    assert.equal(plain.length, size)
+    const best = (html: string) => {
+      let fastest = Infinity
+      for (let run = 0; run < 5; run++) {
+        const start = performance.now()
+        scanHtml(html)
+        fastest = Math.min(fastest, performance.now() - start)
+      }
+      return fastest
+    }
+    best(plain) // warm up
+    const ratio = best(crafted) / best(plain)
+    assert.ok(ratio < 5, `the crafted page took ${ratio.toFixed(1)} times as long as a plain one`)
+  })
+
+  it('cleans a name to one line of plain text, at most 100 characters, never half a character', () => {
+    assert.equal(latchModule.cleanName('\u202egnp.exe'), 'gnp.exe')
+    assert.equal(latchModule.cleanName('  Two\n\tlines\u2028here '), 'Two lines here')
+    assert.equal(latchModule.cleanName('\u2066\u200b\u200e\u200f\u2069'), undefined)
+    assert.equal(latchModule.cleanName('مرحبا'), 'مرحبا') // right-to-left letters stay: only formatting goes
+    assert.equal(latchModule.cleanName(`${'x'.repeat(99)}\u{1f600}`), 'x'.repeat(99))
   })
 
   it('resolves relative redirect URIs against the page and ignores other relations', () => {
@@ -351,6 +511,23 @@ describe('Discovery parsers and address rules', () => {
     ['192.168.1.1', false, 'private'],
     ['100.100.1.1', false, 'private'],
     ['fd12::1', false, 'private'],
+    ['::127.0.0.1', true, 'loopback'],
+    ['::a9fe:a9fe', true, 'link-local'],
+    ['::ffff:7f00:1', true, 'loopback'],
+    ['::ffff:0:7f00:1', true, 'loopback'],
+    ['64:ff9b:1::1', true, 'special-use'],
+    ['fec0::1', true, 'special-use'],
+    ['3fff::1', true, 'special-use'],
+    ['5f00::1', true, 'special-use'],
+    ['100:0:0:1::1', true, 'special-use'],
+    ['240.0.0.1', true, 'special-use'],
+    ['255.255.255.255', true, 'special-use'],
+    ['192.88.99.1', true, 'special-use'],
+    ['::ffff:10.0.0.1', false, 'private'],
+    ['64:ff9b::a00:1', false, 'private'],
+    ['64:ff9b::808:808', false, undefined],
+    ['::ffff:8.8.8.8', false, undefined],
+    ['2606:4700::1', false, undefined],
   ]
   for (const [address, evenWhenAllowed, kind] of addresses) {
     it(`${kind === undefined ? 'allows' : 'refuses'} ${address}${kind === 'private' ? ' unless private addresses are allowed' : ''}`, () => {

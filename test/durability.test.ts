@@ -4,10 +4,11 @@
 
 import { after, before, describe, it } from 'node:test'
 import assert from 'node:assert/strict'
-import { spawn } from 'node:child_process'
+import { spawn, spawnSync } from 'node:child_process'
 import { createHash } from 'node:crypto'
 import type { ChildProcessWithoutNullStreams } from 'node:child_process'
 import { mkdir, mkdtemp, readFile, rm, stat, writeFile } from 'node:fs/promises'
+import { writeFileSync } from 'node:fs'
 import { createServer } from 'node:http'
 import type { AddressInfo } from 'node:net'
 import { tmpdir } from 'node:os'
@@ -184,7 +185,7 @@ describe('DATA_FILE: restarts', () => {
 describe('DATA_FILE: damaged files', () => {
   const token: Token = { kind: 'access', grantId: 'g', scope: ['create'], issuedAt: START, expiresAt: START + 86400_000, usedAt: undefined }
   const line = (key: string) => `${JSON.stringify({ set: 'token', key, value: token })}\n`
-  const grant = `${JSON.stringify({ set: 'grant', key: 'g', value: { client_id: CLIENT_ID, me: 'https://example.com/', scope: ['create'], approvedAt: START, lastUsedAt: START, expiresAt: START + 86400_000 } })}\n`
+  const grant = `${JSON.stringify({ set: 'grant', key: 'g', value: { client_id: CLIENT_ID, me: 'https://example.com/', scope: ['create'], accessTokenTtlSeconds: 3600, approvedAt: START, lastUsedAt: START, expiresAt: START + 86400_000 } })}\n`
 
   it('drops a torn last line with a warning and keeps every whole line', async () => {
     const file = join(directory, 'torn.jsonl')
@@ -236,6 +237,36 @@ describe('DATA_FILE: damaged files', () => {
     await writeFile(file, '{"hello":"world"}\n' + line('a'))
     await assert.rejects(FileStore.open(file, { log: () => {} }), /line 1/)
   })
+
+  const wrongFields: [string, Record<string, unknown>, RegExp][] = [
+    ['a token whose scope is not a list', { set: 'token', key: 'x', value: { ...token, scope: 'create' } }, /token's scope/],
+    ['a token of an unknown kind', { set: 'token', key: 'x', value: { ...token, kind: 'id' } }, /token's kind/],
+    ['a token without expiry', { set: 'token', key: 'x', value: { ...token, expiresAt: undefined } }, /token's expiresAt is missing/],
+    ['a code whose me is a number', { set: 'code', key: 'x', value: { client_id: CLIENT_ID, me: 7 } }, /code's/],
+    ['a session whose value is null', { set: 'session', key: 'x', value: null }, /session has no value/],
+    ['a change inside a group without a key', { all: [{ set: 'token', value: token }] }, /no valid key/],
+  ]
+  for (const [what, record, why] of wrongFields) {
+    it(`refuses ${what}, naming the file, the line and the field, instead of crashing`, async () => {
+      const file = join(directory, 'wrong-fields.jsonl')
+      await writeFile(file, grant + `${JSON.stringify(record)}\n` + line('a'))
+      await assert.rejects(FileStore.open(file, { now: () => START, log: () => {} }), (err: unknown) => {
+        assert.ok(err instanceof ConfigError, String(err))
+        assert.ok(err.message.includes(`${file} line 2`), err.message)
+        assert.match(err.message, why)
+        return true
+      })
+    })
+  }
+
+  it('stops the command line with one line and a non-zero exit on such a record', () => {
+    const file = join(directory, 'wrong-fields-cli.jsonl')
+    writeFileSync(file, `${JSON.stringify({ set: 'token', key: 'x', value: { ...token, scope: 'create' } })}\n`)
+    const result = spawnSync(process.execPath, ['--import', 'tsx', 'server.ts'], { env: { ...process.env, DATA_FILE: file, PORT: '0' }, encoding: 'utf8', timeout: 20_000 })
+    assert.equal(result.status, 1)
+    assert.match(result.stderr, /^latch: .*line 1 is not a Latch journal record \(a token's scope/)
+    assert.doesNotMatch(result.stderr, /TypeError|\n\s+at /)
+  })
 })
 
 describe('DATA_FILE: compaction and failures', () => {
@@ -266,7 +297,7 @@ describe('DATA_FILE: compaction and failures', () => {
     const store = await FileStore.open(file, { now: () => START, log: () => {} })
     const app = { client_id: CLIENT_ID, client_name: undefined, me: 'https://example.com/', scope: ['create'] }
     await store.saveCode('c', { ...app, redirect_uri: REDIRECT_URI, code_challenge: CHALLENGE, accessTokenTtlSeconds: 3600, issuedAt: START, expiresAt: START + 60_000, usedAt: undefined }, START)
-    const session = store.saveSession('s', { createdAt: START, expiresAt: START + 3600_000 }, START) // its line starts the compaction
+    const session = store.saveSession('s', { createdAt: START, expiresAt: START + 3600_000, passwordTag: '' }, START) // its line starts the compaction
     await new Promise((resolve) => setImmediate(resolve)) // that line is being written now
     const token = (kind: Token['kind']): Token => ({ kind, grantId: 'c', scope: ['create'], issuedAt: START, expiresAt: START + 3600_000, usedAt: undefined })
     const grant = { ...app, accessTokenTtlSeconds: 3600, approvedAt: START, lastUsedAt: START, expiresAt: START + 3600_000 }
