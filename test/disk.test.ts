@@ -1,0 +1,210 @@
+// DATA_FILE on a full disk. Latch runs on a small tmpfs that a filler file fills up, so that its
+// journal meets what a full disk really does: a write that stores fewer bytes than asked without
+// an error, then writes that fail with ENOSPC. Checked: a change is answered as done only once all
+// of its bytes are on disk; a write that fails or is cut short answers 500 server_error and leaves
+// only whole lines; once space returns, writes work again without a restart; every restart opens
+// the file and finds every token answered 200 active; and a compaction that runs out of space
+// leaves the journal as it was and says so in the log.
+// Mounting the tmpfs needs root: without it these tests are skipped, or fail when CI is set.
+
+import { after, before, describe, it } from 'node:test'
+import type { TestContext } from 'node:test'
+import assert from 'node:assert/strict'
+import { execFileSync } from 'node:child_process'
+import { closeSync, fstatSync, ftruncateSync, openSync, writeSync } from 'node:fs'
+import { mkdir, mkdtemp, readFile, readdir, rm, writeFile } from 'node:fs/promises'
+import { tmpdir } from 'node:os'
+import { join } from 'node:path'
+import { FileStore, createSecret, hashSecret } from '../server.ts'
+import type { Grant, Token } from '../server.ts'
+import { START, startLatch } from './harness.ts'
+
+const VERIFIER = 'dBjftJeZ4CVP-mB92K27uhbUJU1p1r_wW1gFWFOEjXk'
+const CHALLENGE = 'E9Melhoa2OwvFrEMTJguCHaoeK1t8URWbuGJSstw-cM'
+const CLIENT_ID = 'http://127.0.0.1:8080/'
+const REDIRECT_URI = 'http://127.0.0.1:8080/callback'
+/** tmpfs hands out space in pages of 4 KiB: a file grows into the rest of its last page for free. */
+const PAGE = 4096
+
+let disk: string
+let mountFailure: string | undefined
+
+before(async () => {
+  disk = await mkdtemp(join(tmpdir(), 'latch-disk-'))
+  try {
+    execFileSync('mount', ['-t', 'tmpfs', '-o', 'size=1m', 'tmpfs', disk], { stdio: 'pipe' })
+  } catch (err) {
+    mountFailure = String((err as { stderr?: Buffer }).stderr ?? err).trim().split('\n')[0]
+  }
+})
+
+after(async () => {
+  if (mountFailure === undefined) {
+    try {
+      execFileSync('umount', [disk], { stdio: 'pipe' })
+    } catch {
+      execFileSync('umount', ['-l', disk], { stdio: 'pipe' }) // a failed test may have left the data file open
+    }
+  }
+  await rm(disk, { recursive: true, force: true })
+})
+
+/** False, with the test skipped, when the tmpfs could not be mounted; a failure instead on CI. */
+function haveDisk(t: TestContext): boolean {
+  if (mountFailure === undefined) return true
+  if (process.env.CI) assert.fail(`testing a full disk needs 'mount -t tmpfs' (run as root): ${mountFailure}`)
+  t.skip(`cannot mount a tmpfs to fill (run as root to test a full disk): ${mountFailure}`)
+  return false
+}
+
+/**
+ * Fills the disk with zeros until ENOSPC, then frees exactly `pages` pages of the filler: what
+ * is left is those pages, besides the unused rest of the last page of each other file.
+ */
+function fillDisk(path: string, pages: number): void {
+  const fd = openSync(path, 'w')
+  const zeros = Buffer.alloc(16 * PAGE)
+  try {
+    for (let i = 0; i < 1_000; i++) writeSync(fd, zeros) // more than the disk holds; the last write may be cut short
+    assert.fail('the disk never filled up')
+  } catch (err) {
+    if ((err as NodeJS.ErrnoException).code !== 'ENOSPC') throw err
+    const size = fstatSync(fd).size
+    assert.equal(size % PAGE, 0)
+    ftruncateSync(fd, size - pages * PAGE)
+  } finally {
+    closeSync(fd)
+  }
+}
+
+// --- A client that walks the flow ---------------------------------------------------------
+
+function post(url: string, fields: Record<string, string>, headers: Record<string, string> = {}): Promise<Response> {
+  const body = new URLSearchParams(fields).toString()
+  return fetch(url, { method: 'POST', redirect: 'manual', headers: { 'Content-Type': 'application/x-www-form-urlencoded', ...headers }, body })
+}
+
+async function obtainCode(base: string): Promise<string> {
+  const query = new URLSearchParams({ client_id: CLIENT_ID, redirect_uri: REDIRECT_URI, state: 's', code_challenge: CHALLENGE, scope: 'create' })
+  const html = await (await fetch(`${base}/auth?${query}`, { redirect: 'manual' })).text()
+  const request = /name="request" value="([^"]+)"/.exec(html)?.[1] ?? ''
+  const csrf = /name="csrf" value="([^"]+)"/.exec(html)?.[1] ?? ''
+  const approved = await post(`${base}/auth/consent`, { request, csrf, scope: 'create', decision: 'approve' }, { Cookie: `latch_csrf=${csrf}` })
+  assert.equal(approved.status, 303)
+  return new URL(approved.headers.get('location') ?? '').searchParams.get('code') ?? ''
+}
+
+function exchange(base: string, code: string): Promise<Response> {
+  return post(`${base}/token`, { grant_type: 'authorization_code', code, client_id: CLIENT_ID, redirect_uri: REDIRECT_URI, code_verifier: VERIFIER })
+}
+
+async function isActive(base: string, token: string): Promise<boolean> {
+  return ((await (await post(`${base}/introspect`, { token })).json()) as { active: boolean }).active
+}
+
+/** Latch on a FileStore of the data file, with the store's log kept for assertions. */
+async function startOn(file: string) {
+  const logs: string[] = []
+  const store = await FileStore.open(file, { now: () => START, log: (line) => logs.push(line) })
+  const latch = await startLatch({ DATA_FILE: file }, { store })
+  const stop = async () => {
+    await latch.close()
+    await store.close()
+  }
+  return { base: latch.base, store, logs, stop }
+}
+
+/** Every line of the journal is whole: it ends with a newline and reads as JSON. */
+async function assertWholeLines(file: string, when: string): Promise<void> {
+  const text = await readFile(file, 'utf8')
+  assert.ok(text.endsWith('\n'), `${when}, the journal ends with a torn line: …${JSON.stringify(text.slice(-60))}`)
+  text
+    .slice(0, -1)
+    .split('\n')
+    .forEach((line, i) => assert.doesNotThrow(() => JSON.parse(line), `${when}, line ${i + 1} of the journal is not JSON: ${line.slice(0, 80)}…`))
+}
+
+// --- The tests -----------------------------------------------------------------------------
+
+describe('DATA_FILE: a full disk', () => {
+  it('answers 200 only for an exchange wholly on disk, 500 for one that does not fit, and writes again once space returns', async (t) => {
+    if (!haveDisk(t)) return
+    const file = join(disk, 'full', 'data.jsonl')
+    const filler = join(disk, 'full-filler')
+    t.after(() => rm(filler, { force: true })) // frees the disk for the next test, even after a failure
+    const running = await startOn(file)
+    const codes: string[] = []
+    for (let i = 0; i < 30; i++) codes.push(await obtainCode(running.base)) // their lines are written while there is room
+    fillDisk(filler, 1) // a few KB left: some exchanges fit, the one that meets the end is written in part
+
+    const promised: string[] = []
+    let failed: string | undefined
+    for (const code of codes) {
+      const response = await exchange(running.base, code)
+      if (response.status !== 200) {
+        assert.equal(response.status, 500)
+        assert.deepEqual(await response.json(), { error: 'server_error' })
+        failed = code
+        break
+      }
+      promised.push(((await response.json()) as { access_token: string }).access_token)
+    }
+    assert.ok(failed !== undefined, 'every exchange was answered 200: the disk never filled up')
+    await assertWholeLines(file, 'after the disk filled up')
+
+    await rm(filler) // space returns: the same store writes again, the failed code's exchange included
+    const retried = await exchange(running.base, failed)
+    assert.equal(retried.status, 200)
+    promised.push(((await retried.json()) as { access_token: string }).access_token)
+    await assertWholeLines(file, 'after space returned')
+    await running.stop()
+
+    const restarted = await startOn(file)
+    try {
+      for (const token of promised) assert.equal(await isActive(restarted.base, token), true, 'a token answered 200 is lost after a restart')
+      assert.equal(restarted.store.memory.tokens.size, 2 * promised.length) // nothing of the exchange answered 500
+    } finally {
+      await restarted.stop()
+    }
+  })
+
+  it('keeps the journal as it was, and logs the failure, when a compaction runs out of space', async (t) => {
+    if (!haveDisk(t)) return
+    const file = join(disk, 'compact', 'data.jsonl')
+    const filler = join(disk, 'compact-filler')
+    t.after(() => rm(filler, { force: true }))
+    // 150 live grants with an access token each, then dead lines up to 10,000 in all: the next
+    // line starts a compaction, whose snapshot (about 65 KB, 301 lines) is written in one go.
+    const secrets = Array.from({ length: 150 }, () => createSecret())
+    const lines: string[] = []
+    for (const secret of secrets) {
+      const grantId = hashSecret(`grant ${secret}`)
+      const grant: Grant = { client_id: CLIENT_ID, client_name: undefined, me: 'https://example.com/', scope: ['create'], accessTokenTtlSeconds: 86400, approvedAt: START, lastUsedAt: START, expiresAt: START + 86400_000 }
+      const token: Token = { kind: 'access', grantId, scope: ['create'], issuedAt: START, expiresAt: START + 86400_000, usedAt: undefined }
+      lines.push(JSON.stringify({ set: 'grant', key: grantId, value: grant }), JSON.stringify({ set: 'token', key: hashSecret(secret), value: token }))
+    }
+    while (lines.length < 10_000) lines.push(JSON.stringify({ delete: 'session', key: hashSecret(`gone ${lines.length}`) }))
+    const original = lines.map((line) => `${line}\n`).join('')
+    await mkdir(join(disk, 'compact'))
+    await writeFile(file, original)
+
+    const running = await startOn(file)
+    fillDisk(filler, 1) // a few KB left: room for the next line, not for the snapshot
+    const code = await obtainCode(running.base) // line 10,001: more than 10,000 and than 4 × 301 live entries
+    assert.ok(running.store.compaction !== undefined, 'no compaction started')
+    await running.store.compaction
+    assert.ok(running.logs.some((line) => /^journal: compacting .* failed/.test(line)), 'no log line says the compaction failed')
+    assert.ok((await readFile(file, 'utf8')).startsWith(original), 'the journal was replaced by a snapshot that did not fit')
+    assert.deepEqual(await readdir(join(disk, 'compact')), ['data.jsonl']) // no snapshot left behind
+    await running.stop()
+    await rm(filler)
+
+    const restarted = await startOn(file)
+    try {
+      for (const secret of secrets) assert.equal(await isActive(restarted.base, secret), true, 'a live token is lost after the failed compaction')
+      assert.equal((await exchange(restarted.base, code)).status, 200) // the line that started the compaction is kept too
+    } finally {
+      await restarted.stop()
+    }
+  })
+})
