@@ -95,8 +95,15 @@ function post(url: string, body: URLSearchParams | string, headers: Record<strin
 type Consent = { request: string; csrf: string; cookie: string; html: string }
 
 /** Opens the consent page and reads its form's hidden fields and the CSRF cookie. */
-async function openConsent(latch: TestServer, overrides: Record<string, string | undefined> = {}, cookie?: string): Promise<Consent> {
-  const response = await fetch(authorizationUrl(latch, overrides), { redirect: 'manual', headers: cookie ? { Cookie: cookie } : {} })
+async function openConsent(
+  latch: TestServer,
+  overrides: Record<string, string | undefined> = {},
+  cookie?: string,
+): Promise<Consent> {
+  const response = await fetch(authorizationUrl(latch, overrides), {
+    redirect: 'manual',
+    headers: cookie ? { Cookie: cookie } : {},
+  })
   const html = await response.text()
   assert.equal(response.status, 200, html)
   const setCookie = response.headers.get('set-cookie') ?? ''
@@ -108,13 +115,27 @@ async function openConsent(latch: TestServer, overrides: Record<string, string |
   }
 }
 
-function submitConsent(latch: TestServer, consent: Consent, fields: Record<string, string | string[] | undefined> = {}): Promise<Response> {
-  const body = form({ request: consent.request, csrf: consent.csrf, scope: ['profile', 'create'], decision: 'approve', ...fields })
+function submitConsent(
+  latch: TestServer,
+  consent: Consent,
+  fields: Record<string, string | string[] | undefined> = {},
+): Promise<Response> {
+  const body = form({
+    request: consent.request,
+    csrf: consent.csrf,
+    scope: ['profile', 'create'],
+    decision: 'approve',
+    ...fields,
+  })
   return post(`${latch.base}/auth/consent`, body, { Cookie: consent.cookie })
 }
 
 /** Walks GET /auth and an approving consent; returns the code from the redirect. */
-async function obtainCode(latch: TestServer, overrides: Record<string, string | undefined> = {}, fields: Record<string, string | string[] | undefined> = {}): Promise<string> {
+async function obtainCode(
+  latch: TestServer,
+  overrides: Record<string, string | undefined> = {},
+  fields: Record<string, string | string[] | undefined> = {},
+): Promise<string> {
   const consent = await openConsent(latch, overrides)
   const response = await submitConsent(latch, consent, fields)
   assert.equal(response.status, 303)
@@ -123,18 +144,36 @@ async function obtainCode(latch: TestServer, overrides: Record<string, string | 
   return code
 }
 
-function exchange(latch: TestServer, code: string, overrides: Record<string, string | undefined> = {}): Promise<Response> {
-  const fields = { grant_type: 'authorization_code', code, client_id: CLIENT_ID, redirect_uri: REDIRECT_URI, code_verifier: VERIFIER, ...overrides }
+function exchange(
+  latch: TestServer,
+  code: string,
+  overrides: Record<string, string | undefined> = {},
+): Promise<Response> {
+  const fields = {
+    grant_type: 'authorization_code',
+    code,
+    client_id: CLIENT_ID,
+    redirect_uri: REDIRECT_URI,
+    code_verifier: VERIFIER,
+    ...overrides,
+  }
   return post(`${latch.base}/token`, form(fields))
 }
 
-async function obtainToken(latch: TestServer, fields: Record<string, string | string[] | undefined> = {}): Promise<string> {
+async function obtainToken(
+  latch: TestServer,
+  fields: Record<string, string | string[] | undefined> = {},
+): Promise<string> {
   const response = await exchange(latch, await obtainCode(latch, {}, fields))
   assert.equal(response.status, 200)
   return ((await response.json()) as { access_token: string }).access_token
 }
 
-async function introspect(latch: TestServer, token: string, headers: Record<string, string> = {}): Promise<Record<string, unknown>> {
+async function introspect(
+  latch: TestServer,
+  token: string,
+  headers: Record<string, string> = {},
+): Promise<Record<string, unknown>> {
   const response = await post(`${latch.base}/introspect`, form({ token }), headers)
   assert.equal(response.status, 200)
   return (await response.json()) as Record<string, unknown>
@@ -152,7 +191,12 @@ async function assertError(response: Response, status: number, error: string): P
 }
 
 /** Asserts an error redirect from GET /auth: 302 to redirect_uri with error, state and iss. */
-function assertErrorRedirect(latch: TestServer, response: Response, error: string, state: string | null = 'state-1234'): URL {
+function assertErrorRedirect(
+  latch: TestServer,
+  response: Response,
+  error: string,
+  state: string | null = 'state-1234',
+): URL {
   assert.equal(response.status, 302)
   const location = new URL(response.headers.get('location') ?? '')
   assert.equal(`${location.origin}${location.pathname}`, REDIRECT_URI)
@@ -178,7 +222,12 @@ describe('Configuration', () => {
     assert.equal(config.accessTokenTtlSeconds, 604800)
     assert.equal(config.introspectionSecret, undefined)
     assert.equal(config.refreshTokenTtlSeconds, 2592000)
-    assert.deepEqual(config.profile, { name: undefined, url: 'http://127.0.0.1:3000/', photo: undefined, email: undefined })
+    assert.deepEqual(config.profile, {
+      name: undefined,
+      url: 'http://127.0.0.1:3000/',
+      photo: undefined,
+      email: undefined,
+    })
   })
 
   it('lets a flag win over the variable, in both flag spellings', () => {
@@ -200,7 +249,11 @@ describe('Configuration', () => {
   })
 
   it('drops a trailing slash from ISSUER and canonicalizes ME', () => {
-    const config = loadConfig({ ISSUER: 'https://Auth.Example.com/latch/', ME: 'HTTPS://Example.COM', PASSWORD_HASH: PASSWORD_HASH })
+    const config = loadConfig({
+      ISSUER: 'https://Auth.Example.com/latch/',
+      ME: 'HTTPS://Example.COM',
+      PASSWORD_HASH: PASSWORD_HASH,
+    })
     assert.equal(config.issuer, 'https://auth.example.com/latch')
     assert.equal(config.me, 'https://example.com/')
   })
@@ -232,7 +285,12 @@ describe('Configuration', () => {
     ['a profile URL that URL() cannot parse', { ME: 'http://xn--a.com/' }, [], /ME/],
     ['a password hash Latch did not make', { PASSWORD_HASH: 'hunter2' }, [], /PASSWORD_HASH.*hash-password/],
     ['a non-loopback host without a password', { HOST: '0.0.0.0' }, [], /PASSWORD_HASH.*hash-password/],
-    ['a public issuer without a password (a proxy connects from loopback)', { ISSUER: 'https://auth.example.com' }, [], /ISSUER.*PASSWORD_HASH.*hash-password/],
+    [
+      'a public issuer without a password (a proxy connects from loopback)',
+      { ISSUER: 'https://auth.example.com' },
+      [],
+      /ISSUER.*PASSWORD_HASH.*hash-password/,
+    ],
     ['a refresh grace period over 10 minutes', { REFRESH_TOKEN_GRACE: '11m' }, [], /REFRESH_TOKEN_GRACE/],
     ['a short introspection secret', { INTROSPECTION_SECRET: 'short' }, [], /INTROSPECTION_SECRET/],
     ['an unknown flag', {}, ['--colour', 'blue'], /--colour/],
@@ -243,7 +301,10 @@ describe('Configuration', () => {
   ]
   for (const [what, env, argv, message] of refusals) {
     it(`refuses to start with ${what}, naming the setting`, () => {
-      assert.throws(() => loadConfig(env, argv), (err: unknown) => err instanceof ConfigError && message.test(err.message))
+      assert.throws(
+        () => loadConfig(env, argv),
+        (err: unknown) => err instanceof ConfigError && message.test(err.message),
+      )
     })
   }
 
@@ -255,12 +316,32 @@ describe('Configuration', () => {
   it('warns about a profile URL with a port or an IP address, and about http off loopback', () => {
     assert.equal(configWarnings(loadConfig({ ME: 'https://example.com/' })).length, 0)
     assert.match(configWarnings(loadConfig({})).join('\n'), /ME/)
-    assert.match(configWarnings(loadConfig({ ISSUER: 'http://auth.example.com', ME: 'https://example.com/', PASSWORD_HASH })).join('\n'), /ISSUER/)
+    assert.match(
+      configWarnings(loadConfig({ ISSUER: 'http://auth.example.com', ME: 'https://example.com/', PASSWORD_HASH })).join(
+        '\n',
+      ),
+      /ISSUER/,
+    )
   })
 
   it('prints every setting with its flag in --help', () => {
     const help = buildHelp()
-    for (const name of ['PORT', 'HOST', 'ISSUER', 'ME', 'PASSWORD_HASH', 'DATA_FILE', 'CODE_TTL', 'ACCESS_TOKEN_TTL', 'REFRESH_TOKEN_TTL', 'INTROSPECTION_SECRET', 'PROFILE_NAME', 'PROFILE_URL', 'PROFILE_PHOTO', 'PROFILE_EMAIL']) {
+    for (const name of [
+      'PORT',
+      'HOST',
+      'ISSUER',
+      'ME',
+      'PASSWORD_HASH',
+      'DATA_FILE',
+      'CODE_TTL',
+      'ACCESS_TOKEN_TTL',
+      'REFRESH_TOKEN_TTL',
+      'INTROSPECTION_SECRET',
+      'PROFILE_NAME',
+      'PROFILE_URL',
+      'PROFILE_PHOTO',
+      'PROFILE_EMAIL',
+    ]) {
       assert.match(help, new RegExp(`${name} / --${name.toLowerCase().replaceAll('_', '-')}`))
     }
   })
@@ -286,20 +367,29 @@ describe('Form parser', () => {
   const malformed = ['a=%', 'a=%4', 'a=%zz', 'a=%C3', 'a=%FF', 'a=%C3%28', 'a=%ED%A0%80', '%=1']
   for (const text of malformed) {
     it(`rejects ${JSON.stringify(text)} with invalid_request`, () => {
-      assert.throws(() => parseForm(text), (err: unknown) => err instanceof OAuthError && err.error === 'invalid_request' && err.status === 400)
+      assert.throws(
+        () => parseForm(text),
+        (err: unknown) => err instanceof OAuthError && err.error === 'invalid_request' && err.status === 400,
+      )
     })
   }
 
   it('treats an empty value as absent and a repeated one as invalid_request', () => {
     assert.equal(getParam(parseForm('a=&b=1'), 'a'), undefined)
     assert.equal(getParam(parseForm('a=&a=1'), 'a'), '1')
-    assert.throws(() => getParam(parseForm('a=1&a=2'), 'a'), (err: unknown) => err instanceof OAuthError && err.error === 'invalid_request')
+    assert.throws(
+      () => getParam(parseForm('a=1&a=2'), 'a'),
+      (err: unknown) => err instanceof OAuthError && err.error === 'invalid_request',
+    )
   })
 
   it('splits a scope on spaces, drops repeats and rejects characters outside NQCHAR', () => {
     assert.deepEqual(parseScope('profile  create profile'), ['profile', 'create'])
     assert.deepEqual(parseScope(undefined), [])
-    assert.throws(() => parseScope('create "quoted"'), (err: unknown) => err instanceof OAuthError && err.error === 'invalid_scope')
+    assert.throws(
+      () => parseScope('create "quoted"'),
+      (err: unknown) => err instanceof OAuthError && err.error === 'invalid_scope',
+    )
   })
 })
 
@@ -332,7 +422,8 @@ describe('Secrets and PKCE', () => {
     for (const secret of secrets) assert.match(secret, /^[A-Za-z0-9_-]{43}$/)
     assert.equal(new Set(secrets).size, secrets.length)
     assert.equal(hashSecret('abc'), 'ungWv48Bz-pBQUDeXa4iIw') // SHA-256 ungWv48Bz-pBQUDeXa4iI7ADYaOWF3qctBD_YfIAFa0, cut to 16 bytes
-    for (const secret of secrets) assert.equal(hashSecret(secret), createHash('sha256').update(secret).digest().toString('base64url', 0, 16))
+    for (const secret of secrets)
+      assert.equal(hashSecret(secret), createHash('sha256').update(secret).digest().toString('base64url', 0, 16))
   })
 
   it('compares secrets of any length', () => {
@@ -383,7 +474,8 @@ describe('Identifiers (IndieAuth §3.2, §3.3)', () => {
     ['http://[zz]/', false],
   ]
   for (const [clientId, valid] of clientIds) {
-    it(`${valid ? 'accepts' : 'rejects'} the client_id ${clientId}`, () => assert.equal(isClientId(clientId), valid, clientIdProblem(clientId)))
+    it(`${valid ? 'accepts' : 'rejects'} the client_id ${clientId}`, () =>
+      assert.equal(isClientId(clientId), valid, clientIdProblem(clientId)))
   }
 
   const profiles: [string, boolean][] = [
@@ -396,7 +488,8 @@ describe('Identifiers (IndieAuth §3.2, §3.3)', () => {
     ['https://example.com/./', false],
   ]
   for (const [url, valid] of profiles) {
-    it(`${valid ? 'accepts' : 'rejects'} the profile URL ${url}`, () => assert.equal(profileUrlProblem(url) === undefined, valid))
+    it(`${valid ? 'accepts' : 'rejects'} the profile URL ${url}`, () =>
+      assert.equal(profileUrlProblem(url) === undefined, valid))
   }
 
   it('canonicalizes scheme and host to lowercase and an empty path to /', () => {
@@ -420,8 +513,24 @@ describe('MemoryStore', () => {
     expiresAt,
     usedAt: undefined,
   })
-  const token = (expiresAt: number): Token => ({ kind: 'access', grantId: 'g', scope: ['create'], issuedAt: 0, expiresAt, usedAt: undefined })
-  const grant = (expiresAt: number): Grant => ({ client_id: CLIENT_ID, client_name: undefined, me: 'https://example.com/', scope: ['create'], accessTokenTtlSeconds: 3600, approvedAt: 0, lastUsedAt: 0, expiresAt })
+  const token = (expiresAt: number): Token => ({
+    kind: 'access',
+    grantId: 'g',
+    scope: ['create'],
+    issuedAt: 0,
+    expiresAt,
+    usedAt: undefined,
+  })
+  const grant = (expiresAt: number): Grant => ({
+    client_id: CLIENT_ID,
+    client_name: undefined,
+    me: 'https://example.com/',
+    scope: ['create'],
+    accessTokenTtlSeconds: 3600,
+    approvedAt: 0,
+    lastUsedAt: 0,
+    expiresAt,
+  })
 
   it('marks a code used once, atomically, and hides it once expired', async () => {
     const store = new MemoryStore()
@@ -469,7 +578,12 @@ describe('MemoryStore', () => {
   it('redeems a refresh token once, atomically, saving the new tokens only the first time', async () => {
     const store = new MemoryStore()
     await store.saveToken('r', { ...token(9000), kind: 'refresh' }, 0)
-    const issue = (tokenHash: string) => ({ redeemed: { kind: 'refresh' as const, hash: 'r' }, grantId: 'g', grant: grant(9000), tokens: [[tokenHash, token(9000)]] as [string, Token][] })
+    const issue = (tokenHash: string) => ({
+      redeemed: { kind: 'refresh' as const, hash: 'r' },
+      grantId: 'g',
+      grant: grant(9000),
+      tokens: [[tokenHash, token(9000)]] as [string, Token][],
+    })
     assert.equal(await store.issueTokens(issue('first'), 1000), true)
     assert.equal(await store.issueTokens(issue('second'), 2000), false)
     assert.equal((await store.findToken('r', 3000))?.usedAt, 1000)
@@ -481,7 +595,12 @@ describe('MemoryStore', () => {
   it('redeems a code once for a grant and its tokens, and never an expired code', async () => {
     const store = new MemoryStore()
     await store.saveCode('c', code(5000), 0)
-    const issue = { redeemed: { kind: 'code' as const, hash: 'c' }, grantId: 'c', grant: grant(9000), tokens: [['a', token(9000)]] as [string, Token][] }
+    const issue = {
+      redeemed: { kind: 'code' as const, hash: 'c' },
+      grantId: 'c',
+      grant: grant(9000),
+      tokens: [['a', token(9000)]] as [string, Token][],
+    }
     assert.equal(await store.issueTokens(issue, 5000), false) // expired
     assert.equal(store.grants.has('c'), false)
     assert.equal(await store.issueTokens(issue, 1000), true)
@@ -496,7 +615,10 @@ describe('MemoryStore', () => {
     await store.saveGrant('g1', grant(5000), 500) // extended by a refresh
     store.sweep(2000)
     assert.deepEqual([...store.grants.keys()], ['g1'])
-    assert.deepEqual((await store.listGrants(2000)).map(([id]) => id), ['g1'])
+    assert.deepEqual(
+      (await store.listGrants(2000)).map(([id]) => id),
+      ['g1'],
+    )
     await store.deleteGrant('g1', 2000)
     assert.equal(await store.findGrant('g1', 2000), undefined)
     await store.saveGrant('g1', grant(9000), 2100) // a refresh that read it just before
@@ -554,7 +676,10 @@ describe('GET /.well-known/oauth-authorization-server (IndieAuth §4.1.1, RFC 84
 
   it('names Bearer as the introspection auth method when a secret is set', async () => {
     const guarded = await startLatch({ INTROSPECTION_SECRET: 'a-long-introspection-secret' })
-    const metadata = (await (await fetch(`${guarded.base}/.well-known/oauth-authorization-server`)).json()) as Record<string, unknown>
+    const metadata = (await (await fetch(`${guarded.base}/.well-known/oauth-authorization-server`)).json()) as Record<
+      string,
+      unknown
+    >
     assert.deepEqual(metadata.introspection_endpoint_auth_methods_supported, ['Bearer'])
     await guarded.close()
   })
@@ -649,7 +774,11 @@ describe('GET /auth (IndieAuth §5.2)', () => {
     ['an unsupported response_type', { response_type: 'token' }, 'unsupported_response_type'],
     ['a missing code_challenge', { code_challenge: undefined }, 'invalid_request'],
     ['a code_challenge that is too short', { code_challenge: CHALLENGE.slice(1) }, 'invalid_request'],
-    ['a code_challenge with characters outside base64url', { code_challenge: `${CHALLENGE.slice(1)}+` }, 'invalid_request'],
+    [
+      'a code_challenge with characters outside base64url',
+      { code_challenge: `${CHALLENGE.slice(1)}+` },
+      'invalid_request',
+    ],
     ['the plain code_challenge_method', { code_challenge_method: 'plain' }, 'invalid_request'],
     ['a scope with a quote', { scope: 'create "x"' }, 'invalid_scope'],
   ]
@@ -665,9 +794,19 @@ describe('GET /auth (IndieAuth §5.2)', () => {
   })
 
   const overLimits: [string, Record<string, string>, string, string | null][] = [
-    ['more than 50 scopes', { scope: Array.from({ length: 51 }, (_, i) => `s${i}`).join(' ') }, 'invalid_scope', 'state-1234'],
+    [
+      'more than 50 scopes',
+      { scope: Array.from({ length: 51 }, (_, i) => `s${i}`).join(' ') },
+      'invalid_scope',
+      'state-1234',
+    ],
     ['a scope longer than 100 characters', { scope: `create ${'x'.repeat(101)}` }, 'invalid_scope', 'state-1234'],
-    ['a me longer than 2,048 characters', { me: `https://example.com/${'m'.repeat(2_048)}` }, 'invalid_request', 'state-1234'],
+    [
+      'a me longer than 2,048 characters',
+      { me: `https://example.com/${'m'.repeat(2_048)}` },
+      'invalid_request',
+      'state-1234',
+    ],
     ['a state longer than 1,024 characters (not sent back)', { state: 's'.repeat(1_025) }, 'invalid_request', null],
   ]
   for (const [what, overrides, error, state] of overLimits) {
@@ -679,7 +818,9 @@ describe('GET /auth (IndieAuth §5.2)', () => {
   it('accepts a request at every limit at once: 50 scopes of 100 characters and a state of 1,024, in 8,192 characters', async () => {
     const scope = Array.from({ length: 50 }, (_, i) => `${i}`.padStart(100, 'x')).join(' ')
     const me = `https://example.com/${'m'.repeat(1_500)}`
-    const response = await fetch(authorizationUrl(latch, { scope, state: 's'.repeat(1_024), me }), { redirect: 'manual' })
+    const response = await fetch(authorizationUrl(latch, { scope, state: 's'.repeat(1_024), me }), {
+      redirect: 'manual',
+    })
     assert.equal(response.status, 200)
   })
 
@@ -695,18 +836,27 @@ describe('GET /auth (IndieAuth §5.2)', () => {
   })
 
   it('keeps the query redirect_uri already had, byte for byte, on an error redirect', async () => {
-    const response = await fetch(authorizationUrl(latch, { redirect_uri: `${REDIRECT_URI}?app=a%20b&flag`, response_type: 'token' }), { redirect: 'manual' })
-    assert.match(response.headers.get('location') ?? '', /^http:\/\/127\.0\.0\.1:8080\/callback\?app=a%20b&flag&error=unsupported_response_type&/)
+    const response = await fetch(
+      authorizationUrl(latch, { redirect_uri: `${REDIRECT_URI}?app=a%20b&flag`, response_type: 'token' }),
+      { redirect: 'manual' },
+    )
+    assert.match(
+      response.headers.get('location') ?? '',
+      /^http:\/\/127\.0\.0\.1:8080\/callback\?app=a%20b&flag&error=unsupported_response_type&/,
+    )
   })
 
   it('refuses requests for a foreign host name while no password is set (DNS rebinding)', async () => {
     const status = (host: string) =>
       new Promise<number | undefined>((resolve) => {
         const url = new URL(authorizationUrl(latch))
-        request({ host: '127.0.0.1', port: url.port, path: `${url.pathname}${url.search}`, headers: { Host: host } }, (response) => {
-          response.resume()
-          resolve(response.statusCode)
-        }).end()
+        request(
+          { host: '127.0.0.1', port: url.port, path: `${url.pathname}${url.search}`, headers: { Host: host } },
+          (response) => {
+            response.resume()
+            resolve(response.statusCode)
+          },
+        ).end()
       })
     assert.equal(await status('evil.example'), 421)
     assert.equal(await status('evil.example:80'), 421)
@@ -722,40 +872,54 @@ describe('GET /auth (IndieAuth §5.2)', () => {
 })
 
 describe('GET /auth under a flood', () => {
-  it('keeps the memory a flood of the largest and of over-limit requests costs to tens of MB', { timeout: 120_000 }, async () => {
-    const child = fork(fileURLToPath(new URL('./test/fixtures/flood-server.ts', import.meta.url)), [], { execArgv: ['--expose-gc', '--import', 'tsx'] })
-    const ask = <T>(message?: string) =>
-      new Promise<T>((resolve) => {
-        child.once('message', (answer) => resolve(answer as T))
-        if (message !== undefined) child.send(message)
+  it(
+    'keeps the memory a flood of the largest and of over-limit requests costs to tens of MB',
+    { timeout: 120_000 },
+    async () => {
+      const child = fork(fileURLToPath(new URL('./test/fixtures/flood-server.ts', import.meta.url)), [], {
+        execArgv: ['--expose-gc', '--import', 'tsx'],
       })
-    const { port } = await ask<{ port: number }>()
-    const rss = async () => (await ask<{ rss: number }>('rss')).rss
-    const query = (fields: Record<string, string>) =>
-      new URLSearchParams({ client_id: CLIENT_ID, redirect_uri: REDIRECT_URI, code_challenge: CHALLENGE, ...fields }).toString()
-    const largest = `/auth?${query({ scope: Array.from({ length: 50 }, (_, i) => `${i}`.padStart(100, 'x')).join(' '), state: 's'.repeat(1_024) })}`
-    const hostile = `/auth?${query({ scope: Array.from({ length: 2_000 }, (_, i) => i.toString(36)).join(' ') })}` // 2,000 scopes in 8 KiB
-    const flood = async (path: string, count: number) => {
-      const agent = new Agent({ keepAlive: true, maxSockets: 16 })
-      const one = () =>
-        new Promise<void>((resolve, reject) => {
-          const req = request({ host: '127.0.0.1', port, path, agent }, (res) => res.resume().on('end', resolve))
-          req.on('error', reject).end()
+      const ask = <T>(message?: string) =>
+        new Promise<T>((resolve) => {
+          child.once('message', (answer) => resolve(answer as T))
+          if (message !== undefined) child.send(message)
         })
-      for (let sent = 0; sent < count; sent += 16) await Promise.all(Array.from({ length: 16 }, one))
-      agent.destroy()
-    }
-    try {
-      await flood(largest, 200) // warm up: code compiled, pools allocated
-      const before = await rss()
-      await flood(largest, 2_000)
-      await flood(hostile, 2_000)
-      const grown = (await rss()) - before
-      assert.ok(grown < 48 * 1024 * 1024, `the flood grew the server's memory by ${Math.round(grown / 1024 / 1024)} MiB`)
-    } finally {
-      child.disconnect()
-    }
-  })
+      const { port } = await ask<{ port: number }>()
+      const rss = async () => (await ask<{ rss: number }>('rss')).rss
+      const query = (fields: Record<string, string>) =>
+        new URLSearchParams({
+          client_id: CLIENT_ID,
+          redirect_uri: REDIRECT_URI,
+          code_challenge: CHALLENGE,
+          ...fields,
+        }).toString()
+      const largest = `/auth?${query({ scope: Array.from({ length: 50 }, (_, i) => `${i}`.padStart(100, 'x')).join(' '), state: 's'.repeat(1_024) })}`
+      const hostile = `/auth?${query({ scope: Array.from({ length: 2_000 }, (_, i) => i.toString(36)).join(' ') })}` // 2,000 scopes in 8 KiB
+      const flood = async (path: string, count: number) => {
+        const agent = new Agent({ keepAlive: true, maxSockets: 16 })
+        const one = () =>
+          new Promise<void>((resolve, reject) => {
+            const req = request({ host: '127.0.0.1', port, path, agent }, (res) => res.resume().on('end', resolve))
+            req.on('error', reject).end()
+          })
+        for (let sent = 0; sent < count; sent += 16) await Promise.all(Array.from({ length: 16 }, one))
+        agent.destroy()
+      }
+      try {
+        await flood(largest, 200) // warm up: code compiled, pools allocated
+        const before = await rss()
+        await flood(largest, 2_000)
+        await flood(hostile, 2_000)
+        const grown = (await rss()) - before
+        assert.ok(
+          grown < 48 * 1024 * 1024,
+          `the flood grew the server's memory by ${Math.round(grown / 1024 / 1024)} MiB`,
+        )
+      } finally {
+        child.disconnect()
+      }
+    },
+  )
 })
 
 describe('POST /auth/consent (IndieAuth §5.2.1)', () => {
@@ -824,7 +988,11 @@ describe('POST /auth/consent (IndieAuth §5.2.1)', () => {
     assert.equal(forged.headers.get('location'), null)
     const noCookie = await submitConsent(latch, { ...consent, cookie: '' })
     assert.equal(noCookie.status, 403)
-    const otherBrowser = await submitConsent(latch, { ...consent, csrf: 'x'.repeat(43), cookie: `latch_csrf=${'x'.repeat(43)}` })
+    const otherBrowser = await submitConsent(latch, {
+      ...consent,
+      csrf: 'x'.repeat(43),
+      cookie: `latch_csrf=${'x'.repeat(43)}`,
+    })
     assert.equal(otherBrowser.status, 403)
     assert.equal((await submitConsent(latch, consent)).status, 303) // the request itself is still usable
   })
@@ -835,7 +1003,11 @@ describe('POST /auth/consent (IndieAuth §5.2.1)', () => {
   })
 
   it('answers a body that is not a form with a 400 page', async () => {
-    const response = await fetch(`${latch.base}/auth/consent`, { method: 'POST', headers: { 'Content-Type': 'text/plain' }, body: 'x' })
+    const response = await fetch(`${latch.base}/auth/consent`, {
+      method: 'POST',
+      headers: { 'Content-Type': 'text/plain' },
+      body: 'x',
+    })
     assert.equal(response.status, 400)
     assert.equal(response.headers.get('content-type'), 'text/html; charset=utf-8')
   })
@@ -877,7 +1049,8 @@ describe('POST /auth/consent with a password', () => {
   it('throttles repeated failures with 429 and Retry-After, and lets the owner in once the wait is over', async () => {
     latch.advance(3600) // forget the failures of earlier tests
     const consent = await openConsent(latch)
-    for (let i = 0; i < 5; i++) assert.equal((await submitConsent(latch, consent, { password: `guess ${i}` })).status, 401)
+    for (let i = 0; i < 5; i++)
+      assert.equal((await submitConsent(latch, consent, { password: `guess ${i}` })).status, 401)
     assert.equal((await submitConsent(latch, consent, { password: 'guess 5' })).status, 401) // locks for 2 seconds
     const throttled = await submitConsent(latch, consent, { password: 'correct horse' })
     assert.equal(throttled.status, 429)
@@ -911,14 +1084,36 @@ describe('POST /auth/consent with a password', () => {
 })
 
 /** Submits the consent form from a given local address, for the per-address counts; answers the status. */
-function submitConsentFrom(latch: TestServer, consent: Consent, localAddress: string, password: string): Promise<number> {
-  const body = form({ request: consent.request, csrf: consent.csrf, scope: ['profile', 'create'], decision: 'approve', password }).toString()
+function submitConsentFrom(
+  latch: TestServer,
+  consent: Consent,
+  localAddress: string,
+  password: string,
+): Promise<number> {
+  const body = form({
+    request: consent.request,
+    csrf: consent.csrf,
+    scope: ['profile', 'create'],
+    decision: 'approve',
+    password,
+  }).toString()
   const headers = { 'Content-Type': 'application/x-www-form-urlencoded', Cookie: consent.cookie }
   return new Promise((resolve, reject) => {
-    const req = request({ host: '127.0.0.1', port: latch.port, localAddress, method: 'POST', path: '/auth/consent', headers, agent: false }, (res) => {
-      res.resume()
-      res.on('end', () => resolve(res.statusCode ?? 0))
-    })
+    const req = request(
+      {
+        host: '127.0.0.1',
+        port: latch.port,
+        localAddress,
+        method: 'POST',
+        path: '/auth/consent',
+        headers,
+        agent: false,
+      },
+      (res) => {
+        res.resume()
+        res.on('end', () => resolve(res.statusCode ?? 0))
+      },
+    )
     req.on('error', reject)
     req.end(body)
   })
@@ -929,7 +1124,8 @@ describe('POST /auth (IndieAuth §5.3.2)', () => {
   before(async () => (latch = await startLatch({ ME: 'https://example.com/' })))
   after(() => latch.close())
 
-  const redeem = (code: string, fields: Record<string, string | undefined> = {}) => post(`${latch.base}/auth`, form({ code, code_verifier: VERIFIER, ...fields }))
+  const redeem = (code: string, fields: Record<string, string | undefined> = {}) =>
+    post(`${latch.base}/auth`, form({ code, code_verifier: VERIFIER, ...fields }))
 
   it('redeems a code for the profile URL, with no-store headers', async () => {
     const response = await redeem(await obtainCode(latch))
@@ -950,7 +1146,11 @@ describe('POST /auth (IndieAuth §5.3.2)', () => {
   })
 
   it('accepts grant_type, client_id and redirect_uri when they match the code', async () => {
-    const response = await redeem(await obtainCode(latch), { grant_type: 'authorization_code', client_id: CLIENT_ID, redirect_uri: REDIRECT_URI })
+    const response = await redeem(await obtainCode(latch), {
+      grant_type: 'authorization_code',
+      client_id: CLIENT_ID,
+      redirect_uri: REDIRECT_URI,
+    })
     assert.equal(response.status, 200)
   })
 
@@ -970,7 +1170,8 @@ describe('POST /auth (IndieAuth §5.3.2)', () => {
     ['a missing code_verifier', { code_verifier: undefined }, 400, 'invalid_request'],
   ]
   for (const [what, fields, status, error] of failures) {
-    it(`answers ${what} with ${error}`, async () => assertError(await redeem(await obtainCode(latch), fields), status, error))
+    it(`answers ${what} with ${error}`, async () =>
+      assertError(await redeem(await obtainCode(latch), fields), status, error))
   }
 
   it('answers a missing code with invalid_request and an unknown one with invalid_grant', async () => {
@@ -1019,7 +1220,8 @@ describe('POST /token (IndieAuth §5.3.3)', () => {
     ['another redirect_uri', { redirect_uri: 'http://127.0.0.1:8080/other' }, 'invalid_grant'],
   ]
   for (const [what, overrides, error] of failures) {
-    it(`answers ${what} with ${error}`, async () => assertError(await exchange(latch, await obtainCode(latch), overrides), 400, error))
+    it(`answers ${what} with ${error}`, async () =>
+      assertError(await exchange(latch, await obtainCode(latch), overrides), 400, error))
   }
 
   it('answers a missing code with invalid_request and an unknown one with invalid_grant', async () => {
@@ -1062,13 +1264,29 @@ describe('POST /token (IndieAuth §5.3.3)', () => {
 
   it('answers a repeated parameter with invalid_request', async () => {
     const code = await obtainCode(latch)
-    const body = form({ grant_type: 'authorization_code', code, client_id: CLIENT_ID, redirect_uri: REDIRECT_URI, code_verifier: [VERIFIER, VERIFIER] })
+    const body = form({
+      grant_type: 'authorization_code',
+      code,
+      client_id: CLIENT_ID,
+      redirect_uri: REDIRECT_URI,
+      code_verifier: [VERIFIER, VERIFIER],
+    })
     await assertError(await post(`${latch.base}/token`, body), 400, 'invalid_request')
   })
 
   it('answers a body that is not a form with invalid_request', async () => {
-    await assertError(await post(`${latch.base}/token`, '{"code":"x"}', { 'Content-Type': 'application/json' }), 400, 'invalid_request')
-    await assertError(await post(`${latch.base}/token`, 'code=x', { 'Content-Type': 'application/x-www-form-urlencoded; charset=latin1' }), 400, 'invalid_request')
+    await assertError(
+      await post(`${latch.base}/token`, '{"code":"x"}', { 'Content-Type': 'application/json' }),
+      400,
+      'invalid_request',
+    )
+    await assertError(
+      await post(`${latch.base}/token`, 'code=x', {
+        'Content-Type': 'application/x-www-form-urlencoded; charset=latin1',
+      }),
+      400,
+      'invalid_request',
+    )
   })
 
   it('answers malformed percent-escapes and invalid UTF-8 with invalid_request', async () => {
@@ -1144,9 +1362,16 @@ describe('POST /introspect with INTROSPECTION_SECRET (IndieAuth §6.1)', () => {
   })
 
   it('answers 401 with WWW-Authenticate before any other check', async () => {
-    const attempts: Record<string, string>[] = [{}, { Authorization: 'Bearer wrong-secret-of-some-length' }, { Authorization: `Basic ${secret}` }]
+    const attempts: Record<string, string>[] = [
+      {},
+      { Authorization: 'Bearer wrong-secret-of-some-length' },
+      { Authorization: `Basic ${secret}` },
+    ]
     for (const headers of attempts) {
-      const response = await post(`${latch.base}/introspect`, 'not a form', { 'Content-Type': 'text/plain', ...headers })
+      const response = await post(`${latch.base}/introspect`, 'not a form', {
+        'Content-Type': 'text/plain',
+        ...headers,
+      })
       await assertError(response, 401, 'invalid_token')
       assert.match(response.headers.get('www-authenticate') ?? '', new RegExp(`^Bearer realm="${latch.issuer}"`))
     }
@@ -1172,7 +1397,11 @@ describe('POST /revoke (IndieAuth §7, RFC 7009)', () => {
   })
 
   it('answers a missing token with invalid_request', async () => {
-    await assertError(await post(`${latch.base}/revoke`, form({ token_type_hint: 'access_token' })), 400, 'invalid_request')
+    await assertError(
+      await post(`${latch.base}/revoke`, form({ token_type_hint: 'access_token' })),
+      400,
+      'invalid_request',
+    )
   })
 })
 
@@ -1182,9 +1411,13 @@ describe('POST /token with grant_type=refresh_token (IndieAuth §5.5, RFC 6749 �
   after(() => latch.close())
 
   type Tokens = { access_token: string; refresh_token: string; scope: string; me: string; expires_in: number }
-  const firstTokens = async (): Promise<Tokens> => (await (await exchange(latch, await obtainCode(latch))).json()) as Tokens
+  const firstTokens = async (): Promise<Tokens> =>
+    (await (await exchange(latch, await obtainCode(latch))).json()) as Tokens
   const refresh = (refreshToken: string, fields: Record<string, string | undefined> = {}) =>
-    post(`${latch.base}/token`, form({ grant_type: 'refresh_token', refresh_token: refreshToken, client_id: CLIENT_ID, ...fields }))
+    post(
+      `${latch.base}/token`,
+      form({ grant_type: 'refresh_token', refresh_token: refreshToken, client_id: CLIENT_ID, ...fields }),
+    )
 
   it('rotates: a full token response with a new access token and a new refresh token', async () => {
     const first = await firstTokens()
@@ -1288,7 +1521,10 @@ describe('POST /token with grant_type=refresh_token (IndieAuth §5.5, RFC 6749 �
     for (let round = 0; round < 25; round++) {
       const first = await firstTokens()
       const answers = await Promise.all([refresh(first.refresh_token), refresh(first.refresh_token)])
-      assert.deepEqual(answers.map((answer) => answer.status), [200, 200])
+      assert.deepEqual(
+        answers.map((answer) => answer.status),
+        [200, 200],
+      )
       for (const answer of answers) {
         const tokens = (await answer.json()) as Tokens
         assert.equal((await introspect(latch, tokens.access_token)).active, true, `round ${round}`)
@@ -1313,7 +1549,8 @@ describe('POST /token with grant_type=refresh_token (IndieAuth §5.5, RFC 6749 �
     // REFRESH_TOKEN_GRACE=0: any reuse is theft, at once
     const strict = await startLatch({ REFRESH_TOKEN_GRACE: '0' })
     const original = (await (await exchange(strict, await obtainCode(strict))).json()) as Tokens
-    const rotate = (token: string) => post(`${strict.base}/token`, form({ grant_type: 'refresh_token', refresh_token: token, client_id: CLIENT_ID }))
+    const rotate = (token: string) =>
+      post(`${strict.base}/token`, form({ grant_type: 'refresh_token', refresh_token: token, client_id: CLIENT_ID }))
     const rotated = (await (await rotate(original.refresh_token)).json()) as Tokens
     await assertError(await rotate(original.refresh_token), 400, 'invalid_grant')
     assert.deepEqual(await introspect(strict, rotated.access_token), { active: false })
@@ -1348,7 +1585,11 @@ describe('Profile information (IndieAuth §5.3.4) and GET /userinfo', () => {
   const userinfo = (headers: Record<string, string> = {}) => fetch(`${latch.base}/userinfo`, { headers })
 
   it('adds name, url and photo with profile, and email only with email too', async () => {
-    assert.deepEqual((await tokenFor(['profile'])).profile, { name: 'Ada Lovelace', url: 'https://example.com/', photo: 'https://example.com/ada.jpg' })
+    assert.deepEqual((await tokenFor(['profile'])).profile, {
+      name: 'Ada Lovelace',
+      url: 'https://example.com/',
+      photo: 'https://example.com/ada.jpg',
+    })
     assert.deepEqual((await tokenFor(['profile', 'email'])).profile, {
       name: 'Ada Lovelace',
       url: 'https://example.com/',
@@ -1362,7 +1603,12 @@ describe('Profile information (IndieAuth §5.3.4) and GET /userinfo', () => {
     const { access_token } = await tokenFor(['profile'])
     const response = await userinfo({ Authorization: `Bearer ${access_token}` })
     assert.equal(response.status, 200)
-    assert.deepEqual(await response.json(), { sub: 'https://example.com/', name: 'Ada Lovelace', url: 'https://example.com/', photo: 'https://example.com/ada.jpg' })
+    assert.deepEqual(await response.json(), {
+      sub: 'https://example.com/',
+      name: 'Ada Lovelace',
+      url: 'https://example.com/',
+      photo: 'https://example.com/ada.jpg',
+    })
   })
 
   it('answers 401 with a Bearer challenge and no error code when no token is sent', async () => {
@@ -1389,9 +1635,13 @@ describe('Profile information (IndieAuth §5.3.4) and GET /userinfo', () => {
 
   it('accepts the token in the header and the body when they agree, and refuses two different ones', async () => {
     const { access_token } = await tokenFor(['profile'])
-    const same = await post(`${latch.base}/userinfo`, form({ access_token }), { Authorization: `Bearer ${access_token}` })
+    const same = await post(`${latch.base}/userinfo`, form({ access_token }), {
+      Authorization: `Bearer ${access_token}`,
+    })
     assert.equal(same.status, 200)
-    const differ = await post(`${latch.base}/userinfo`, form({ access_token: createSecret() }), { Authorization: `Bearer ${access_token}` })
+    const differ = await post(`${latch.base}/userinfo`, form({ access_token: createSecret() }), {
+      Authorization: `Bearer ${access_token}`,
+    })
     await assertError(differ, 400, 'invalid_request')
   })
 })
@@ -1405,7 +1655,11 @@ describe('Legacy IndieAuth', () => {
     const token = await obtainToken(latch)
     const response = await fetch(`${latch.base}/token`, { headers: { Authorization: `Bearer ${token}` } })
     assert.equal(response.status, 200)
-    assert.deepEqual(await response.json(), { me: 'https://example.com/', client_id: CLIENT_ID, scope: 'profile create' })
+    assert.deepEqual(await response.json(), {
+      me: 'https://example.com/',
+      client_id: CLIENT_ID,
+      scope: 'profile create',
+    })
     const bad = await fetch(`${latch.base}/token`, { headers: { Authorization: `Bearer ${createSecret()}` } })
     await assertError(bad, 401, 'invalid_token')
     assert.match(bad.headers.get('www-authenticate') ?? '', /^Bearer realm=/)
@@ -1434,7 +1688,10 @@ describe('The log', () => {
   it('writes lines in batches: after the interval, or at once past 64 KiB', (t) => {
     t.mock.timers.enable({ apis: ['setTimeout'] })
     const writes: string[] = []
-    const log = createLineWriter({ write: (text: string) => writes.push(text) } as unknown as NodeJS.WritableStream, 100)
+    const log = createLineWriter(
+      { write: (text: string) => writes.push(text) } as unknown as NodeJS.WritableStream,
+      100,
+    )
     log('GET / 200 1ms')
     log('GET /apps 200 2ms')
     assert.deepEqual(writes, [])
@@ -1453,10 +1710,21 @@ describe('CORS for browser clients', () => {
   const preflight = (path: string) =>
     fetch(`${latch.base}${path}`, {
       method: 'OPTIONS',
-      headers: { Origin: 'https://app.example', 'Access-Control-Request-Method': 'POST', 'Access-Control-Request-Headers': 'authorization' },
+      headers: {
+        Origin: 'https://app.example',
+        'Access-Control-Request-Method': 'POST',
+        'Access-Control-Request-Headers': 'authorization',
+      },
     })
 
-  for (const path of ['/token', '/introspect', '/revoke', '/userinfo', '/auth', '/.well-known/oauth-authorization-server']) {
+  for (const path of [
+    '/token',
+    '/introspect',
+    '/revoke',
+    '/userinfo',
+    '/auth',
+    '/.well-known/oauth-authorization-server',
+  ]) {
     it(`answers a preflight to ${path}`, async () => {
       const response = await preflight(path)
       assert.equal(response.status, 204)
@@ -1470,9 +1738,15 @@ describe('CORS for browser clients', () => {
   })
 
   it('allows any origin on the JSON endpoints, errors included', async () => {
-    assert.equal((await fetch(`${latch.base}/.well-known/oauth-authorization-server`)).headers.get('access-control-allow-origin'), '*')
+    assert.equal(
+      (await fetch(`${latch.base}/.well-known/oauth-authorization-server`)).headers.get('access-control-allow-origin'),
+      '*',
+    )
     assert.equal((await post(`${latch.base}/token`, form({}))).headers.get('access-control-allow-origin'), '*')
-    assert.equal((await post(`${latch.base}/introspect`, form({ token: 'x' }))).headers.get('access-control-allow-origin'), '*')
+    assert.equal(
+      (await post(`${latch.base}/introspect`, form({ token: 'x' }))).headers.get('access-control-allow-origin'),
+      '*',
+    )
   })
 
   it('never allows other origins on the authorization request or the consent form', async () => {
@@ -1505,7 +1779,10 @@ describe('Password attempts', () => {
       return new Promise<number>((resolve) => finish.push(() => resolve(i)))
     }
     const checks = Array.from({ length: 34 }, (_, i) => withPasswordSlot(slots, check(i)))
-    await assert.rejects(withPasswordSlot(slots, check(34)), (err: unknown) => err instanceof OAuthError && err.status === 429 && err.headers['Retry-After'] === '5')
+    await assert.rejects(
+      withPasswordSlot(slots, check(34)),
+      (err: unknown) => err instanceof OAuthError && err.status === 429 && err.headers['Retry-After'] === '5',
+    )
     await new Promise((resolve) => setImmediate(resolve))
     assert.deepEqual(started, [0, 1])
     assert.equal(slots.waiting.length, 32)
@@ -1513,7 +1790,10 @@ describe('Password attempts', () => {
       finish[i]()
       assert.equal(await checks[i], i)
     }
-    assert.deepEqual(started, Array.from({ length: 34 }, (_, i) => i))
+    assert.deepEqual(
+      started,
+      Array.from({ length: 34 }, (_, i) => i),
+    )
     assert.deepEqual(slots, { running: 0, waiting: [] })
   })
 })
@@ -1521,10 +1801,17 @@ describe('Password attempts', () => {
 describe('Sign-in sessions and connected apps', () => {
   const password = 'correct horse'
   let latch: TestServer
-  before(async () => (latch = await startLatch({ PASSWORD_HASH: await hashPassword(password, FAST_COST), ME: 'https://example.com/' })))
+  before(
+    async () =>
+      (latch = await startLatch({
+        PASSWORD_HASH: await hashPassword(password, FAST_COST),
+        ME: 'https://example.com/',
+      })),
+  )
   after(() => latch.close())
 
-  const sessionOf = (response: Response) => /^(latch_session=[A-Za-z0-9_-]{43});/.exec(response.headers.get('set-cookie') ?? '')?.[1] ?? ''
+  const sessionOf = (response: Response) =>
+    /^(latch_session=[A-Za-z0-9_-]{43});/.exec(response.headers.get('set-cookie') ?? '')?.[1] ?? ''
   const signIn = async (csrf: string) => {
     const response = await post(`${latch.base}/sign-in`, form({ csrf, password }), { Cookie: `latch_csrf=${csrf}` })
     assert.equal(response.status, 303)
@@ -1547,9 +1834,13 @@ describe('Sign-in sessions and connected apps', () => {
     const session = sessionOf(approved)
     const second = await openConsent(latch, {}, `${first.cookie}; ${session}`)
     assert.doesNotMatch(second.html, /type="password"/)
-    const oneClick = await post(`${latch.base}/auth/consent`, form({ request: second.request, csrf: second.csrf, scope: 'create', decision: 'approve' }), {
-      Cookie: `${first.cookie}; ${session}`,
-    })
+    const oneClick = await post(
+      `${latch.base}/auth/consent`,
+      form({ request: second.request, csrf: second.csrf, scope: 'create', decision: 'approve' }),
+      {
+        Cookie: `${first.cookie}; ${session}`,
+      },
+    )
     assert.equal(oneClick.status, 303)
     assert.ok(new URL(oneClick.headers.get('location') ?? '').searchParams.get('code'))
   })
@@ -1571,7 +1862,9 @@ describe('Sign-in sessions and connected apps', () => {
 
   it('answers a wrong password at sign-in with 401 and the form again', async () => {
     const csrf = createSecret()
-    const response = await post(`${latch.base}/sign-in`, form({ csrf, password: 'wrong' }), { Cookie: `latch_csrf=${csrf}` })
+    const response = await post(`${latch.base}/sign-in`, form({ csrf, password: 'wrong' }), {
+      Cookie: `latch_csrf=${csrf}`,
+    })
     assert.equal(response.status, 401)
     assert.equal(response.headers.get('set-cookie'), null)
     assert.match(await response.text(), /role="alert"/)
@@ -1587,11 +1880,16 @@ describe('Sign-in sessions and connected apps', () => {
     assert.match(html, /<dd>create media<\/dd>/)
     const grant = [...html.matchAll(/name="grant" value="([^"]+)"/g)].map((match) => match[1]).at(-1) ?? ''
     const token = /name="csrf" value="([^"]+)"/.exec(html)?.[1] ?? ''
-    const revoked = await post(`${latch.base}/apps/revoke`, form({ csrf: token, grant }), { Cookie: `latch_csrf=${csrf}; ${session}` })
+    const revoked = await post(`${latch.base}/apps/revoke`, form({ csrf: token, grant }), {
+      Cookie: `latch_csrf=${csrf}; ${session}`,
+    })
     assert.equal(revoked.status, 303)
     assert.equal(revoked.headers.get('location'), `${latch.issuer}/apps`)
     assert.deepEqual(await introspect(latch, tokens.access_token), { active: false })
-    const refreshed = await post(`${latch.base}/token`, form({ grant_type: 'refresh_token', refresh_token: tokens.refresh_token, client_id: CLIENT_ID }))
+    const refreshed = await post(
+      `${latch.base}/token`,
+      form({ grant_type: 'refresh_token', refresh_token: tokens.refresh_token, client_id: CLIENT_ID }),
+    )
     await assertError(refreshed, 400, 'invalid_grant')
   })
 
@@ -1600,7 +1898,9 @@ describe('Sign-in sessions and connected apps', () => {
     const session = await signIn(csrf)
     const tokens = [await obtainToken(latch, { password }), await obtainToken(latch, { password })]
     const token = await formTokenOf(`latch_csrf=${csrf}; ${session}`)
-    const response = await post(`${latch.base}/apps/revoke-all`, form({ csrf: token }), { Cookie: `latch_csrf=${csrf}; ${session}` })
+    const response = await post(`${latch.base}/apps/revoke-all`, form({ csrf: token }), {
+      Cookie: `latch_csrf=${csrf}; ${session}`,
+    })
     assert.equal(response.status, 303)
     for (const token of tokens) assert.deepEqual(await introspect(latch, token), { active: false })
     assert.match(await appsPage(`latch_csrf=${csrf}; ${session}`), /No app holds a token/)
@@ -1610,7 +1910,9 @@ describe('Sign-in sessions and connected apps', () => {
     const csrf = createSecret()
     const session = await signIn(csrf)
     const token = await obtainToken(latch, { password })
-    const forged = await post(`${latch.base}/apps/revoke-all`, form({ csrf: createSecret() }), { Cookie: `latch_csrf=${csrf}; ${session}` })
+    const forged = await post(`${latch.base}/apps/revoke-all`, form({ csrf: createSecret() }), {
+      Cookie: `latch_csrf=${csrf}; ${session}`,
+    })
     assert.equal(forged.status, 403)
     const anonymous = await post(`${latch.base}/apps/revoke-all`, form({ csrf }), { Cookie: `latch_csrf=${csrf}` })
     assert.equal(anonymous.status, 401)
@@ -1621,7 +1923,9 @@ describe('Sign-in sessions and connected apps', () => {
     const csrf = createSecret()
     const session = await signIn(csrf)
     const token = await formTokenOf(`latch_csrf=${csrf}; ${session}`)
-    const response = await post(`${latch.base}/sign-out`, form({ csrf: token }), { Cookie: `latch_csrf=${csrf}; ${session}` })
+    const response = await post(`${latch.base}/sign-out`, form({ csrf: token }), {
+      Cookie: `latch_csrf=${csrf}; ${session}`,
+    })
     assert.equal(response.status, 303)
     assert.match(response.headers.get('set-cookie') ?? '', /^latch_session=; Path=\/; Max-Age=0/)
     assert.match(await appsPage(`latch_csrf=${csrf}; ${session}`), /type="password"/) // the old cookie no longer signs in
@@ -1632,9 +1936,13 @@ describe('Sign-in sessions and connected apps', () => {
     const session = await signIn(createSecret())
     const forged = await openConsent(latch, {}, `latch_csrf=${planted}`) // the request, opened by that page's server
     assert.equal(forged.csrf, planted)
-    const response = await post(`${latch.base}/auth/consent`, form({ request: forged.request, csrf: planted, scope: 'create', decision: 'approve' }), {
-      Cookie: `latch_csrf=${planted}; ${session}`,
-    })
+    const response = await post(
+      `${latch.base}/auth/consent`,
+      form({ request: forged.request, csrf: planted, scope: 'create', decision: 'approve' }),
+      {
+        Cookie: `latch_csrf=${planted}; ${session}`,
+      },
+    )
     assert.equal(response.status, 403)
     assert.equal(response.headers.get('location'), null)
   })
@@ -1644,16 +1952,26 @@ describe('Sign-in sessions and connected apps', () => {
     const session = await signIn(csrf)
     const token = await formTokenOf(`latch_csrf=${csrf}; ${session}`)
     const headers = { Cookie: `latch_csrf=${csrf}; ${session}` }
-    assert.equal((await post(`${latch.base}/sign-out`, form({ csrf: token }), { ...headers, 'Sec-Fetch-Site': 'same-site' })).status, 403)
+    assert.equal(
+      (await post(`${latch.base}/sign-out`, form({ csrf: token }), { ...headers, 'Sec-Fetch-Site': 'same-site' }))
+        .status,
+      403,
+    )
     assert.match(await appsPage(headers.Cookie), /Connected apps/)
-    assert.equal((await post(`${latch.base}/sign-out`, form({ csrf: token }), { ...headers, 'Sec-Fetch-Site': 'same-origin' })).status, 303)
+    assert.equal(
+      (await post(`${latch.base}/sign-out`, form({ csrf: token }), { ...headers, 'Sec-Fetch-Site': 'same-origin' }))
+        .status,
+      303,
+    )
   })
 
   it('signs out everywhere: every session of the owner ends, in every browser', async () => {
     const [csrf, other] = [createSecret(), createSecret()]
     const [first, second] = [await signIn(csrf), await signIn(other)]
     const token = await formTokenOf(`latch_csrf=${csrf}; ${first}`)
-    const response = await post(`${latch.base}/sign-out-everywhere`, form({ csrf: token }), { Cookie: `latch_csrf=${csrf}; ${first}` })
+    const response = await post(`${latch.base}/sign-out-everywhere`, form({ csrf: token }), {
+      Cookie: `latch_csrf=${csrf}; ${first}`,
+    })
     assert.equal(response.status, 303)
     assert.match(response.headers.get('set-cookie') ?? '', /^latch_session=; Path=\/; Max-Age=0/)
     assert.match(await appsPage(`latch_csrf=${csrf}; ${first}`), /type="password"/)
@@ -1662,13 +1980,24 @@ describe('Sign-in sessions and connected apps', () => {
   })
 
   it('names the session and CSRF cookies __Host- and marks them Secure on an https issuer', async () => {
-    const secure = await startLatch({ PASSWORD_HASH: await hashPassword(password, FAST_COST), ISSUER: 'https://auth.example.com' })
+    const secure = await startLatch({
+      PASSWORD_HASH: await hashPassword(password, FAST_COST),
+      ISSUER: 'https://auth.example.com',
+    })
     after(() => secure.close())
     const page = await fetch(`${secure.base}/apps`)
-    const csrf = /^__Host-latch_csrf=([A-Za-z0-9_-]{43}); Path=\/; HttpOnly; SameSite=Lax; Secure$/.exec(page.headers.get('set-cookie') ?? '')?.[1] ?? ''
+    const csrf =
+      /^__Host-latch_csrf=([A-Za-z0-9_-]{43}); Path=\/; HttpOnly; SameSite=Lax; Secure$/.exec(
+        page.headers.get('set-cookie') ?? '',
+      )?.[1] ?? ''
     assert.ok(csrf, 'the CSRF cookie is __Host- and Secure too')
-    const response = await post(`${secure.base}/sign-in`, form({ csrf, password }), { Cookie: `__Host-latch_csrf=${csrf}` })
-    assert.match(response.headers.get('set-cookie') ?? '', /^__Host-latch_session=[A-Za-z0-9_-]{43}; Path=\/; Max-Age=604800; HttpOnly; SameSite=Lax; Secure$/)
+    const response = await post(`${secure.base}/sign-in`, form({ csrf, password }), {
+      Cookie: `__Host-latch_csrf=${csrf}`,
+    })
+    assert.match(
+      response.headers.get('set-cookie') ?? '',
+      /^__Host-latch_session=[A-Za-z0-9_-]{43}; Path=\/; Max-Age=604800; HttpOnly; SameSite=Lax; Secure$/,
+    )
   })
 })
 
@@ -1681,10 +2010,13 @@ describe('A new PASSWORD_HASH', () => {
       const latch = await startLatch({ PASSWORD_HASH: passwordHash }, { store })
       return { latch, stop: async () => (await latch.close(), await store.close()) }
     }
-    const apps = async (latch: TestServer, cookie: string) => (await fetch(`${latch.base}/apps`, { headers: { Cookie: cookie } })).text()
+    const apps = async (latch: TestServer, cookie: string) =>
+      (await fetch(`${latch.base}/apps`, { headers: { Cookie: cookie } })).text()
     const first = await serve(PASSWORD_HASH)
     const csrf = createSecret()
-    const signedIn = await post(`${first.latch.base}/sign-in`, form({ csrf, password: 'correct horse' }), { Cookie: `latch_csrf=${csrf}` })
+    const signedIn = await post(`${first.latch.base}/sign-in`, form({ csrf, password: 'correct horse' }), {
+      Cookie: `latch_csrf=${csrf}`,
+    })
     const cookie = `latch_csrf=${csrf}; ${(signedIn.headers.get('set-cookie') ?? '').split(';')[0]}`
     assert.match(await apps(first.latch, cookie), /Connected apps/)
     await first.stop()
@@ -1704,7 +2036,11 @@ describe('Token lifetime on the consent page', () => {
 
   it('offers 1 day to 1 year, with ACCESS_TOKEN_TTL added and chosen by default', async () => {
     const { html } = await openConsent(latch)
-    const options = [...html.matchAll(/<option value="(\d+)"( selected)?>([^<]+)<\/option>/g)].map((match) => [match[1], match[3], match[2] === ' selected'])
+    const options = [...html.matchAll(/<option value="(\d+)"( selected)?>([^<]+)<\/option>/g)].map((match) => [
+      match[1],
+      match[3],
+      match[2] === ' selected',
+    ])
     assert.deepEqual(options, [
       ['86400', '1 day', false],
       ['259200', '3 days', true],
@@ -1719,7 +2055,10 @@ describe('Token lifetime on the consent page', () => {
     const code = await obtainCode(latch, {}, { lifetime: '31536000' })
     const first = (await (await exchange(latch, code)).json()) as { expires_in: number; refresh_token: string }
     assert.equal(first.expires_in, 31536000)
-    const refreshed = await post(`${latch.base}/token`, form({ grant_type: 'refresh_token', refresh_token: first.refresh_token, client_id: CLIENT_ID }))
+    const refreshed = await post(
+      `${latch.base}/token`,
+      form({ grant_type: 'refresh_token', refresh_token: first.refresh_token, client_id: CLIENT_ID }),
+    )
     assert.equal(((await refreshed.json()) as { expires_in: number }).expires_in, 31536000)
   })
 
@@ -1759,13 +2098,16 @@ describe('Slow clients', () => {
   })
 
   it('closes a connection whose body never finishes', async () => {
-    const head = 'POST /token HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/x-www-form-urlencoded\r\nContent-Length: 100\r\n\r\ncode=abc'
+    const head =
+      'POST /token HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/x-www-form-urlencoded\r\nContent-Length: 100\r\n\r\ncode=abc'
     const { closedAfterMs } = await holdOpen(head)
     assert.ok(closedAfterMs < 3000, `closed after ${closedAfterMs} ms`)
   })
 
   it('closes an idle kept-alive connection', async () => {
-    const { closedAfterMs, answer } = await holdOpen('GET /.well-known/oauth-authorization-server HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n')
+    const { closedAfterMs, answer } = await holdOpen(
+      'GET /.well-known/oauth-authorization-server HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n',
+    )
     assert.match(answer, /^HTTP\/1\.1 200/)
     assert.ok(closedAfterMs < 3000, `closed after ${closedAfterMs} ms`)
   })
@@ -1778,7 +2120,11 @@ describe('GET / (home page)', () => {
     assert.equal(response.status, 200)
     assert.equal(response.headers.get('x-frame-options'), 'DENY')
     const html = await response.text()
-    assert.ok(html.includes(`&#60;link rel=&#34;indieauth-metadata&#34; href=&#34;${latch.issuer}/.well-known/oauth-authorization-server&#34;&#62;`))
+    assert.ok(
+      html.includes(
+        `&#60;link rel=&#34;indieauth-metadata&#34; href=&#34;${latch.issuer}/.well-known/oauth-authorization-server&#34;&#62;`,
+      ),
+    )
     assert.ok(html.includes('rel=&#34;authorization_endpoint&#34;'))
     assert.ok(html.includes('rel=&#34;token_endpoint&#34;'))
     const head = await fetch(`${latch.base}/`, { method: 'HEAD' })
@@ -1831,7 +2177,13 @@ describe('Router and errors', () => {
     })
     await new Promise<void>((resolve) => server.listen(0, '127.0.0.1', resolve))
     const { port } = server.address() as AddressInfo
-    await assert.rejects(fetch(`http://127.0.0.1:${port}/introspect`, { method: 'POST', headers: { 'Content-Type': 'application/x-www-form-urlencoded' }, body: 'token=x' }))
+    await assert.rejects(
+      fetch(`http://127.0.0.1:${port}/introspect`, {
+        method: 'POST',
+        headers: { 'Content-Type': 'application/x-www-form-urlencoded' },
+        body: 'token=x',
+      }),
+    )
     server.closeAllConnections()
     await new Promise((resolve) => server.close(resolve))
   })
@@ -1856,7 +2208,9 @@ describe('Router and errors', () => {
     // The body is one byte longer than Content-Length says: node:http reads the extra "=" as the
     // next request, answers 400 itself and closes the connection while Latch is still working.
     const socket = connect(latch.port, '127.0.0.1')
-    socket.end(`POST /introspect HTTP/1.1\r\nHost: 127.0.0.1:${latch.port}\r\nContent-Type: application/x-www-form-urlencoded\r\nContent-Length: 5\r\n\r\ntoken=`)
+    socket.end(
+      `POST /introspect HTTP/1.1\r\nHost: 127.0.0.1:${latch.port}\r\nContent-Type: application/x-www-form-urlencoded\r\nContent-Length: 5\r\n\r\ntoken=`,
+    )
     let answer = ''
     socket.on('data', (chunk) => (answer += chunk))
     await new Promise((resolve) => socket.on('close', resolve))
@@ -1872,7 +2226,10 @@ describe('Router and errors', () => {
 describe('A full flow', () => {
   it('signs in, exchanges, introspects, revokes, and never logs a secret', async () => {
     const password = 'correct horse battery staple'
-    const latch = await startLatch({ PASSWORD_HASH: await hashPassword(password, FAST_COST), ME: 'https://example.com/' })
+    const latch = await startLatch({
+      PASSWORD_HASH: await hashPassword(password, FAST_COST),
+      ME: 'https://example.com/',
+    })
     const consent = await openConsent(latch)
     const approved = await submitConsent(latch, consent, { password })
     const code = new URL(approved.headers.get('location') ?? '').searchParams.get('code') ?? ''
@@ -1885,14 +2242,17 @@ describe('A full flow', () => {
 
     const log = latch.logs.join('\n')
     assert.equal(latch.logs.length, 6)
-    for (const secret of [code, token, VERIFIER, password, consent.csrf, consent.request]) assert.equal(log.includes(secret), false)
+    for (const secret of [code, token, VERIFIER, password, consent.csrf, consent.request])
+      assert.equal(log.includes(secret), false)
   })
 })
 
 describe('The command line', () => {
   const run = (args: string[], env: Record<string, string>, input?: string) =>
     new Promise<{ code: number | null; stdout: string; stderr: string; child: ReturnType<typeof spawn> }>((resolve) => {
-      const child = spawn(process.execPath, ['--import', 'tsx', 'server.ts', ...args], { env: { ...process.env, ...env } })
+      const child = spawn(process.execPath, ['--import', 'tsx', 'server.ts', ...args], {
+        env: { ...process.env, ...env },
+      })
       let stdout = ''
       let stderr = ''
       child.stdout.on('data', (chunk) => {
@@ -1914,7 +2274,9 @@ describe('The command line', () => {
   })
 
   it('finishes a request in flight on SIGTERM, then exits 0', async () => {
-    const child = spawn(process.execPath, ['--import', 'tsx', 'server.ts'], { env: { ...process.env, PORT: '0', DATA_FILE: 'memory' } })
+    const child = spawn(process.execPath, ['--import', 'tsx', 'server.ts'], {
+      env: { ...process.env, PORT: '0', DATA_FILE: 'memory' },
+    })
     const exited = new Promise((resolve) => child.on('close', resolve))
     let stdout = ''
     const port = await new Promise<string>((resolve) => {
@@ -1929,7 +2291,9 @@ describe('The command line', () => {
     let answer = ''
     socket.on('data', (chunk) => (answer += chunk))
     const closed = new Promise((resolve) => socket.on('close', resolve))
-    socket.write(`POST /revoke HTTP/1.1\r\nHost: 127.0.0.1:${port}\r\nContent-Type: application/x-www-form-urlencoded\r\nContent-Length: ${body.length}\r\n\r\n${body.slice(0, 5)}`)
+    socket.write(
+      `POST /revoke HTTP/1.1\r\nHost: 127.0.0.1:${port}\r\nContent-Type: application/x-www-form-urlencoded\r\nContent-Length: ${body.length}\r\n\r\n${body.slice(0, 5)}`,
+    )
     await new Promise((resolve) => setTimeout(resolve, 100)) // the request has reached the server
     child.kill('SIGTERM')
     await new Promise((resolve) => child.stdout.once('data', resolve)) // it says it is stopping

@@ -16,7 +16,8 @@
  *
  *     import { createServer } from 'node:http'
  *     import { createHandler, loadConfig } from './server.ts'
- *     const config = loadConfig({ ISSUER: 'https://auth.example.com', ME: 'https://example.com/', PASSWORD_HASH: '…' })
+ *     const env = { ISSUER: 'https://auth.example.com', ME: 'https://example.com/', PASSWORD_HASH: '…' }
+ *     const config = loadConfig(env)
  *     createServer(createHandler({ config })).listen(3000)
  *
  * The file reads in the order a flow runs: configuration, errors, helpers, identifiers, storage,
@@ -251,19 +252,51 @@ export const SETTINGS = [
   { name: 'HOST', default: '127.0.0.1', help: 'Interface to bind.' },
   { name: 'ISSUER', default: 'http://HOST:PORT', help: 'Public base URL; every endpoint URL is built from it.' },
   { name: 'ME', default: 'ISSUER + /', help: "The owner's profile URL." },
-  { name: 'PASSWORD_HASH', default: 'unset', help: 'Owner password hash from `npx tsx server.ts hash-password`. Unset: no password, loopback only.' },
-  { name: 'DATA_FILE', default: 'latch-data.jsonl', help: 'File where codes, grants and tokens survive restarts; `memory` keeps them in memory only.' },
+  {
+    name: 'PASSWORD_HASH',
+    default: 'unset',
+    help: 'Owner password hash from `npx tsx server.ts hash-password`. Unset: no password, loopback only.',
+  },
+  {
+    name: 'DATA_FILE',
+    default: 'latch-data.jsonl',
+    help: 'File where codes, grants and tokens survive restarts; `memory` keeps them in memory only.',
+  },
   { name: 'CODE_TTL', default: '300', help: 'Authorization code lifetime (90s, 10m, 12h, 7d; at most 600).' },
   { name: 'ACCESS_TOKEN_TTL', default: '604800', help: 'Access token lifetime (7 days).' },
-  { name: 'REFRESH_TOKEN_TTL', default: '2592000', help: 'A refresh token expires after this long without use (30 days).' },
-  { name: 'REFRESH_TOKEN_GRACE', default: '30', help: 'A rotated refresh token sent again this soon is a retry, not a theft (0 turns it off; at most 600).' },
-  { name: 'SESSION_TTL', default: '604800', help: 'How long you stay signed in after entering your password (7 days).' },
-  { name: 'INTROSPECTION_SECRET', default: 'unset', help: 'Unset: /introspect is open. Set: callers send `Authorization: Bearer <secret>`.' },
-  { name: 'CLIENT_FETCH_PRIVATE', default: 'unset', help: '`allow` lets client discovery fetch apps on private addresses (a LAN); loopback stays forbidden.' },
+  {
+    name: 'REFRESH_TOKEN_TTL',
+    default: '2592000',
+    help: 'A refresh token expires after this long without use (30 days).',
+  },
+  {
+    name: 'REFRESH_TOKEN_GRACE',
+    default: '30',
+    help: 'A rotated refresh token sent again this soon is a retry, not a theft (0 turns it off; at most 600).',
+  },
+  {
+    name: 'SESSION_TTL',
+    default: '604800',
+    help: 'How long you stay signed in after entering your password (7 days).',
+  },
+  {
+    name: 'INTROSPECTION_SECRET',
+    default: 'unset',
+    help: 'Unset: /introspect is open. Set: callers send `Authorization: Bearer <secret>`.',
+  },
+  {
+    name: 'CLIENT_FETCH_PRIVATE',
+    default: 'unset',
+    help: '`allow` lets client discovery fetch apps on private addresses (a LAN); loopback stays forbidden.',
+  },
   { name: 'PROFILE_NAME', default: 'unset', help: 'Your name, shown to apps granted the profile scope.' },
   { name: 'PROFILE_URL', default: 'ME', help: 'Your home page, shown to apps granted the profile scope.' },
   { name: 'PROFILE_PHOTO', default: 'unset', help: 'URL of your photo, shown to apps granted the profile scope.' },
-  { name: 'PROFILE_EMAIL', default: 'unset', help: 'Your email address, shown to apps granted the profile and email scopes.' },
+  {
+    name: 'PROFILE_EMAIL',
+    default: 'unset',
+    help: 'Your email address, shown to apps granted the profile and email scopes.',
+  },
 ] as const
 
 type SettingName = (typeof SETTINGS)[number]['name']
@@ -295,17 +328,21 @@ export function loadConfig(
   const me = parseMe(raw.ME ?? `${issuer}/`)
   const passwordHash = raw.PASSWORD_HASH
   if (passwordHash !== undefined && parsePasswordHash(passwordHash) === undefined) {
-    throw new ConfigError('PASSWORD_HASH is not a hash made by Latch: create one with `npx tsx server.ts hash-password`')
+    throw new ConfigError(
+      'PASSWORD_HASH is not a hash made by Latch: create one with `npx tsx server.ts hash-password`',
+    )
   }
   if (passwordHash === undefined && !LOOPBACK_HOSTS.has(host)) {
     throw new ConfigError(
-      `HOST ${host} is not a loopback interface, and without PASSWORD_HASH anyone who reaches it could approve sign-ins: ` +
+      `HOST ${host} is not a loopback interface, and without PASSWORD_HASH anyone who reaches it ` +
+        'could approve sign-ins: ' +
         'create a hash with `npx tsx server.ts hash-password` and set PASSWORD_HASH, or bind HOST=127.0.0.1',
     )
   }
   if (passwordHash === undefined && !LOOPBACK_HOSTS.has(new URL(issuer).hostname.replace(/^\[|\]$/g, ''))) {
     throw new ConfigError(
-      `ISSUER ${issuer} is not on a loopback host, and behind a proxy anyone could approve sign-ins without PASSWORD_HASH: ` +
+      `ISSUER ${issuer} is not on a loopback host, and behind a proxy anyone could approve sign-ins ` +
+        'without PASSWORD_HASH: ' +
         'create a hash with `npx tsx server.ts hash-password` and set PASSWORD_HASH',
     )
   }
@@ -316,20 +353,28 @@ export function loadConfig(
   }
   const accessTokenTtlSeconds = parseDuration('ACCESS_TOKEN_TTL', raw.ACCESS_TOKEN_TTL ?? '604800')
   const refreshTokenTtlSeconds = parseDuration('REFRESH_TOKEN_TTL', raw.REFRESH_TOKEN_TTL ?? '2592000')
-  const refreshTokenGraceSeconds = /^0+[smhd]?$/.test(raw.REFRESH_TOKEN_GRACE ?? '') ? 0 : parseDuration('REFRESH_TOKEN_GRACE', raw.REFRESH_TOKEN_GRACE ?? '30')
+  const refreshTokenGraceSeconds = /^0+[smhd]?$/.test(raw.REFRESH_TOKEN_GRACE ?? '')
+    ? 0
+    : parseDuration('REFRESH_TOKEN_GRACE', raw.REFRESH_TOKEN_GRACE ?? '30')
   if (refreshTokenGraceSeconds > MAX_REFRESH_GRACE_SECONDS) {
-    throw new ConfigError('REFRESH_TOKEN_GRACE is longer than 10 minutes, which would let a stolen refresh token go unnoticed: use 600 or less')
+    throw new ConfigError(
+      'REFRESH_TOKEN_GRACE is longer than 10 minutes, which would let a stolen refresh token go unnoticed: ' +
+        'use 600 or less',
+    )
   }
   const sessionTtlSeconds = parseDuration('SESSION_TTL', raw.SESSION_TTL ?? '604800')
   const introspectionSecret = raw.INTROSPECTION_SECRET
   if (introspectionSecret !== undefined && introspectionSecret.length < MIN_SECRET_LENGTH) {
     throw new ConfigError(
-      `INTROSPECTION_SECRET is shorter than ${MIN_SECRET_LENGTH} characters: use a long random value, such as the output of \`openssl rand -base64 32\``,
+      `INTROSPECTION_SECRET is shorter than ${MIN_SECRET_LENGTH} characters: ` +
+        'use a long random value, such as the output of `openssl rand -base64 32`',
     )
   }
   const clientFetchPrivate = raw.CLIENT_FETCH_PRIVATE === 'allow'
   if (raw.CLIENT_FETCH_PRIVATE !== undefined && !clientFetchPrivate) {
-    throw new ConfigError(`CLIENT_FETCH_PRIVATE ${raw.CLIENT_FETCH_PRIVATE} is not a choice: set it to allow, or leave it unset`)
+    throw new ConfigError(
+      `CLIENT_FETCH_PRIVATE ${raw.CLIENT_FETCH_PRIVATE} is not a choice: set it to allow, or leave it unset`,
+    )
   }
   const profile = {
     name: raw.PROFILE_NAME,
@@ -366,7 +411,8 @@ function readSettings(env: Record<string, string | undefined>, argv: readonly st
     const equals = arg.indexOf('=')
     const flag = equals === -1 ? arg : arg.slice(0, equals)
     const name = SETTINGS.find((setting) => flagName(setting.name) === flag)?.name
-    if (name === undefined) throw new ConfigError(`Unknown option ${flag}: run \`npx tsx server.ts --help\` for the list`)
+    if (name === undefined)
+      throw new ConfigError(`Unknown option ${flag}: run \`npx tsx server.ts --help\` for the list`)
     const value = equals === -1 ? argv[++i] : arg.slice(equals + 1)
     if (value === undefined) throw new ConfigError(`Option ${flag} needs a value, as in \`${flag} VALUE\``)
     if (value === '') delete values[name]
@@ -391,8 +437,12 @@ export function parseDuration(name: string, value: string): number {
   const match = /^(\d{1,12})([smhd]?)$/.exec(value.trim())
   const unitSeconds = { '': 1, s: 1, m: 60, h: 3600, d: 86400 }
   const seconds = match === null ? NaN : Number(match[1]) * unitSeconds[match[2] as keyof typeof unitSeconds]
-  if (!(seconds > 0)) throw new ConfigError(`${name} ${value} is not a positive duration: use seconds or a unit, as in 300, 90s, 10m, 12h or 7d`)
-  if (seconds > MAX_DURATION_SECONDS) throw new ConfigError(`${name} ${value} is longer than ten years: use 3650d or less`)
+  if (!(seconds > 0))
+    throw new ConfigError(
+      `${name} ${value} is not a positive duration: use seconds or a unit, as in 300, 90s, 10m, 12h or 7d`,
+    )
+  if (seconds > MAX_DURATION_SECONDS)
+    throw new ConfigError(`${name} ${value} is longer than ten years: use 3650d or less`)
   return seconds
 }
 
@@ -403,10 +453,14 @@ function hostForUrl(host: string): string {
 function parseIssuer(value: string): string {
   const url = URL.canParse(value) ? new URL(value) : undefined
   if (url === undefined || (url.protocol !== 'https:' && url.protocol !== 'http:')) {
-    throw new ConfigError(`ISSUER ${value} is not an http or https URL: use the public base URL, as in https://auth.example.com`)
+    throw new ConfigError(
+      `ISSUER ${value} is not an http or https URL: use the public base URL, as in https://auth.example.com`,
+    )
   }
   if (url.search !== '' || url.hash !== '' || value.includes('?') || value.includes('#')) {
-    throw new ConfigError(`ISSUER ${value} has a query or fragment, which RFC 8414 forbids: remove everything from ? or #`)
+    throw new ConfigError(
+      `ISSUER ${value} has a query or fragment, which RFC 8414 forbids: remove everything from ? or #`,
+    )
   }
   if (url.username !== '' || url.password !== '') {
     throw new ConfigError(`ISSUER ${value} contains a user name or password: remove it`)
@@ -416,17 +470,24 @@ function parseIssuer(value: string): string {
 
 function parseMe(value: string): string {
   const problem = profileUrlProblem(value)
-  if (problem !== undefined) throw new ConfigError(`ME ${value} is not a valid profile URL (${problem}): use your site's URL, as in https://example.com/`)
+  if (problem !== undefined)
+    throw new ConfigError(
+      `ME ${value} is not a valid profile URL (${problem}): use your site's URL, as in https://example.com/`,
+    )
   return canonicalizeUrl(value)
 }
 
 function parseProfileLink(name: string, value: string): string {
-  if (!/^https?:\/\//i.test(value) || !URL.canParse(value)) throw new ConfigError(`${name} ${value} is not an http or https URL: use a full URL, as in https://example.com/photo.jpg`)
+  if (!/^https?:\/\//i.test(value) || !URL.canParse(value))
+    throw new ConfigError(
+      `${name} ${value} is not an http or https URL: use a full URL, as in https://example.com/photo.jpg`,
+    )
   return new URL(value).href
 }
 
 function parseEmail(value: string): string {
-  if (!/^[^\s@]+@[^\s@]+$/.test(value)) throw new ConfigError(`PROFILE_EMAIL ${value} is not an email address: use one like me@example.com`)
+  if (!/^[^\s@]+@[^\s@]+$/.test(value))
+    throw new ConfigError(`PROFILE_EMAIL ${value} is not an email address: use one like me@example.com`)
   return value
 }
 
@@ -435,11 +496,17 @@ export function configWarnings(config: Config): string[] {
   const warnings: string[] = []
   const issuer = new URL(config.issuer)
   if (issuer.protocol === 'http:' && !LOOPBACK_HOSTS.has(issuer.hostname.replace(/^\[|\]$/g, ''))) {
-    warnings.push(`ISSUER ${config.issuer} is http on a non-loopback host; IndieAuth wants https, so put Latch behind TLS and set ISSUER to the https URL`)
+    warnings.push(
+      `ISSUER ${config.issuer} is http on a non-loopback host; IndieAuth wants https, ` +
+        'so put Latch behind TLS and set ISSUER to the https URL',
+    )
   }
   const me = new URL(config.me)
   if (me.port !== '' || isIpAddress(me.hostname)) {
-    warnings.push(`ME ${config.me} has a port or an IP address, which IndieAuth forbids for profile URLs; fine for trying Latch, but set ME to your site's URL for real use`)
+    warnings.push(
+      `ME ${config.me} has a port or an IP address, which IndieAuth forbids for profile URLs; ` +
+        "fine for trying Latch, but set ME to your site's URL for real use",
+    )
   }
   return warnings
 }
@@ -625,7 +692,8 @@ function decodeFormComponent(text: string): string {
       bytes[length++] = 0x20 // "+" is a space
     } else if (char === 0x25) {
       const hex = text.slice(i + 1, i + 3)
-      if (!/^[0-9A-Fa-f]{2}$/.test(hex)) throw new OAuthError('invalid_request', 'The request has a malformed percent-escape')
+      if (!/^[0-9A-Fa-f]{2}$/.test(hex))
+        throw new OAuthError('invalid_request', 'The request has a malformed percent-escape')
       bytes[length++] = parseInt(hex, 16)
       i += 2
     } else if (char > 0xff) {
@@ -666,7 +734,8 @@ export function requireParam(params: Params, name: string): string {
 export function parseScope(value: string | undefined): string[] {
   const scopes = (value ?? '').split(' ').filter((scope) => scope !== '')
   for (const scope of scopes) {
-    if (!isScopeToken(scope)) throw new OAuthError('invalid_scope', 'The scope has a character that RFC 6749 does not allow')
+    if (!isScopeToken(scope))
+      throw new OAuthError('invalid_scope', 'The scope has a character that RFC 6749 does not allow')
   }
   return [...new Set(scopes)]
 }
@@ -681,7 +750,10 @@ const SCRYPT_DEFAULT_COST = { ln: 15, r: 8, p: 1 }
 type PasswordHash = { ln: number; r: number; p: number; salt: Buffer; hash: Buffer }
 
 /** Hashes a password with scrypt and a random salt; `ln` is log2 of the cost N. */
-export async function hashPassword(password: string, cost: { ln: number; r: number; p: number } = SCRYPT_DEFAULT_COST): Promise<string> {
+export async function hashPassword(
+  password: string,
+  cost: { ln: number; r: number; p: number } = SCRYPT_DEFAULT_COST,
+): Promise<string> {
   const salt = randomBytes(16)
   const hash = await runScrypt(password, { ...cost, salt })
   return `scrypt:ln=${cost.ln},r=${cost.r},p=${cost.p}:${base64url(salt)}:${base64url(hash)}`
@@ -707,10 +779,16 @@ function runScrypt(password: string, params: { ln: number; r: number; p: number;
   const N = 2 ** params.ln
   const maxmem = 128 * N * params.r * params.p + 1024 * 1024
   return new Promise((resolve, reject) => {
-    scrypt(password.normalize('NFC'), params.salt, SCRYPT_KEY_LENGTH, { N, r: params.r, p: params.p, maxmem }, (err, key) => {
-      if (err) reject(err)
-      else resolve(key)
-    })
+    scrypt(
+      password.normalize('NFC'),
+      params.salt,
+      SCRYPT_KEY_LENGTH,
+      { N, r: params.r, p: params.p, maxmem },
+      (err, key) => {
+        if (err) reject(err)
+        else resolve(key)
+      },
+    )
   })
 }
 
@@ -733,16 +811,26 @@ function splitHttpUrl(raw: string): UrlParts | string {
   const hostAndPort = authority.slice(at + 1)
   const portMatch = /^(\[[^\]]*\]|[^:]*)(?::(\d*))?$/.exec(hostAndPort)
   if (portMatch === null) return 'its host is malformed'
-  return { raw, scheme: scheme.toLowerCase(), userinfo: at !== -1, host: portMatch[1].toLowerCase(), port: portMatch[2] ?? '', path }
+  return {
+    raw,
+    scheme: scheme.toLowerCase(),
+    userinfo: at !== -1,
+    host: portMatch[1].toLowerCase(),
+    port: portMatch[2] ?? '',
+    path,
+  }
 }
 
 /** The problems §3.2 and §3.3 share, or undefined. */
 function commonUrlProblem(parts: UrlParts): string | undefined {
-  if (parts.scheme !== 'https' && parts.scheme !== 'http') return 'it must use https or http' // MUST have either an https or http scheme
+  // MUST have either an https or http scheme
+  if (parts.scheme !== 'https' && parts.scheme !== 'http') return 'it must use https or http'
   if (parts.userinfo) return 'it contains a user name or password' // MUST NOT contain a username or password component
   const segments = parts.path.split('/').map((segment) => segment.toLowerCase().replaceAll('%2e', '.'))
-  if (segments.some((segment) => segment === '.' || segment === '..')) return 'its path contains a . or .. segment' // MUST NOT contain single-dot or double-dot path segments
-  if (parts.port !== '' && !(/^\d{1,5}$/.test(parts.port) && Number(parts.port) <= 65535)) return 'its port is not a number from 0 to 65535'
+  // MUST NOT contain single-dot or double-dot path segments
+  if (segments.some((segment) => segment === '.' || segment === '..')) return 'its path contains a . or .. segment'
+  if (parts.port !== '' && !(/^\d{1,5}$/.test(parts.port) && Number(parts.port) <= 65535))
+    return 'its port is not a number from 0 to 65535'
   if (parts.host === '') return 'it has no host'
   if (!isIpAddress(parts.host) && !isDomainName(parts.host)) return 'its host is not a domain name'
   if (!URL.canParse(parts.raw)) return 'it is not a valid URL'
@@ -777,7 +865,8 @@ export function clientIdProblem(raw: string): string | undefined {
   const problem = commonUrlProblem(parts)
   if (problem !== undefined) return problem
   if (isIpAddress(parts.host) && parts.host !== '127.0.0.1' && parts.host !== '[::1]') {
-    return 'its host is an IP address other than 127.0.0.1 or [::1]' // MUST NOT be IPv4 or IPv6 addresses except for IPv4 127.0.0.1 or IPv6 [::1]
+    // MUST NOT be IPv4 or IPv6 addresses except for IPv4 127.0.0.1 or IPv6 [::1]
+    return 'its host is an IP address other than 127.0.0.1 or [::1]'
   }
   return undefined
 }
@@ -815,25 +904,36 @@ const UNSAFE_SCHEMES = new Set(['javascript', 'data', 'vbscript', 'file', 'blob'
  * `com.example.app:/callback`, say). `client` is what discovery found, if anything.
  * @see https://indieauth.spec.indieweb.org/#redirect-url IA §4.2.2
  */
-export function redirectUriProblem(redirectUri: string, clientId: string, client: { info?: ClientInfo } = {}): string | undefined {
+export function redirectUriProblem(
+  redirectUri: string,
+  clientId: string,
+  client: { info?: ClientInfo } = {},
+): string | undefined {
   if (redirectUri.length > MAX_URL_LENGTH) return `redirect_uri is longer than ${MAX_URL_LENGTH} characters`
   if (redirectUri.includes('#')) return 'redirect_uri must not contain a fragment'
   const scheme = /^([a-zA-Z][a-zA-Z0-9+.-]*):/.exec(redirectUri)?.[1].toLowerCase()
-  if (scheme === undefined || !/^[\x21-\x7e]+$/.test(redirectUri) || redirectUri.includes('\\') || !URL.canParse(redirectUri)) {
+  if (
+    scheme === undefined ||
+    !/^[\x21-\x7e]+$/.test(redirectUri) ||
+    redirectUri.includes('\\') ||
+    !URL.canParse(redirectUri)
+  ) {
     return 'redirect_uri is not an absolute URL'
   }
-  if ((scheme === 'http' || scheme === 'https') && !/^https?:\/\//i.test(redirectUri)) return 'redirect_uri is not an absolute URL'
+  if ((scheme === 'http' || scheme === 'https') && !/^https?:\/\//i.test(redirectUri))
+    return 'redirect_uri is not an absolute URL'
   if (UNSAFE_SCHEMES.has(scheme)) return `redirect_uri must not use the ${scheme} scheme`
   const redirect = new URL(redirectUri)
   const origin = new URL(clientId)
   if (redirect.protocol === origin.protocol && redirect.host === origin.host) return undefined
+  const notSameOrigin = 'redirect_uri is not on the scheme, host and port of client_id'
   if (client.info?.redirectUris.includes(redirectUri)) return undefined
-  if (isLoopbackClient(clientId)) return 'redirect_uri is not on the scheme, host and port of client_id, as a loopback client, never fetched, requires'
+  if (isLoopbackClient(clientId)) return `${notSameOrigin}, as a loopback client, never fetched, requires`
   if (client.info === undefined) {
-    return "redirect_uri is not on the scheme, host and port of client_id, and the app's information could not be fetched to check it"
+    return `${notSameOrigin}, and the app's information could not be fetched to check it`
   }
   const published = client.info.redirectUris.length === 0 ? 'none' : client.info.redirectUris.join(' , ')
-  return `redirect_uri is not on the scheme, host and port of client_id, nor one of the redirect URIs the client publishes: ${published}`
+  return `${notSameOrigin}, nor one of the redirect URIs the client publishes: ${published}`
 }
 
 // --- Client information discovery -----------------------------------------------
@@ -906,17 +1006,24 @@ for (const [network, prefix] of [
 
 /** Private addresses: allowed only with `CLIENT_FETCH_PRIVATE=allow`, for clients on a LAN. */
 const PRIVATE_ADDRESSES = new BlockList()
-for (const [network, prefix] of [['10.0.0.0', 8], ['100.64.0.0', 10], ['172.16.0.0', 12], ['192.168.0.0', 16]] as const) {
+for (const [network, prefix] of [
+  ['10.0.0.0', 8],
+  ['100.64.0.0', 10],
+  ['172.16.0.0', 12],
+  ['192.168.0.0', 16],
+] as const) {
   PRIVATE_ADDRESSES.addSubnet(network, prefix, 'ipv4')
 }
 PRIVATE_ADDRESSES.addSubnet('fc00::', 7, 'ipv6') // unique local
 
-/** Why Latch may not connect to an address, or undefined when it may. An IPv4 address inside an IPv6 one is checked as IPv4. */
+/** Why Latch may not connect to an address, or undefined when it may. IPv4 inside IPv6 is checked as IPv4. */
 export function addressProblem(address: string, allowPrivate: boolean): string | undefined {
   const embedded = isIPv6(address) ? embeddedIpv4(address) : address
   const [checked, type] = embedded === undefined ? [address, 'ipv6' as const] : [embedded, 'ipv4' as const]
-  if (FORBIDDEN_ADDRESSES.check(checked, type)) return `it resolves to ${address}, a loopback, link-local or special-use address`
-  if (!allowPrivate && PRIVATE_ADDRESSES.check(checked, type)) return `it resolves to ${address}, a private address (CLIENT_FETCH_PRIVATE=allow permits it)`
+  if (FORBIDDEN_ADDRESSES.check(checked, type))
+    return `it resolves to ${address}, a loopback, link-local or special-use address`
+  if (!allowPrivate && PRIVATE_ADDRESSES.check(checked, type))
+    return `it resolves to ${address}, a private address (CLIENT_FETCH_PRIVATE=allow permits it)`
   return undefined
 }
 
@@ -943,7 +1050,8 @@ function ipv6Words(address: string): number[] {
     text = `${text.slice(0, dotted.index)}${((a << 8) | b).toString(16)}:${((c << 8) | d).toString(16)}`
   }
   const [head, tail] = text.split('::')
-  const parse = (part: string | undefined) => (part === undefined || part === '' ? [] : part.split(':').map((word) => parseInt(word, 16)))
+  const parse = (part: string | undefined) =>
+    part === undefined || part === '' ? [] : part.split(':').map((word) => parseInt(word, 16))
   const [first, last] = [parse(head), parse(tail)]
   return [...first, ...new Array<number>(8 - first.length - last.length).fill(0), ...last]
 }
@@ -958,12 +1066,19 @@ type Fetched = { type: string; link: string; cacheControl: string; body: Buffer 
  * Fetches a URL under the rules above: resolve, check every address, connect to the checked
  * one, no redirects, a deadline and a body cap. Throws an Error whose message says why not.
  */
-async function fetchSafely(url: URL, maxBytes: number, options: { allowPrivate: boolean; fetch: ClientFetchOptions }): Promise<Fetched> {
+async function fetchSafely(
+  url: URL,
+  maxBytes: number,
+  options: { allowPrivate: boolean; fetch: ClientFetchOptions },
+): Promise<Fetched> {
   if (url.protocol !== 'https:' && url.protocol !== 'http:') throw new Error('it is not an http or https URL')
   const hostname = url.hostname.replace(/^\[|\]$/g, '')
   const timeoutMs = options.fetch.timeoutMs ?? CLIENT_FETCH_TIMEOUT_MS
   const deadline = AbortSignal.timeout(timeoutMs)
-  const addresses = isIP(hostname) !== 0 ? [{ address: hostname, family: isIP(hostname) }] : await withDeadline((options.fetch.lookup ?? lookupAll)(hostname), deadline, timeoutMs)
+  const addresses =
+    isIP(hostname) !== 0
+      ? [{ address: hostname, family: isIP(hostname) }]
+      : await withDeadline((options.fetch.lookup ?? lookupAll)(hostname), deadline, timeoutMs)
   if (addresses.length === 0) throw new Error(`its host ${hostname} has no address`)
   for (const { address } of addresses) {
     const problem = addressProblem(address, options.allowPrivate)
@@ -978,11 +1093,16 @@ async function fetchSafely(url: URL, maxBytes: number, options: { allowPrivate: 
       headers: { Accept: 'application/json, text/html;q=0.9', 'User-Agent': 'Latch IndieAuth' },
       lookup: (_name, lookupOptions, callback) => {
         // Connect to the address that was checked, never to a second answer from DNS (rebinding).
-        if ((lookupOptions as { all?: boolean }).all) (callback as (err: null, all: LookupAddress[]) => void)(null, [{ address, family }])
+        if ((lookupOptions as { all?: boolean }).all)
+          (callback as (err: null, all: LookupAddress[]) => void)(null, [{ address, family }])
         else (callback as (err: null, address: string, family: number) => void)(null, address, family)
       },
     })
-    request.on('error', (err) => reject(new Error(deadline.aborted ? `it did not answer within ${timeoutMs} ms` : `fetching it failed: ${err.message}`)))
+    request.on('error', (err) =>
+      reject(
+        new Error(deadline.aborted ? `it did not answer within ${timeoutMs} ms` : `fetching it failed: ${err.message}`),
+      ),
+    )
     request.on('response', (response) => {
       if (response.statusCode !== 200) {
         response.destroy()
@@ -1014,7 +1134,9 @@ function withDeadline<T>(promise: Promise<T>, deadline: AbortSignal, timeoutMs: 
   return new Promise((resolve, reject) => {
     const abort = () => reject(new Error(`its host name did not resolve within ${timeoutMs} ms`))
     deadline.addEventListener('abort', abort, { once: true })
-    promise.then(resolve, (err: NodeJS.ErrnoException) => reject(new Error(`its host name does not resolve (${err.code ?? err.message})`)))
+    promise.then(resolve, (err: NodeJS.ErrnoException) =>
+      reject(new Error(`its host name does not resolve (${err.code ?? err.message})`)),
+    )
   })
 }
 
@@ -1023,17 +1145,26 @@ function withDeadline<T>(promise: Promise<T>, deadline: AbortSignal, timeoutMs: 
  * Throws an Error that says why when the client cannot be fetched or read.
  * @see https://indieauth.spec.indieweb.org/#client-information-discovery IA §4.2
  */
-export async function discoverClient(clientId: string, options: { allowPrivate: boolean; fetch: ClientFetchOptions }): Promise<{ info: ClientInfo; maxAgeSeconds: number }> {
+export async function discoverClient(
+  clientId: string,
+  options: { allowPrivate: boolean; fetch: ClientFetchOptions },
+): Promise<{ info: ClientInfo; maxAgeSeconds: number }> {
   const url = new URL(clientId)
   if (isLoopbackClient(clientId)) throw new Error(LOOPBACK_CLIENT)
   const fetched = await fetchSafely(url, MAX_CLIENT_DOCUMENT_BYTES, options)
   const isJson = fetched.type === 'application/json' || fetched.type.endsWith('+json')
-  const document = isJson ? readClientMetadata(fetched.body.toString('utf8'), clientId) : readClientPage(fetched.body.toString('utf8'), clientId)
+  const document = isJson
+    ? readClientMetadata(fetched.body.toString('utf8'), clientId)
+    : readClientPage(fetched.body.toString('utf8'), clientId)
   const redirectUris = [...document.redirectUris, ...readLinkHeader(fetched.link, 'redirect_uri', clientId)]
     .filter((uri) => uri.length <= MAX_URL_LENGTH)
     .slice(0, MAX_REDIRECT_URIS) // what a client publishes is kept, so it is bounded
-  const logo = document.logoUrl === undefined ? undefined : await fetchLogo(document.logoUrl, options).catch(() => undefined)
-  return { info: { name: document.name, url: document.url, logo, redirectUris }, maxAgeSeconds: cacheLifetime(fetched.cacheControl) }
+  const logo =
+    document.logoUrl === undefined ? undefined : await fetchLogo(document.logoUrl, options).catch(() => undefined)
+  return {
+    info: { name: document.name, url: document.url, logo, redirectUris },
+    maxAgeSeconds: cacheLifetime(fetched.cacheControl),
+  }
 }
 
 /** How long `Cache-Control` lets a result be kept: `max-age`, capped at a day; 0 for no-store and no-cache. */
@@ -1066,13 +1197,22 @@ export function readClientMetadata(text: string, clientId: string): ClientDocume
     throw new Error('its metadata is not valid JSON')
   }
   if (typeof metadata !== 'object' || metadata === null) throw new Error('its metadata is not a JSON object')
-  if (typeof metadata.client_id !== 'string' || !isClientId(metadata.client_id) || canonicalizeUrl(metadata.client_id) !== clientId) {
+  if (
+    typeof metadata.client_id !== 'string' ||
+    !isClientId(metadata.client_id) ||
+    canonicalizeUrl(metadata.client_id) !== clientId
+  ) {
     throw new Error('its metadata names another client_id') // "the client_id property MUST match the URL"
   }
-  if (metadata.client_uri !== undefined && (typeof metadata.client_uri !== 'string' || !clientId.startsWith(metadata.client_uri))) {
-    throw new Error('its client_uri is not a prefix of its client_id') // "The client_uri MUST be a prefix of the client_id"
+  if (
+    metadata.client_uri !== undefined &&
+    (typeof metadata.client_uri !== 'string' || !clientId.startsWith(metadata.client_uri))
+  ) {
+    // "The client_uri MUST be a prefix of the client_id"
+    throw new Error('its client_uri is not a prefix of its client_id')
   }
-  const strings = (value: unknown) => (Array.isArray(value) ? value.filter((item): item is string => typeof item === 'string') : [])
+  const strings = (value: unknown) =>
+    Array.isArray(value) ? value.filter((item): item is string => typeof item === 'string') : []
   return {
     name: typeof metadata.client_name === 'string' ? cleanName(metadata.client_name) : undefined,
     url: typeof metadata.client_uri === 'string' ? resolveUrl(metadata.client_uri, clientId) : undefined,
@@ -1090,12 +1230,18 @@ export function readClientPage(html: string, pageUrl: string): ClientDocument {
   const elements = scanHtml(html)
   const redirectUris: string[] = []
   for (const element of elements) {
-    if (element.name === 'link' && hasToken(element.attributes.rel, 'redirect_uri') && element.attributes.href !== undefined) {
+    if (
+      element.name === 'link' &&
+      hasToken(element.attributes.rel, 'redirect_uri') &&
+      element.attributes.href !== undefined
+    ) {
       const resolved = resolveUrl(element.attributes.href, pageUrl)
       if (resolved !== undefined) redirectUris.push(resolved)
     }
   }
-  const app = elements.findIndex((element) => hasToken(element.attributes.class, 'h-app') || hasToken(element.attributes.class, 'h-x-app'))
+  const app = elements.findIndex(
+    (element) => hasToken(element.attributes.class, 'h-app') || hasToken(element.attributes.class, 'h-x-app'),
+  )
   if (app === -1) return { redirectUris }
   const inside = elements.slice(app + 1, elements[app].end)
   const nameElement = inside.find((element) => hasToken(element.attributes.class, 'p-name'))
@@ -1112,7 +1258,21 @@ export function readClientPage(html: string, pageUrl: string): ClientDocument {
 
 type HtmlElement = { name: string; attributes: Record<string, string>; textStart: number; textEnd: number; end: number }
 
-const VOID_ELEMENTS = new Set(['area', 'base', 'br', 'col', 'embed', 'hr', 'img', 'input', 'link', 'meta', 'source', 'track', 'wbr'])
+const VOID_ELEMENTS = new Set([
+  'area',
+  'base',
+  'br',
+  'col',
+  'embed',
+  'hr',
+  'img',
+  'input',
+  'link',
+  'meta',
+  'source',
+  'track',
+  'wbr',
+])
 const MAX_HTML_ELEMENTS = 10_000
 const MAX_HTML_CLOSING_TAGS = 10_000
 const MAX_OPEN_ELEMENTS = 256
@@ -1164,7 +1324,13 @@ export function scanHtml(html: string): HtmlElement[] {
       continue
     }
     const attributes = html.slice(tagName.lastIndex, gt)
-    elements.push({ name, attributes: readAttributes(attributes), textStart: at, textEnd: at, end: elements.length + 1 })
+    elements.push({
+      name,
+      attributes: readAttributes(attributes),
+      textStart: at,
+      textEnd: at,
+      end: elements.length + 1,
+    })
     if (name === 'script' || name === 'style') {
       const close = lower.indexOf(`</${name}`, at) // raw text, not markup
       at = close === -1 ? html.length : close
@@ -1212,13 +1378,20 @@ function readAttributes(text: string): Record<string, string> {
 }
 
 function htmlText(html: string): string {
-  return decodeEntities(html.replace(/<[^<>]*>/g, ' ')).replace(/\s+/g, ' ').trim()
+  return decodeEntities(html.replace(/<[^<>]*>/g, ' '))
+    .replace(/\s+/g, ' ')
+    .trim()
 }
 
 function decodeEntities(text: string): string {
   const named: Record<string, string> = { amp: '&', lt: '<', gt: '>', quot: '"', apos: "'", nbsp: ' ' }
   return text.replace(/&(#x[0-9a-f]{1,6}|#\d{1,7}|[a-z]{1,10});/gi, (entity, body: string) => {
-    const code = body[0] !== '#' ? undefined : body[1].toLowerCase() === 'x' ? parseInt(body.slice(2), 16) : parseInt(body.slice(1), 10)
+    const code =
+      body[0] !== '#'
+        ? undefined
+        : body[1].toLowerCase() === 'x'
+          ? parseInt(body.slice(2), 16)
+          : parseInt(body.slice(1), 10)
     if (code === undefined) return named[body.toLowerCase()] ?? entity
     return code > 0 && code <= 0x10ffff ? String.fromCodePoint(code) : entity
   })
@@ -1246,7 +1419,9 @@ function resolveUrl(href: string, base: string): string | undefined {
 
 /** A name as the consent page shows it: one line of plain text (`plainText`), at most 100 characters. */
 export function cleanName(name: string): string | undefined {
-  const clean = plainText(name).slice(0, 100).replace(/[\ud800-\udbff]$/, '') // not half a character cut by the slice
+  const clean = plainText(name)
+    .slice(0, 100)
+    .replace(/[\ud800-\udbff]$/, '') // not half a character cut by the slice
   return clean === '' ? undefined : clean
 }
 
@@ -1262,7 +1437,10 @@ function plainText(text: string): string {
 }
 
 /** Fetches a logo under the same rules, and inlines it: images only, at most 64 KiB. */
-async function fetchLogo(logoUrl: string, options: { allowPrivate: boolean; fetch: ClientFetchOptions }): Promise<string | undefined> {
+async function fetchLogo(
+  logoUrl: string,
+  options: { allowPrivate: boolean; fetch: ClientFetchOptions },
+): Promise<string | undefined> {
   if (isLoopbackClient(logoUrl)) return undefined
   const fetched = await fetchSafely(new URL(logoUrl), MAX_LOGO_BYTES, options)
   if (!LOGO_TYPES.has(fetched.type)) return undefined
@@ -1395,7 +1573,16 @@ class StoredGrant {
 
   toGrant(): Grant {
     const { client_id, client_name, me, scope } = this.app
-    return { client_id, client_name, me, scope, accessTokenTtlSeconds: this.accessTokenTtlSeconds, approvedAt: this.approvedAt * 1000, lastUsedAt: this.lastUsedAt * 1000, expiresAt: this.expiresAt * 1000 }
+    return {
+      client_id,
+      client_name,
+      me,
+      scope,
+      accessTokenTtlSeconds: this.accessTokenTtlSeconds,
+      approvedAt: this.approvedAt * 1000,
+      lastUsedAt: this.lastUsedAt * 1000,
+      expiresAt: this.expiresAt * 1000,
+    }
   }
 }
 
@@ -1419,7 +1606,14 @@ class StoredToken {
 
   toToken(): Token {
     const { kind, grantId, scope, issuedAt, expiresAt, usedAt } = this
-    return { kind, grantId, scope, issuedAt: issuedAt * 1000, expiresAt: expiresAt * 1000, usedAt: usedAt === undefined ? undefined : usedAt * 1000 }
+    return {
+      kind,
+      grantId,
+      scope,
+      issuedAt: issuedAt * 1000,
+      expiresAt: expiresAt * 1000,
+      usedAt: usedAt === undefined ? undefined : usedAt * 1000,
+    }
   }
 }
 
@@ -1558,7 +1752,8 @@ export class MemoryStore implements Store {
       return 'first'
     }
     const since = redeemed.retriedSince
-    return since !== undefined && (stored.usedAt + 1) * 1000 > since ? 'again' : undefined // kept in whole seconds, rounded down
+    // kept in whole seconds, rounded down
+    return since !== undefined && (stored.usedAt + 1) * 1000 > since ? 'again' : undefined
   }
 
   /** Takes back a first `redeem`, for a durable store that could not write it down. */
@@ -1606,13 +1801,19 @@ export class MemoryStore implements Store {
    */
   *records(now: number, unsaved: ReadonlySet<string> = new Set()): Iterable<JournalRecord> {
     for (const [key, value] of this.codes) {
-      if (value.expiresAt > now) yield { set: 'code', key, value: unsaved.has(key) ? { ...value, usedAt: undefined } : value }
+      if (value.expiresAt > now)
+        yield { set: 'code', key, value: unsaved.has(key) ? { ...value, usedAt: undefined } : value }
     }
-    for (const [key, stored] of this.grants) if (stored.expiresAt * 1000 > now) yield { set: 'grant', key, value: stored.toGrant() }
+    for (const [key, stored] of this.grants)
+      if (stored.expiresAt * 1000 > now) yield { set: 'grant', key, value: stored.toGrant() }
     for (const [key, revoked] of this.revokedGrants) if (revoked.expiresAt * 1000 > now) yield { delete: 'grant', key }
     for (const [key, stored] of this.tokens) {
       if (stored.expiresAt * 1000 <= now || !this.grants.has(stored.grantId)) continue
-      yield { set: 'token', key, value: unsaved.has(key) ? { ...stored.toToken(), usedAt: undefined } : stored.toToken() }
+      yield {
+        set: 'token',
+        key,
+        value: unsaved.has(key) ? { ...stored.toToken(), usedAt: undefined } : stored.toToken(),
+      }
     }
     for (const [key, value] of this.sessions) if (value.expiresAt > now) yield { set: 'session', key, value }
   }
@@ -1634,7 +1835,14 @@ export class MemoryStore implements Store {
 
   #shareApp({ client_id, client_name, me, scope }: Grant): GrantedApp {
     const last = this.#lastApp
-    if (last !== undefined && last.client_id === client_id && last.client_name === client_name && last.me === me && sameList(last.scope, scope)) return last
+    if (
+      last !== undefined &&
+      last.client_id === client_id &&
+      last.client_name === client_name &&
+      last.me === me &&
+      sameList(last.scope, scope)
+    )
+      return last
     // Neither URLs nor scopes hold a line break, so only the name, last, could: the key is unambiguous.
     const key = `app ${client_id}\n${me}\n${scope.join(' ')}\n${client_name === undefined ? '-' : `+${client_name}`}`
     return (this.#lastApp = this.#share(key, () => ({ client_id, client_name, me, scope: this.#shareScope(scope) })))
@@ -1659,13 +1867,13 @@ export class MemoryStore implements Store {
     if (map.size < max) return
     const oldest = map.keys().next().value
     if (oldest !== undefined) map.delete(oldest)
-    if (this.#dropped++ % 1000 === 0) this.#log(`store: the cap of ${max} ${what} was reached; dropped the oldest (${this.#dropped} so far)`)
+    if (this.#dropped++ % 1000 === 0)
+      this.#log(`store: the cap of ${max} ${what} was reached; dropped the oldest (${this.#dropped} so far)`)
   }
 }
 
 /** How many entries a write walks in the grants or tokens: more than it adds, so expired ones cannot pile up. */
 const SWEEP_BATCH_WALKED = 4
-
 
 /** Deletes up to `budget` expired entries from a map whose insertion order is its expiry order. */
 function sweepOldest(map: Map<string, { expiresAt: number }>, now: number, budget: number): void {
@@ -1895,7 +2103,7 @@ class Journal {
  * full disk, the next one fails), so it is called again for the rest.
  */
 async function writeAll(file: FileHandle, bytes: Buffer): Promise<void> {
-  for (let at = 0; at < bytes.length; ) {
+  for (let at = 0; at < bytes.length;) {
     const { bytesWritten } = await file.write(bytes, at, bytes.length - at)
     if (bytesWritten === 0) throw new Error('the disk took no more bytes')
     at += bytesWritten
@@ -1950,14 +2158,19 @@ export class FileStore implements Store {
     const log = options.log ?? console.log
     const memory = new MemoryStore(options)
     await mkdir(dirname(path), { recursive: true, mode: 0o700 })
-    const text = await readFile(path, 'utf8').catch((err: NodeJS.ErrnoException) => (err.code === 'ENOENT' ? '' : Promise.reject(err)))
+    const text = await readFile(path, 'utf8').catch((err: NodeJS.ErrnoException) =>
+      err.code === 'ENOENT' ? '' : Promise.reject(err),
+    )
     const lines = text.split('\n')
     const torn = lines.pop() ?? '' // the text after the last newline: empty unless a write was cut short
     const now = (options.now ?? Date.now)()
     for (let i = 0; i < lines.length; i++) {
       const records = readJournalLine(lines[i])
       if (typeof records === 'string') {
-        throw new ConfigError(`${path} line ${i + 1} is not a Latch journal record (${records}): restore the file from a backup, or move it away to start empty`)
+        throw new ConfigError(
+          `${path} line ${i + 1} is not a Latch journal record (${records}): ` +
+            'restore the file from a backup, or move it away to start empty',
+        )
       }
       for (const record of records) await applyRecord(memory, record, now)
     }
@@ -2109,7 +2322,8 @@ export class FileStore implements Store {
       this.compaction = this.#journal
         .compact(() => this.memory.records(this.#now(), this.#unsaved))
         .catch((err: unknown) => {
-          this.#compactAfterLines = this.#journal.lines + COMPACT_MIN_LINES // not again at every write, on a disk still full
+          // not again at every write, on a disk still full
+          this.#compactAfterLines = this.#journal.lines + COMPACT_MIN_LINES
           this.#log(`journal: compacting ${this.#journal.path} failed, so it stays as it was: ${String(err)}`)
         })
         .finally(() => (this.compaction = undefined))
@@ -2141,12 +2355,26 @@ function readJournalLine(line: string): JournalRecord[] | string {
 /** What a stored value of each kind holds, field by field: `?` marks a field that may be absent. */
 const JOURNAL_FIELDS = {
   code: {
-    client_id: 'string', client_name: 'string?', redirect_uri: 'string', code_challenge: 'string', scope: 'strings', me: 'string',
-    accessTokenTtlSeconds: 'number', issuedAt: 'number', expiresAt: 'number', usedAt: 'number?',
+    client_id: 'string',
+    client_name: 'string?',
+    redirect_uri: 'string',
+    code_challenge: 'string',
+    scope: 'strings',
+    me: 'string',
+    accessTokenTtlSeconds: 'number',
+    issuedAt: 'number',
+    expiresAt: 'number',
+    usedAt: 'number?',
   },
   grant: {
-    client_id: 'string', client_name: 'string?', me: 'string', scope: 'strings', accessTokenTtlSeconds: 'number',
-    approvedAt: 'number', lastUsedAt: 'number', expiresAt: 'number',
+    client_id: 'string',
+    client_name: 'string?',
+    me: 'string',
+    scope: 'strings',
+    accessTokenTtlSeconds: 'number',
+    approvedAt: 'number',
+    lastUsedAt: 'number',
+    expiresAt: 'number',
   },
   token: { kind: 'kind', grantId: 'key', scope: 'strings', issuedAt: 'number', expiresAt: 'number', usedAt: 'number?' },
   session: { createdAt: 'number', expiresAt: 'number', passwordTag: 'string?' },
@@ -2157,21 +2385,31 @@ function journalRecordProblem(record: unknown): string | undefined {
   if (!isObject(record)) return 'a change is not a JSON object'
   if (!isJournalKey(record.key)) return 'a change has no valid key'
   if (record.delete !== undefined) {
-    return record.delete === 'grant' || record.delete === 'token' || record.delete === 'session' ? undefined : `it deletes an unknown kind ${String(record.delete)}`
+    return record.delete === 'grant' || record.delete === 'token' || record.delete === 'session'
+      ? undefined
+      : `it deletes an unknown kind ${String(record.delete)}`
   }
-  if (typeof record.set !== 'string' || !Object.hasOwn(JOURNAL_FIELDS, record.set)) return 'a change neither sets nor deletes a known kind of entry'
+  if (typeof record.set !== 'string' || !Object.hasOwn(JOURNAL_FIELDS, record.set))
+    return 'a change neither sets nor deletes a known kind of entry'
   if (!isObject(record.value)) return `a ${record.set} has no value`
   for (const [field, kind] of Object.entries(JOURNAL_FIELDS[record.set as keyof typeof JOURNAL_FIELDS])) {
     const value = record.value[field]
     const valid =
-      kind === 'string' ? typeof value === 'string'
-      : kind === 'string?' ? value === undefined || typeof value === 'string'
-      : kind === 'number' ? Number.isFinite(value)
-      : kind === 'number?' ? value === undefined || Number.isFinite(value)
-      : kind === 'strings' ? Array.isArray(value) && value.every((item) => typeof item === 'string')
-      : kind === 'key' ? isJournalKey(value)
-      : value === 'access' || value === 'refresh'
-    if (!valid) return `a ${record.set}'s ${field} is ${value === undefined ? 'missing' : `not a valid ${kind.replace('?', '')}`}`
+      kind === 'string'
+        ? typeof value === 'string'
+        : kind === 'string?'
+          ? value === undefined || typeof value === 'string'
+          : kind === 'number'
+            ? Number.isFinite(value)
+            : kind === 'number?'
+              ? value === undefined || Number.isFinite(value)
+              : kind === 'strings'
+                ? Array.isArray(value) && value.every((item) => typeof item === 'string')
+                : kind === 'key'
+                  ? isJournalKey(value)
+                  : value === 'access' || value === 'refresh'
+    if (!valid)
+      return `a ${record.set}'s ${field} is ${value === undefined ? 'missing' : `not a valid ${kind.replace('?', '')}`}`
   }
   return undefined
 }
@@ -2196,8 +2434,10 @@ async function applyRecord(memory: MemoryStore, record: JournalRecord, now: numb
   if (record.value.expiresAt <= now) return
   if (record.set === 'code') await memory.saveCode(key, record.value, now)
   else if (record.set === 'grant') await memory.saveGrant(key, record.value, now)
-  else if (record.set === 'token') await memory.saveToken(key, { ...record.value, grantId: currentKey(record.value.grantId) }, now)
-  else await memory.saveSession(key, { ...record.value, passwordTag: record.value.passwordTag ?? '' }, now) // before 0.2: ended by the check
+  else if (record.set === 'token')
+    await memory.saveToken(key, { ...record.value, grantId: currentKey(record.value.grantId) }, now)
+  // before 0.2: ended by the check
+  else await memory.saveSession(key, { ...record.value, passwordTag: record.value.passwordTag ?? '' }, now)
 }
 
 /** Latch 0.1 kept whole SHA-256 hashes (43 characters): a key from then is cut as `hashSecret` cuts. */
@@ -2242,7 +2482,8 @@ function readBody(req: IncomingMessage): Promise<Buffer> {
     req.on('data', (chunk: Buffer) => {
       size += chunk.length
       if (size <= MAX_BODY_BYTES) chunks.push(chunk)
-      else if (size - chunk.length <= MAX_BODY_BYTES) reject(bodyTooLarge()) // later chunks are read and dropped until the connection closes
+      // later chunks are read and dropped until the connection closes
+      else if (size - chunk.length <= MAX_BODY_BYTES) reject(bodyTooLarge())
     })
     req.on('end', () => {
       ended = true
@@ -2253,7 +2494,11 @@ function readBody(req: IncomingMessage): Promise<Buffer> {
   })
 }
 
-const bodyTooLarge = () => new OAuthError('invalid_request', 'The request body is larger than 64 KiB', { status: 413, headers: { Connection: 'close' } })
+const bodyTooLarge = () =>
+  new OAuthError('invalid_request', 'The request body is larger than 64 KiB', {
+    status: 413,
+    headers: { Connection: 'close' },
+  })
 const bodyCutShort = () => new OAuthError('invalid_request', 'The request body ended early')
 
 /** The path of a request target, without its query. */
@@ -2298,13 +2543,19 @@ function withCors(res: MarkedResponse, headers: OutgoingHttpHeaders): OutgoingHt
 /** Sends a JSON body. Every JSON answer carries `no-store`: most hold codes or tokens. */
 function sendJson(res: ServerResponse, status: number, body: unknown, headers?: Record<string, string>): void {
   const json = JSON.stringify(body)
-  const head = withCors(res, { 'Content-Type': 'application/json', 'Content-Length': Buffer.byteLength(json), 'Cache-Control': 'no-store', Pragma: 'no-cache' })
+  const head = withCors(res, {
+    'Content-Type': 'application/json',
+    'Content-Length': Buffer.byteLength(json),
+    'Cache-Control': 'no-store',
+    Pragma: 'no-cache',
+  })
   setImmediate(writeAnswer, res, status, headers === undefined ? head : Object.assign(head, headers), json)
 }
 
 /** Answers 200 with no body, as revocation does. */
 function sendEmptyOk(res: ServerResponse): void {
-  setImmediate(writeAnswer, res, 200, withCors(res, { 'Content-Length': 0, ...NO_STORE }), '') // a length, not an empty chunked body
+  // a length, not an empty chunked body
+  setImmediate(writeAnswer, res, 200, withCors(res, { 'Content-Length': 0, ...NO_STORE }), '')
 }
 
 /**
@@ -2351,15 +2602,45 @@ export function buildRedirectUrl(base: string, params: Record<string, string | u
 // hash, so the Content-Security-Policy can keep `default-src 'none'`.
 
 const STYLESHEET = `
-:root { color-scheme: light dark; --fg: #1c1b1f; --bg: #fbfbfd; --muted: #55535e; --line: #c9c7d1; --accent: #1f4fd1; --danger: #b3261e; --panel: #fff; }
-@media (prefers-color-scheme: dark) { :root { --fg: #ecebf1; --bg: #141318; --muted: #b2b0bc; --line: #45434d; --accent: #9db7ff; --danger: #ffb4ab; --panel: #1d1c22; } }
+:root {
+  color-scheme: light dark;
+  --fg: #1c1b1f;
+  --bg: #fbfbfd;
+  --muted: #55535e;
+  --line: #c9c7d1;
+  --accent: #1f4fd1;
+  --danger: #b3261e;
+  --panel: #fff;
+}
+@media (prefers-color-scheme: dark) {
+  :root {
+    --fg: #ecebf1;
+    --bg: #141318;
+    --muted: #b2b0bc;
+    --line: #45434d;
+    --accent: #9db7ff;
+    --danger: #ffb4ab;
+    --panel: #1d1c22;
+  }
+}
 * { box-sizing: border-box; }
-body { margin: 0; background: var(--bg); color: var(--fg); font: 1rem/1.5 system-ui, -apple-system, "Segoe UI", sans-serif; }
+body {
+  margin: 0;
+  background: var(--bg);
+  color: var(--fg);
+  font: 1rem/1.5 system-ui, -apple-system, "Segoe UI", sans-serif;
+}
 main { max-width: 34rem; margin: 0 auto; padding: 2rem 1rem; }
 h1 { font-size: 1.5rem; line-height: 1.25; margin: 0 0 1rem; overflow-wrap: anywhere; }
 p, fieldset, pre { margin: 0 0 1rem; }
 code, pre { font-family: ui-monospace, Menlo, Consolas, monospace; font-size: .9rem; overflow-wrap: anywhere; }
-pre { background: var(--panel); border: 1px solid var(--line); border-radius: .5rem; padding: .75rem; white-space: pre-wrap; }
+pre {
+  background: var(--panel);
+  border: 1px solid var(--line);
+  border-radius: .5rem;
+  padding: .75rem;
+  white-space: pre-wrap;
+}
 .muted { color: var(--muted); }
 .error { border-left: 4px solid #d93025; padding: .25rem .75rem; }
 fieldset { border: 1px solid var(--line); border-radius: .5rem; padding: .75rem 1rem; background: var(--panel); }
@@ -2367,14 +2648,48 @@ legend { padding: 0 .25rem; font-weight: 600; }
 label { display: block; padding: .5rem 0; }
 .bar { display: flex; justify-content: space-between; align-items: center; gap: 1rem; margin: 0 0 1rem; }
 .bar button { width: auto; padding: .4rem .8rem; font-weight: 400; }
-input[type=password] { display: block; width: 100%; margin-top: .25rem; padding: .6rem; font: inherit; color: inherit; background: var(--panel); border: 1px solid var(--line); border-radius: .4rem; }
+input[type=password] {
+  display: block;
+  width: 100%;
+  margin-top: .25rem;
+  padding: .6rem;
+  font: inherit;
+  color: inherit;
+  background: var(--panel);
+  border: 1px solid var(--line);
+  border-radius: .4rem;
+}
 .actions { display: flex; gap: .75rem; margin-top: 1.25rem; }
 .actions > * { flex: 1; }
-button { width: 100%; padding: .7rem 1rem; font: inherit; font-weight: 600; border-radius: .4rem; border: 1px solid var(--accent); background: transparent; color: var(--accent); cursor: pointer; }
+button {
+  width: 100%;
+  padding: .7rem 1rem;
+  font: inherit;
+  font-weight: 600;
+  border-radius: .4rem;
+  border: 1px solid var(--accent);
+  background: transparent;
+  color: var(--accent);
+  cursor: pointer;
+}
 button.primary { background: var(--accent); color: var(--bg); }
 button.danger { border-color: var(--danger); color: var(--danger); }
-select { font: inherit; color: inherit; background: var(--panel); border: 1px solid var(--line); border-radius: .4rem; padding: .4rem; margin-left: .25rem; }
-.app { border: 1px solid var(--line); border-radius: .5rem; padding: .75rem 1rem; margin: 0 0 1rem; background: var(--panel); }
+select {
+  font: inherit;
+  color: inherit;
+  background: var(--panel);
+  border: 1px solid var(--line);
+  border-radius: .4rem;
+  padding: .4rem;
+  margin-left: .25rem;
+}
+.app {
+  border: 1px solid var(--line);
+  border-radius: .5rem;
+  padding: .75rem 1rem;
+  margin: 0 0 1rem;
+  background: var(--panel);
+}
 .app h2 { font-size: 1.1rem; margin: 0 0 .5rem; overflow-wrap: anywhere; }
 .logo { border-radius: .5rem; }
 dl { display: grid; grid-template-columns: max-content 1fr; gap: .2rem .75rem; margin: 0 0 .75rem; }
@@ -2386,7 +2701,13 @@ a { color: var(--accent); }
 
 const PAGE_HEADERS = {
   'Content-Type': 'text/html; charset=utf-8',
-  'Content-Security-Policy': `default-src 'none'; style-src 'sha256-${hash('sha256', STYLESHEET, 'base64')}'; img-src data:; frame-ancestors 'none'; base-uri 'none'`,
+  'Content-Security-Policy': [
+    "default-src 'none'",
+    `style-src 'sha256-${hash('sha256', STYLESHEET, 'base64')}'`,
+    'img-src data:',
+    "frame-ancestors 'none'",
+    "base-uri 'none'",
+  ].join('; '),
   'X-Frame-Options': 'DENY',
   'Referrer-Policy': 'no-referrer',
   'X-Content-Type-Options': 'nosniff',
@@ -2398,7 +2719,7 @@ export function escapeHtml(text: string): string {
   return text.replace(/[&<>"']/g, (char) => `&#${char.charCodeAt(0)};`)
 }
 
-/** Text a stranger chose, as plain text, escaped and isolated: whatever its direction, it cannot reorder the text around it. */
+/** Text a stranger chose, as plain text, escaped and isolated: whatever its direction, it cannot reorder the page. */
 function isolate(text: string): string {
   return `<bdi>${escapeHtml(plainText(text))}</bdi>`
 }
@@ -2431,15 +2752,20 @@ function sendPage(res: ServerResponse, status: number, html: string, headers: Re
 function sendErrorPage(res: ServerResponse, err: OAuthError): void {
   const title = err.status === 429 ? 'Too many attempts' : 'This sign-in cannot continue'
   const next = err.status === 429 ? 'Wait, then try again.' : 'Go back to the app you came from and start again.'
-  const body = `<h1>${escapeHtml(title)}</h1>\n<p class="error">${escapeHtml(err.message)}</p>\n<p class="muted">${next}</p>`
+  const body = [
+    `<h1>${escapeHtml(title)}</h1>`,
+    `<p class="error">${escapeHtml(err.message)}</p>`,
+    `<p class="muted">${next}</p>`,
+  ].join('\n')
   sendPage(res, err.status, renderPage(title, body), err.headers)
 }
 
 /** The password field, with the message of a failed attempt right above it. */
 function renderPasswordField(message: string | undefined): string {
-  if (message === undefined) return '<label>Password<input type="password" name="password" autocomplete="current-password" required autofocus></label>'
+  const input = 'type="password" name="password" autocomplete="current-password" required autofocus'
+  if (message === undefined) return `<label>Password<input ${input}></label>`
   return `<p class="error" id="password-error" role="alert">${escapeHtml(message)}</p>
-<label>Password<input type="password" name="password" autocomplete="current-password" required autofocus aria-invalid="true" aria-describedby="password-error"></label>`
+<label>Password<input ${input} aria-invalid="true" aria-describedby="password-error"></label>`
 }
 
 /** Words for the scopes people meet most, so the consent page can say what each one allows. */
@@ -2503,10 +2829,10 @@ function buildCookie(name: string, value: string, maxAgeSeconds: number | undefi
   return `${name}=${value}; Path=${path}${maxAge}; HttpOnly; SameSite=Lax${secure}`
 }
 
-/** Who is at the browser: its CSRF value, the owner's session (if signed in), and whether approving needs no password. */
+/** Who is at the browser: its CSRF value, the owner's session if any, and whether approving needs no password. */
 type Visitor = { csrf: string; session: string | undefined; signedIn: boolean }
 
-/** Reads the visitor of a page. The CSRF value is the browser's own when it has one, so that two open tabs both work. */
+/** Reads the visitor of a page. The CSRF value is the browser's own when it has one, so two open tabs both work. */
 async function readVisitor(req: IncomingMessage, ctx: Context): Promise<Visitor> {
   const cookie = readCookie(req, csrfCookieName(ctx.config))
   const csrf = cookie !== undefined && /^[A-Za-z0-9_-]{43}$/.test(cookie) ? cookie : createSecret()
@@ -2525,13 +2851,22 @@ function formToken(visitor: Pick<Visitor, 'csrf' | 'session'>): string {
  * the form came from (`Sec-Fetch-Site`) must say this origin. Returns the visitor it names.
  */
 async function requireFormToken(form: Params, req: IncomingMessage, ctx: Context): Promise<Visitor> {
-  const site = req.headers['sec-fetch-site'] // sent by browsers since 2023: a form of this server's own pages is same-origin
+  // sent by browsers since 2023: a form of this server's own pages is same-origin
+  const site = req.headers['sec-fetch-site']
   const sent = site === undefined || site === 'same-origin' ? getParam(form, 'csrf') : undefined
   const cookie = readCookie(req, csrfCookieName(ctx.config))
   const session = await findOwnerSession(req, ctx)
-  const visitor = { csrf: cookie ?? '', session, signedIn: ctx.config.passwordHash === undefined || session !== undefined }
+  const visitor = {
+    csrf: cookie ?? '',
+    session,
+    signedIn: ctx.config.passwordHash === undefined || session !== undefined,
+  }
   if (sent === undefined || (session === undefined && cookie === undefined) || !safeEqual(sent, formToken(visitor))) {
-    throw new OAuthError('access_denied', 'This form was not sent from a page of this server in this browser: go back, reload the page and try again', { status: 403 })
+    throw new OAuthError(
+      'access_denied',
+      'This form was not sent from a page of this server in this browser: go back, reload the page and try again',
+      { status: 403 },
+    )
   }
   return visitor
 }
@@ -2545,7 +2880,8 @@ async function findOwnerSession(req: IncomingMessage, ctx: Context): Promise<str
   if (value === undefined || ctx.config.passwordHash === undefined) return undefined
   const session = await ctx.store.findSession(hashSecret(value), ctx.now())
   if (session === undefined) return undefined
-  if (session.passwordTag !== passwordTag(ctx.config.passwordHash)) return void (await ctx.store.deleteSession(hashSecret(value)))
+  if (session.passwordTag !== passwordTag(ctx.config.passwordHash))
+    return void (await ctx.store.deleteSession(hashSecret(value)))
   return value
 }
 
@@ -2559,7 +2895,11 @@ async function startSession(ctx: Context): Promise<string> {
   const value = createSecret()
   const now = ctx.now()
   const ttl = ctx.config.sessionTtlSeconds
-  const session = { createdAt: now, expiresAt: now + ttl * 1000, passwordTag: passwordTag(ctx.config.passwordHash ?? '') }
+  const session = {
+    createdAt: now,
+    expiresAt: now + ttl * 1000,
+    passwordTag: passwordTag(ctx.config.passwordHash ?? ''),
+  }
   await ctx.store.saveSession(hashSecret(value), session, now)
   return buildCookie(sessionCookieName(ctx.config), value, ttl, ctx.config)
 }
@@ -2610,7 +2950,8 @@ async function handleAuthorizationRequest(req: IncomingMessage, res: ServerRespo
   const query = queryOf(req.url ?? '/')
   const clientId = requireParam(query, 'client_id')
   const clientProblem = clientIdProblem(clientId)
-  if (clientProblem !== undefined) throw new OAuthError('invalid_request', `client_id is not a valid client identifier: ${clientProblem}`)
+  if (clientProblem !== undefined)
+    throw new OAuthError('invalid_request', `client_id is not a valid client identifier: ${clientProblem}`)
   const redirectUri = requireParam(query, 'redirect_uri')
   const client = await findClient(canonicalizeUrl(clientId), ctx)
   const redirectProblem = redirectUriProblem(redirectUri, clientId, client)
@@ -2620,7 +2961,11 @@ async function handleAuthorizationRequest(req: IncomingMessage, res: ServerRespo
   const state = stateOf(query)
   let request: PendingRequest
   try {
-    request = buildPendingRequest(query, { client_id: canonicalizeUrl(clientId), client_name: client.info?.name, redirect_uri: redirectUri }, ctx)
+    request = buildPendingRequest(
+      query,
+      { client_id: canonicalizeUrl(clientId), client_name: client.info?.name, redirect_uri: redirectUri },
+      ctx,
+    )
   } catch (err) {
     if (!(err instanceof OAuthError)) throw err
     const params = { error: err.error, error_description: err.message, state, iss: ctx.config.issuer }
@@ -2630,8 +2975,16 @@ async function handleAuthorizationRequest(req: IncomingMessage, res: ServerRespo
   request.csrfHash = hashSecret(visitor.csrf) // the request is answered from this browser only
   const id = createSecret()
   await ctx.store.savePending(hashSecret(id), request, ctx.now())
-  const page = renderConsentPage(request, { id, csrf: formToken(visitor), config: ctx.config, signedIn: visitor.signedIn, logo: client.info?.logo })
-  sendPage(res, 200, page, { 'Set-Cookie': buildCookie(csrfCookieName(ctx.config), visitor.csrf, undefined, ctx.config) })
+  const page = renderConsentPage(request, {
+    id,
+    csrf: formToken(visitor),
+    config: ctx.config,
+    signedIn: visitor.signedIn,
+    logo: client.info?.logo,
+  })
+  sendPage(res, 200, page, {
+    'Set-Cookie': buildCookie(csrfCookieName(ctx.config), visitor.csrf, undefined, ctx.config),
+  })
 }
 
 /** The `state` to send back on an error redirect: none when it was sent twice or is too long. */
@@ -2664,7 +3017,12 @@ async function fetchClient(clientId: string, ctx: Context): Promise<{ info?: Cli
   const busy = new Error('too many apps are being looked up at once')
   try {
     const options = { allowPrivate: ctx.config.clientFetchPrivate, fetch: ctx.clientFetch }
-    const { info, maxAgeSeconds } = await withSlot(ctx.clientFetchSlots, CLIENT_FETCH_SLOTS, () => busy, () => discoverClient(clientId, options))
+    const { info, maxAgeSeconds } = await withSlot(
+      ctx.clientFetchSlots,
+      CLIENT_FETCH_SLOTS,
+      () => busy,
+      () => discoverClient(clientId, options),
+    )
     ctx.clients.delete(clientId)
     if (maxAgeSeconds > 0) {
       if (ctx.clients.size >= MAX_CACHED_CLIENTS) ctx.clients.delete(ctx.clients.keys().next().value ?? '')
@@ -2676,7 +3034,8 @@ async function fetchClient(clientId: string, ctx: Context): Promise<{ info?: Cli
     ctx.log(`discovery: ${clientId} could not be fetched: ${failure}`)
     if (err !== busy) {
       ctx.failedClients.delete(clientId)
-      if (ctx.failedClients.size >= MAX_REMEMBERED_FAILURES) ctx.failedClients.delete(ctx.failedClients.keys().next().value ?? '')
+      if (ctx.failedClients.size >= MAX_REMEMBERED_FAILURES)
+        ctx.failedClients.delete(ctx.failedClients.keys().next().value ?? '')
       ctx.failedClients.set(clientId, ctx.now() + FAILED_CLIENT_MEMORY_SECONDS * 1000)
     }
     return {}
@@ -2689,23 +3048,35 @@ const FAILED_CLIENT_MEMORY_SECONDS = 30
 const CLIENT_FETCH_SLOTS = { running: 8, waiting: 8 }
 
 /** Checks the rest of the request, one rule per line, in the order the contract lists them. */
-function buildPendingRequest(query: Params, client: { client_id: string; client_name: string | undefined; redirect_uri: string }, ctx: Context): PendingRequest {
+function buildPendingRequest(
+  query: Params,
+  client: { client_id: string; client_name: string | undefined; redirect_uri: string },
+  ctx: Context,
+): PendingRequest {
   for (const [name, values] of query) {
-    if (values.filter((value) => value !== '').length > 1) throw new OAuthError('invalid_request', `Parameter ${name} was sent more than once`)
+    if (values.filter((value) => value !== '').length > 1)
+      throw new OAuthError('invalid_request', `Parameter ${name} was sent more than once`)
   }
   const responseType = getParam(query, 'response_type') ?? 'code' // older clients omit it
-  if (responseType !== 'code' && responseType !== 'id') throw new OAuthError('unsupported_response_type', 'response_type must be code')
+  if (responseType !== 'code' && responseType !== 'id')
+    throw new OAuthError('unsupported_response_type', 'response_type must be code')
   const codeChallenge = requireParam(query, 'code_challenge')
-  if (!isCodeChallenge(codeChallenge)) throw new OAuthError('invalid_request', 'code_challenge must be 43 base64url characters')
+  if (!isCodeChallenge(codeChallenge))
+    throw new OAuthError('invalid_request', 'code_challenge must be 43 base64url characters')
   const method = getParam(query, 'code_challenge_method') ?? 'S256'
   if (method !== 'S256') throw new OAuthError('invalid_request', 'code_challenge_method must be S256')
   const state = getParam(query, 'state')
-  if (state !== undefined && state.length > MAX_STATE_LENGTH) throw new OAuthError('invalid_request', `state is longer than ${MAX_STATE_LENGTH} characters`)
+  if (state !== undefined && state.length > MAX_STATE_LENGTH)
+    throw new OAuthError('invalid_request', `state is longer than ${MAX_STATE_LENGTH} characters`)
   const meHint = getParam(query, 'me')
-  if (meHint !== undefined && meHint.length > MAX_URL_LENGTH) throw new OAuthError('invalid_request', `me is longer than ${MAX_URL_LENGTH} characters`)
-  const scope = responseType === 'id' ? [] : parseScope(getParam(query, 'scope')) // `id`: the profile-only request of older clients
-  if (scope.length > MAX_SCOPES) throw new OAuthError('invalid_scope', `The request asks for more than ${MAX_SCOPES} scopes`)
-  if (scope.some((one) => one.length > MAX_SCOPE_LENGTH)) throw new OAuthError('invalid_scope', `A scope is longer than ${MAX_SCOPE_LENGTH} characters`)
+  if (meHint !== undefined && meHint.length > MAX_URL_LENGTH)
+    throw new OAuthError('invalid_request', `me is longer than ${MAX_URL_LENGTH} characters`)
+  // `id`: the profile-only request of older clients
+  const scope = responseType === 'id' ? [] : parseScope(getParam(query, 'scope'))
+  if (scope.length > MAX_SCOPES)
+    throw new OAuthError('invalid_scope', `The request asks for more than ${MAX_SCOPES} scopes`)
+  if (scope.some((one) => one.length > MAX_SCOPE_LENGTH))
+    throw new OAuthError('invalid_scope', `A scope is longer than ${MAX_SCOPE_LENGTH} characters`)
   return {
     ...client,
     state,
@@ -2729,26 +3100,45 @@ function renderConsentPage(
   form: { id: string; csrf: string; config: Config; signedIn: boolean; logo?: string; message?: string },
 ): string {
   const { config } = form
-  const redirectHost = new URL(request.redirect_uri).host || request.redirect_uri // a native app's custom scheme has no host
+  // a native app's custom scheme has no host
+  const redirectHost = new URL(request.redirect_uri).host || request.redirect_uri
   const scopes = request.scope
     .map((scope) => {
-      const description = Object.hasOwn(SCOPE_DESCRIPTIONS, scope) ? SCOPE_DESCRIPTIONS[scope] : 'Access that this server does not describe'
-      return `<label><input type="checkbox" name="scope" value="${escapeHtml(scope)}" checked> <code>${escapeHtml(scope)}</code> · ${escapeHtml(description)}</label>`
+      const description = Object.hasOwn(SCOPE_DESCRIPTIONS, scope)
+        ? SCOPE_DESCRIPTIONS[scope]
+        : 'Access that this server does not describe'
+      const box = `<input type="checkbox" name="scope" value="${escapeHtml(scope)}" checked>`
+      return `<label>${box} <code>${escapeHtml(scope)}</code> · ${escapeHtml(description)}</label>`
     })
     .join('\n')
-  const hint = request.meHint !== undefined && request.meHint !== config.me ? `<p class="muted">The app expected <code>${isolate(request.meHint)}</code>.</p>` : ''
+  const logo =
+    form.logo === undefined
+      ? ''
+      : `<p><img class="logo" src="${escapeHtml(form.logo)}" alt="" width="64" height="64"></p>`
+  const name = request.client_name === undefined ? '' : `<strong>${isolate(request.client_name)}</strong> at `
+  const access =
+    scopes === ''
+      ? '<p>It asks for no access beyond your identity.</p>'
+      : `<fieldset>\n<legend>It also asks to</legend>\n${scopes}\n</fieldset>\n${renderLifetimeChoice(config)}`
+  const signedIn = config.passwordHash === undefined ? '' : '<p class="muted">You are signed in.</p>'
+  const password = form.signedIn ? signedIn : renderPasswordField(form.message)
+  const hint =
+    request.meHint !== undefined && request.meHint !== config.me
+      ? `<p class="muted">The app expected <code>${isolate(request.meHint)}</code>.</p>`
+      : ''
   return renderPage(
     'Sign in',
     `<h1>Sign in to an app as ${escapeHtml(config.me)}</h1>
-${form.logo === undefined ? '' : `<p><img class="logo" src="${escapeHtml(form.logo)}" alt="" width="64" height="64"></p>`}
-<p>The app ${request.client_name === undefined ? '' : `<strong>${isolate(request.client_name)}</strong> at `}<code>${isolate(request.client_id)}</code> wants to know that you are <code>${escapeHtml(config.me)}</code>.</p>
+${logo}
+<p>The app ${name}<code>${isolate(request.client_id)}</code>
+wants to know that you are <code>${escapeHtml(config.me)}</code>.</p>
 ${hint}
 <p class="muted">After you decide, your browser goes to <code>${isolate(redirectHost)}</code>.</p>
 <form method="post" action="${escapeHtml(endpointUrl(config, '/auth/consent'))}">
 <input type="hidden" name="request" value="${escapeHtml(form.id)}">
 <input type="hidden" name="csrf" value="${escapeHtml(form.csrf)}">
-${scopes === '' ? '<p>It asks for no access beyond your identity.</p>' : `<fieldset>\n<legend>It also asks to</legend>\n${scopes}\n</fieldset>\n${renderLifetimeChoice(config)}`}
-${form.signedIn ? (config.passwordHash === undefined ? '' : '<p class="muted">You are signed in.</p>') : renderPasswordField(form.message)}
+${access}
+${password}
 <div class="actions">
 <button class="primary" name="decision" value="approve">Approve</button>
 <button name="decision" value="deny" formnovalidate>Deny</button>
@@ -2760,7 +3150,11 @@ ${form.signedIn ? (config.passwordHash === undefined ? '' : '<p class="muted">Yo
 /** A choice of access token lifetimes, because many clients never refresh. */
 function renderLifetimeChoice(config: Config): string {
   const options = lifetimeChoices(config)
-    .map(([label, seconds]) => `<option value="${seconds}"${seconds === config.accessTokenTtlSeconds ? ' selected' : ''}>${escapeHtml(label)}</option>`)
+    .map(
+      ([label, seconds]) =>
+        `<option value="${seconds}"${seconds === config.accessTokenTtlSeconds ? ' selected' : ''}>` +
+        `${escapeHtml(label)}</option>`,
+    )
     .join('')
   return `<p><label>Its access lasts <select name="lifetime">${options}</select></label></p>`
 }
@@ -2794,10 +3188,15 @@ async function handleConsent(req: IncomingMessage, res: ServerResponse, ctx: Con
   const form = await readForm(req)
   const id = requireParam(form, 'request')
   const request = await ctx.store.findPending(hashSecret(id), ctx.now())
-  if (request === undefined) throw new OAuthError('invalid_request', 'This sign-in request is unknown or has expired: start again from the app')
+  if (request === undefined)
+    throw new OAuthError('invalid_request', 'This sign-in request is unknown or has expired: start again from the app')
   const visitor = await requireFormToken(form, req, ctx)
   if (!safeEqual(hashSecret(readCookie(req, csrfCookieName(ctx.config)) ?? ''), request.csrfHash)) {
-    throw new OAuthError('access_denied', 'This sign-in request was opened in another browser: start again from the app', { status: 403 })
+    throw new OAuthError(
+      'access_denied',
+      'This sign-in request was opened in another browser: start again from the app',
+      { status: 403 },
+    )
   }
   const decision = getParam(form, 'decision')
   if (decision !== 'approve' && decision !== 'deny') throw new OAuthError('invalid_request', 'Choose Approve or Deny')
@@ -2807,7 +3206,18 @@ async function handleConsent(req: IncomingMessage, res: ServerResponse, ctx: Con
     const message = await checkPassword(getParam(form, 'password'), clientAddress(req), ctx)
     if (message !== undefined) {
       const logo = ctx.clients.get(request.client_id)?.info.logo
-      return sendPage(res, 401, renderConsentPage(request, { id, csrf: formToken(visitor), config: ctx.config, signedIn: false, logo, message }))
+      return sendPage(
+        res,
+        401,
+        renderConsentPage(request, {
+          id,
+          csrf: formToken(visitor),
+          config: ctx.config,
+          signedIn: false,
+          logo,
+          message,
+        }),
+      )
     }
     headers['Set-Cookie'] = await startSession(ctx)
   }
@@ -2816,7 +3226,12 @@ async function handleConsent(req: IncomingMessage, res: ServerResponse, ctx: Con
   }
   const iss = ctx.config.issuer
   if (decision === 'deny') {
-    const params = { error: 'access_denied', error_description: 'The owner denied the request', state: request.state, iss }
+    const params = {
+      error: 'access_denied',
+      error_description: 'The owner denied the request',
+      state: request.state,
+      iss,
+    }
     return redirect(res, 303, buildRedirectUrl(request.redirect_uri, params))
   }
   const granted = request.scope.filter((scope) => (form.get('scope') ?? []).includes(scope))
@@ -2825,7 +3240,11 @@ async function handleConsent(req: IncomingMessage, res: ServerResponse, ctx: Con
 }
 
 /** Issues a code bound to the request, the granted scopes and the chosen lifetime, and returns its value. */
-async function issueCode(request: PendingRequest, grant: { scope: string[]; accessTokenTtlSeconds: number }, ctx: Context): Promise<string> {
+async function issueCode(
+  request: PendingRequest,
+  grant: { scope: string[]; accessTokenTtlSeconds: number },
+  ctx: Context,
+): Promise<string> {
   const code = createSecret()
   const now = ctx.now()
   await ctx.store.saveCode(
@@ -2873,16 +3292,20 @@ async function checkPassword(password: string | undefined, address: string, ctx:
   const lockedUntil = Math.max(attempts.byAddress.get(address)?.lockedUntil ?? 0, attempts.total.lockedUntil)
   if (lockedUntil > now) {
     const retryAfter = String(Math.ceil((lockedUntil - now) / 1000))
-    throw new OAuthError('too_many_requests', `Too many wrong passwords: try again in ${retryAfter} seconds`, { headers: { 'Retry-After': retryAfter } })
+    throw new OAuthError('too_many_requests', `Too many wrong passwords: try again in ${retryAfter} seconds`, {
+      headers: { 'Retry-After': retryAfter },
+    })
   }
   if (password === undefined) return 'Enter your password'
   const previous = attempts.byAddress.get(address)
   attempts.byAddress.delete(address) // re-inserted last, so the map stays ordered oldest first
-  if (attempts.byAddress.size >= MAX_TRACKED_ADDRESSES) attempts.byAddress.delete(attempts.byAddress.keys().next().value ?? '')
+  if (attempts.byAddress.size >= MAX_TRACKED_ADDRESSES)
+    attempts.byAddress.delete(attempts.byAddress.keys().next().value ?? '')
   attempts.byAddress.set(address, countAttempt(previous, now, FREE_ATTEMPTS_PER_ADDRESS))
   attempts.total = countAttempt(attempts.total, now, FREE_ATTEMPTS_IN_TOTAL)
   const passwordHash = ctx.config.passwordHash ?? ''
-  if (!(await withPasswordSlot(ctx.passwordSlots, () => verifyPassword(password, passwordHash)))) return 'Wrong password'
+  if (!(await withPasswordSlot(ctx.passwordSlots, () => verifyPassword(password, passwordHash))))
+    return 'Wrong password'
   attempts.byAddress.delete(address)
   attempts.total = NO_ATTEMPTS
   return undefined
@@ -2900,14 +3323,25 @@ export function countAttempt(previous: PasswordAttempts | undefined, now: number
 
 /** Runs a password check when one of the few slots is free; past the queue's length, 429. */
 export function withPasswordSlot<T>(slots: PasswordSlots, check: () => Promise<T>): Promise<T> {
-  const busy = () => new OAuthError('too_many_requests', 'The server is busy checking passwords: try again in a few seconds', { headers: { 'Retry-After': '5' } })
+  const busy = () =>
+    new OAuthError('too_many_requests', 'The server is busy checking passwords: try again in a few seconds', {
+      headers: { 'Retry-After': '5' },
+    })
   return withSlot(slots, PASSWORD_CHECK_SLOTS, busy, check)
 }
 
 const PASSWORD_CHECK_SLOTS = { running: MAX_PARALLEL_PASSWORD_CHECKS, waiting: MAX_WAITING_PASSWORD_CHECKS }
 
-/** Runs a task when fewer than `limits.running` run, queued in order behind at most `limits.waiting`; past that, throws `busy()`. */
-async function withSlot<T>(slots: Slots, limits: { running: number; waiting: number }, busy: () => Error, task: () => Promise<T>): Promise<T> {
+/**
+ * Runs a task when fewer than `limits.running` run, queued in order behind at most
+ * `limits.waiting`; past that, throws `busy()`.
+ */
+async function withSlot<T>(
+  slots: Slots,
+  limits: { running: number; waiting: number },
+  busy: () => Error,
+  task: () => Promise<T>,
+): Promise<T> {
   if (slots.running < limits.running) {
     slots.running++
   } else if (slots.waiting.length < limits.waiting) {
@@ -2942,7 +3376,8 @@ async function handleProfileRedemption(req: IncomingMessage, res: ServerResponse
   }
   const { code, codeHash } = await checkCode(form, { clientRequired: false }, ctx)
   await consumeCode(codeHash, ctx)
-  sendJson(res, 200, { me: code.me, profile: buildProfile(code.scope, ctx.config.profile) }) // JSON leaves out a profile that is undefined
+  // JSON leaves out a profile that is undefined
+  sendJson(res, 200, { me: code.me, profile: buildProfile(code.scope, ctx.config.profile) })
 }
 
 /**
@@ -2956,7 +3391,8 @@ async function checkCode(form: Params, options: { clientRequired: boolean }, ctx
   const clientId = options.clientRequired ? requireParam(form, 'client_id') : getParam(form, 'client_id')
   const redirectUri = options.clientRequired ? requireParam(form, 'redirect_uri') : getParam(form, 'redirect_uri')
   const verifier = requireParam(form, 'code_verifier')
-  if (!isCodeVerifier(verifier)) throw new OAuthError('invalid_request', 'code_verifier must be 43 to 128 characters of A-Z, a-z, 0-9 and -._~')
+  if (!isCodeVerifier(verifier))
+    throw new OAuthError('invalid_request', 'code_verifier must be 43 to 128 characters of A-Z, a-z, 0-9 and -._~')
   const codeHash = hashSecret(value)
   const code = await ctx.store.findCode(codeHash, ctx.now())
   if (code === undefined) throw new OAuthError('invalid_grant', 'The authorization code is unknown or has expired')
@@ -2990,7 +3426,10 @@ async function consumeCode(codeHash: string, ctx: Context): Promise<void> {
  */
 async function revokeReplayedCode(codeHash: string, ctx: Context): Promise<never> {
   await ctx.store.deleteGrant(codeHash, ctx.now()) // a grant's id is the hash of its code
-  throw new OAuthError('invalid_grant', 'The authorization code was already used, so the tokens issued from it are revoked')
+  throw new OAuthError(
+    'invalid_grant',
+    'The authorization code was already used, so the tokens issued from it are revoked',
+  )
 }
 
 /**
@@ -3037,7 +3476,10 @@ async function handleTokenRequest(req: IncomingMessage, res: ServerResponse, ctx
 async function exchangeCode(form: Params, ctx: Context) {
   const { code, codeHash } = await checkCode(form, { clientRequired: true }, ctx)
   if (code.scope.length === 0) {
-    throw new OAuthError('invalid_grant', 'This code was issued without scope, so it only proves identity: redeem it at the authorization endpoint instead')
+    throw new OAuthError(
+      'invalid_grant',
+      'This code was issued without scope, so it only proves identity: redeem it at the authorization endpoint instead',
+    )
   }
   const grant = {
     client_id: code.client_id,
@@ -3049,7 +3491,8 @@ async function exchangeCode(form: Params, ctx: Context) {
     lastUsedAt: 0,
     expiresAt: 0,
   }
-  return await issueTokens({ kind: 'code', hash: codeHash }, codeHash, grant, code.scope, ctx) // awaited: a returned promise takes two more turns
+  // awaited: a returned promise takes two more turns
+  return await issueTokens({ kind: 'code', hash: codeHash }, codeHash, grant, code.scope, ctx)
 }
 
 /**
@@ -3074,7 +3517,11 @@ async function refreshGrant(form: Params, ctx: Context) {
     throw new OAuthError('invalid_grant', 'client_id does not match the client the refresh token was issued to')
   }
   const scope = narrowScope(getParam(form, 'scope'), found.token.scope)
-  const redeemed = { kind: 'refresh', hash, retriedSince: ctx.config.refreshTokenGraceSeconds > 0 ? retriedSince : undefined } as const
+  const redeemed = {
+    kind: 'refresh',
+    hash,
+    retriedSince: ctx.config.refreshTokenGraceSeconds > 0 ? retriedSince : undefined,
+  } as const
   return await issueTokens(redeemed, found.token.grantId, found.grant, scope, ctx)
 }
 
@@ -3098,20 +3545,42 @@ function narrowScope(requested: string | undefined, granted: string[]): string[]
  * whole grant, and saves the grant with its new expiry: all in one store write. Redeemed twice,
  * by a replay or a race, the grant is revoked.
  */
-async function issueTokens(redeemed: TokenIssue['redeemed'], grantId: string, grant: Grant, scope: string[], ctx: Context) {
+async function issueTokens(
+  redeemed: TokenIssue['redeemed'],
+  grantId: string,
+  grant: Grant,
+  scope: string[],
+  ctx: Context,
+) {
   const now = ctx.now()
   const { accessTokenTtlSeconds } = grant
   const { refreshTokenTtlSeconds } = ctx.config
   const accessToken = createSecret()
   const refreshToken = createSecret()
-  const access: Token = { kind: 'access', grantId, scope, issuedAt: now, expiresAt: now + accessTokenTtlSeconds * 1000, usedAt: undefined }
-  const refresh: Token = { kind: 'refresh', grantId, scope: grant.scope, issuedAt: now, expiresAt: now + refreshTokenTtlSeconds * 1000, usedAt: undefined }
+  const access: Token = {
+    kind: 'access',
+    grantId,
+    scope,
+    issuedAt: now,
+    expiresAt: now + accessTokenTtlSeconds * 1000,
+    usedAt: undefined,
+  }
+  const refresh: Token = {
+    kind: 'refresh',
+    grantId,
+    scope: grant.scope,
+    issuedAt: now,
+    expiresAt: now + refreshTokenTtlSeconds * 1000,
+    usedAt: undefined,
+  }
   const expiresAt = Math.max(grant.expiresAt, access.expiresAt, refresh.expiresAt)
   const tokens: TokenIssue['tokens'] = [
     [hashSecret(accessToken), access],
     [hashSecret(refreshToken), refresh],
   ]
-  if (!(await ctx.store.issueTokens({ redeemed, grantId, grant: { ...grant, lastUsedAt: now, expiresAt }, tokens }, now))) {
+  if (
+    !(await ctx.store.issueTokens({ redeemed, grantId, grant: { ...grant, lastUsedAt: now, expiresAt }, tokens }, now))
+  ) {
     await (redeemed.kind === 'code' ? revokeReplayedCode(grantId, ctx) : revokeReusedRefreshToken(grantId, ctx))
   }
   return {
@@ -3126,7 +3595,11 @@ async function issueTokens(redeemed: TokenIssue['redeemed'], grantId: string, gr
 }
 
 /** A live token of the given kind with its live grant, or undefined. */
-async function findLiveToken(hash: string, kind: Token['kind'], ctx: Context): Promise<{ token: Token; grant: Grant } | undefined> {
+async function findLiveToken(
+  hash: string,
+  kind: Token['kind'],
+  ctx: Context,
+): Promise<{ token: Token; grant: Grant } | undefined> {
   const now = ctx.now()
   const token = await ctx.store.findToken(hash, now)
   if (token === undefined || token.kind !== kind) return undefined
@@ -3171,10 +3644,14 @@ function requireIntrospectionCaller(req: IncomingMessage, config: Config): void 
   const realm = `Bearer realm="${config.issuer}"`
   const match = /^Bearer +(\S+) *$/i.exec(req.headers.authorization ?? '')
   if (match === null) {
-    throw new OAuthError('invalid_token', 'This endpoint needs the introspection secret as a Bearer credential', { headers: { 'WWW-Authenticate': realm } })
+    throw new OAuthError('invalid_token', 'This endpoint needs the introspection secret as a Bearer credential', {
+      headers: { 'WWW-Authenticate': realm },
+    })
   }
   if (!safeEqual(match[1], config.introspectionSecret)) {
-    throw new OAuthError('invalid_token', 'The Bearer credential is not the introspection secret', { headers: { 'WWW-Authenticate': `${realm}, error="invalid_token"` } })
+    throw new OAuthError('invalid_token', 'The Bearer credential is not the introspection secret', {
+      headers: { 'WWW-Authenticate': `${realm}, error="invalid_token"` },
+    })
   }
 }
 
@@ -3227,9 +3704,12 @@ async function handleUserinfoRequest(req: IncomingMessage, res: ServerResponse, 
   const { token, grant } = await requireAccessToken(req, form, ctx)
   if (!token.scope.includes('profile')) {
     const challenge = `Bearer realm="${ctx.config.issuer}", error="insufficient_scope", scope="profile"`
-    throw new OAuthError('insufficient_scope', 'The access token was not granted the profile scope', { headers: { 'WWW-Authenticate': challenge } })
+    throw new OAuthError('insufficient_scope', 'The access token was not granted the profile scope', {
+      headers: { 'WWW-Authenticate': challenge },
+    })
   }
-  sendJson(res, 200, { sub: grant.me, ...buildProfile(token.scope, ctx.config.profile) }) // `sub`: what OpenID Connect libraries require
+  // `sub`: what OpenID Connect libraries require
+  sendJson(res, 200, { sub: grant.me, ...buildProfile(token.scope, ctx.config.profile) })
 }
 
 /**
@@ -3255,11 +3735,15 @@ async function requireAccessToken(req: IncomingMessage, form: Params | undefined
   }
   const value = header ?? field
   if (value === undefined) {
-    throw new OAuthError('invalid_token', 'Send an access token as Authorization: Bearer', { headers: { 'WWW-Authenticate': realm } })
+    throw new OAuthError('invalid_token', 'Send an access token as Authorization: Bearer', {
+      headers: { 'WWW-Authenticate': realm },
+    })
   }
   const found = await findLiveToken(hashSecret(value), 'access', ctx)
   if (found === undefined) {
-    throw new OAuthError('invalid_token', 'The access token is unknown, expired or revoked', { headers: { 'WWW-Authenticate': `${realm}, error="invalid_token"` } })
+    throw new OAuthError('invalid_token', 'The access token is unknown, expired or revoked', {
+      headers: { 'WWW-Authenticate': `${realm}, error="invalid_token"` },
+    })
   }
   await ctx.store.touchGrant(found.token.grantId, ctx.now())
   return found
@@ -3286,7 +3770,8 @@ async function handleSignIn(req: IncomingMessage, res: ServerResponse, ctx: Cont
   const headers: Record<string, string> = {}
   if (!visitor.signedIn) {
     const message = await checkPassword(getParam(form, 'password'), clientAddress(req), ctx)
-    if (message !== undefined) return sendPage(res, 401, renderSignInPage({ csrf: formToken(visitor), config: ctx.config, message }))
+    if (message !== undefined)
+      return sendPage(res, 401, renderSignInPage({ csrf: formToken(visitor), config: ctx.config, message }))
     headers['Set-Cookie'] = await startSession(ctx)
   }
   redirect(res, 303, endpointUrl(ctx.config, '/apps'), headers)
@@ -3296,7 +3781,9 @@ async function handleSignIn(req: IncomingMessage, res: ServerResponse, ctx: Cont
 async function handleSignOut(req: IncomingMessage, res: ServerResponse, ctx: Context): Promise<void> {
   const { session } = await requireFormToken(await readForm(req), req, ctx)
   if (session !== undefined) await ctx.store.deleteSession(hashSecret(session))
-  redirect(res, 303, endpointUrl(ctx.config, '/apps'), { 'Set-Cookie': buildCookie(sessionCookieName(ctx.config), '', 0, ctx.config) })
+  redirect(res, 303, endpointUrl(ctx.config, '/apps'), {
+    'Set-Cookie': buildCookie(sessionCookieName(ctx.config), '', 0, ctx.config),
+  })
 }
 
 /** Ends every session of the owner, in every browser: after a lost phone or a shared computer. */
@@ -3304,7 +3791,9 @@ async function handleSignOutEverywhere(req: IncomingMessage, res: ServerResponse
   await requireOwner(await readForm(req), req, ctx)
   await ctx.store.deleteAllSessions()
   ctx.log('security: the owner signed out everywhere, so every session ended')
-  redirect(res, 303, endpointUrl(ctx.config, '/apps'), { 'Set-Cookie': buildCookie(sessionCookieName(ctx.config), '', 0, ctx.config) })
+  redirect(res, 303, endpointUrl(ctx.config, '/apps'), {
+    'Set-Cookie': buildCookie(sessionCookieName(ctx.config), '', 0, ctx.config),
+  })
 }
 
 /** Revokes one grant: its access and refresh tokens stop working at once. */
@@ -3323,7 +3812,8 @@ async function handleAllAppsRevocation(req: IncomingMessage, res: ServerResponse
 }
 
 async function requireOwner(form: Params, req: IncomingMessage, ctx: Context): Promise<void> {
-  if (!(await requireFormToken(form, req, ctx)).signedIn) throw new OAuthError('access_denied', 'Sign in first: your session has ended', { status: 401 })
+  if (!(await requireFormToken(form, req, ctx)).signedIn)
+    throw new OAuthError('access_denied', 'Sign in first: your session has ended', { status: 401 })
 }
 
 function renderSignInPage(page: { csrf: string; config: Config; message?: string }): string {
@@ -3354,23 +3844,37 @@ ${grant.client_name === undefined ? '' : `<dt>App</dt><dd><code>${isolate(grant.
 <dt>Last used</dt><dd>${formatTime(grant.lastUsedAt)}</dd>
 <dt>Access ends</dt><dd>${formatTime(grant.expiresAt)}</dd>
 </dl>
-<form method="post" action="${escapeHtml(endpointUrl(config, '/apps/revoke'))}">${csrfField}<input type="hidden" name="grant" value="${escapeHtml(id)}"><button class="danger">Revoke</button></form>
+${renderButton(config, '/apps/revoke', `${csrfField}${grantField(id)}`, 'danger', 'Revoke')}
 </section>`,
     )
     .join('\n')
-  const signOut =
+  const signOut = config.passwordHash === undefined ? '' : renderButton(config, '/sign-out', csrfField, '', 'Sign out')
+  const revokeAll = renderButton(config, '/apps/revoke-all', csrfField, 'danger', 'Revoke all')
+  const actions = `<div class="actions">${revokeAll}</div>`
+  const everywhere =
     config.passwordHash === undefined
       ? ''
-      : `<form method="post" action="${escapeHtml(endpointUrl(config, '/sign-out'))}">${csrfField}<button>Sign out</button></form>`
-  const revokeAll = `<form method="post" action="${escapeHtml(endpointUrl(config, '/apps/revoke-all'))}">${csrfField}<button class="danger">Revoke all</button></form>`
+      : '<p class="muted">Signed in on a device you no longer have?</p>\n' +
+        renderButton(config, '/sign-out-everywhere', csrfField, '', 'Sign out everywhere')
   return renderPage(
     'Connected apps',
     `<div class="bar"><span class="muted">${escapeHtml(config.me)}</span>${signOut}</div>
 <h1>Connected apps</h1>
-<p>These apps can act as you. Revoking one ends its access and refresh tokens at once; “Access ends” is when it would end anyway, unless the app refreshes it.</p>
-${apps === '' ? '<p class="muted">No app holds a token right now.</p>' : `${apps}\n<div class="actions">${revokeAll}</div>`}
-${config.passwordHash === undefined ? '' : `<p class="muted">Signed in on a device you no longer have?</p>\n<form method="post" action="${escapeHtml(endpointUrl(config, '/sign-out-everywhere'))}">${csrfField}<button>Sign out everywhere</button></form>`}`,
+<p>These apps can act as you. Revoking one ends its access and refresh tokens at once;
+“Access ends” is when it would end anyway, unless the app refreshes it.</p>
+${apps === '' ? '<p class="muted">No app holds a token right now.</p>' : `${apps}\n${actions}`}
+${everywhere}`,
   )
+}
+
+function grantField(id: string): string {
+  return `<input type="hidden" name="grant" value="${escapeHtml(id)}">`
+}
+
+/** A form that is one button: it posts the hidden fields to the path. */
+function renderButton(config: Config, path: string, fields: string, kind: string, label: string): string {
+  const button = kind === '' ? `<button>${label}</button>` : `<button class="${kind}">${label}</button>`
+  return `<form method="post" action="${escapeHtml(endpointUrl(config, path))}">${fields}${button}</form>`
 }
 
 /** A time as people read it: `2027-01-01 12:00 UTC`. */
@@ -3393,6 +3897,7 @@ async function handleHomePage(_req: IncomingMessage, res: ServerResponse, ctx: C
     ['authorization_endpoint', endpointUrl(config, '/auth')],
     ['token_endpoint', endpointUrl(config, '/token')],
   ]
+  const metadata = endpointUrl(config, '/.well-known/oauth-authorization-server')
   const links = relations.map(([rel, href]) => `<link rel="${rel}" href="${href}">`).join('\n')
   const linkHeader = relations.map(([rel, href]) => `<${href}>; rel="${rel}"`).join(', ')
   sendPage(
@@ -3401,10 +3906,11 @@ async function handleHomePage(_req: IncomingMessage, res: ServerResponse, ctx: C
     renderPage(
       'Latch',
       `<h1>Latch</h1>
-<p>This is the IndieAuth server of <code>${escapeHtml(config.me)}</code>. Apps that let you sign in with your website send you here to confirm that you are you.</p>
+<p>This is the IndieAuth server of <code>${escapeHtml(config.me)}</code>.
+Apps that let you sign in with your website send you here to confirm that you are you.</p>
 <p>To use it, paste these lines into the <code>&lt;head&gt;</code> of <code>${escapeHtml(config.me)}</code>:</p>
 <pre>${escapeHtml(links)}</pre>
-<p class="muted">Server metadata: <a href="${escapeHtml(endpointUrl(config, '/.well-known/oauth-authorization-server'))}">${escapeHtml(endpointUrl(config, '/.well-known/oauth-authorization-server'))}</a></p>`,
+<p class="muted">Server metadata: <a href="${escapeHtml(metadata)}">${escapeHtml(metadata)}</a></p>`,
     ),
     { Link: linkHeader },
   )
@@ -3550,9 +4056,19 @@ export function createHandler(options: HandlerOptions): (req: IncomingMessage, r
     const own = host === lastOwnHost || isOwnHost(host, ownHosts)
     if (own) lastOwnHost = host
     const checked = !own
-      ? Promise.reject(new OAuthError('invalid_request', 'This server answers only to its own host name: set ISSUER to the URL you use, or set PASSWORD_HASH', { status: 421 }))
+      ? Promise.reject(
+          new OAuthError(
+            'invalid_request',
+            'This server answers only to its own host name: set ISSUER to the URL you use, or set PASSWORD_HASH',
+            { status: 421 },
+          ),
+        )
       : (req.url ?? '').length > MAX_REQUEST_TARGET
-        ? Promise.reject(new OAuthError('invalid_request', `The request URL is longer than ${MAX_REQUEST_TARGET} characters`, { status: 414 }))
+        ? Promise.reject(
+            new OAuthError('invalid_request', `The request URL is longer than ${MAX_REQUEST_TARGET} characters`, {
+              status: 414,
+            }),
+          )
         : handler(req, res, ctx)
     checked.catch((err: unknown) => renderError(err, res, PAGE_HANDLERS.has(handler), ctx))
   }
@@ -3568,7 +4084,12 @@ const MAX_REQUEST_TARGET = 8_192
  */
 function isOwnHost(hostHeader: string | undefined, ownHosts: Set<string> | undefined): boolean {
   if (ownHosts === undefined || hostHeader === undefined) return true
-  return ownHosts.has(hostHeader.toLowerCase().replace(/:\d*$/, '').replace(/^\[(.*)\]$/, '$1'))
+  return ownHosts.has(
+    hostHeader
+      .toLowerCase()
+      .replace(/:\d*$/, '')
+      .replace(/^\[(.*)\]$/, '$1'),
+  )
 }
 
 /** The host names served without a password: loopback names and the issuer's; with a password, any. */
@@ -3594,7 +4115,11 @@ function renderError(err: unknown, res: ServerResponse, asPage: boolean, ctx: Co
     return
   }
   ctx.log(`error: ${err instanceof Error ? (err.stack ?? err.message) : String(err)}`)
-  if (asPage) sendErrorPage(res, new OAuthError('server_error', 'Something went wrong on the server: try again later', { status: 500 }))
+  if (asPage)
+    sendErrorPage(
+      res,
+      new OAuthError('server_error', 'Something went wrong on the server: try again later', { status: 500 }),
+    )
   else sendJson(res, 500, { error: 'server_error' })
 }
 
@@ -3603,7 +4128,10 @@ function renderError(err: unknown, res: ServerResponse, asPage: boolean, ctx: Co
 
 /** The `--help` text: usage, then the settings table. */
 export function buildHelp(): string {
-  const rows = SETTINGS.map((setting) => `  ${`${setting.name} / ${flagName(setting.name)}`.padEnd(48)} ${setting.help} Default: ${setting.default}.`)
+  const rows = SETTINGS.map(
+    (setting) =>
+      `  ${`${setting.name} / ${flagName(setting.name)}`.padEnd(48)} ${setting.help} Default: ${setting.default}.`,
+  )
   return [
     'Latch: an IndieAuth authorization server.',
     '',
@@ -3664,7 +4192,12 @@ async function runHashPassword(): Promise<void> {
 /** How long a client may take: to send its headers, its whole request, and between requests. */
 export type ServerTimeouts = { headersMs: number; requestMs: number; keepAliveMs: number; checkEveryMs: number }
 
-const SERVER_TIMEOUTS: ServerTimeouts = { headersMs: 10_000, requestMs: 30_000, keepAliveMs: 5_000, checkEveryMs: 1_000 }
+const SERVER_TIMEOUTS: ServerTimeouts = {
+  headersMs: 10_000,
+  requestMs: 30_000,
+  keepAliveMs: 5_000,
+  checkEveryMs: 1_000,
+}
 
 /**
  * An http server whose slow clients cannot hold a connection for long (slowloris): headers
@@ -3703,6 +4236,8 @@ export function createLineWriter(stream: NodeJS.WritableStream, everyMs = 100): 
   }
 }
 
+const NO_PASSWORD = 'not set: anyone who can reach this loopback address can approve sign-ins'
+
 /** Prints what the server is doing, once, at start-up. */
 function printStartup(config: Config, listeningUrl: string, store: MemoryStore | FileStore): void {
   const memory = store instanceof FileStore ? store.memory : store
@@ -3710,15 +4245,19 @@ function printStartup(config: Config, listeningUrl: string, store: MemoryStore |
   const live = { code: 0, grant: 0, token: 0, session: 0 }
   for (const record of memory.records(now)) if ('set' in record) live[record.set]++
   const count = (n: number, what: string) => `${n} ${what}${n === 1 ? '' : 's'}`
-  const loaded = `${count(live.code, 'live code')}, ${count(live.token, 'live token')} and ${count(live.grant, 'grant')} loaded`
-  const data = config.dataFile === 'memory' ? 'in memory only: codes and tokens are lost when the server stops' : `${config.dataFile}: ${loaded}`
+  const tokens = `${count(live.token, 'live token')} and ${count(live.grant, 'grant')}`
+  const loaded = `${count(live.code, 'live code')}, ${tokens}`
+  const data =
+    config.dataFile === 'memory'
+      ? 'in memory only: codes and tokens are lost when the server stops'
+      : `${config.dataFile}: ${loaded} loaded`
   for (const warning of configWarnings(config)) console.log(`warning: ${warning}`)
   console.log(
     [
       `Latch is listening on ${listeningUrl}`,
       `  issuer    ${config.issuer}`,
       `  me        ${config.me}`,
-      `  password  ${config.passwordHash === undefined ? 'not set: anyone who can reach this loopback address can approve sign-ins' : 'set'}`,
+      `  password  ${config.passwordHash === undefined ? NO_PASSWORD : 'set'}`,
       `  data      ${data}`,
       `  metadata  ${config.issuer}/.well-known/oauth-authorization-server`,
     ].join('\n'),
@@ -3736,8 +4275,14 @@ async function main(argv: string[], env: Record<string, string | undefined>): Pr
     server.once('error', reject)
     server.listen(config.port, config.host, resolve)
   }).catch((err: NodeJS.ErrnoException) => {
-    if (err.code === 'EADDRINUSE') throw new ConfigError(`PORT ${config.port} is in use on ${config.host}: stop the other server, or pick another port, as in PORT=3001`)
-    if (err.code === 'EADDRNOTAVAIL' || err.code === 'ENOTFOUND') throw new ConfigError(`HOST ${config.host} is not an address of this machine: use 127.0.0.1, or an interface this machine has`)
+    if (err.code === 'EADDRINUSE')
+      throw new ConfigError(
+        `PORT ${config.port} is in use on ${config.host}: stop the other server, or pick another port, as in PORT=3001`,
+      )
+    if (err.code === 'EADDRNOTAVAIL' || err.code === 'ENOTFOUND')
+      throw new ConfigError(
+        `HOST ${config.host} is not an address of this machine: use 127.0.0.1, or an interface this machine has`,
+      )
     throw err
   })
   const address = server.address()
@@ -3745,7 +4290,8 @@ async function main(argv: string[], env: Record<string, string | undefined>): Pr
   if (config.port === 0) config = loadConfig(env, argv, { boundPort: port })
   const log = createLineWriter(process.stdout)
   server.on('request', createHandler({ config, store, log }))
-  setInterval(() => store.sweep(Date.now()), 100).unref() // expired entries go even while no one writes: 20,000 a second of each kind
+  // expired entries go even while no one writes: 20,000 a second of each kind
+  setInterval(() => store.sweep(Date.now()), 100).unref()
   for (const signal of ['SIGINT', 'SIGTERM'] as const) {
     process.once(signal, () => {
       log(`${signal}: finishing requests in flight, then stopping`) // after the lines of requests already answered
@@ -3757,7 +4303,8 @@ async function main(argv: string[], env: Record<string, string | undefined>): Pr
       setTimeout(() => server.closeAllConnections(), 5_000).unref()
     })
   }
-  printStartup(config, `http://${hostForUrl(config.host)}:${port}`, store) // last: a supervisor may signal as soon as it reads this
+  // last: a supervisor may signal as soon as it reads this
+  printStartup(config, `http://${hostForUrl(config.host)}:${port}`, store)
 }
 
 function isMainModule(): boolean {

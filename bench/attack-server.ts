@@ -41,7 +41,8 @@ export type AttackDelay = { maxMs: number; p99Ms: number; meanMs: number; sample
 
 const SITE_PORT = Number(process.env.ATTACK_SITE_PORT ?? 0)
 const PUBLIC_ADDRESS = process.env.ATTACK_PUBLIC_ADDRESS ?? '93.184.215.14'
-const FETCH_TIMEOUT_MS = process.env.ATTACK_FETCH_TIMEOUT_MS === undefined ? undefined : Number(process.env.ATTACK_FETCH_TIMEOUT_MS)
+const FETCH_TIMEOUT_MS =
+  process.env.ATTACK_FETCH_TIMEOUT_MS === undefined ? undefined : Number(process.env.ATTACK_FETCH_TIMEOUT_MS)
 
 /** An agent that takes every connection to the hostile site, whatever address Latch checked. */
 class SiteAgent extends Agent {
@@ -51,7 +52,13 @@ class SiteAgent extends Agent {
 }
 
 const clientFetch: ClientFetchOptions | undefined =
-  SITE_PORT === 0 ? undefined : { lookup: async () => [{ address: PUBLIC_ADDRESS, family: 4 }], agent: new SiteAgent(), timeoutMs: FETCH_TIMEOUT_MS }
+  SITE_PORT === 0
+    ? undefined
+    : {
+        lookup: async () => [{ address: PUBLIC_ADDRESS, family: 4 }],
+        agent: new SiteAgent(),
+        timeoutMs: FETCH_TIMEOUT_MS,
+      }
 
 let logLines = 0
 let errorLines = 0
@@ -82,7 +89,16 @@ function usage(gc: boolean): AttackUsage {
   }
   const { rss, heapUsed, external } = process.memoryUsage()
   const { user, system } = process.cpuUsage()
-  return { rss, heapUsed, external, cpuMicros: user + system, pending: store.pending.size, logLines, errorLines, firstError }
+  return {
+    rss,
+    heapUsed,
+    external,
+    cpuMicros: user + system,
+    pending: store.pending.size,
+    logLines,
+    errorLines,
+    firstError,
+  }
 }
 
 process.on('message', (message: AttackRequest) => {
@@ -91,7 +107,12 @@ process.on('message', (message: AttackRequest) => {
     delay.reset()
     return process.send?.({ id: message.id })
   }
-  const answer: AttackDelay = { maxMs: delay.max / 1e6, p99Ms: delay.percentile(99) / 1e6, meanMs: delay.mean / 1e6, samples: delay.count }
+  const answer: AttackDelay = {
+    maxMs: delay.max / 1e6,
+    p99Ms: delay.percentile(99) / 1e6,
+    meanMs: delay.mean / 1e6,
+    samples: delay.count,
+  }
   process.send?.({ id: message.id, ...answer })
 })
 process.on('disconnect', () => process.exit(0)) // the bench went away: so does this server

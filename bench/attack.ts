@@ -98,11 +98,18 @@ const ALPHABET = 'ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789
 /** The i-th of a run of distinct tokens of `length` characters, from letters and digits only (nothing to escape). */
 function token(i: number, length: number): string {
   let text = ''
-  for (let rest = i; text.length < length; rest = Math.floor(rest / ALPHABET.length)) text += ALPHABET[rest % ALPHABET.length]
+  for (let rest = i; text.length < length; rest = Math.floor(rest / ALPHABET.length))
+    text += ALPHABET[rest % ALPHABET.length]
   return text
 }
 
-function authPath(fields: { clientId: string; redirectUri: string; state: string; scopes: string[]; me?: string }): string {
+function authPath(fields: {
+  clientId: string
+  redirectUri: string
+  state: string
+  scopes: string[]
+  me?: string
+}): string {
   const me = fields.me === undefined ? '' : `&me=${fields.me}`
   return `/auth?response_type=code&client_id=${encodeURIComponent(fields.clientId)}&redirect_uri=${encodeURIComponent(fields.redirectUri)}&code_challenge=${CHALLENGE}&code_challenge_method=S256&state=${fields.state}${me}&scope=${fields.scopes.join('+')}`
 }
@@ -112,10 +119,19 @@ function largestAccepted(): { path: string; description: string } {
   const scopes = Array.from({ length: LIMITS.scopes }, (_, i) => token(i, LIMITS.scopeLength))
   const state = 'S'.repeat(LIMITS.state)
   const mePrefix = 'https://me.example/'
-  const without = authPath({ clientId: LOOPBACK_CLIENT, redirectUri: LOOPBACK_REDIRECT, state, scopes, me: mePrefix }).length
+  const without = authPath({
+    clientId: LOOPBACK_CLIENT,
+    redirectUri: LOOPBACK_REDIRECT,
+    state,
+    scopes,
+    me: mePrefix,
+  }).length
   const me = mePrefix + 'm'.repeat(Math.max(0, Math.min(LIMITS.me - mePrefix.length, LIMITS.target - without)))
   const path = authPath({ clientId: LOOPBACK_CLIENT, redirectUri: LOOPBACK_REDIRECT, state, scopes, me })
-  return { path, description: `${format(LIMITS.scopes)} scopes × ${format(LIMITS.scopeLength)} characters, state ${format(LIMITS.state)}, me ${format(me.length)}` }
+  return {
+    path,
+    description: `${format(LIMITS.scopes)} scopes × ${format(LIMITS.scopeLength)} characters, state ${format(LIMITS.state)}, me ${format(me.length)}`,
+  }
 }
 
 /** Many short distinct scopes: the most entries per byte of URL. */
@@ -125,7 +141,8 @@ function hostile(): { path: string; description: string } {
   return { path, description: `${format(HOSTILE_SCOPES)} distinct scopes × ${format(HOSTILE_SCOPE_LENGTH)} characters` }
 }
 
-const discoveryPath = (clientId: string) => authPath({ clientId, redirectUri: OTHER_REDIRECT, state: 's', scopes: ['create'] })
+const discoveryPath = (clientId: string) =>
+  authPath({ clientId, redirectUri: OTHER_REDIRECT, state: 's', scopes: ['create'] })
 
 // --- Latch in a child process -------------------------------------------------------------------
 
@@ -143,11 +160,15 @@ const children = new Set<ChildProcess>()
 async function startLatch(sitePort?: number): Promise<Latch> {
   const env: Record<string, string> = { ...(process.env as Record<string, string>) }
   if (sitePort !== undefined) env.ATTACK_SITE_PORT = String(sitePort)
-  const child = spawn(process.execPath, ['--expose-gc', '--max-old-space-size=4096', '--import', 'tsx', 'bench/attack-server.ts'], {
-    cwd: ROOT,
-    env,
-    stdio: ['ignore', 'ignore', 'inherit', 'ipc'],
-  })
+  const child = spawn(
+    process.execPath,
+    ['--expose-gc', '--max-old-space-size=4096', '--import', 'tsx', 'bench/attack-server.ts'],
+    {
+      cwd: ROOT,
+      env,
+      stdio: ['ignore', 'ignore', 'inherit', 'ipc'],
+    },
+  )
   children.add(child)
   let exitedWith: string | undefined
   let nextId = 1
@@ -228,7 +249,10 @@ type Flood = {
  * Stops sending once the RSS passes the limit, Latch exits, or `seconds` pass; requests still in
  * flight then get GRACE_MS to finish before they are cut.
  */
-async function flood(latch: Latch, options: { path: (i: number) => string; count: number; connections: number; seconds: number }): Promise<Flood> {
+async function flood(
+  latch: Latch,
+  options: { path: (i: number) => string; count: number; connections: number; seconds: number },
+): Promise<Flood> {
   const agent = new Agent({ keepAlive: true, maxSockets: options.connections })
   const { port } = new URL(latch.url)
   const outcomes = new Map<string, number>()
@@ -261,7 +285,9 @@ async function flood(latch: Latch, options: { path: (i: number) => string; count
         })
         response.on('error', () => finish(cutting ? 'cut at the time limit' : 'reset mid-answer'))
       })
-      sending.on('error', (err: NodeJS.ErrnoException) => finish(cutting ? 'cut at the time limit' : `error ${err.code ?? err.message}`))
+      sending.on('error', (err: NodeJS.ErrnoException) =>
+        finish(cutting ? 'cut at the time limit' : `error ${err.code ?? err.message}`),
+      )
       sending.end()
     })
 
@@ -276,7 +302,8 @@ async function flood(latch: Latch, options: { path: (i: number) => string; count
     while (!samplingDone) {
       const usage = await latch.ask<AttackUsage>({ kind: 'usage' })
       if (usage !== undefined) peakRss = Math.max(peakRss, usage.rss)
-      if (usage !== undefined && usage.rss > RSS_LIMIT && stoppedBy === undefined) stoppedBy = `Latch's RSS passed ${mib(RSS_LIMIT)}`
+      if (usage !== undefined && usage.rss > RSS_LIMIT && stoppedBy === undefined)
+        stoppedBy = `Latch's RSS passed ${mib(RSS_LIMIT)}`
       if (latch.exited() !== undefined && stoppedBy === undefined) stoppedBy = `Latch exited (${latch.exited()})`
       await sleep(SAMPLE_EVERY_MS)
     }
@@ -300,7 +327,16 @@ async function flood(latch: Latch, options: { path: (i: number) => string; count
   await sampling
   agent.destroy()
   const cpuAfter = (await latch.ask<AttackUsage>({ kind: 'usage' }))?.cpuMicros ?? cpuBefore
-  return { sent, answered, outcomes, seconds: (lastAnswer - started) / 1000, bytes, peakRss, stoppedBy, cpuMicros: cpuAfter - cpuBefore }
+  return {
+    sent,
+    answered,
+    outcomes,
+    seconds: (lastAnswer - started) / 1000,
+    bytes,
+    peakRss,
+    stoppedBy,
+    cpuMicros: cpuAfter - cpuBefore,
+  }
 }
 
 /** One request, for what it answers before a flood. */
@@ -321,7 +357,15 @@ async function probe(latch: Latch, path: string): Promise<{ status: number; byte
 
 type SiteMode = 'trickle' | 'plain' | 'crafted'
 
-type Site = { port: number; server: Server; mode: SiteMode; fetches: number; open: number; peakOpen: number; reset: () => void }
+type Site = {
+  port: number
+  server: Server
+  mode: SiteMode
+  fetches: number
+  open: number
+  peakOpen: number
+  reset: () => void
+}
 
 /** `<p>hello</p>` again and again: an ordinary page of `bytes`. */
 function plainPage(bytes: number): Buffer {
@@ -337,7 +381,11 @@ function craftedPage(bytes: number): Buffer {
 }
 
 async function startSite(): Promise<Site> {
-  const pages: Record<SiteMode, Buffer> = { trickle: plainPage(PAGE_BYTES), plain: plainPage(PAGE_BYTES), crafted: craftedPage(PAGE_BYTES) }
+  const pages: Record<SiteMode, Buffer> = {
+    trickle: plainPage(PAGE_BYTES),
+    plain: plainPage(PAGE_BYTES),
+    crafted: craftedPage(PAGE_BYTES),
+  }
   const site: Site = {
     port: 0,
     server: createServer(),
@@ -383,7 +431,8 @@ function stopSite(site: Site): Promise<void> {
 
 // --- Printing -------------------------------------------------------------------------------------
 
-const format = (value: number, digits = 0) => value.toLocaleString('en-US', { maximumFractionDigits: digits, minimumFractionDigits: digits })
+const format = (value: number, digits = 0) =>
+  value.toLocaleString('en-US', { maximumFractionDigits: digits, minimumFractionDigits: digits })
 const mib = (bytes: number) => `${format(bytes / 2 ** 20, 1)} MiB`
 const kib = (bytes: number) => `${format(bytes / 1024, 1)} KiB`
 const ms = (value: number) => `${format(value, 1)} ms`
@@ -404,7 +453,10 @@ function describeFlood(result: Flood): string[] {
   ]
 }
 
-const describeUsage = (usage: AttackUsage | undefined) => (usage === undefined ? 'no answer' : `RSS ${mib(usage.rss)}, heapUsed ${mib(usage.heapUsed)}, external ${mib(usage.external)}`)
+const describeUsage = (usage: AttackUsage | undefined) =>
+  usage === undefined
+    ? 'no answer'
+    : `RSS ${mib(usage.rss)}, heapUsed ${mib(usage.heapUsed)}, external ${mib(usage.external)}`
 
 type Row = [figure: string, measured: string, answers: string]
 
@@ -432,10 +484,17 @@ async function authFlood(label: string, title: string, shape: { path: string; de
   const latch = await startLatch()
   try {
     const first = await probe(latch, shape.path)
-    console.log(`\n${label} GET /auth flood, ${title}: ${shape.description}; request target ${format(shape.path.length)} characters`)
+    console.log(
+      `\n${label} GET /auth flood, ${title}: ${shape.description}; request target ${format(shape.path.length)} characters`,
+    )
     console.log(`  one request answers ${first.status} (${format(first.bytes)} bytes)`)
     const before = await usageOf(latch, true)
-    const result = await flood(latch, { path: () => shape.path, count: REQUESTS, connections: CONNECTIONS, seconds: FLOOD_SECONDS })
+    const result = await flood(latch, {
+      path: () => shape.path,
+      count: REQUESTS,
+      connections: CONNECTIONS,
+      seconds: FLOOD_SECONDS,
+    })
     const after = await usageOf(latch, true)
     for (const line of describeFlood(result)) console.log(line)
     console.log(`  before (after GC): ${describeUsage(before)}`)
@@ -445,15 +504,23 @@ async function authFlood(label: string, title: string, shape: { path: string; de
     if (after !== undefined && grown !== undefined && after.pending > 0) {
       console.log(`  Latch holds ${format(after.pending)} pending requests: ${kib(grown / after.pending)} of heap each`)
     }
-    if (after !== undefined && after.errorLines > 0) console.log(`  Latch logged ${format(after.errorLines)} error lines, the first: ${after.firstError}`)
+    if (after !== undefined && after.errorLines > 0)
+      console.log(`  Latch logged ${format(after.errorLines)} error lines, the first: ${after.firstError}`)
     if (latch.exited() !== undefined) console.log(`  Latch exited: ${latch.exited()}`)
     const memory =
       before === undefined || after === undefined
         ? `peak RSS ${mib(result.peakRss)}`
         : `RSS ${mib(before.rss)} → ${mib(after.rss)} (peak ${mib(result.peakRss)}), heap ${mib(before.heapUsed)} → ${mib(after.heapUsed)}`
-    const each = after !== undefined && grown !== undefined && after.pending > 0 ? `; ${kib(grown / after.pending)} a pending request` : ''
+    const each =
+      after !== undefined && grown !== undefined && after.pending > 0
+        ? `; ${kib(grown / after.pending)} a pending request`
+        : ''
     const stopped = result.stoppedBy === undefined ? '' : `; stopped at ${format(result.sent)}`
-    rows.push([`${label} ${title}, target ${format(shape.path.length)}`, `${memory}${each}${stopped}`, shortOutcomes(result.outcomes)])
+    rows.push([
+      `${label} ${title}, target ${format(shape.path.length)}`,
+      `${memory}${each}${stopped}`,
+      shortOutcomes(result.outcomes),
+    ])
   } finally {
     await stopLatch(latch)
   }
@@ -470,7 +537,12 @@ async function discoveryFlood(site: Site): Promise<void> {
     site.reset()
     const before = await usageOf(latch, true)
     await latch.ask({ kind: 'delay-reset' })
-    const result = await flood(latch, { path: (i) => discoveryPath(`http://c${i}.example/`), count: DISCOVERY_REQUESTS, connections: DISCOVERY_CONNECTIONS, seconds: DISCOVERY_SECONDS })
+    const result = await flood(latch, {
+      path: (i) => discoveryPath(`http://c${i}.example/`),
+      count: DISCOVERY_REQUESTS,
+      connections: DISCOVERY_CONNECTIONS,
+      seconds: DISCOVERY_SECONDS,
+    })
     const delay = await latch.ask<AttackDelay>({ kind: 'delay' })
     const after = await usageOf(latch, true)
     for (const line of describeFlood(result)) console.log(line)
@@ -478,9 +550,13 @@ async function discoveryFlood(site: Site): Promise<void> {
     console.log(`  before (after GC): ${describeUsage(before)}`)
     console.log(`  peak RSS during the flood: ${mib(result.peakRss)}`)
     console.log(`  after  (after GC): ${describeUsage(after)}`)
-    if (delay !== undefined) console.log(`  event-loop delay during the flood: max ${ms(delay.maxMs)}, p99 ${ms(delay.p99Ms)}`)
+    if (delay !== undefined)
+      console.log(`  event-loop delay during the flood: max ${ms(delay.maxMs)}, p99 ${ms(delay.p99Ms)}`)
     if (latch.exited() !== undefined) console.log(`  Latch exited: ${latch.exited()}`)
-    const memory = before === undefined || after === undefined ? `peak RSS ${mib(result.peakRss)}` : `RSS ${mib(before.rss)} → peak ${mib(result.peakRss)} → ${mib(after.rss)}`
+    const memory =
+      before === undefined || after === undefined
+        ? `peak RSS ${mib(result.peakRss)}`
+        : `RSS ${mib(before.rss)} → peak ${mib(result.peakRss)} → ${mib(after.rss)}`
     const stall = delay === undefined ? '' : `; max stall ${ms(delay.maxMs)}`
     const stopped = result.stoppedBy === undefined ? '' : `; stopped at ${format(result.sent)}`
     rows.push([
@@ -500,27 +576,54 @@ async function scanStalls(site: Site): Promise<void> {
       `\n(3) Event-loop stalls while client pages are scanned: ${format(SCAN_PAGES)} discoveries of each page, ${format(SCAN_CONCURRENCY)} at a time, ${kib(PAGE_BYTES)} each, sent at once`,
     )
     site.mode = 'plain'
-    await flood(latch, { path: (i) => discoveryPath(`http://warm${i}.example/`), count: 2 * SCAN_CONCURRENCY, connections: SCAN_CONCURRENCY, seconds: 10 })
+    await flood(latch, {
+      path: (i) => discoveryPath(`http://warm${i}.example/`),
+      count: 2 * SCAN_CONCURRENCY,
+      connections: SCAN_CONCURRENCY,
+      seconds: 10,
+    })
     const measured: Record<string, { delay: AttackDelay | undefined; result: Flood }> = {}
     for (const [mode, name] of [
       ['plain', 'plain page (<p>hello</p> repeated)'],
-      ['crafted', `crafted page (${format(SCAN_NEST)} nested <div>, then ${format(Math.floor((PAGE_BYTES - 5 * SCAN_NEST) / 4))} × </x>)`],
+      [
+        'crafted',
+        `crafted page (${format(SCAN_NEST)} nested <div>, then ${format(Math.floor((PAGE_BYTES - 5 * SCAN_NEST) / 4))} × </x>)`,
+      ],
     ] as const) {
       site.mode = mode
       site.reset()
       await usageOf(latch, true) // a GC now rather than during the run
       await latch.ask({ kind: 'delay-reset' })
-      const result = await flood(latch, { path: (i) => discoveryPath(`http://${mode}${i}.example/`), count: SCAN_PAGES, connections: SCAN_CONCURRENCY, seconds: 20 })
+      const result = await flood(latch, {
+        path: (i) => discoveryPath(`http://${mode}${i}.example/`),
+        count: SCAN_PAGES,
+        connections: SCAN_CONCURRENCY,
+        seconds: 20,
+      })
       const delay = await latch.ask<AttackDelay>({ kind: 'delay' })
       measured[mode] = { delay, result }
-      const cpu = result.answered > 0 ? `, Latch CPU ${format(result.cpuMicros / result.answered / 1000, 1)} ms a discovery` : ''
-      console.log(`  ${name}: ${format(result.answered)} discoveries in ${format(result.seconds, 1)} s${cpu}; answers: ${describeOutcomes(result.outcomes)}`)
+      const cpu =
+        result.answered > 0 ? `, Latch CPU ${format(result.cpuMicros / result.answered / 1000, 1)} ms a discovery` : ''
+      console.log(
+        `  ${name}: ${format(result.answered)} discoveries in ${format(result.seconds, 1)} s${cpu}; answers: ${describeOutcomes(result.outcomes)}`,
+      )
       if (result.stoppedBy !== undefined) console.log(`    STOPPED EARLY: ${result.stoppedBy}`)
-      console.log(`    event-loop delay: ${delay === undefined ? 'no answer' : `max ${ms(delay.maxMs)}, p99 ${ms(delay.p99Ms)}, mean ${ms(delay.meanMs)}`}`)
+      console.log(
+        `    event-loop delay: ${delay === undefined ? 'no answer' : `max ${ms(delay.maxMs)}, p99 ${ms(delay.p99Ms)}, mean ${ms(delay.meanMs)}`}`,
+      )
     }
-    const stall = (delay: AttackDelay | undefined) => (delay === undefined ? 'no answer' : `max ${ms(delay.maxMs)}, p99 ${ms(delay.p99Ms)}`)
-    rows.push([`(3) stall, crafted page (${format(SCAN_NEST)} <div>, </x>…)`, stall(measured.crafted?.delay), shortOutcomes(measured.crafted?.result.outcomes ?? new Map())])
-    rows.push(['(3) stall, plain page (baseline)', stall(measured.plain?.delay), shortOutcomes(measured.plain?.result.outcomes ?? new Map())])
+    const stall = (delay: AttackDelay | undefined) =>
+      delay === undefined ? 'no answer' : `max ${ms(delay.maxMs)}, p99 ${ms(delay.p99Ms)}`
+    rows.push([
+      `(3) stall, crafted page (${format(SCAN_NEST)} <div>, </x>…)`,
+      stall(measured.crafted?.delay),
+      shortOutcomes(measured.crafted?.result.outcomes ?? new Map()),
+    ])
+    rows.push([
+      '(3) stall, plain page (baseline)',
+      stall(measured.plain?.delay),
+      shortOutcomes(measured.plain?.result.outcomes ?? new Map()),
+    ])
     if (latch.exited() !== undefined) console.log(`  Latch exited: ${latch.exited()}`)
   } finally {
     await stopLatch(latch)
@@ -546,8 +649,12 @@ function finish(began: number): void {
 
 async function main(): Promise<void> {
   const began = performance.now()
-  const load = loadavg().map((value) => format(value, 2)).join(', ')
-  console.log(`Latch attack bench: Node ${process.version}, ${cpus().length} cores (load average ${load}), 127.0.0.1 only`)
+  const load = loadavg()
+    .map((value) => format(value, 2))
+    .join(', ')
+  console.log(
+    `Latch attack bench: Node ${process.version}, ${cpus().length} cores (load average ${load}), 127.0.0.1 only`,
+  )
   console.log(
     `Latch runs in a child process (bench/attack-server.ts, DATA_FILE=memory, --expose-gc); planned limits: target ${format(LIMITS.target)}, ` +
       `state ${format(LIMITS.state)}, me ${format(LIMITS.me)}, ${format(LIMITS.scopes)} scopes × ${format(LIMITS.scopeLength)} characters`,

@@ -11,7 +11,10 @@ import type { AddressInfo } from 'node:net'
 export type BareAnswers = Record<string, { headers: OutgoingHttpHeaders; bytes: number }>
 
 const answers = new Map(
-  Object.entries(JSON.parse(process.env.BARE_ANSWERS ?? '{}') as BareAnswers).map(([path, { headers, bytes }]) => [path, { headers, body: Buffer.alloc(bytes, 'x') }]),
+  Object.entries(JSON.parse(process.env.BARE_ANSWERS ?? '{}') as BareAnswers).map(([path, { headers, bytes }]) => [
+    path,
+    { headers, body: Buffer.alloc(bytes, 'x') },
+  ]),
 )
 const fallback = { headers: { 'Content-Type': 'application/json' }, body: Buffer.from('{}') }
 

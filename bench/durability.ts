@@ -27,14 +27,28 @@ const agent = new Agent({ keepAlive: true, maxSockets: CONCURRENCY })
 
 type Reply = { status: number; headers: Record<string, string | string[] | undefined>; body: string }
 
-function call(base: string, method: string, path: string, body?: string, headers: Record<string, string> = {}): Promise<Reply> {
+function call(
+  base: string,
+  method: string,
+  path: string,
+  body?: string,
+  headers: Record<string, string> = {},
+): Promise<Reply> {
   return new Promise((resolve, reject) => {
-    const sent = request(`${base}${path}`, { method, agent, headers: body === undefined ? headers : { 'Content-Type': 'application/x-www-form-urlencoded', ...headers } }, (response) => {
-      let text = ''
-      response.setEncoding('utf8')
-      response.on('data', (chunk: string) => (text += chunk))
-      response.on('end', () => resolve({ status: response.statusCode ?? 0, headers: response.headers, body: text }))
-    })
+    const sent = request(
+      `${base}${path}`,
+      {
+        method,
+        agent,
+        headers: body === undefined ? headers : { 'Content-Type': 'application/x-www-form-urlencoded', ...headers },
+      },
+      (response) => {
+        let text = ''
+        response.setEncoding('utf8')
+        response.on('data', (chunk: string) => (text += chunk))
+        response.on('end', () => resolve({ status: response.statusCode ?? 0, headers: response.headers, body: text }))
+      },
+    )
     sent.on('error', reject)
     sent.end(body)
   })
@@ -43,13 +57,18 @@ function call(base: string, method: string, path: string, body?: string, headers
 /** Starts `server.ts` and resolves with its URL and how long it took to say it listens. */
 function startLatch(env: Record<string, string>): Promise<{ base: string; child: ChildProcess; startupMs: number }> {
   const started = performance.now()
-  const child = spawn(process.execPath, ['--import', 'tsx', 'server.ts'], { cwd: ROOT, env: { ...process.env, PORT: '0', ...env }, stdio: ['ignore', 'pipe', 'pipe'] })
+  const child = spawn(process.execPath, ['--import', 'tsx', 'server.ts'], {
+    cwd: ROOT,
+    env: { ...process.env, PORT: '0', ...env },
+    stdio: ['ignore', 'pipe', 'pipe'],
+  })
   let output = ''
   return new Promise((resolve, reject) => {
     child.stdout?.on('data', (chunk) => {
       output += chunk
       const match = /Latch is listening on (\S+)/.exec(output)
-      if (match !== null && output.includes('metadata')) resolve({ base: match[1], child, startupMs: performance.now() - started })
+      if (match !== null && output.includes('metadata'))
+        resolve({ base: match[1], child, startupMs: performance.now() - started })
     })
     child.stderr?.on('data', (chunk) => (output += chunk))
     child.on('exit', () => reject(new Error(`Latch exited: ${output}`)))
@@ -64,20 +83,34 @@ async function stop(child: ChildProcess): Promise<void> {
 
 /** Mints one code through GET /auth and an approving POST /auth/consent. */
 async function mintCode(base: string): Promise<string> {
-  const query = new URLSearchParams({ client_id: CLIENT_ID, redirect_uri: REDIRECT_URI, state: 's', code_challenge: CHALLENGE, scope: 'create' })
+  const query = new URLSearchParams({
+    client_id: CLIENT_ID,
+    redirect_uri: REDIRECT_URI,
+    state: 's',
+    code_challenge: CHALLENGE,
+    scope: 'create',
+  })
   const page = await call(base, 'GET', `/auth?${query}`)
   const requestId = /name="request" value="([^"]+)"/.exec(page.body)?.[1] ?? ''
   const csrf = /name="csrf" value="([^"]+)"/.exec(page.body)?.[1] ?? ''
-  const consent = await call(base, 'POST', '/auth/consent', new URLSearchParams({ request: requestId, csrf, scope: 'create', decision: 'approve' }).toString(), { Cookie: `latch_csrf=${csrf}` })
+  const consent = await call(
+    base,
+    'POST',
+    '/auth/consent',
+    new URLSearchParams({ request: requestId, csrf, scope: 'create', decision: 'approve' }).toString(),
+    { Cookie: `latch_csrf=${csrf}` },
+  )
   return new URL(String(consent.headers.location)).searchParams.get('code') ?? ''
 }
 
 /** Runs `task` for every item, `CONCURRENCY` at a time. */
 async function inParallel<T>(items: T[], task: (item: T) => Promise<void>): Promise<void> {
   let next = 0
-  await Promise.all(Array.from({ length: CONCURRENCY }, async () => {
-    while (next < items.length) await task(items[next++])
-  }))
+  await Promise.all(
+    Array.from({ length: CONCURRENCY }, async () => {
+      while (next < items.length) await task(items[next++])
+    }),
+  )
 }
 
 /** Tokens issued per second by one server: codes minted first, then exchanged concurrently. */
@@ -85,8 +118,18 @@ async function issuanceRate(dataFile: string): Promise<number> {
   const { base, child } = await startLatch({ DATA_FILE: dataFile })
   try {
     const codes: string[] = []
-    await inParallel(Array.from({ length: EXCHANGES }, (_, i) => i), async () => void codes.push(await mintCode(base)))
-    const body = (code: string) => new URLSearchParams({ grant_type: 'authorization_code', code, client_id: CLIENT_ID, redirect_uri: REDIRECT_URI, code_verifier: VERIFIER }).toString()
+    await inParallel(
+      Array.from({ length: EXCHANGES }, (_, i) => i),
+      async () => void codes.push(await mintCode(base)),
+    )
+    const body = (code: string) =>
+      new URLSearchParams({
+        grant_type: 'authorization_code',
+        code,
+        client_id: CLIENT_ID,
+        redirect_uri: REDIRECT_URI,
+        code_verifier: VERIFIER,
+      }).toString()
     const started = performance.now()
     let failed = 0
     await inParallel(codes, async (code) => {
@@ -107,9 +150,23 @@ function writeJournal(path: string, count: number): void {
   for (let i = 0; i < count; i++) {
     const grantId = hashSecret(`startup-code-${i}`)
     const expiresAt = now + 7 * 86400_000
-    const grant = { client_id: CLIENT_ID, me: 'http://127.0.0.1:3000/', scope: ['create'], accessTokenTtlSeconds: 604800, approvedAt: now, lastUsedAt: now, expiresAt }
+    const grant = {
+      client_id: CLIENT_ID,
+      me: 'http://127.0.0.1:3000/',
+      scope: ['create'],
+      accessTokenTtlSeconds: 604800,
+      approvedAt: now,
+      lastUsedAt: now,
+      expiresAt,
+    }
     lines.push(JSON.stringify({ set: 'grant', key: grantId, value: grant }))
-    lines.push(JSON.stringify({ set: 'token', key: hashSecret(`startup-token-${i}`), value: { kind: 'access', grantId, scope: ['create'], issuedAt: now, expiresAt } }))
+    lines.push(
+      JSON.stringify({
+        set: 'token',
+        key: hashSecret(`startup-token-${i}`),
+        value: { kind: 'access', grantId, scope: ['create'], issuedAt: now, expiresAt },
+      }),
+    )
   }
   writeFileSync(path, `${lines.join('\n')}\n`, { mode: 0o600 })
 }
@@ -122,7 +179,9 @@ async function main(): Promise<void> {
     const journal = await issuanceRate(join(dir, 'issuance.jsonl'))
     console.log(`  tokens issued per second, DATA_FILE=memory   ${Math.round(memory).toLocaleString('en')}`)
     console.log(`  tokens issued per second, journal on disk    ${Math.round(journal).toLocaleString('en')}`)
-    console.log(`  journal / memory                             ${Math.round((100 * journal) / memory)}%   (target: at least 50%)`)
+    console.log(
+      `  journal / memory                             ${Math.round((100 * journal) / memory)}%   (target: at least 50%)`,
+    )
 
     const file = join(dir, 'startup.jsonl')
     writeJournal(file, STARTUP_TOKENS)
@@ -133,7 +192,9 @@ async function main(): Promise<void> {
     await store.close()
     const { child, startupMs } = await startLatch({ DATA_FILE: file })
     await stop(child)
-    console.log(`  start-up with ${live.toLocaleString('en')} live tokens in the file: replay ${Math.round(replayMs)} ms, whole process until it listens ${Math.round(startupMs)} ms`)
+    console.log(
+      `  start-up with ${live.toLocaleString('en')} live tokens in the file: replay ${Math.round(replayMs)} ms, whole process until it listens ${Math.round(startupMs)} ms`,
+    )
   } finally {
     agent.destroy()
     rmSync(dir, { recursive: true, force: true })

@@ -20,16 +20,38 @@ export type LoadJob = {
 }
 
 /** Mixed traffic for `seconds`: each connection signs in, exchanges, introspects, revokes, again and again. */
-export type SoakJob = { kind: 'soak'; url: string; authorizationPath: string; tokenBody: string; seconds: number; connections: number }
+export type SoakJob = {
+  kind: 'soak'
+  url: string
+  authorizationPath: string
+  tokenBody: string
+  seconds: number
+  connections: number
+}
 
-export type LoadResult = { requests: number; seconds: number; rps: number; p50Ms: number; p99Ms: number; status4xx: number; status5xx: number; errors: number; resets: number }
+export type LoadResult = {
+  requests: number
+  seconds: number
+  rps: number
+  p50Ms: number
+  p99Ms: number
+  status4xx: number
+  status5xx: number
+  errors: number
+  resets: number
+}
 
 const FORM = { 'content-type': 'application/x-www-form-urlencoded' }
 
 async function runLoad(job: LoadJob): Promise<LoadResult> {
   const bodies = job.bodies
   let next = 0
-  const request: autocannon.Request = { method: job.method, path: job.path, headers: job.method === 'POST' ? FORM : {}, body: job.body }
+  const request: autocannon.Request = {
+    method: job.method,
+    path: job.path,
+    headers: job.method === 'POST' ? FORM : {},
+    body: job.body,
+  }
   if (bodies !== undefined) request.setupRequest = (req) => ({ ...req, body: bodies[next++ % bodies.length] })
   return timed({
     url: job.url,
@@ -48,7 +70,9 @@ function timed(options: autocannon.Options): Promise<LoadResult> {
   return new Promise((resolve, reject) => {
     const started = performance.now()
     let lastResponse = started
-    const instance = autocannon(options, (err, result) => (err ? reject(err) : resolve(summarize(result, (lastResponse - started) / 1000))))
+    const instance = autocannon(options, (err, result) =>
+      err ? reject(err) : resolve(summarize(result, (lastResponse - started) / 1000)),
+    )
     instance.on('response', () => (lastResponse = performance.now()))
   })
 }
@@ -69,7 +93,8 @@ async function runSoak(job: SoakJob): Promise<LoadResult> {
   const introspect: autocannon.Request = {
     method: 'POST',
     path: '/introspect',
-    setupRequest: (req, context: FlowContext) => (context.token === undefined ? RESTART : { ...req, headers: FORM, body: `token=${context.token}` }),
+    setupRequest: (req, context: FlowContext) =>
+      context.token === undefined ? RESTART : { ...req, headers: FORM, body: `token=${context.token}` },
   }
   const requests: autocannon.Request[] = [
     {
@@ -87,7 +112,11 @@ async function runSoak(job: SoakJob): Promise<LoadResult> {
       setupRequest: (req, context: FlowContext) =>
         context.request === undefined
           ? RESTART
-          : { ...req, headers: { ...FORM, cookie: context.cookie }, body: `request=${context.request}&csrf=${context.csrf}&scope=profile&scope=create&decision=approve` },
+          : {
+              ...req,
+              headers: { ...FORM, cookie: context.cookie },
+              body: `request=${context.request}&csrf=${context.csrf}&scope=profile&scope=create&decision=approve`,
+            },
       onResponse: (_status, _body, context: FlowContext, headers) => {
         context.code = /[?&]code=([^&]+)/.exec(header(headers, 'location'))?.[1]
       },
@@ -95,7 +124,10 @@ async function runSoak(job: SoakJob): Promise<LoadResult> {
     {
       method: 'POST',
       path: '/token',
-      setupRequest: (req, context: FlowContext) => (context.code === undefined ? RESTART : { ...req, headers: FORM, body: job.tokenBody.replace('CODE', context.code) }),
+      setupRequest: (req, context: FlowContext) =>
+        context.code === undefined
+          ? RESTART
+          : { ...req, headers: FORM, body: job.tokenBody.replace('CODE', context.code) },
       onResponse: (_status, body, context: FlowContext) => {
         context.token = /"access_token":"([^"]+)"/.exec(body)?.[1]
       },
@@ -105,7 +137,11 @@ async function runSoak(job: SoakJob): Promise<LoadResult> {
     introspect,
     introspect,
     { method: 'GET', path: '/.well-known/oauth-authorization-server' },
-    { method: 'POST', path: '/revoke', setupRequest: (req, context: FlowContext) => ({ ...req, headers: FORM, body: `token=${context.token}` }) },
+    {
+      method: 'POST',
+      path: '/revoke',
+      setupRequest: (req, context: FlowContext) => ({ ...req, headers: FORM, body: `token=${context.token}` }),
+    },
     introspect,
     { method: 'GET', path: '/' },
   ]

@@ -50,7 +50,19 @@ async function main(): Promise<void> {
   await new Promise((resolve) => setTimeout(resolve, 200)) // a GC that the last deletes set off counts too
   delay.disable()
   const left = heldEntries(store)
-  console.log(JSON.stringify({ tokens: TOKENS, bytesPerToken, fillSeconds, drainSeconds, drained: left === 0, left, maxStallMs: delay.max / 1e6, longestSweepMs, sweepIntervalMs: SWEEP_INTERVAL_MS }))
+  console.log(
+    JSON.stringify({
+      tokens: TOKENS,
+      bytesPerToken,
+      fillSeconds,
+      drainSeconds,
+      drained: left === 0,
+      left,
+      maxStallMs: delay.max / 1e6,
+      longestSweepMs,
+      sweepIntervalMs: SWEEP_INTERVAL_MS,
+    }),
+  )
 }
 
 await main()

@@ -62,14 +62,25 @@ const TOKEN_BODY = `grant_type=authorization_code&code=CODE&${new URLSearchParam
 type Server = { url: string; child: ChildProcess; logFile: string }
 
 /** Starts a node process whose output goes to a file, and waits for the line that names its URL. */
-async function startServer(name: string, args: string[], env: Record<string, string>, ready: RegExp, dir: string): Promise<Server> {
+async function startServer(
+  name: string,
+  args: string[],
+  env: Record<string, string>,
+  ready: RegExp,
+  dir: string,
+): Promise<Server> {
   const logFile = join(dir, `${name}.log`)
   const fd = openSync(logFile, 'w')
-  const child = spawn(process.execPath, args, { cwd: ROOT, env: { ...cleanEnv(), ...env }, stdio: ['ignore', fd, fd, 'ipc'] })
+  const child = spawn(process.execPath, args, {
+    cwd: ROOT,
+    env: { ...cleanEnv(), ...env },
+    stdio: ['ignore', fd, fd, 'ipc'],
+  })
   closeSync(fd)
   for (let waited = 0; waited < 20_000; waited += 50) {
     const match = ready.exec(readFileSync(logFile, 'utf8'))
-    if (match !== null) return { url: match[1].startsWith('http') ? match[1] : `http://127.0.0.1:${match[1]}`, child, logFile }
+    if (match !== null)
+      return { url: match[1].startsWith('http') ? match[1] : `http://127.0.0.1:${match[1]}`, child, logFile }
     if (child.exitCode !== null) break
     await sleep(50)
   }
@@ -80,7 +91,13 @@ async function startServer(name: string, args: string[], env: Record<string, str
 function cleanEnv(): Record<string, string> {
   const env: Record<string, string> = {}
   for (const [name, value] of Object.entries(process.env)) {
-    if (value !== undefined && !/^(PORT|HOST|ISSUER|ME|PASSWORD_HASH|DATA_FILE|CODE_TTL|ACCESS_TOKEN_TTL|REFRESH_TOKEN_TTL|INTROSPECTION_SECRET|PROFILE_\w+)$/.test(name)) env[name] = value
+    if (
+      value !== undefined &&
+      !/^(PORT|HOST|ISSUER|ME|PASSWORD_HASH|DATA_FILE|CODE_TTL|ACCESS_TOKEN_TTL|REFRESH_TOKEN_TTL|INTROSPECTION_SECRET|PROFILE_\w+)$/.test(
+        name,
+      )
+    )
+      env[name] = value
   }
   return env
 }
@@ -109,7 +126,12 @@ const agent = new Agent({ keepAlive: true, maxSockets: 16 })
 
 type Answer = { status: number; location: string; cookie: string; headers: IncomingHttpHeaders; text: string }
 
-function send(url: string, method: string, path: string, options: { body?: string; cookie?: string } = {}): Promise<Answer> {
+function send(
+  url: string,
+  method: string,
+  path: string,
+  options: { body?: string; cookie?: string } = {},
+): Promise<Answer> {
   const headers: Record<string, string> = {}
   if (options.body !== undefined) headers['Content-Type'] = 'application/x-www-form-urlencoded'
   if (options.cookie !== undefined) headers.Cookie = options.cookie
@@ -118,7 +140,15 @@ function send(url: string, method: string, path: string, options: { body?: strin
       let text = ''
       res.setEncoding('utf8')
       res.on('data', (chunk: string) => (text += chunk))
-      res.on('end', () => resolve({ status: res.statusCode ?? 0, location: res.headers.location ?? '', cookie: (res.headers['set-cookie']?.[0] ?? '').split(';')[0], headers: res.headers, text }))
+      res.on('end', () =>
+        resolve({
+          status: res.statusCode ?? 0,
+          location: res.headers.location ?? '',
+          cookie: (res.headers['set-cookie']?.[0] ?? '').split(';')[0],
+          headers: res.headers,
+          text,
+        }),
+      )
     })
     req.on('error', reject)
     req.end(options.body)
@@ -149,7 +179,11 @@ async function mintCodes(url: string, count: number): Promise<string[]> {
 
 /** What the bare server needs to answer like Latch did: the headers node:http does not add itself, and the body's length. */
 function shapeOf(answer: Answer): BareAnswers[string] {
-  const headers = Object.fromEntries(Object.entries(answer.headers).filter(([name]) => !['date', 'connection', 'keep-alive', 'content-length'].includes(name)))
+  const headers = Object.fromEntries(
+    Object.entries(answer.headers).filter(
+      ([name]) => !['date', 'connection', 'keep-alive', 'content-length'].includes(name),
+    ),
+  )
   return { headers, bytes: Buffer.byteLength(answer.text) }
 }
 
@@ -161,7 +195,14 @@ type Measured = LoadResult & { cpuMicrosPerRequest: number }
 /** Each server's best run of the rounds, and every round's ratio. */
 type Pair = { bare: Measured; latch: Measured; roundRatios: number[] }
 
-const loadJob = (url: string, fields: Partial<LoadJob>): LoadJob => ({ kind: 'load', url, path: '/', method: 'GET', connections: CONNECTIONS, ...fields })
+const loadJob = (url: string, fields: Partial<LoadJob>): LoadJob => ({
+  kind: 'load',
+  url,
+  path: '/',
+  method: 'GET',
+  connections: CONNECTIONS,
+  ...fields,
+})
 
 async function measure(load: ChildProcess, server: Server, job: LoadJob): Promise<Measured> {
   const before = await ask<Usage>(server.child, 'usage')
@@ -181,14 +222,21 @@ async function measurePair(load: ChildProcess, bare: Server, latch: Server, fiel
   const rounds: { bare: Measured; latch: Measured }[] = []
   for (let round = 0; round < ROUNDS; round++) {
     const bareResult = await measure(load, bare, loadJob(bare.url, { ...fields, seconds: MEASURE_SECONDS }))
-    rounds.push({ bare: bareResult, latch: await measure(load, latch, loadJob(latch.url, { ...fields, seconds: MEASURE_SECONDS })) })
+    rounds.push({
+      bare: bareResult,
+      latch: await measure(load, latch, loadJob(latch.url, { ...fields, seconds: MEASURE_SECONDS })),
+    })
   }
   return bestOf(rounds)
 }
 
 function bestOf(rounds: { bare: Measured; latch: Measured }[]): Pair {
   const best = (runs: Measured[]) => runs.reduce((a, b) => (b.rps > a.rps ? b : a))
-  return { bare: best(rounds.map((round) => round.bare)), latch: best(rounds.map((round) => round.latch)), roundRatios: rounds.map((round) => round.latch.rps / round.bare.rps) }
+  return {
+    bare: best(rounds.map((round) => round.bare)),
+    latch: best(rounds.map((round) => round.latch)),
+    roundRatios: rounds.map((round) => round.latch.rps / round.bare.rps),
+  }
 }
 
 /**
@@ -202,16 +250,19 @@ function bestOf(rounds: { bare: Measured; latch: Measured }[]): Pair {
  */
 async function measureTokenExchange(load: ChildProcess, bare: Server, latch: Server): Promise<Pair> {
   const bodies = (codes: string[]) => codes.map((code) => TOKEN_BODY.replace('CODE', code))
-  const exchange = (url: string, codes: string[]): LoadJob => loadJob(url, { method: 'POST', path: '/token', bodies: bodies(codes), amount: codes.length - CONNECTIONS - 1 })
+  const exchange = (url: string, codes: string[]): LoadJob =>
+    loadJob(url, { method: 'POST', path: '/token', bodies: bodies(codes), amount: codes.length - CONNECTIONS - 1 })
   const warmup = await mintCodes(latch.url, WARMUP_CODES)
   await ask(load, exchange(latch.url, warmup))
-  const bareJob = (seconds: number) => loadJob(bare.url, { method: 'POST', path: '/token', bodies: bodies(warmup), seconds })
+  const bareJob = (seconds: number) =>
+    loadJob(bare.url, { method: 'POST', path: '/token', bodies: bodies(warmup), seconds })
   await ask(load, bareJob(WARMUP_SECONDS))
   const rounds: { bare: Measured; latch: Measured }[] = []
   for (let round = 0; round < ROUNDS; round++) {
     const bareResult = await measure(load, bare, bareJob(MEASURE_SECONDS))
     const batches: Measured[] = []
-    for (let batch = 0; batch < EXCHANGE_BATCHES; batch++) batches.push(await measure(load, latch, exchange(latch.url, await mintCodes(latch.url, TIMED_CODES))))
+    for (let batch = 0; batch < EXCHANGE_BATCHES; batch++)
+      batches.push(await measure(load, latch, exchange(latch.url, await mintCodes(latch.url, TIMED_CODES))))
     rounds.push({ bare: bareResult, latch: addUp(batches) })
   }
   return bestOf(rounds)
@@ -219,7 +270,8 @@ async function measureTokenExchange(load: ChildProcess, bare: Server, latch: Ser
 
 /** Timed runs taken as one: totals, and the worst batch's p50 and p99 (a latency histogram cannot be added up from percentiles). */
 function addUp(runs: Measured[]): Measured {
-  const total = (field: 'requests' | 'seconds' | 'status4xx' | 'status5xx' | 'errors' | 'resets') => runs.reduce((sum, run) => sum + run[field], 0)
+  const total = (field: 'requests' | 'seconds' | 'status4xx' | 'status5xx' | 'errors' | 'resets') =>
+    runs.reduce((sum, run) => sum + run[field], 0)
   const requests = total('requests')
   const seconds = total('seconds')
   return {
@@ -239,28 +291,54 @@ function addUp(runs: Measured[]): Measured {
 /** What bench/probe.ts answers: memory, and CPU time used so far (all threads: GC helpers count). */
 type Usage = { rss: number; heapUsed: number; cpuMicros: number }
 
-type TokenMemory = { tokens: number; bytesPerToken: number; fillSeconds: number; drainSeconds: number; drained: boolean; left: number; maxStallMs: number; longestSweepMs: number; sweepIntervalMs: number }
+type TokenMemory = {
+  tokens: number
+  bytesPerToken: number
+  fillSeconds: number
+  drainSeconds: number
+  drained: boolean
+  left: number
+  maxStallMs: number
+  longestSweepMs: number
+  sweepIntervalMs: number
+}
 
 /** (d) and (e) run alone, in a process of their own with `--expose-gc`. */
 function measureTokenMemory(): Promise<TokenMemory> {
   return new Promise((resolve, reject) => {
-    const child = spawn(process.execPath, ['--expose-gc', '--max-old-space-size=4096', '--import', 'tsx', 'bench/memory.ts'], { cwd: ROOT, stdio: ['ignore', 'pipe', 'inherit'] })
+    const child = spawn(
+      process.execPath,
+      ['--expose-gc', '--max-old-space-size=4096', '--import', 'tsx', 'bench/memory.ts'],
+      { cwd: ROOT, stdio: ['ignore', 'pipe', 'inherit'] },
+    )
     let output = ''
     child.stdout.on('data', (chunk) => (output += chunk))
-    child.on('exit', (code) => (code === 0 ? resolve(JSON.parse(output.trim().split('\n').at(-1) ?? '') as TokenMemory) : reject(new Error(`bench/memory.ts exited ${code}`))))
+    child.on('exit', (code) =>
+      code === 0
+        ? resolve(JSON.parse(output.trim().split('\n').at(-1) ?? '') as TokenMemory)
+        : reject(new Error(`bench/memory.ts exited ${code}`)),
+    )
   })
 }
 
 // --- Printing ---------------------------------------------------------------------------
 
-const format = (value: number, digits = 0) => value.toLocaleString('en-US', { maximumFractionDigits: digits, minimumFractionDigits: digits })
+const format = (value: number, digits = 0) =>
+  value.toLocaleString('en-US', { maximumFractionDigits: digits, minimumFractionDigits: digits })
 const mib = (bytes: number) => `${format(bytes / 2 ** 20, 1)} MiB`
 const percent = (ratio: number) => `${format(ratio * 100)}%`
 
 function describeRun(name: string, result: LoadResult & { cpuMicrosPerRequest?: number }): string {
-  const problems = [result.status4xx > 0 ? `${result.status4xx} 4xx` : '', result.status5xx > 0 ? `${result.status5xx} 5xx` : '', result.errors > 0 ? `${result.errors} errors` : '']
+  const problems = [
+    result.status4xx > 0 ? `${result.status4xx} 4xx` : '',
+    result.status5xx > 0 ? `${result.status5xx} 5xx` : '',
+    result.errors > 0 ? `${result.errors} errors` : '',
+  ]
   const note = problems.filter(Boolean).join(', ')
-  const cpu = result.cpuMicrosPerRequest === undefined ? '' : `   CPU ${format(result.cpuMicrosPerRequest).padStart(3)} µs/request`
+  const cpu =
+    result.cpuMicrosPerRequest === undefined
+      ? ''
+      : `   CPU ${format(result.cpuMicrosPerRequest).padStart(3)} µs/request`
   return `  ${name.padEnd(6)} ${format(result.rps).padStart(8)} req/s   p50 ${format(result.p50Ms).padStart(3)} ms   p99 ${format(result.p99Ms).padStart(3)} ms${cpu}   (${format(result.requests)} requests in ${format(result.seconds, 1)} s${note === '' ? '' : `; ${note}`})`
 }
 
@@ -268,7 +346,9 @@ function printPair(title: string, pair: Pair): void {
   console.log(`\n${title}`)
   console.log(describeRun('bare', pair.bare))
   console.log(describeRun('Latch', pair.latch))
-  console.log(`  Latch/bare: ${percent(pair.latch.rps / pair.bare.rps)} of the requests per second; ${format(pair.latch.cpuMicrosPerRequest / pair.bare.cpuMicrosPerRequest, 1)}× the server CPU time per request`)
+  console.log(
+    `  Latch/bare: ${percent(pair.latch.rps / pair.bare.rps)} of the requests per second; ${format(pair.latch.cpuMicrosPerRequest / pair.bare.cpuMicrosPerRequest, 1)}× the server CPU time per request`,
+  )
   console.log(`  round by round: ${pair.roundRatios.map(percent).join(', ')}`)
 }
 
@@ -288,36 +368,76 @@ const verdict = (ok: boolean) => (ok ? 'ok' : 'MISSED')
 
 async function main(): Promise<void> {
   const began = performance.now()
-  console.log(`Latch bench: Node ${process.version}, ${cpus().length} cores, 127.0.0.1 only, ${CONNECTIONS} connections, ${MEASURE_SECONDS} s per timed run after ${WARMUP_SECONDS} s of warm-up`)
-  console.log('Latch runs as `node --import tsx server.ts` with DATA_FILE=memory in a child process; autocannon runs in another.')
+  console.log(
+    `Latch bench: Node ${process.version}, ${cpus().length} cores, 127.0.0.1 only, ${CONNECTIONS} connections, ${MEASURE_SECONDS} s per timed run after ${WARMUP_SECONDS} s of warm-up`,
+  )
+  console.log(
+    'Latch runs as `node --import tsx server.ts` with DATA_FILE=memory in a child process; autocannon runs in another.',
+  )
   console.log('Latencies are whole milliseconds, as autocannon records them; p99 figures below read Latch / bare.')
   const dir = mkdtempSync(join(tmpdir(), 'latch-bench-'))
   const probe = new URL('probe.ts', import.meta.url).href
-  const latch = await startServer('latch', ['--import', 'tsx', '--import', probe, 'server.ts'], { PORT: '0', DATA_FILE: 'memory' }, /listening on (http:\/\/\S+)/, dir)
+  const latch = await startServer(
+    'latch',
+    ['--import', 'tsx', '--import', probe, 'server.ts'],
+    { PORT: '0', DATA_FILE: 'memory' },
+    /listening on (http:\/\/\S+)/,
+    dir,
+  )
   // One answer of each kind from Latch, for the bare server to send the same headers and as many bytes.
   const consentPage = await send(latch.url, 'GET', AUTHORIZATION_PATH)
-  const exchanged = await send(latch.url, 'POST', '/token', { body: TOKEN_BODY.replace('CODE', await mintCode(latch.url)) })
+  const exchanged = await send(latch.url, 'POST', '/token', {
+    body: TOKEN_BODY.replace('CODE', await mintCode(latch.url)),
+  })
   const token = /"access_token":"([^"]+)"/.exec(exchanged.text)?.[1]
   if (token === undefined) throw new Error(`/token answered ${exchanged.status} ${exchanged.text}`)
   const introspected = await send(latch.url, 'POST', '/introspect', { body: `token=${token}` })
-  const answers: BareAnswers = { '/auth': shapeOf(consentPage), '/token': shapeOf(exchanged), '/introspect': shapeOf(introspected) }
-  const bare = await startServer('bare', ['--import', 'tsx', '--import', probe, 'bench/bare.ts'], { BARE_ANSWERS: JSON.stringify(answers) }, /listening (\d+)/, dir)
+  const answers: BareAnswers = {
+    '/auth': shapeOf(consentPage),
+    '/token': shapeOf(exchanged),
+    '/introspect': shapeOf(introspected),
+  }
+  const bare = await startServer(
+    'bare',
+    ['--import', 'tsx', '--import', probe, 'bench/bare.ts'],
+    { BARE_ANSWERS: JSON.stringify(answers) },
+    /listening (\d+)/,
+    dir,
+  )
   const load = fork(join(ROOT, 'bench/load.ts'), { cwd: ROOT, execArgv: ['--import', 'tsx'], stdio: 'inherit' })
   try {
     const rows: Row[] = [['figure', 'measured', 'target', 'verdict']]
     const ratio = (pair: Pair) => pair.latch.rps / pair.bare.rps
-    const describePair = (pair: Pair) => `${percent(ratio(pair))} (${format(pair.latch.rps)} / ${format(pair.bare.rps)}), p99 ${format(pair.latch.p99Ms)} / ${format(pair.bare.p99Ms)} ms`
+    const describePair = (pair: Pair) =>
+      `${percent(ratio(pair))} (${format(pair.latch.rps)} / ${format(pair.bare.rps)}), p99 ${format(pair.latch.p99Ms)} / ${format(pair.bare.p99Ms)} ms`
 
     if (FIGURES.includes('a')) {
-      const introspection = await measurePair(load, bare, latch, { method: 'POST', path: '/introspect', body: `token=${token}` })
+      const introspection = await measurePair(load, bare, latch, {
+        method: 'POST',
+        path: '/introspect',
+        body: `token=${token}`,
+      })
       printPair('(a) POST /introspect, a live token', introspection)
-      rows.push(['(a) introspection, Latch/bare req/s', describePair(introspection), '≥ 80%', verdict(ratio(introspection) >= 0.8)])
+      rows.push([
+        '(a) introspection, Latch/bare req/s',
+        describePair(introspection),
+        '≥ 80%',
+        verdict(ratio(introspection) >= 0.8),
+      ])
     }
 
     if (FIGURES.includes('b')) {
       const exchange = await measureTokenExchange(load, bare, latch)
-      printPair(`(b) POST /token, each request with its own fresh code (at Latch, ${EXCHANGE_BATCHES} batches of ${format(TIMED_CODES)} a round, each minted through GET /auth and POST /auth/consent first)`, exchange)
-      rows.push(['(b) token exchange, Latch/bare req/s', describePair(exchange), '≥ 50%', verdict(ratio(exchange) >= 0.5)])
+      printPair(
+        `(b) POST /token, each request with its own fresh code (at Latch, ${EXCHANGE_BATCHES} batches of ${format(TIMED_CODES)} a round, each minted through GET /auth and POST /auth/consent first)`,
+        exchange,
+      )
+      rows.push([
+        '(b) token exchange, Latch/bare req/s',
+        describePair(exchange),
+        '≥ 50%',
+        verdict(ratio(exchange) >= 0.5),
+      ])
     }
 
     if (FIGURES.includes('c')) {
@@ -327,28 +447,65 @@ async function main(): Promise<void> {
     }
 
     if (FIGURES.includes('f')) {
-      console.log(`\n(f) Soak: ${SOAK_SECONDS} s of mixed traffic (sign in, exchange, introspect ×5, metadata, revoke, home page, again)`)
+      console.log(
+        `\n(f) Soak: ${SOAK_SECONDS} s of mixed traffic (sign in, exchange, introspect ×5, metadata, revoke, home page, again)`,
+      )
       const soakStart = await ask<Usage>(latch.child, 'usage')
-      const soak = await ask<LoadResult>(load, { kind: 'soak', url: latch.url, authorizationPath: AUTHORIZATION_PATH, tokenBody: TOKEN_BODY, seconds: SOAK_SECONDS, connections: CONNECTIONS } satisfies SoakJob)
+      const soak = await ask<LoadResult>(load, {
+        kind: 'soak',
+        url: latch.url,
+        authorizationPath: AUTHORIZATION_PATH,
+        tokenBody: TOKEN_BODY,
+        seconds: SOAK_SECONDS,
+        connections: CONNECTIONS,
+      } satisfies SoakJob)
       const soakEnd = await ask<Usage>(latch.child, 'usage')
       console.log(describeRun('Latch', soak))
       console.log(`  start: RSS ${mib(soakStart.rss)}, heapUsed ${mib(soakStart.heapUsed)}`)
       console.log(`  end:   RSS ${mib(soakEnd.rss)}, heapUsed ${mib(soakEnd.heapUsed)}`)
-      const errorLines = readFileSync(latch.logFile, 'utf8').split('\n').filter((line) => /^error:|server_error/.test(line))
-      console.log(`  Latch logged ${errorLines.length} error lines during the whole bench${errorLines.length === 0 ? '' : `, the first: ${errorLines[0]}`}`)
-      const outcome = soak.status5xx + soak.errors === 0 && errorLines.length === 0 ? 'no 5xx, no errors' : `${soak.status5xx} 5xx, ${soak.errors + errorLines.length} errors`
-      rows.push([`(f) soak ${SOAK_SECONDS} s, RSS / heapUsed`, `${mib(soakStart.rss)} → ${mib(soakEnd.rss)} / ${mib(soakStart.heapUsed)} → ${mib(soakEnd.heapUsed)}`, '-', outcome])
+      const errorLines = readFileSync(latch.logFile, 'utf8')
+        .split('\n')
+        .filter((line) => /^error:|server_error/.test(line))
+      console.log(
+        `  Latch logged ${errorLines.length} error lines during the whole bench${errorLines.length === 0 ? '' : `, the first: ${errorLines[0]}`}`,
+      )
+      const outcome =
+        soak.status5xx + soak.errors === 0 && errorLines.length === 0
+          ? 'no 5xx, no errors'
+          : `${soak.status5xx} 5xx, ${soak.errors + errorLines.length} errors`
+      rows.push([
+        `(f) soak ${SOAK_SECONDS} s, RSS / heapUsed`,
+        `${mib(soakStart.rss)} → ${mib(soakEnd.rss)} / ${mib(soakStart.heapUsed)} → ${mib(soakEnd.heapUsed)}`,
+        '-',
+        outcome,
+      ])
     }
     await Promise.all([stop(latch.child), stop(bare.child), stop(load)])
 
     if (FIGURES.includes('d') || FIGURES.includes('e')) {
       console.log('\n(d) and (e): 1,000,000 live tokens in a MemoryStore, in a process of their own (node --expose-gc)')
       const memory = await measureTokenMemory()
-      console.log(`  ${format(memory.tokens)} tokens, each with its own grant, saved in ${format(memory.fillSeconds, 1)} s: ${format(memory.bytesPerToken)} heap bytes per token`)
-      console.log(`  then all expired, swept by store.sweep(now) every ${memory.sweepIntervalMs} ms (the server does every 100 ms): ${memory.drained ? 'empty' : `${format(memory.left)} entries left`} after ${format(memory.drainSeconds, 2)} s`)
-      console.log(`  longest event-loop stall ${format(memory.maxStallMs, 1)} ms; longest single sweep ${format(memory.longestSweepMs, 1)} ms`)
-      rows.push(['(d) heap bytes per live token', format(memory.bytesPerToken), '≤ 300', verdict(memory.bytesPerToken <= 300)])
-      rows.push(['(e) max event-loop stall, 1M expiring', `${format(memory.maxStallMs, 1)} ms (empty after ${format(memory.drainSeconds, 1)} s)`, '≤ 20 ms', verdict(memory.maxStallMs <= 20 && memory.drained)])
+      console.log(
+        `  ${format(memory.tokens)} tokens, each with its own grant, saved in ${format(memory.fillSeconds, 1)} s: ${format(memory.bytesPerToken)} heap bytes per token`,
+      )
+      console.log(
+        `  then all expired, swept by store.sweep(now) every ${memory.sweepIntervalMs} ms (the server does every 100 ms): ${memory.drained ? 'empty' : `${format(memory.left)} entries left`} after ${format(memory.drainSeconds, 2)} s`,
+      )
+      console.log(
+        `  longest event-loop stall ${format(memory.maxStallMs, 1)} ms; longest single sweep ${format(memory.longestSweepMs, 1)} ms`,
+      )
+      rows.push([
+        '(d) heap bytes per live token',
+        format(memory.bytesPerToken),
+        '≤ 300',
+        verdict(memory.bytesPerToken <= 300),
+      ])
+      rows.push([
+        '(e) max event-loop stall, 1M expiring',
+        `${format(memory.maxStallMs, 1)} ms (empty after ${format(memory.drainSeconds, 1)} s)`,
+        '≤ 20 ms',
+        verdict(memory.maxStallMs <= 20 && memory.drained),
+      ])
     }
 
     console.log('\nSummary')

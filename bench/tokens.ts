@@ -21,9 +21,22 @@ export async function addLiveToken(store: MemoryStore, i: number, nowMs: number,
   const grantId = hashSecret(`bench-code-${i}`)
   const scope = parseScope('profile create')
   const expiresAt = nowMs + ttlMs
-  const grant = { client_id: canonicalizeUrl(CLIENT_ID), client_name: undefined, me: ME, scope, accessTokenTtlSeconds: ttlMs / 1000, approvedAt: nowMs, lastUsedAt: nowMs, expiresAt }
+  const grant = {
+    client_id: canonicalizeUrl(CLIENT_ID),
+    client_name: undefined,
+    me: ME,
+    scope,
+    accessTokenTtlSeconds: ttlMs / 1000,
+    approvedAt: nowMs,
+    lastUsedAt: nowMs,
+    expiresAt,
+  }
   await store.saveGrant(grantId, grant, nowMs)
-  await store.saveToken(hashSecret(`bench-token-${i}`), { kind: 'access', grantId, scope, issuedAt: nowMs, expiresAt, usedAt: undefined }, nowMs)
+  await store.saveToken(
+    hashSecret(`bench-token-${i}`),
+    { kind: 'access', grantId, scope, issuedAt: nowMs, expiresAt, usedAt: undefined },
+    nowMs,
+  )
 }
 
 /** Runs one round of whatever sweeping the store does on its own: `sweep(now)` on the server's timer. */

@@ -20,7 +20,9 @@ import { computeCodeChallenge, createHandler, createSecret, escapeHtml, hashPass
 // --- Harness ----------------------------------------------------------------------
 
 const CHROMIUM = '/usr/bin/chromium'
-const MISSING = existsSync(CHROMIUM) ? undefined : `Chromium not found at ${CHROMIUM}: apt-get install -y chromium to run the browser test`
+const MISSING = existsSync(CHROMIUM)
+  ? undefined
+  : `Chromium not found at ${CHROMIUM}: apt-get install -y chromium to run the browser test`
 const IN_CI = (process.env.CI ?? '') !== ''
 const SKIP = MISSING !== undefined && !IN_CI ? MISSING : false
 const DOCS = new URL('../docs/', import.meta.url)
@@ -83,7 +85,12 @@ async function startClient(latch: { base: string; issuer: string }): Promise<Cli
         scope: 'profile create',
         me: ME,
       })
-      return page(res, 200, 'Example app', `<a href="${escapeHtml(`${latch.base}/auth?${query}`)}">Sign in with your website</a>`)
+      return page(
+        res,
+        200,
+        'Example app',
+        `<a href="${escapeHtml(`${latch.base}/auth?${query}`)}">Sign in with your website</a>`,
+      )
     }
     if (url.pathname === '/callback') {
       const state = url.searchParams.get('state') ?? ''
@@ -92,12 +99,20 @@ async function startClient(latch: { base: string; issuer: string }): Promise<Cli
       if (verifier === undefined) return page(res, 400, 'Unknown state', '')
       if (url.searchParams.get('iss') !== latch.issuer) return page(res, 400, 'Wrong issuer', '')
       const code = url.searchParams.get('code')
-      if (code === null) return page(res, 400, 'Not signed in', `<p>${escapeHtml(url.searchParams.get('error') ?? '')}</p>`)
-      const body = new URLSearchParams({ grant_type: 'authorization_code', code, client_id: clientId, redirect_uri: `${clientId}callback`, code_verifier: verifier })
+      if (code === null)
+        return page(res, 400, 'Not signed in', `<p>${escapeHtml(url.searchParams.get('error') ?? '')}</p>`)
+      const body = new URLSearchParams({
+        grant_type: 'authorization_code',
+        code,
+        client_id: clientId,
+        redirect_uri: `${clientId}callback`,
+        code_verifier: verifier,
+      })
       fetch(`${latch.base}/token`, { method: 'POST', body })
         .then(async (response) => {
           const json = (await response.json()) as { access_token?: string; me?: string }
-          if (response.status !== 200 || json.access_token === undefined) return page(res, 502, 'Token exchange failed', `<pre>${escapeHtml(JSON.stringify(json))}</pre>`)
+          if (response.status !== 200 || json.access_token === undefined)
+            return page(res, 502, 'Token exchange failed', `<pre>${escapeHtml(JSON.stringify(json))}</pre>`)
           tokens.push(json.access_token)
           page(res, 200, 'Signed in', `<p>You are signed in as <span id="me">${escapeHtml(json.me ?? '')}</span>.</p>`)
         })
@@ -118,7 +133,10 @@ async function introspect(latch: { base: string }, token: string): Promise<Recor
 
 /** Takes a screenshot of the page's content, in light and dark, and keeps it under docs/ when asked to. */
 async function screenshot(page: Page, name: string): Promise<void> {
-  for (const [colorScheme, suffix] of [['light', ''], ['dark', '-dark']] as const) {
+  for (const [colorScheme, suffix] of [
+    ['light', ''],
+    ['dark', '-dark'],
+  ] as const) {
     await page.emulateMedia({ colorScheme })
     const png = await page.locator('main').screenshot()
     assert.ok(png.subarray(1, 4).toString() === 'PNG' && png.length > 1000, `screenshot ${name}${suffix} is a PNG`)
@@ -154,7 +172,16 @@ describe('A person signs in with a browser (issue 6)', () => {
     browser = await chromium.launch({
       executablePath: CHROMIUM,
       headless: true,
-      args: ['--headless', '--no-sandbox', '--disable-gpu', '--disable-background-networking', '--disable-quic', '--no-first-run', '--disable-component-update', '--disable-sync'],
+      args: [
+        '--headless',
+        '--no-sandbox',
+        '--disable-gpu',
+        '--disable-background-networking',
+        '--disable-quic',
+        '--no-first-run',
+        '--disable-component-update',
+        '--disable-sync',
+      ],
     })
     context = await browser.newContext({ viewport: VIEWPORT, deviceScaleFactor: 2 })
     context.setDefaultTimeout(5000)

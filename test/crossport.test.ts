@@ -28,7 +28,9 @@ import { startLatch } from './harness.ts'
 import type { TestServer } from './harness.ts'
 
 const CHROMIUM = '/usr/bin/chromium'
-const MISSING = existsSync(CHROMIUM) ? undefined : `Chromium not found at ${CHROMIUM}: apt-get install -y chromium to run the cross-port test`
+const MISSING = existsSync(CHROMIUM)
+  ? undefined
+  : `Chromium not found at ${CHROMIUM}: apt-get install -y chromium to run the cross-port test`
 const IN_CI = (process.env.CI ?? '') !== ''
 const SKIP = MISSING !== undefined && !IN_CI ? MISSING : false
 
@@ -39,7 +41,13 @@ const CHALLENGE = 'E9Melhoa2OwvFrEMTJguCHaoeK1t8URWbuGJSstw-cM'
 const TIMEOUT = 5000
 
 /** A site on its own port of 127.0.0.1, which is also a loopback client of Latch. */
-type Site = { base: string; clientId: string; redirectUri: string; callbacks: URLSearchParams[]; close: () => Promise<void> }
+type Site = {
+  base: string
+  clientId: string
+  redirectUri: string
+  callbacks: URLSearchParams[]
+  close: () => Promise<void>
+}
 
 function authQuery(site: Site, state: string): URLSearchParams {
   return new URLSearchParams({
@@ -69,26 +77,41 @@ async function startSite(latch: TestServer): Promise<Site> {
       const csrf = randomBytes(32).toString('base64url')
       const request: [string, string][] = []
       if (action === '/auth/consent') {
-        const consent = await fetch(`${latch.base}/auth?${authQuery(site, 'forged')}`, { headers: { Cookie: `latch_csrf=${csrf}` } })
+        const consent = await fetch(`${latch.base}/auth?${authQuery(site, 'forged')}`, {
+          headers: { Cookie: `latch_csrf=${csrf}` },
+        })
         const id = /name="request" value="([^"]+)"/.exec(await consent.text())?.[1]
         if (consent.status !== 200 || id === undefined) return html(502, `<p>GET /auth answered ${consent.status}</p>`)
         request.push(['request', id])
       }
-      const inputs = [...request, ['csrf', csrf], ...fields].map(([name, value]) => `<input type="hidden" name="${name}" value="${value}">`).join('')
-      html(200, `<meta name="referrer" content="no-referrer"><body onload="document.forms[0].submit()"><form method="post" action="${latch.base}${action}">${inputs}</form>`, {
-        'Set-Cookie': `latch_csrf=${csrf}; Path=/`,
-      })
+      const inputs = [...request, ['csrf', csrf], ...fields]
+        .map(([name, value]) => `<input type="hidden" name="${name}" value="${value}">`)
+        .join('')
+      html(
+        200,
+        `<meta name="referrer" content="no-referrer"><body onload="document.forms[0].submit()"><form method="post" action="${latch.base}${action}">${inputs}</form>`,
+        {
+          'Set-Cookie': `latch_csrf=${csrf}; Path=/`,
+        },
+      )
     }
     const routes: Record<string, () => unknown> = {
       '/callback': () => {
         callbacks.push(url.searchParams)
         html(200, '<h1>Callback</h1>')
       },
-      '/consent': () => forge('/auth/consent', [['scope', 'profile'], ['scope', 'create'], ['decision', 'approve']]),
+      '/consent': () =>
+        forge('/auth/consent', [
+          ['scope', 'profile'],
+          ['scope', 'create'],
+          ['decision', 'approve'],
+        ]),
       '/sign-out': () => forge('/sign-out', []),
       '/revoke-all': () => forge('/apps/revoke-all', []),
     }
-    Promise.resolve((routes[url.pathname] ?? (() => html(404, '<h1>Not found</h1>')))()).catch((err: unknown) => html(500, `<pre>${String(err)}</pre>`))
+    Promise.resolve((routes[url.pathname] ?? (() => html(404, '<h1>Not found</h1>')))()).catch((err: unknown) =>
+      html(500, `<pre>${String(err)}</pre>`),
+    )
   })
   await new Promise<void>((resolve) => server.listen(0, '127.0.0.1', resolve))
   const base = `http://127.0.0.1:${(server.address() as AddressInfo).port}`
@@ -121,7 +144,16 @@ describe('A page on another port of 127.0.0.1 cannot act for the signed-in owner
       executablePath: CHROMIUM,
       headless: true,
       timeout: 15_000,
-      args: ['--headless', '--no-sandbox', '--disable-gpu', '--disable-background-networking', '--disable-quic', '--no-first-run', '--disable-component-update', '--disable-sync'],
+      args: [
+        '--headless',
+        '--no-sandbox',
+        '--disable-gpu',
+        '--disable-background-networking',
+        '--disable-quic',
+        '--no-first-run',
+        '--disable-component-update',
+        '--disable-sync',
+      ],
     })
   })
 
@@ -154,7 +186,9 @@ describe('A page on another port of 127.0.0.1 cannot act for the signed-in owner
   /** Opens an attack page and returns the status Latch gave its forged POST, once the browser settles. */
   async function attack(page: Page, path: string, action: string): Promise<number> {
     const attackUrl = `${attacker.base}${path}`
-    const posted = page.waitForResponse((response) => response.url() === `${latch.base}${action}` && response.request().method() === 'POST')
+    const posted = page.waitForResponse(
+      (response) => response.url() === `${latch.base}${action}` && response.request().method() === 'POST',
+    )
     await page.goto(attackUrl, { waitUntil: 'commit' })
     const status = (await posted).status()
     await page.waitForURL((url) => url.href !== attackUrl)
@@ -168,48 +202,85 @@ describe('A page on another port of 127.0.0.1 cannot act for the signed-in owner
     await page.getByRole('button', { name: 'Approve' }).click()
     await page.waitForURL((url) => url.origin === app.base && url.pathname === '/callback')
     const query = new URL(page.url()).searchParams
-    assert.deepEqual({ state: query.get('state'), iss: query.get('iss'), error: query.get('error') }, { state: 'legit', iss: latch.issuer, error: null })
+    assert.deepEqual(
+      { state: query.get('state'), iss: query.get('iss'), error: query.get('error') },
+      { state: 'legit', iss: latch.issuer, error: null },
+    )
     const code = query.get('code')
     assert.ok(code !== null)
     return code
   }
 
   async function exchange(code: string): Promise<string> {
-    const body = new URLSearchParams({ grant_type: 'authorization_code', code, client_id: app.clientId, redirect_uri: app.redirectUri, code_verifier: VERIFIER })
+    const body = new URLSearchParams({
+      grant_type: 'authorization_code',
+      code,
+      client_id: app.clientId,
+      redirect_uri: app.redirectUri,
+      code_verifier: VERIFIER,
+    })
     const response = await fetch(`${latch.base}/token`, { method: 'POST', body, signal: AbortSignal.timeout(TIMEOUT) })
     assert.equal(response.status, 200)
     return ((await response.json()) as { access_token: string }).access_token
   }
 
   async function isActive(token: string): Promise<unknown> {
-    const response = await fetch(`${latch.base}/introspect`, { method: 'POST', body: new URLSearchParams({ token }), signal: AbortSignal.timeout(TIMEOUT) })
+    const response = await fetch(`${latch.base}/introspect`, {
+      method: 'POST',
+      body: new URLSearchParams({ token }),
+      signal: AbortSignal.timeout(TIMEOUT),
+    })
     assert.equal(response.status, 200)
     return ((await response.json()) as { active: unknown }).active
   }
 
-  it('refuses a consent posted from another port, and the real consent page still works', { skip: SKIP, timeout: 30_000 }, async () => {
-    const page = await signedInPage()
-    const status = await attack(page, '/consent', '/auth/consent')
-    const codes = attacker.callbacks.filter((query) => query.has('code')).length
-    assert.deepEqual({ status, codes }, { status: 403, codes: 0 }, 'the forged consent is refused and no code reaches the attacker')
-    await approve(page)
-    await page.context().close()
-  })
+  it(
+    'refuses a consent posted from another port, and the real consent page still works',
+    { skip: SKIP, timeout: 30_000 },
+    async () => {
+      const page = await signedInPage()
+      const status = await attack(page, '/consent', '/auth/consent')
+      const codes = attacker.callbacks.filter((query) => query.has('code')).length
+      assert.deepEqual(
+        { status, codes },
+        { status: 403, codes: 0 },
+        'the forged consent is refused and no code reaches the attacker',
+      )
+      await approve(page)
+      await page.context().close()
+    },
+  )
 
-  it('refuses a sign-out posted from another port, and the owner stays signed in', { skip: SKIP, timeout: 30_000 }, async () => {
-    const page = await signedInPage()
-    const status = await attack(page, '/sign-out', '/sign-out')
-    assert.deepEqual({ status, heading: await appsHeading(page) }, { status: 403, heading: 'Connected apps' }, 'the forged sign-out is refused and the session lives')
-    await page.context().close()
-  })
+  it(
+    'refuses a sign-out posted from another port, and the owner stays signed in',
+    { skip: SKIP, timeout: 30_000 },
+    async () => {
+      const page = await signedInPage()
+      const status = await attack(page, '/sign-out', '/sign-out')
+      assert.deepEqual(
+        { status, heading: await appsHeading(page) },
+        { status: 403, heading: 'Connected apps' },
+        'the forged sign-out is refused and the session lives',
+      )
+      await page.context().close()
+    },
+  )
 
-  it('refuses a revoke-all posted from another port, and the grant stays live', { skip: SKIP, timeout: 30_000 }, async () => {
-    const page = await signedInPage()
-    const token = await exchange(await approve(page))
-    assert.equal(await isActive(token), true)
-    const status = await attack(page, '/revoke-all', '/apps/revoke-all')
-    assert.deepEqual({ status, active: await isActive(token) }, { status: 403, active: true }, 'the forged revoke-all is refused and the token stays active')
-    assert.equal(await appsHeading(page), 'Connected apps')
-    await page.context().close()
-  })
+  it(
+    'refuses a revoke-all posted from another port, and the grant stays live',
+    { skip: SKIP, timeout: 30_000 },
+    async () => {
+      const page = await signedInPage()
+      const token = await exchange(await approve(page))
+      assert.equal(await isActive(token), true)
+      const status = await attack(page, '/revoke-all', '/apps/revoke-all')
+      assert.deepEqual(
+        { status, active: await isActive(token) },
+        { status: 403, active: true },
+        'the forged revoke-all is refused and the token stays active',
+      )
+      assert.equal(await appsHeading(page), 'Connected apps')
+      await page.context().close()
+    },
+  )
 })

@@ -17,7 +17,10 @@ import type { ClientFetchOptions } from '../server.ts'
 
 const CHALLENGE = 'E9Melhoa2OwvFrEMTJguCHaoeK1t8URWbuGJSstw-cM'
 const PUBLIC_ADDRESS = '93.184.215.14'
-const PNG = Buffer.from('iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAYAAAAfFcSJAAAADUlEQVR42mNk+M9QDwADhgGAWjR9awAAAABJRU5ErkJggg==', 'base64')
+const PNG = Buffer.from(
+  'iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAYAAAAfFcSJAAAADUlEQVR42mNk+M9QDwADhgGAWjR9awAAAABJRU5ErkJggg==',
+  'base64',
+)
 
 // --- The client sites ------------------------------------------------------------------
 
@@ -65,7 +68,13 @@ function site(req: IncomingMessage, res: ServerResponse): void {
     return void res.end(PNG)
   }
   if (host === 'shared.example' || /^held\d+\.example$/.test(host)) {
-    return hold(res, () => sendJson(res, { client_id: `http://${host}/`, client_name: 'Held', redirect_uris: ['https://other.example/callback'] }))
+    return hold(res, () =>
+      sendJson(res, {
+        client_id: `http://${host}/`,
+        client_name: 'Held',
+        redirect_uris: ['https://other.example/callback'],
+      }),
+    )
   }
   switch (host) {
     case 'json.example':
@@ -81,9 +90,17 @@ function site(req: IncomingMessage, res: ServerResponse): void {
         { 'Cache-Control': 'public, max-age=60' },
       )
     case 'mismatch.example':
-      return sendJson(res, { client_id: 'https://elsewhere.example/', client_name: 'Impostor', redirect_uris: ['https://other.example/callback'] })
+      return sendJson(res, {
+        client_id: 'https://elsewhere.example/',
+        client_name: 'Impostor',
+        redirect_uris: ['https://other.example/callback'],
+      })
     case 'prefix.example':
-      return sendJson(res, { client_id: 'http://prefix.example/app/', client_uri: 'https://other.example/', redirect_uris: ['https://other.example/callback'] })
+      return sendJson(res, {
+        client_id: 'http://prefix.example/app/',
+        client_uri: 'https://other.example/',
+        redirect_uris: ['https://other.example/callback'],
+      })
     case 'html.example':
       return sendHtml(
         res,
@@ -105,18 +122,32 @@ function site(req: IncomingMessage, res: ServerResponse): void {
       return // never answers
     case 'badlogo.example':
       if (req.url === '/not-an-image') return sendHtml(res, '<p>not a logo</p>')
-      return sendJson(res, { client_id: 'http://badlogo.example/', client_name: 'Bad Logo', logo_uri: '/not-an-image', redirect_uris: ['https://other.example/callback'] })
+      return sendJson(res, {
+        client_id: 'http://badlogo.example/',
+        client_name: 'Bad Logo',
+        logo_uri: '/not-an-image',
+        redirect_uris: ['https://other.example/callback'],
+      })
     case 'biglogo.example':
       if (req.url === '/huge.png') {
         res.writeHead(200, { 'Content-Type': 'image/png' })
         return void res.end(Buffer.alloc(65 * 1024))
       }
-      return sendJson(res, { client_id: 'http://biglogo.example/', client_name: 'Big Logo', logo_uri: '/huge.png', redirect_uris: ['https://other.example/callback'] })
+      return sendJson(res, {
+        client_id: 'http://biglogo.example/',
+        client_name: 'Big Logo',
+        logo_uri: '/huge.png',
+        redirect_uris: ['https://other.example/callback'],
+      })
     case 'failing.example':
       res.writeHead(500)
       return void res.end()
     case 'lan.example':
-      return sendJson(res, { client_id: 'http://lan.example/', client_name: 'On the LAN', redirect_uris: ['https://other.example/callback'] })
+      return sendJson(res, {
+        client_id: 'http://lan.example/',
+        client_name: 'On the LAN',
+        redirect_uris: ['https://other.example/callback'],
+      })
     case 'bidi.example':
       return sendJson(res, {
         client_id: 'http://bidi.example/',
@@ -173,16 +204,30 @@ after(async () => {
 
 // --- Latch ---------------------------------------------------------------------------------
 
-type Latch = { base: string; logs: string[]; received: () => number; advance: (seconds: number) => void; close: () => Promise<void> }
+type Latch = {
+  base: string
+  logs: string[]
+  received: () => number
+  advance: (seconds: number) => void
+  close: () => Promise<void>
+}
 
-async function startLatch(env: Record<string, string> = {}, fetchOptions: ClientFetchOptions = clientFetch): Promise<Latch> {
+async function startLatch(
+  env: Record<string, string> = {},
+  fetchOptions: ClientFetchOptions = clientFetch,
+): Promise<Latch> {
   const server = createServer()
   await new Promise<void>((resolve) => server.listen(0, '127.0.0.1', resolve))
-  const config = loadConfig({ PORT: '0', DATA_FILE: 'memory', ...env }, [], { boundPort: (server.address() as AddressInfo).port })
+  const config = loadConfig({ PORT: '0', DATA_FILE: 'memory', ...env }, [], {
+    boundPort: (server.address() as AddressInfo).port,
+  })
   let time = Date.UTC(2027, 0, 1)
   const logs: string[] = []
   let received = 0
-  server.on('request', createHandler({ config, now: () => time, log: (line) => logs.push(line), clientFetch: fetchOptions }))
+  server.on(
+    'request',
+    createHandler({ config, now: () => time, log: (line) => logs.push(line), clientFetch: fetchOptions }),
+  )
   server.on('request', () => received++) // after the handler, which runs up to its first wait
   return {
     base: config.issuer,
@@ -199,7 +244,13 @@ async function startLatch(env: Record<string, string> = {}, fetchOptions: Client
 }
 
 function authorize(latch: Latch, clientId: string, redirectUri: string): Promise<Response> {
-  const query = new URLSearchParams({ client_id: clientId, redirect_uri: redirectUri, state: 's', code_challenge: CHALLENGE, scope: 'create' })
+  const query = new URLSearchParams({
+    client_id: clientId,
+    redirect_uri: redirectUri,
+    state: 's',
+    code_challenge: CHALLENGE,
+    scope: 'create',
+  })
   return fetch(`${latch.base}/auth?${query}`, { redirect: 'manual' })
 }
 
@@ -241,7 +292,10 @@ describe('Client discovery (IndieAuth §4.2)', () => {
     const response = await authorize(latch, 'http://json.example/', 'https://other.example/callback')
     const html = await response.text()
     assert.equal(response.status, 200, html)
-    assert.match(html, /<strong><bdi>Jot &#60;Notes&#62;<\/bdi><\/strong> at <code><bdi>http:\/\/json\.example\/<\/bdi><\/code>/)
+    assert.match(
+      html,
+      /<strong><bdi>Jot &#60;Notes&#62;<\/bdi><\/strong> at <code><bdi>http:\/\/json\.example\/<\/bdi><\/code>/,
+    )
     assert.ok(html.includes(`src="data:image/png;base64,${PNG.toString('base64')}"`))
     assert.doesNotMatch(html, /src="http/) // the page loads nothing from elsewhere
   })
@@ -259,16 +313,26 @@ describe('Client discovery (IndieAuth §4.2)', () => {
       body: new URLSearchParams({ request, csrf, scope: 'create', decision: 'approve' }),
     })
     assert.equal(approved.status, 303)
-    assert.match(approved.headers.get('location') ?? '', /^com\.example\.jot:\/callback\?code=[A-Za-z0-9_-]{43}&state=s&iss=/)
+    assert.match(
+      approved.headers.get('location') ?? '',
+      /^com\.example\.jot:\/callback\?code=[A-Za-z0-9_-]{43}&state=s&iss=/,
+    )
   })
 
   it('matches redirect URIs exactly: a trailing slash, an added query or another case is refused', async () => {
-    for (const redirectUri of ['https://other.example/callback/', 'https://other.example/callback?x=1', 'https://other.example/Callback']) {
+    for (const redirectUri of [
+      'https://other.example/callback/',
+      'https://other.example/callback?x=1',
+      'https://other.example/Callback',
+    ]) {
       const response = await authorize(latch, 'http://json.example/', redirectUri)
       assert.equal(response.status, 400, redirectUri)
       assert.equal(response.headers.get('location'), null)
       const html = await response.text()
-      assert.ok(html.includes('https://other.example/callback , com.example.jot:/callback'), 'the page lists what the client publishes')
+      assert.ok(
+        html.includes('https://other.example/callback , com.example.jot:/callback'),
+        'the page lists what the client publishes',
+      )
     }
   })
 
@@ -287,7 +351,11 @@ describe('Client discovery (IndieAuth §4.2)', () => {
   })
 
   it('reads an HTML page: h-app name and logo, rel=redirect_uri in elements and in the Link header', async () => {
-    for (const redirectUri of ['https://element.example/callback', 'https://app.html.example/second', 'https://header.example/callback']) {
+    for (const redirectUri of [
+      'https://element.example/callback',
+      'https://app.html.example/second',
+      'https://header.example/callback',
+    ]) {
       const response = await authorize(latch, 'http://html.example/', redirectUri)
       const html = await response.text()
       assert.equal(response.status, 200, `${redirectUri}: ${html}`)
@@ -375,7 +443,10 @@ describe('Client discovery (IndieAuth §4.2)', () => {
     assert.equal(response.status, 200, html)
     const hidden = /[\u0000-\u0008\u000b\u000c\u000e-\u001f\u007f\u200b-\u200f\u202a-\u202e\u2066-\u2069]/u.exec(html)
     assert.ok(hidden === null, `the page carries U+${hidden?.[0].codePointAt(0)?.toString(16).padStart(4, '0')}`)
-    assert.match(html, /<strong><bdi>Acme Notes App<\/bdi><\/strong> at <code><bdi>http:\/\/bidi\.example\/<\/bdi><\/code>/)
+    assert.match(
+      html,
+      /<strong><bdi>Acme Notes App<\/bdi><\/strong> at <code><bdi>http:\/\/bidi\.example\/<\/bdi><\/code>/,
+    )
   })
 })
 
@@ -393,7 +464,10 @@ describe('Discovery under load', () => {
         await response.arrayBuffer()
         return response.status
       })
-      assert.ok(await until(() => latch.received() === 20 && held.parked.length > 0), 'all 20 requests arrived and the site was asked')
+      assert.ok(
+        await until(() => latch.received() === 20 && held.parked.length > 0),
+        'all 20 requests arrived and the site was asked',
+      )
       releaseHeld()
       assert.deepEqual(await Promise.all(answers), new Array(20).fill(200))
       assert.equal(fetchesOf('shared.example') - before, 1) // nothing is cached: the site sent no Cache-Control
@@ -438,7 +512,10 @@ describe('Discovery under load', () => {
 
 describe('Discovery parsers and address rules', () => {
   it('reads the first h-app, and falls back to its text for a name', () => {
-    const page = readClientPage('<div class="h-x-app">  My\n <b>App</b> <a class="u-url" href="/home">home</a></div><div class="h-app"><span class="p-name">Second</span></div>', 'https://a.example/')
+    const page = readClientPage(
+      '<div class="h-x-app">  My\n <b>App</b> <a class="u-url" href="/home">home</a></div><div class="h-app"><span class="p-name">Second</span></div>',
+      'https://a.example/',
+    )
     assert.equal(page.name, 'My App home')
     assert.equal(page.url, 'https://a.example/home')
     assert.deepEqual(page.redirectUris, [])
@@ -446,7 +523,10 @@ describe('Discovery parsers and address rules', () => {
 
   it('stops at 10,000 tags and never leaves a tag unclosed past the end, however hostile the page', () => {
     assert.equal(scanHtml('<b>'.repeat(20_000)).length, 10_000)
-    assert.deepEqual(scanHtml('<a href="x">ok</a><b title="never closed>').map((element) => element.name), ['a'])
+    assert.deepEqual(
+      scanHtml('<a href="x">ok</a><b title="never closed>').map((element) => element.name),
+      ['a'],
+    )
     assert.equal(readClientPage(`<div class="h-app">${'<span>'.repeat(300)}Name`, 'https://a.example/').name, 'Name')
   })
 
@@ -486,13 +566,19 @@ describe('Discovery parsers and address rules', () => {
   })
 
   it('resolves relative redirect URIs against the page and ignores other relations', () => {
-    const page = readClientPage("<link rel='redirect_uri' href='cb?x=1'><link rel=me href=/me><link rel=redirect_uri href=https://b.example/>", 'https://a.example/app/')
+    const page = readClientPage(
+      "<link rel='redirect_uri' href='cb?x=1'><link rel=me href=/me><link rel=redirect_uri href=https://b.example/>",
+      'https://a.example/app/',
+    )
     assert.deepEqual(page.redirectUris, ['https://a.example/app/cb?x=1', 'https://b.example/'])
   })
 
   it('reads redirect_uri links from a Link header with several relations', () => {
     const header = '</a>; rel="redirect_uri me", <https://c.example/b>; title="x"; rel=redirect_uri, </c>; rel="next"'
-    assert.deepEqual(readLinkHeader(header, 'redirect_uri', 'https://a.example/'), ['https://a.example/a', 'https://c.example/b'])
+    assert.deepEqual(readLinkHeader(header, 'redirect_uri', 'https://a.example/'), [
+      'https://a.example/a',
+      'https://c.example/b',
+    ])
   })
 
   const addresses: [string, boolean, string | undefined][] = [

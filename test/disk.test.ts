@@ -34,7 +34,9 @@ before(async () => {
   try {
     execFileSync('mount', ['-t', 'tmpfs', '-o', 'size=1m', 'tmpfs', disk], { stdio: 'pipe' })
   } catch (err) {
-    mountFailure = String((err as { stderr?: Buffer }).stderr ?? err).trim().split('\n')[0]
+    mountFailure = String((err as { stderr?: Buffer }).stderr ?? err)
+      .trim()
+      .split('\n')[0]
   }
 })
 
@@ -81,21 +83,42 @@ function fillDisk(path: string, pages: number): void {
 
 function post(url: string, fields: Record<string, string>, headers: Record<string, string> = {}): Promise<Response> {
   const body = new URLSearchParams(fields).toString()
-  return fetch(url, { method: 'POST', redirect: 'manual', headers: { 'Content-Type': 'application/x-www-form-urlencoded', ...headers }, body })
+  return fetch(url, {
+    method: 'POST',
+    redirect: 'manual',
+    headers: { 'Content-Type': 'application/x-www-form-urlencoded', ...headers },
+    body,
+  })
 }
 
 async function obtainCode(base: string): Promise<string> {
-  const query = new URLSearchParams({ client_id: CLIENT_ID, redirect_uri: REDIRECT_URI, state: 's', code_challenge: CHALLENGE, scope: 'create' })
+  const query = new URLSearchParams({
+    client_id: CLIENT_ID,
+    redirect_uri: REDIRECT_URI,
+    state: 's',
+    code_challenge: CHALLENGE,
+    scope: 'create',
+  })
   const html = await (await fetch(`${base}/auth?${query}`, { redirect: 'manual' })).text()
   const request = /name="request" value="([^"]+)"/.exec(html)?.[1] ?? ''
   const csrf = /name="csrf" value="([^"]+)"/.exec(html)?.[1] ?? ''
-  const approved = await post(`${base}/auth/consent`, { request, csrf, scope: 'create', decision: 'approve' }, { Cookie: `latch_csrf=${csrf}` })
+  const approved = await post(
+    `${base}/auth/consent`,
+    { request, csrf, scope: 'create', decision: 'approve' },
+    { Cookie: `latch_csrf=${csrf}` },
+  )
   assert.equal(approved.status, 303)
   return new URL(approved.headers.get('location') ?? '').searchParams.get('code') ?? ''
 }
 
 function exchange(base: string, code: string): Promise<Response> {
-  return post(`${base}/token`, { grant_type: 'authorization_code', code, client_id: CLIENT_ID, redirect_uri: REDIRECT_URI, code_verifier: VERIFIER })
+  return post(`${base}/token`, {
+    grant_type: 'authorization_code',
+    code,
+    client_id: CLIENT_ID,
+    redirect_uri: REDIRECT_URI,
+    code_verifier: VERIFIER,
+  })
 }
 
 async function isActive(base: string, token: string): Promise<boolean> {
@@ -121,7 +144,12 @@ async function assertWholeLines(file: string, when: string): Promise<void> {
   text
     .slice(0, -1)
     .split('\n')
-    .forEach((line, i) => assert.doesNotThrow(() => JSON.parse(line), `${when}, line ${i + 1} of the journal is not JSON: ${line.slice(0, 80)}…`))
+    .forEach((line, i) =>
+      assert.doesNotThrow(
+        () => JSON.parse(line),
+        `${when}, line ${i + 1} of the journal is not JSON: ${line.slice(0, 80)}…`,
+      ),
+    )
 }
 
 // --- The tests -----------------------------------------------------------------------------
@@ -161,7 +189,8 @@ describe('DATA_FILE: a full disk', () => {
 
     const restarted = await startOn(file)
     try {
-      for (const token of promised) assert.equal(await isActive(restarted.base, token), true, 'a token answered 200 is lost after a restart')
+      for (const token of promised)
+        assert.equal(await isActive(restarted.base, token), true, 'a token answered 200 is lost after a restart')
       assert.equal(restarted.store.memory.tokens.size, 2 * promised.length) // nothing of the exchange answered 500
     } finally {
       await restarted.stop()
@@ -179,11 +208,31 @@ describe('DATA_FILE: a full disk', () => {
     const lines: string[] = []
     for (const secret of secrets) {
       const grantId = hashSecret(`grant ${secret}`)
-      const grant: Grant = { client_id: CLIENT_ID, client_name: undefined, me: 'https://example.com/', scope: ['create'], accessTokenTtlSeconds: 86400, approvedAt: START, lastUsedAt: START, expiresAt: START + 86400_000 }
-      const token: Token = { kind: 'access', grantId, scope: ['create'], issuedAt: START, expiresAt: START + 86400_000, usedAt: undefined }
-      lines.push(JSON.stringify({ set: 'grant', key: grantId, value: grant }), JSON.stringify({ set: 'token', key: hashSecret(secret), value: token }))
+      const grant: Grant = {
+        client_id: CLIENT_ID,
+        client_name: undefined,
+        me: 'https://example.com/',
+        scope: ['create'],
+        accessTokenTtlSeconds: 86400,
+        approvedAt: START,
+        lastUsedAt: START,
+        expiresAt: START + 86400_000,
+      }
+      const token: Token = {
+        kind: 'access',
+        grantId,
+        scope: ['create'],
+        issuedAt: START,
+        expiresAt: START + 86400_000,
+        usedAt: undefined,
+      }
+      lines.push(
+        JSON.stringify({ set: 'grant', key: grantId, value: grant }),
+        JSON.stringify({ set: 'token', key: hashSecret(secret), value: token }),
+      )
     }
-    while (lines.length < 10_000) lines.push(JSON.stringify({ delete: 'session', key: hashSecret(`gone ${lines.length}`) }))
+    while (lines.length < 10_000)
+      lines.push(JSON.stringify({ delete: 'session', key: hashSecret(`gone ${lines.length}`) }))
     const original = lines.map((line) => `${line}\n`).join('')
     await mkdir(join(disk, 'compact'))
     await writeFile(file, original)
@@ -193,15 +242,22 @@ describe('DATA_FILE: a full disk', () => {
     const code = await obtainCode(running.base) // line 10,001: more than 10,000 and than 4 × 301 live entries
     assert.ok(running.store.compaction !== undefined, 'no compaction started')
     await running.store.compaction
-    assert.ok(running.logs.some((line) => /^journal: compacting .* failed/.test(line)), 'no log line says the compaction failed')
-    assert.ok((await readFile(file, 'utf8')).startsWith(original), 'the journal was replaced by a snapshot that did not fit')
+    assert.ok(
+      running.logs.some((line) => /^journal: compacting .* failed/.test(line)),
+      'no log line says the compaction failed',
+    )
+    assert.ok(
+      (await readFile(file, 'utf8')).startsWith(original),
+      'the journal was replaced by a snapshot that did not fit',
+    )
     assert.deepEqual(await readdir(join(disk, 'compact')), ['data.jsonl']) // no snapshot left behind
     await running.stop()
     await rm(filler)
 
     const restarted = await startOn(file)
     try {
-      for (const secret of secrets) assert.equal(await isActive(restarted.base, secret), true, 'a live token is lost after the failed compaction')
+      for (const secret of secrets)
+        assert.equal(await isActive(restarted.base, secret), true, 'a live token is lost after the failed compaction')
       assert.equal((await exchange(restarted.base, code)).status, 200) // the line that started the compaction is kept too
     } finally {
       await restarted.stop()

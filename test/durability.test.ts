@@ -33,11 +33,22 @@ function form(fields: Record<string, string>): string {
 }
 
 function post(url: string, body: string): Promise<Response> {
-  return fetch(url, { method: 'POST', redirect: 'manual', headers: { 'Content-Type': 'application/x-www-form-urlencoded' }, body })
+  return fetch(url, {
+    method: 'POST',
+    redirect: 'manual',
+    headers: { 'Content-Type': 'application/x-www-form-urlencoded' },
+    body,
+  })
 }
 
 async function obtainCode(base: string): Promise<string> {
-  const query = form({ client_id: CLIENT_ID, redirect_uri: REDIRECT_URI, state: 's', code_challenge: CHALLENGE, scope: 'create' })
+  const query = form({
+    client_id: CLIENT_ID,
+    redirect_uri: REDIRECT_URI,
+    state: 's',
+    code_challenge: CHALLENGE,
+    scope: 'create',
+  })
   const page = await fetch(`${base}/auth?${query}`, { redirect: 'manual' })
   const html = await page.text()
   const request = /name="request" value="([^"]+)"/.exec(html)?.[1] ?? ''
@@ -52,7 +63,16 @@ async function obtainCode(base: string): Promise<string> {
 }
 
 function exchange(base: string, code: string): Promise<Response> {
-  return post(`${base}/token`, form({ grant_type: 'authorization_code', code, client_id: CLIENT_ID, redirect_uri: REDIRECT_URI, code_verifier: VERIFIER }))
+  return post(
+    `${base}/token`,
+    form({
+      grant_type: 'authorization_code',
+      code,
+      client_id: CLIENT_ID,
+      redirect_uri: REDIRECT_URI,
+      code_verifier: VERIFIER,
+    }),
+  )
 }
 
 async function obtainTokens(base: string): Promise<{ access_token: string; refresh_token: string }> {
@@ -68,7 +88,13 @@ async function isActive(base: string, token: string): Promise<boolean> {
 
 // --- In process ----------------------------------------------------------------------------
 
-type Running = { base: string; store: FileStore; logs: string[]; advance: (seconds: number) => void; stop: () => Promise<void> }
+type Running = {
+  base: string
+  store: FileStore
+  logs: string[]
+  advance: (seconds: number) => void
+  stop: () => Promise<void>
+}
 
 let time = START
 
@@ -113,14 +139,20 @@ describe('DATA_FILE: restarts', () => {
     assert.equal(await isActive(second.base, revoked.access_token), false)
     assert.equal((await exchange(second.base, usedCode)).status, 400)
     assert.equal((await exchange(second.base, unusedCode)).status, 200)
-    const refreshed = await post(`${second.base}/token`, form({ grant_type: 'refresh_token', refresh_token: kept.refresh_token, client_id: CLIENT_ID }))
+    const refreshed = await post(
+      `${second.base}/token`,
+      form({ grant_type: 'refresh_token', refresh_token: kept.refresh_token, client_id: CLIENT_ID }),
+    )
     assert.equal(refreshed.status, 200)
     second.advance(7 * 86400)
     await second.stop()
 
     const third = await startOn(file)
     assert.equal(await isActive(third.base, shortLived.access_token), false) // expired while the server was down
-    const reused = await post(`${third.base}/token`, form({ grant_type: 'refresh_token', refresh_token: kept.refresh_token, client_id: CLIENT_ID }))
+    const reused = await post(
+      `${third.base}/token`,
+      form({ grant_type: 'refresh_token', refresh_token: kept.refresh_token, client_id: CLIENT_ID }),
+    )
     assert.equal(reused.status, 400) // rotated before the restart, so still rotated after it
     await third.stop()
   })
@@ -133,7 +165,10 @@ describe('DATA_FILE: restarts', () => {
       const tokens = await obtainTokens(first.base)
       issued.push(tokens.access_token)
       const [refreshed] = await Promise.all([
-        post(`${first.base}/token`, form({ grant_type: 'refresh_token', refresh_token: tokens.refresh_token, client_id: CLIENT_ID })),
+        post(
+          `${first.base}/token`,
+          form({ grant_type: 'refresh_token', refresh_token: tokens.refresh_token, client_id: CLIENT_ID }),
+        ),
         post(`${first.base}/revoke`, form({ token: tokens.refresh_token })),
       ])
       if (refreshed.status === 200) issued.push(((await refreshed.json()) as { access_token: string }).access_token)
@@ -148,8 +183,22 @@ describe('DATA_FILE: restarts', () => {
   it('reads a journal keyed by whole SHA-256 hashes, as Latch 0.1 wrote it', async () => {
     const file = join(directory, 'v0.1', 'data.jsonl')
     const wholeHash = (value: string) => createHash('sha256').update(value).digest('base64url')
-    const grant = { client_id: CLIENT_ID, me: 'http://127.0.0.1/', scope: ['create'], accessTokenTtlSeconds: 3600, approvedAt: time, lastUsedAt: time, expiresAt: time + 86400_000 }
-    const access = { kind: 'access', grantId: wholeHash('old-code'), scope: ['create'], issuedAt: time, expiresAt: time + 3600_000 }
+    const grant = {
+      client_id: CLIENT_ID,
+      me: 'http://127.0.0.1/',
+      scope: ['create'],
+      accessTokenTtlSeconds: 3600,
+      approvedAt: time,
+      lastUsedAt: time,
+      expiresAt: time + 86400_000,
+    }
+    const access = {
+      kind: 'access',
+      grantId: wholeHash('old-code'),
+      scope: ['create'],
+      issuedAt: time,
+      expiresAt: time + 3600_000,
+    }
     const lines = [
       { set: 'grant', key: wholeHash('old-code'), value: grant },
       { set: 'token', key: wholeHash('old-access-token'), value: access },
@@ -173,17 +222,28 @@ describe('DATA_FILE: restarts', () => {
     const file = join(directory, 'secrets', 'nested', 'data.jsonl')
     const running = await startOn(file)
     const code = await obtainCode(running.base)
-    const tokens = (await (await exchange(running.base, code)).json()) as { access_token: string; refresh_token: string }
+    const tokens = (await (await exchange(running.base, code)).json()) as {
+      access_token: string
+      refresh_token: string
+    }
     await running.stop()
     assert.equal((await stat(file)).mode & 0o777, 0o600)
     const text = await readFile(file, 'utf8')
     assert.ok(text.length > 0)
-    for (const secret of [code, tokens.access_token, tokens.refresh_token, VERIFIER]) assert.equal(text.includes(secret), false)
+    for (const secret of [code, tokens.access_token, tokens.refresh_token, VERIFIER])
+      assert.equal(text.includes(secret), false)
   })
 })
 
 describe('DATA_FILE: damaged files', () => {
-  const token: Token = { kind: 'access', grantId: 'g', scope: ['create'], issuedAt: START, expiresAt: START + 86400_000, usedAt: undefined }
+  const token: Token = {
+    kind: 'access',
+    grantId: 'g',
+    scope: ['create'],
+    issuedAt: START,
+    expiresAt: START + 86400_000,
+    usedAt: undefined,
+  }
   const line = (key: string) => `${JSON.stringify({ set: 'token', key, value: token })}\n`
   const grant = `${JSON.stringify({ set: 'grant', key: 'g', value: { client_id: CLIENT_ID, me: 'https://example.com/', scope: ['create'], accessTokenTtlSeconds: 3600, approvedAt: START, lastUsedAt: START, expiresAt: START + 86400_000 } })}\n`
 
@@ -228,7 +288,10 @@ describe('DATA_FILE: damaged files', () => {
     const file = join(directory, 'corrupt.jsonl')
     const original = grant + line('a') + 'not json\n' + line('b')
     await writeFile(file, original)
-    await assert.rejects(FileStore.open(file, { log: () => {} }), (err: unknown) => err instanceof ConfigError && err.message.includes(`${file} line 3`))
+    await assert.rejects(
+      FileStore.open(file, { log: () => {} }),
+      (err: unknown) => err instanceof ConfigError && err.message.includes(`${file} line 3`),
+    )
     assert.equal(await readFile(file, 'utf8'), original) // nothing discarded or overwritten
   })
 
@@ -239,9 +302,17 @@ describe('DATA_FILE: damaged files', () => {
   })
 
   const wrongFields: [string, Record<string, unknown>, RegExp][] = [
-    ['a token whose scope is not a list', { set: 'token', key: 'x', value: { ...token, scope: 'create' } }, /token's scope/],
+    [
+      'a token whose scope is not a list',
+      { set: 'token', key: 'x', value: { ...token, scope: 'create' } },
+      /token's scope/,
+    ],
     ['a token of an unknown kind', { set: 'token', key: 'x', value: { ...token, kind: 'id' } }, /token's kind/],
-    ['a token without expiry', { set: 'token', key: 'x', value: { ...token, expiresAt: undefined } }, /token's expiresAt is missing/],
+    [
+      'a token without expiry',
+      { set: 'token', key: 'x', value: { ...token, expiresAt: undefined } },
+      /token's expiresAt is missing/,
+    ],
     ['a code whose me is a number', { set: 'code', key: 'x', value: { client_id: CLIENT_ID, me: 7 } }, /code's/],
     ['a session whose value is null', { set: 'session', key: 'x', value: null }, /session has no value/],
     ['a change inside a group without a key', { all: [{ set: 'token', value: token }] }, /no valid key/],
@@ -262,7 +333,11 @@ describe('DATA_FILE: damaged files', () => {
   it('stops the command line with one line and a non-zero exit on such a record', () => {
     const file = join(directory, 'wrong-fields-cli.jsonl')
     writeFileSync(file, `${JSON.stringify({ set: 'token', key: 'x', value: { ...token, scope: 'create' } })}\n`)
-    const result = spawnSync(process.execPath, ['--import', 'tsx', 'server.ts'], { env: { ...process.env, DATA_FILE: file, PORT: '0' }, encoding: 'utf8', timeout: 20_000 })
+    const result = spawnSync(process.execPath, ['--import', 'tsx', 'server.ts'], {
+      env: { ...process.env, DATA_FILE: file, PORT: '0' },
+      encoding: 'utf8',
+      timeout: 20_000,
+    })
     assert.equal(result.status, 1)
     assert.match(result.stderr, /^latch: .*line 1 is not a Latch journal record \(a token's scope/)
     assert.doesNotMatch(result.stderr, /TypeError|\n\s+at /)
@@ -273,8 +348,28 @@ describe('DATA_FILE: compaction and failures', () => {
   it('rewrites a grown journal as a snapshot, keeping writes made while it runs', async () => {
     const file = join(directory, 'compact.jsonl')
     const store = await FileStore.open(file, { now: () => START, log: () => {} })
-    const live: Token = { kind: 'access', grantId: 'g', scope: ['create'], issuedAt: START, expiresAt: START + 3600_000, usedAt: undefined }
-    await store.saveGrant('g', { client_id: CLIENT_ID, client_name: undefined, me: 'https://example.com/', scope: ['create'], accessTokenTtlSeconds: 3600, approvedAt: START, lastUsedAt: START, expiresAt: START + 3600_000 }, START)
+    const live: Token = {
+      kind: 'access',
+      grantId: 'g',
+      scope: ['create'],
+      issuedAt: START,
+      expiresAt: START + 3600_000,
+      usedAt: undefined,
+    }
+    await store.saveGrant(
+      'g',
+      {
+        client_id: CLIENT_ID,
+        client_name: undefined,
+        me: 'https://example.com/',
+        scope: ['create'],
+        accessTokenTtlSeconds: 3600,
+        approvedAt: START,
+        lastUsedAt: START,
+        expiresAt: START + 3600_000,
+      },
+      START,
+    )
     const writes: Promise<void>[] = []
     for (let i = 0; i < 12_000; i++) writes.push(store.saveToken(`t${i}`, live, START))
     for (let i = 0; i < 11_990; i++) writes.push(store.deleteToken(`t${i}`))
@@ -296,17 +391,59 @@ describe('DATA_FILE: compaction and failures', () => {
     await writeFile(file, `${JSON.stringify({ delete: 'session', key: 'old' })}\n`.repeat(9_999))
     const store = await FileStore.open(file, { now: () => START, log: () => {} })
     const app = { client_id: CLIENT_ID, client_name: undefined, me: 'https://example.com/', scope: ['create'] }
-    await store.saveCode('c', { ...app, redirect_uri: REDIRECT_URI, code_challenge: CHALLENGE, accessTokenTtlSeconds: 3600, issuedAt: START, expiresAt: START + 60_000, usedAt: undefined }, START)
+    await store.saveCode(
+      'c',
+      {
+        ...app,
+        redirect_uri: REDIRECT_URI,
+        code_challenge: CHALLENGE,
+        accessTokenTtlSeconds: 3600,
+        issuedAt: START,
+        expiresAt: START + 60_000,
+        usedAt: undefined,
+      },
+      START,
+    )
     const session = store.saveSession('s', { createdAt: START, expiresAt: START + 3600_000, passwordTag: '' }, START) // its line starts the compaction
     await new Promise((resolve) => setImmediate(resolve)) // that line is being written now
-    const token = (kind: Token['kind']): Token => ({ kind, grantId: 'c', scope: ['create'], issuedAt: START, expiresAt: START + 3600_000, usedAt: undefined })
-    const grant = { ...app, accessTokenTtlSeconds: 3600, approvedAt: START, lastUsedAt: START, expiresAt: START + 3600_000 }
-    assert.equal(await store.issueTokens({ redeemed: { kind: 'code', hash: 'c' }, grantId: 'c', grant, tokens: [['a', token('access')], ['r', token('refresh')]] }, START), true)
+    const token = (kind: Token['kind']): Token => ({
+      kind,
+      grantId: 'c',
+      scope: ['create'],
+      issuedAt: START,
+      expiresAt: START + 3600_000,
+      usedAt: undefined,
+    })
+    const grant = {
+      ...app,
+      accessTokenTtlSeconds: 3600,
+      approvedAt: START,
+      lastUsedAt: START,
+      expiresAt: START + 3600_000,
+    }
+    assert.equal(
+      await store.issueTokens(
+        {
+          redeemed: { kind: 'code', hash: 'c' },
+          grantId: 'c',
+          grant,
+          tokens: [
+            ['a', token('access')],
+            ['r', token('refresh')],
+          ],
+        },
+        START,
+      ),
+      true,
+    )
     await session
     assert.ok(store.compaction !== undefined, 'no compaction started')
     await store.close() // lets the compaction finish first
     const reopened = await FileStore.open(file, { now: () => START, log: () => {} })
-    assert.deepEqual([reopened.memory.grants.has('c'), reopened.memory.tokens.has('a'), reopened.memory.tokens.has('r')], [true, true, true])
+    assert.deepEqual(
+      [reopened.memory.grants.has('c'), reopened.memory.tokens.has('a'), reopened.memory.tokens.has('r')],
+      [true, true, true],
+    )
     assert.notEqual(reopened.memory.codes.get('c')?.usedAt, undefined)
     await reopened.close()
   })
@@ -329,9 +466,15 @@ describe('DATA_FILE: compaction and failures', () => {
     const running = await startOn(file)
     await obtainTokens(running.base)
     type Change = { set: string; value: { usedAt?: number } }
-    const [saved, exchanged, ...more] = (await readFile(file, 'utf8')).trim().split('\n').map((line) => JSON.parse(line) as Change & { all: Change[] })
+    const [saved, exchanged, ...more] = (await readFile(file, 'utf8'))
+      .trim()
+      .split('\n')
+      .map((line) => JSON.parse(line) as Change & { all: Change[] })
     assert.equal(saved.set, 'code')
-    assert.deepEqual(exchanged.all.map((record) => record.set), ['code', 'grant', 'token', 'token'])
+    assert.deepEqual(
+      exchanged.all.map((record) => record.set),
+      ['code', 'grant', 'token', 'token'],
+    )
     assert.equal(typeof exchanged.all[0].value.usedAt, 'number')
     assert.equal(more.length, 0)
     const code = await obtainCode(running.base)
@@ -339,15 +482,22 @@ describe('DATA_FILE: compaction and failures', () => {
     const grants = running.store.memory.grants.size
     assert.equal((await exchange(running.base, code)).status, 500)
     assert.equal(running.store.memory.grants.size, grants)
-    assert.deepEqual([...running.store.memory.codes.values()].map((stored) => stored.usedAt === undefined), [false, true]) // the second code is not spent
+    assert.deepEqual(
+      [...running.store.memory.codes.values()].map((stored) => stored.usedAt === undefined),
+      [false, true],
+    ) // the second code is not spent
     await running.stop().catch(() => {})
   })
 })
 
 // --- A real crash ------------------------------------------------------------------------
 
-async function spawnServer(file: string): Promise<{ child: ChildProcessWithoutNullStreams; base: string; closed: Promise<unknown>; output: string }> {
-  const child = spawn(process.execPath, ['--import', 'tsx', 'server.ts'], { env: { ...process.env, PORT: '0', DATA_FILE: file } })
+async function spawnServer(
+  file: string,
+): Promise<{ child: ChildProcessWithoutNullStreams; base: string; closed: Promise<unknown>; output: string }> {
+  const child = spawn(process.execPath, ['--import', 'tsx', 'server.ts'], {
+    env: { ...process.env, PORT: '0', DATA_FILE: file },
+  })
   const closed = new Promise((resolve) => child.once('close', resolve))
   let output = ''
   const base = await new Promise<string>((resolve, reject) => {
@@ -400,7 +550,11 @@ describe('DATA_FILE: SIGKILL under load', () => {
         assert.ok(issued.length > 0, 'no token was issued before the kill')
         for (const token of issued) {
           if (revocationSent.has(token) && !revoked.has(token)) continue // cut off mid-revocation: either answer is right
-          assert.equal(await isActive(restarted.base, token), !revoked.has(token), `after ${killAfterMs} ms, ${revoked.has(token) ? 'a revoked' : 'an issued'} token came back wrong`)
+          assert.equal(
+            await isActive(restarted.base, token),
+            !revoked.has(token),
+            `after ${killAfterMs} ms, ${revoked.has(token) ? 'a revoked' : 'an issued'} token came back wrong`,
+          )
         }
       } finally {
         restarted.child.kill('SIGTERM')

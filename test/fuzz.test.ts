@@ -96,15 +96,26 @@ async function startTarget(name: Target['name'], env: Record<string, string>): P
 
 type Answer = { status: number; headers: IncomingHttpHeaders; text: string }
 
-function call(target: Target, method: string, path: string, options: { body?: string; headers?: Record<string, string> } = {}): Promise<Answer> {
-  const headers = { ...(options.body === undefined ? {} : { 'Content-Type': 'application/x-www-form-urlencoded' }), ...options.headers }
+function call(
+  target: Target,
+  method: string,
+  path: string,
+  options: { body?: string; headers?: Record<string, string> } = {},
+): Promise<Answer> {
+  const headers = {
+    ...(options.body === undefined ? {} : { 'Content-Type': 'application/x-www-form-urlencoded' }),
+    ...options.headers,
+  }
   return new Promise((resolve, reject) => {
-    const req = request({ host: '127.0.0.1', port: target.port, localAddress: '127.0.0.2', method, path, headers, agent: false }, (res) => {
-      let text = ''
-      res.setEncoding('utf8')
-      res.on('data', (chunk: string) => (text += chunk))
-      res.on('end', () => resolve({ status: res.statusCode ?? 0, headers: res.headers, text }))
-    })
+    const req = request(
+      { host: '127.0.0.1', port: target.port, localAddress: '127.0.0.2', method, path, headers, agent: false },
+      (res) => {
+        let text = ''
+        res.setEncoding('utf8')
+        res.on('data', (chunk: string) => (text += chunk))
+        res.on('end', () => resolve({ status: res.statusCode ?? 0, headers: res.headers, text }))
+      },
+    )
     req.on('error', reject)
     req.end(options.body)
   })
@@ -125,7 +136,11 @@ function validAuthorizationQuery(): string {
 /** GET /auth: the pending request's id, its CSRF field and the cookie that goes with it. */
 async function openConsent(target: Target): Promise<Pick<Live, 'request' | 'csrf' | 'cookie'>> {
   const answer = await call(target, 'GET', `/auth?${validAuthorizationQuery()}`)
-  assert.equal(answer.status, 200, `seed=${SEED} ${target.name}: GET /auth answered ${answer.status}: ${answer.text.slice(0, 300)}`)
+  assert.equal(
+    answer.status,
+    200,
+    `seed=${SEED} ${target.name}: GET /auth answered ${answer.status}: ${answer.text.slice(0, 300)}`,
+  )
   return {
     request: /name="request" value="([^"]+)"/.exec(answer.text)?.[1] ?? '',
     csrf: /name="csrf" value="([^"]+)"/.exec(answer.text)?.[1] ?? '',
@@ -140,20 +155,34 @@ async function obtainCode(target: Target): Promise<string> {
   body.append('scope', 'profile')
   body.append('scope', 'create')
   if (target.password !== undefined) body.append('password', target.password)
-  const answer = await call(target, 'POST', '/auth/consent', { body: body.toString(), headers: { Cookie: consent.cookie } })
-  assert.equal(answer.status, 303, `seed=${SEED} ${target.name}: consent answered ${answer.status}: ${answer.text.slice(0, 300)}`)
+  const answer = await call(target, 'POST', '/auth/consent', {
+    body: body.toString(),
+    headers: { Cookie: consent.cookie },
+  })
+  assert.equal(
+    answer.status,
+    303,
+    `seed=${SEED} ${target.name}: consent answered ${answer.status}: ${answer.text.slice(0, 300)}`,
+  )
   return new URL(String(answer.headers.location)).searchParams.get('code') ?? ''
 }
 
 async function obtainTokens(target: Target): Promise<{ access_token: string; refresh_token: string }> {
-  const body = new URLSearchParams({ grant_type: 'authorization_code', code: await obtainCode(target), client_id: CLIENT_ID, redirect_uri: REDIRECT_URI, code_verifier: VERIFIER })
+  const body = new URLSearchParams({
+    grant_type: 'authorization_code',
+    code: await obtainCode(target),
+    client_id: CLIENT_ID,
+    redirect_uri: REDIRECT_URI,
+    code_verifier: VERIFIER,
+  })
   const answer = await call(target, 'POST', '/token', { body: body.toString() })
   assert.equal(answer.status, 200, `seed=${SEED} ${target.name}: /token answered ${answer.status}: ${answer.text}`)
   return JSON.parse(answer.text) as { access_token: string; refresh_token: string }
 }
 
 async function introspect(target: Target, token: string): Promise<Record<string, unknown>> {
-  const headers: Record<string, string> = target.introspectionSecret === undefined ? {} : { Authorization: `Bearer ${target.introspectionSecret}` }
+  const headers: Record<string, string> =
+    target.introspectionSecret === undefined ? {} : { Authorization: `Bearer ${target.introspectionSecret}` }
   const answer = await call(target, 'POST', '/introspect', { body: new URLSearchParams({ token }).toString(), headers })
   assert.equal(answer.status, 200, `seed=${SEED} ${target.name}: /introspect answered ${answer.status}: ${answer.text}`)
   return JSON.parse(answer.text) as Record<string, unknown>
@@ -162,9 +191,18 @@ async function introspect(target: Target, token: string): Promise<Record<string,
 /** Gives the fuzzer a fresh pending request, an unused code and a live token pair. */
 async function refreshLive(target: Target): Promise<void> {
   const tokens = await obtainTokens(target)
-  target.live = { ...(await openConsent(target)), code: await obtainCode(target), token: tokens.access_token, refresh: tokens.refresh_token }
+  target.live = {
+    ...(await openConsent(target)),
+    code: await obtainCode(target),
+    token: tokens.access_token,
+    refresh: tokens.refresh_token,
+  }
   // Six requests, six log lines: wait for them all, so that none is taken for the next case's.
-  for (let i = 0; i < 200 && target.logs.slice(target.logCursor).filter((line) => REQUEST_LINE.test(line)).length < 6; i++) {
+  for (
+    let i = 0;
+    i < 200 && target.logs.slice(target.logCursor).filter((line) => REQUEST_LINE.test(line)).length < 6;
+    i++
+  ) {
     await new Promise((wait) => setImmediate(wait))
   }
   target.logCursor = target.logs.length
@@ -285,7 +323,14 @@ const ENDPOINTS: Endpoint[] = [
     readsFirst: 'grant_type',
     parses: true,
   },
-  { method: 'GET', path: '/token', fields: () => [], headers: (target) => bearer(target.live.token), readsFirst: undefined, parses: false },
+  {
+    method: 'GET',
+    path: '/token',
+    fields: () => [],
+    headers: (target) => bearer(target.live.token),
+    readsFirst: undefined,
+    parses: false,
+  },
   {
     method: 'POST',
     path: '/introspect',
@@ -297,10 +342,38 @@ const ENDPOINTS: Endpoint[] = [
     readsFirst: 'token',
     parses: true,
   },
-  { method: 'POST', path: '/revoke', fields: (target) => [['token', target.live.token]], headers: none, readsFirst: 'token', parses: true },
-  { method: 'GET', path: '/userinfo', fields: () => [], headers: (target) => bearer(target.live.token), readsFirst: undefined, parses: false },
-  { method: 'POST', path: '/userinfo', fields: (target) => [['access_token', target.live.token]], headers: none, readsFirst: 'access_token', parses: true },
-  { method: 'GET', path: '/.well-known/oauth-authorization-server', fields: () => [], headers: none, readsFirst: undefined, parses: false },
+  {
+    method: 'POST',
+    path: '/revoke',
+    fields: (target) => [['token', target.live.token]],
+    headers: none,
+    readsFirst: 'token',
+    parses: true,
+  },
+  {
+    method: 'GET',
+    path: '/userinfo',
+    fields: () => [],
+    headers: (target) => bearer(target.live.token),
+    readsFirst: undefined,
+    parses: false,
+  },
+  {
+    method: 'POST',
+    path: '/userinfo',
+    fields: (target) => [['access_token', target.live.token]],
+    headers: none,
+    readsFirst: 'access_token',
+    parses: true,
+  },
+  {
+    method: 'GET',
+    path: '/.well-known/oauth-authorization-server',
+    fields: () => [],
+    headers: none,
+    readsFirst: undefined,
+    parses: false,
+  },
   { method: 'GET', path: '/', fields: () => [], headers: none, readsFirst: undefined, parses: false },
 ]
 
@@ -316,7 +389,21 @@ const ALLOWED_METHODS: Record<string, string[]> = {
   '/userinfo': ['GET', 'POST'],
 }
 const METHODS = ['GET', 'POST', 'PUT', 'DELETE', 'PATCH', 'HEAD', 'OPTIONS', 'TRACE']
-const UNKNOWN_PATHS = ['/auth/', '/AUTH', '//auth', '/auth%2fconsent', '/.well-known/', '/%00', '/..%2ftoken', '/token/', '/introspect;x', '/auth/consent/..', '/index.html', '/favicon.ico', '/%ff%fe']
+const UNKNOWN_PATHS = [
+  '/auth/',
+  '/AUTH',
+  '//auth',
+  '/auth%2fconsent',
+  '/.well-known/',
+  '/%00',
+  '/..%2ftoken',
+  '/token/',
+  '/introspect;x',
+  '/auth/consent/..',
+  '/index.html',
+  '/favicon.ico',
+  '/%ff%fe',
+]
 
 /** Where a refusal is read by a person: an HTML page. Everywhere else it is JSON. */
 function answersWithPage(method: string, path: string): boolean {
@@ -351,15 +438,66 @@ const HOSTILE_VALUES = [
   'profile\tcreate',
   'profile profile email',
 ]
-const HOSTILE_SCOPES = ['__proto__', 'constructor', 'toString profile', 'hasOwnProperty', 'valueOf create', 'profile profile', 'a\\b', '"', '\u007f', 'email']
+const HOSTILE_SCOPES = [
+  '__proto__',
+  'constructor',
+  'toString profile',
+  'hasOwnProperty',
+  'valueOf create',
+  'profile profile',
+  'a\\b',
+  '"',
+  '\u007f',
+  'email',
+]
 /** Names no endpoint reads: they must be ignored, whatever they hold. */
-const UNKNOWN_NAMES = ['__proto__', 'constructor', 'toString', 'prototype', 'x', '', '%20', 'a%5Bb%5D', 'a.b', 'hasOwnProperty', 'n'.repeat(300), '%C3%A9']
+const UNKNOWN_NAMES = [
+  '__proto__',
+  'constructor',
+  'toString',
+  'prototype',
+  'x',
+  '',
+  '%20',
+  'a%5Bb%5D',
+  'a.b',
+  'hasOwnProperty',
+  'n'.repeat(300),
+  '%C3%A9',
+]
 /** Percent-escapes that are malformed whatever comes next. */
 const BROKEN_ESCAPES = ['%zz', '%G1', '%%', '%g', '%_1', '%.', '%x0']
 /** Byte sequences that are invalid UTF-8 whatever surrounds them. */
-const INVALID_UTF8 = ['%FF', '%FE', '%C0%AF', '%C1%BF', '%ED%A0%80', '%F4%90%80%80', '%F5%80%80%80', '%C3%28', '\xff', '\xc0\xaf', '\xfe']
-const BAD_CONTENT_TYPES = ['', 'text/plain', 'application/json', 'multipart/form-data; boundary=x', 'application/x-www-form-urlencoded; charset=iso-8859-1', 'application/x-www-form-urlencodedx', ';', 'application/x-www-form-urlencoded, text/plain']
-const GOOD_CONTENT_TYPES = ['application/x-www-form-urlencoded', 'APPLICATION/X-WWW-FORM-URLENCODED', 'application/x-www-form-urlencoded;charset=UTF-8', 'application/x-www-form-urlencoded; charset="utf-8"', 'application/x-www-form-urlencoded; foo=bar']
+const INVALID_UTF8 = [
+  '%FF',
+  '%FE',
+  '%C0%AF',
+  '%C1%BF',
+  '%ED%A0%80',
+  '%F4%90%80%80',
+  '%F5%80%80%80',
+  '%C3%28',
+  '\xff',
+  '\xc0\xaf',
+  '\xfe',
+]
+const BAD_CONTENT_TYPES = [
+  '',
+  'text/plain',
+  'application/json',
+  'multipart/form-data; boundary=x',
+  'application/x-www-form-urlencoded; charset=iso-8859-1',
+  'application/x-www-form-urlencodedx',
+  ';',
+  'application/x-www-form-urlencoded, text/plain',
+]
+const GOOD_CONTENT_TYPES = [
+  'application/x-www-form-urlencoded',
+  'APPLICATION/X-WWW-FORM-URLENCODED',
+  'application/x-www-form-urlencoded;charset=UTF-8',
+  'application/x-www-form-urlencoded; charset="utf-8"',
+  'application/x-www-form-urlencoded; foo=bar',
+]
 
 function insertAt(text: string, insert: string, random: Random): string {
   const at = random.int(text.length + 1)
@@ -398,9 +536,18 @@ function buildCase(index: number, target: Target, random: Random): Case {
   if (mutations.has(2) && fields.length > 0) {
     const scope = fields.findIndex(([name]) => name === 'scope')
     const i = scope !== -1 && random.chance(0.3) ? scope : fieldOf()
-    const value = fields[i][0] === 'scope' || random.chance(0.2) ? random.pick(HOSTILE_SCOPES) : random.pick(HOSTILE_VALUES)
+    const value =
+      fields[i][0] === 'scope' || random.chance(0.2) ? random.pick(HOSTILE_SCOPES) : random.pick(HOSTILE_VALUES)
     what.push(`hostile ${fields[i][0]}`)
-    fields[i] = [fields[i][0], random.chance(0.8) ? enc(value) : value.replace(/[^\x21-\x7e]/gu, (c) => enc(c)).replaceAll('&', '%26').replaceAll('=', '%3D')]
+    fields[i] = [
+      fields[i][0],
+      random.chance(0.8)
+        ? enc(value)
+        : value
+            .replace(/[^\x21-\x7e]/gu, (c) => enc(c))
+            .replaceAll('&', '%26')
+            .replaceAll('=', '%3D'),
+    ]
   }
   if (mutations.has(3) && fields.length > 0) {
     const i = fieldOf()
@@ -411,7 +558,8 @@ function buildCase(index: number, target: Target, random: Random): Case {
   if (mutations.has(4)) {
     const count = 1 + random.int(random.chance(0.1) ? 2000 : 5)
     what.push(`${count} unknown fields`)
-    for (let i = 0; i < count; i++) fields.splice(random.int(fields.length + 1), 0, [random.pick(UNKNOWN_NAMES), enc(random.pick(HOSTILE_VALUES))])
+    for (let i = 0; i < count; i++)
+      fields.splice(random.int(fields.length + 1), 0, [random.pick(UNKNOWN_NAMES), enc(random.pick(HOSTILE_VALUES))])
   }
   if (mutations.has(5) && endpoint.readsFirst !== undefined) {
     const first = fields.find(([name, value]) => name === endpoint.readsFirst && value !== undefined && value !== '')
@@ -428,7 +576,9 @@ function buildCase(index: number, target: Target, random: Random): Case {
     const i = fieldOf()
     const inName = random.chance(0.3)
     what.push(`broken escape ${JSON.stringify(broken)} in ${fields[i][0]}`)
-    fields[i] = inName ? [insertAt(fields[i][0], broken, random), fields[i][1]] : [fields[i][0], insertAt(fields[i][1] ?? '', broken, random)]
+    fields[i] = inName
+      ? [insertAt(fields[i][0], broken, random), fields[i][1]]
+      : [fields[i][0], insertAt(fields[i][1] ?? '', broken, random)]
     if (endpoint.parses) mustRefuse = true
   }
   if (mutations.has(7)) {
@@ -446,12 +596,15 @@ function buildCase(index: number, target: Target, random: Random): Case {
       what.push(`method ${method}`)
       if (method !== 'OPTIONS' && method !== 'HEAD' && !ALLOWED_METHODS[path].includes(method)) mustRefuse = true
     } else {
-      path = random.chance(0.5) ? random.pick(UNKNOWN_PATHS) : `/${random.bytes(1 + random.int(30)).replace(/[^\x21-\x7e]|[?#%]/g, (c) => `%${c.charCodeAt(0).toString(16).padStart(2, '0')}`)}`
+      path = random.chance(0.5)
+        ? random.pick(UNKNOWN_PATHS)
+        : `/${random.bytes(1 + random.int(30)).replace(/[^\x21-\x7e]|[?#%]/g, (c) => `%${c.charCodeAt(0).toString(16).padStart(2, '0')}`)}`
       what.push(`path ${JSON.stringify(path)}`)
       if (ALLOWED_METHODS[path] === undefined) mustRefuse = true
     }
   }
-  const sendsBody = method !== 'GET' && method !== 'HEAD' && method !== 'OPTIONS' && method !== 'TRACE' && method !== 'DELETE'
+  const sendsBody =
+    method !== 'GET' && method !== 'HEAD' && method !== 'OPTIONS' && method !== 'TRACE' && method !== 'DELETE'
   if (mutations.has(9) && sendsBody) {
     if (random.chance(0.6)) {
       contentType = random.chance(0.2) ? undefined : random.pick(BAD_CONTENT_TYPES)
@@ -484,7 +637,8 @@ function buildCase(index: number, target: Target, random: Random): Case {
     ])
     if (header === 'no-host') headers = headers.filter(([name]) => name !== 'Host')
     else if (header === 'http/1.0') version = 'HTTP/1.0'
-    else if (header[0] === 'Host' || header[0] === 'Authorization') headers = [...headers.filter(([name]) => name !== header[0]), header]
+    else if (header[0] === 'Host' || header[0] === 'Authorization')
+      headers = [...headers.filter(([name]) => name !== header[0]), header]
     else headers.push(header)
     what.push(typeof header === 'string' ? header : `header ${header[0]}: ${header[1].slice(0, 40)}`)
     if (header === 'no-host') mustRefuse = true // HTTP/1.1 requires Host
@@ -515,7 +669,11 @@ function buildCase(index: number, target: Target, random: Random): Case {
   if (target_.length > 16 * 1024) mayDrop = true
   if (version === 'HTTP/1.0' && !headers.some(([name]) => name === 'Host')) mustRefuse = false
   if (method === 'OPTIONS' || method === 'HEAD') mustRefuse = mustRefuse && ALLOWED_METHODS[path] === undefined
-  const head = [`${method} ${target_} ${version}`, ...headers.map(([name, value]) => `${name}: ${value}`), 'Connection: close']
+  const head = [
+    `${method} ${target_} ${version}`,
+    ...headers.map(([name, value]) => `${name}: ${value}`),
+    'Connection: close',
+  ]
   if (inBody && contentType !== undefined) head.push(`Content-Type: ${contentType}`)
   const bytes = frame(head, body, inBody ? transport : 'plain', random)
   const halfClose = inBody && (transport === 'truncated' || transport === 'bad-chunked')
@@ -528,7 +686,7 @@ function frame(head: string[], body: Buffer, transport: string, random: Random):
   switch (transport) {
     case 'chunked': {
       const parts: Buffer[] = [lines(['Transfer-Encoding: chunked'])]
-      for (let at = 0; at < body.length; ) {
+      for (let at = 0; at < body.length;) {
         const size = 1 + random.int(Math.min(body.length - at, 5000))
         parts.push(Buffer.from(`${size.toString(16)}\r\n`), body.subarray(at, at + size), Buffer.from('\r\n'))
         at += size
@@ -537,7 +695,12 @@ function frame(head: string[], body: Buffer, transport: string, random: Random):
       return [Buffer.concat(parts)]
     }
     case 'bad-chunked':
-      return [Buffer.concat([lines(['Transfer-Encoding: chunked']), Buffer.from(random.pick(['zz\r\n', 'ffff\r\nabc', '5\r\nabcdefgh\r\n', '-1\r\n', '5;a=b\r\nabcde']))])]
+      return [
+        Buffer.concat([
+          lines(['Transfer-Encoding: chunked']),
+          Buffer.from(random.pick(['zz\r\n', 'ffff\r\nabc', '5\r\nabcdefgh\r\n', '-1\r\n', '5;a=b\r\nabcde'])),
+        ]),
+      ]
     case 'truncated':
       return [Buffer.concat([lines([`Content-Length: ${body.length + 1 + random.int(1000)}`]), body])]
     case 'short': {
@@ -547,7 +710,9 @@ function frame(head: string[], body: Buffer, transport: string, random: Random):
     case 'pieces': {
       const whole = Buffer.concat([lines([`Content-Length: ${body.length}`]), body])
       const cuts = Array.from({ length: 1 + random.int(4) }, () => random.int(whole.length)).sort((a, b) => a - b)
-      return [0, ...cuts].map((from, i, all) => whole.subarray(from, all[i + 1] ?? whole.length)).filter((part) => part.length > 0)
+      return [0, ...cuts]
+        .map((from, i, all) => whole.subarray(from, all[i + 1] ?? whole.length))
+        .filter((part) => part.length > 0)
     }
     default:
       return [Buffer.concat([lines([`Content-Length: ${body.length}`]), body])]
@@ -577,7 +742,18 @@ function buildGarbage(index: number, target: Target, random: Random): Case {
     () => `GET\t/\tHTTP/1.1\r\n${host}\r\n\r\n`,
     () => `GET /auth?${'&'.repeat(5000)} HTTP/1.1\r\n${host}\r\n\r\n`,
   ])()
-  return { index, target, what: [`garbage ${JSON.stringify(text.slice(0, 60))}`], method: '', path: '', bytes: [Buffer.from(text, 'latin1')], mustRefuse: false, mayDrop: true, garbage: true, halfClose: true }
+  return {
+    index,
+    target,
+    what: [`garbage ${JSON.stringify(text.slice(0, 60))}`],
+    method: '',
+    path: '',
+    bytes: [Buffer.from(text, 'latin1')],
+    mustRefuse: false,
+    mayDrop: true,
+    garbage: true,
+    halfClose: true,
+  }
 }
 
 // --- Sending and reading -----------------------------------------------------------------------
@@ -617,7 +793,8 @@ function parseReplies(data: Buffer, firstIsHead: boolean): Reply[] | string {
   let at = 0
   while (at < data.length) {
     const end = data.indexOf('\r\n\r\n', at)
-    if (end === -1) return `an incomplete response head: ${JSON.stringify(data.subarray(at, at + 200).toString('latin1'))}`
+    if (end === -1)
+      return `an incomplete response head: ${JSON.stringify(data.subarray(at, at + 200).toString('latin1'))}`
     const head = data.subarray(at, end).toString('latin1')
     const [statusLine, ...headerLines] = head.split('\r\n')
     const match = /^HTTP\/1\.[01] (\d{3})/.exec(statusLine)
@@ -676,31 +853,43 @@ type Problem = { kind: 'status' | 'log' | 'shape' | 'refuse' | 'silence'; detail
 function judge(c: Case, data: Buffer, hung: boolean, logLines: string[]): Problem[] {
   const problems: Problem[] = []
   for (const line of logLines) {
-    if (/^error:|server_error/.test(line) || /^\S+ \S+ 5\d\d \d+ms$/.test(line)) problems.push({ kind: 'log', detail: line })
+    if (/^error:|server_error/.test(line) || /^\S+ \S+ 5\d\d \d+ms$/.test(line))
+      problems.push({ kind: 'log', detail: line })
   }
   if (hung) problems.push({ kind: 'silence', detail: `no answer and no close within ${REPLY_TIMEOUT_MS} ms (a hang)` })
   const replies = parseReplies(data, c.method === 'HEAD')
   if (typeof replies === 'string') return [...problems, { kind: 'shape', detail: replies }]
-  if (replies.length === 0 && !c.mayDrop && !hung) problems.push({ kind: 'silence', detail: 'the server closed the connection without answering' })
+  if (replies.length === 0 && !c.mayDrop && !hung)
+    problems.push({ kind: 'silence', detail: 'the server closed the connection without answering' })
   const answeredByLatch = replies.length > 0 && replies[0].headers.has('date')
   for (const line of logLines) {
     const logged = Number(REQUEST_LINE.exec(line)?.[1] ?? 0)
-    if (!answeredByLatch && logged >= 200 && logged < 400) problems.push({ kind: 'log', detail: `logs ${logged} for a request it never answered: ${line}` })
+    if (!answeredByLatch && logged >= 200 && logged < 400)
+      problems.push({ kind: 'log', detail: `logs ${logged} for a request it never answered: ${line}` })
   }
   replies.forEach((reply, i) => {
     // Latch logs every request it answers, and its answers carry a Date header. node:http's own
     // refusals never reach Latch (no Host, an unknown Expect) or are written raw, without a Date
     // (an unparseable request, even one that cuts in before Latch's answer is written).
-    const fromLatch = i === 0 && reply.headers.has('date') && logLines.some((line) => REQUEST_LINE.exec(line)?.[1] === String(reply.status))
-    if (reply.status >= 500) problems.push({ kind: 'status', detail: `answered ${reply.head.split('\r\n')[0]}${fromLatch ? '' : ' (from node:http)'}` })
+    const fromLatch =
+      i === 0 &&
+      reply.headers.has('date') &&
+      logLines.some((line) => REQUEST_LINE.exec(line)?.[1] === String(reply.status))
+    if (reply.status >= 500)
+      problems.push({
+        kind: 'status',
+        detail: `answered ${reply.head.split('\r\n')[0]}${fromLatch ? '' : ' (from node:http)'}`,
+      })
     if (!fromLatch) {
       if (reply.status < 400) problems.push({ kind: 'shape', detail: `node:http answered ${reply.status}` })
       return
     }
     const first = i === 0 && !c.garbage
-    if (first && c.mustRefuse && !isRefusal(c, reply)) problems.push({ kind: 'refuse', detail: `answered ${reply.status} to a request it must refuse` })
+    if (first && c.mustRefuse && !isRefusal(c, reply))
+      problems.push({ kind: 'refuse', detail: `answered ${reply.status} to a request it must refuse` })
     if (first && reply.status >= 400 && c.method !== 'HEAD') problems.push(...shapeProblems(c, reply))
-    if (reply.status >= 300 && reply.status < 400 && !reply.headers.has('location')) problems.push({ kind: 'shape', detail: `a ${reply.status} without Location` })
+    if (reply.status >= 300 && reply.status < 400 && !reply.headers.has('location'))
+      problems.push({ kind: 'shape', detail: `a ${reply.status} without Location` })
   })
   return problems
 }
@@ -708,21 +897,41 @@ function judge(c: Case, data: Buffer, hung: boolean, logLines: string[]): Proble
 /** A 4xx, or (from GET /auth, once redirect_uri is trusted) a redirect that carries an error. */
 function isRefusal(c: Case, reply: Reply): boolean {
   if (reply.status >= 400 && reply.status < 500) return true
-  return c.method === 'GET' && c.path === '/auth' && reply.status === 302 && /[?&]error=/.test(reply.headers.get('location') ?? '')
+  return (
+    c.method === 'GET' &&
+    c.path === '/auth' &&
+    reply.status === 302 &&
+    /[?&]error=/.test(reply.headers.get('location') ?? '')
+  )
 }
 
 /** JSON endpoints refuse with `{"error": "<string>", ...}`; the pages a person reads, with HTML. */
 function shapeProblems(c: Case, reply: Reply): Problem[] {
   const contentType = reply.headers.get('content-type') ?? ''
   if (answersWithPage(c.method, c.path)) {
-    return contentType.startsWith('text/html') ? [] : [{ kind: 'shape', detail: `a ${reply.status} page with Content-Type ${JSON.stringify(contentType)}` }]
+    return contentType.startsWith('text/html')
+      ? []
+      : [{ kind: 'shape', detail: `a ${reply.status} page with Content-Type ${JSON.stringify(contentType)}` }]
   }
-  if (contentType !== 'application/json') return [{ kind: 'shape', detail: `a ${reply.status} with Content-Type ${JSON.stringify(contentType)}, not application/json` }]
+  if (contentType !== 'application/json')
+    return [
+      {
+        kind: 'shape',
+        detail: `a ${reply.status} with Content-Type ${JSON.stringify(contentType)}, not application/json`,
+      },
+    ]
   try {
     const json = JSON.parse(reply.body.toString('utf8')) as { error?: unknown }
-    return typeof json.error === 'string' ? [] : [{ kind: 'shape', detail: `a ${reply.status} whose JSON has no string error` }]
+    return typeof json.error === 'string'
+      ? []
+      : [{ kind: 'shape', detail: `a ${reply.status} whose JSON has no string error` }]
   } catch {
-    return [{ kind: 'shape', detail: `a ${reply.status} whose body is not JSON: ${JSON.stringify(reply.body.subarray(0, 100).toString('latin1'))}` }]
+    return [
+      {
+        kind: 'shape',
+        detail: `a ${reply.status} whose body is not JSON: ${JSON.stringify(reply.body.subarray(0, 100).toString('latin1'))}`,
+      },
+    ]
   }
 }
 
@@ -749,52 +958,78 @@ describe(`Fuzzing (FUZZ_SEED=${SEED}, ${CASES} cases)`, () => {
   })
   after(() => Promise.all(targets.map((target) => target.close())))
 
-  it('answers every malformed or hostile request with a well-formed 4xx where it must, and never with a 5xx', { timeout: 120_000 }, async (t) => {
-    const random = createRandom(SEED)
-    for (let index = 0; index < CASES; index++) {
-      const target = targets[index % targets.length]
-      if (index % 100 < targets.length) await refreshLive(target) // every 50 cases per server
-      target.advance(1) // so that codes, pending requests and password lockouts expire along the way
-      const c = buildCase(index, target, random)
-      const { data, hung } = await exchangeRaw(target.port, c.bytes, c.halfClose)
-      await settleLog(target, data)
-      const logLines = target.logs.slice(target.logCursor)
-      target.logCursor = target.logs.length
-      const problems = judge(c, data, hung, logLines)
-      const replies = parseReplies(data, c.method === 'HEAD')
-      if (Array.isArray(replies) && replies.length > 0) {
-        tally[replies[0].headers.has('date') ? 'latch' : 'node']++
-        tally[replies[0].status >= 400 ? 'refusals' : 'successes']++
-      } else tally.silent++
-      for (const problem of problems) {
-        const known = STRICT ? undefined : KNOWN_ISSUES.find((issue) => issue.matches(problem, c))
-        const report = describeFailure(c, problem, data, logLines)
-        if (known === undefined) failures.push(report)
-        else knownHits.set(known.id, [...(knownHits.get(known.id) ?? []), report])
+  it(
+    'answers every malformed or hostile request with a well-formed 4xx where it must, and never with a 5xx',
+    { timeout: 120_000 },
+    async (t) => {
+      const random = createRandom(SEED)
+      for (let index = 0; index < CASES; index++) {
+        const target = targets[index % targets.length]
+        if (index % 100 < targets.length) await refreshLive(target) // every 50 cases per server
+        target.advance(1) // so that codes, pending requests and password lockouts expire along the way
+        const c = buildCase(index, target, random)
+        const { data, hung } = await exchangeRaw(target.port, c.bytes, c.halfClose)
+        await settleLog(target, data)
+        const logLines = target.logs.slice(target.logCursor)
+        target.logCursor = target.logs.length
+        const problems = judge(c, data, hung, logLines)
+        const replies = parseReplies(data, c.method === 'HEAD')
+        if (Array.isArray(replies) && replies.length > 0) {
+          tally[replies[0].headers.has('date') ? 'latch' : 'node']++
+          tally[replies[0].status >= 400 ? 'refusals' : 'successes']++
+        } else tally.silent++
+        for (const problem of problems) {
+          const known = STRICT ? undefined : KNOWN_ISSUES.find((issue) => issue.matches(problem, c))
+          const report = describeFailure(c, problem, data, logLines)
+          if (known === undefined) failures.push(report)
+          else knownHits.set(known.id, [...(knownHits.get(known.id) ?? []), report])
+        }
       }
-    }
-    t.diagnostic(`${CASES} cases: first answer from Latch ${tally.latch}, from node:http ${tally.node}, none ${tally.silent}; 4xx ${tally.refusals}, 2xx/3xx ${tally.successes}`)
-    for (const [id, hits] of knownHits) t.diagnostic(`known issue ${id}: ${hits.length} hits`)
-    assert.equal(failures.length, 0, `FUZZ_SEED=${SEED}: ${failures.length} problems.\n${summarize(failures)}\nThe first ones:\n\n${failures.slice(0, Number(process.env.FUZZ_SHOW ?? 8)).join('\n\n')}`)
-  })
+      t.diagnostic(
+        `${CASES} cases: first answer from Latch ${tally.latch}, from node:http ${tally.node}, none ${tally.silent}; 4xx ${tally.refusals}, 2xx/3xx ${tally.successes}`,
+      )
+      for (const [id, hits] of knownHits) t.diagnostic(`known issue ${id}: ${hits.length} hits`)
+      assert.equal(
+        failures.length,
+        0,
+        `FUZZ_SEED=${SEED}: ${failures.length} problems.\n${summarize(failures)}\nThe first ones:\n\n${failures.slice(0, Number(process.env.FUZZ_SHOW ?? 8)).join('\n\n')}`,
+      )
+    },
+  )
 
   it('stays up, and still walks a full flow afterwards: sign in, exchange, introspect, revoke', async () => {
     for (const target of targets) {
       const metadata = await call(target, 'GET', '/.well-known/oauth-authorization-server')
       assert.equal(metadata.status, 200, `FUZZ_SEED=${SEED} ${target.name}: metadata answered ${metadata.status}`)
       const { access_token: token } = await obtainTokens(target)
-      assert.equal((await introspect(target, token)).active, true, `FUZZ_SEED=${SEED} ${target.name}: a fresh token is not active`)
+      assert.equal(
+        (await introspect(target, token)).active,
+        true,
+        `FUZZ_SEED=${SEED} ${target.name}: a fresh token is not active`,
+      )
       const revoked = await call(target, 'POST', '/revoke', { body: new URLSearchParams({ token }).toString() })
       assert.equal(revoked.status, 200, `FUZZ_SEED=${SEED} ${target.name}: /revoke answered ${revoked.status}`)
-      assert.deepEqual(await introspect(target, token), { active: false }, `FUZZ_SEED=${SEED} ${target.name}: a revoked token is still active`)
+      assert.deepEqual(
+        await introspect(target, token),
+        { active: false },
+        `FUZZ_SEED=${SEED} ${target.name}: a revoked token is still active`,
+      )
     }
   })
 
   it('logs no server error, however it was called', () => {
     const unexplained = targets.flatMap((target) =>
-      target.logs.filter((line) => /^error:|server_error/.test(line) && (STRICT || !KNOWN_ISSUES.some((issue) => issue.matches({ kind: 'log', detail: line }, emptyCase(target))))),
+      target.logs.filter(
+        (line) =>
+          /^error:|server_error/.test(line) &&
+          (STRICT || !KNOWN_ISSUES.some((issue) => issue.matches({ kind: 'log', detail: line }, emptyCase(target)))),
+      ),
     )
-    assert.equal(unexplained.length, 0, `FUZZ_SEED=${SEED}: ${unexplained.length} error lines, the first: ${unexplained.slice(0, 3).join('\n')}`)
+    assert.equal(
+      unexplained.length,
+      0,
+      `FUZZ_SEED=${SEED}: ${unexplained.length} error lines, the first: ${unexplained.slice(0, 3).join('\n')}`,
+    )
   })
 
   for (const issue of KNOWN_ISSUES) {
@@ -809,14 +1044,28 @@ describe(`Fuzzing (FUZZ_SEED=${SEED}, ${CASES} cases)`, () => {
 function summarize(failures: string[]): string {
   const counts = new Map<string, number>()
   for (const failure of failures) {
-    const kind = failure.split('\n')[0].replace(/^.*server\): /, '').replace(/\d+ms/, 'Nms')
+    const kind = failure
+      .split('\n')[0]
+      .replace(/^.*server\): /, '')
+      .replace(/\d+ms/, 'Nms')
     counts.set(kind, (counts.get(kind) ?? 0) + 1)
   }
   return [...counts].map(([kind, count]) => `  ${String(count).padStart(5)} × ${kind}`).join('\n')
 }
 
 function emptyCase(target: Target): Case {
-  return { index: -1, target, what: [], method: '', path: '', bytes: [], mustRefuse: false, mayDrop: false, garbage: false, halfClose: false }
+  return {
+    index: -1,
+    target,
+    what: [],
+    method: '',
+    path: '',
+    bytes: [],
+    mustRefuse: false,
+    mayDrop: false,
+    garbage: false,
+    halfClose: false,
+  }
 }
 
 /** One failure, with everything needed to replay it: seed, case, server, request bytes, answer, log. */

@@ -20,7 +20,10 @@ export type TestServer = {
 }
 
 /** Starts Latch with the given settings (PORT is 0), and a store of the test's own if it passes one. */
-export async function startLatch(env: Record<string, string> = {}, options: { store?: Store } = {}): Promise<TestServer> {
+export async function startLatch(
+  env: Record<string, string> = {},
+  options: { store?: Store } = {},
+): Promise<TestServer> {
   const server = createServer()
   await new Promise<void>((resolve) => server.listen(0, '127.0.0.1', resolve))
   const port = (server.address() as AddressInfo).port

@@ -40,7 +40,10 @@ type Authorization = { state: string; codeVerifier: string; location: URL }
  * What the application and the owner's browser do: build the authorization URL with PKCE, open
  * it, read the consent form, submit it, and return where the browser is sent next.
  */
-async function authorize(as: oauth.AuthorizationServer, options: { scope?: string; decision?: 'approve' | 'deny'; granted?: string[] } = {}): Promise<Authorization> {
+async function authorize(
+  as: oauth.AuthorizationServer,
+  options: { scope?: string; decision?: 'approve' | 'deny'; granted?: string[] } = {},
+): Promise<Authorization> {
   const state = oauth.generateRandomState()
   const codeVerifier = oauth.generateRandomCodeVerifier()
   const url = new URL(as.authorization_endpoint ?? '')
@@ -58,10 +61,17 @@ async function authorize(as: oauth.AuthorizationServer, options: { scope?: strin
   const action = /<form method="post" action="([^"]+)"/.exec(html)?.[1]
   const request = /name="request" value="([^"]+)"/.exec(html)?.[1]
   const csrf = /name="csrf" value="([^"]+)"/.exec(html)?.[1]
-  const cookie = page.headers.getSetCookie().find((line) => line.startsWith('latch_csrf='))?.split(';')[0]
+  const cookie = page.headers
+    .getSetCookie()
+    .find((line) => line.startsWith('latch_csrf='))
+    ?.split(';')[0]
   assert.ok(action && request && csrf && cookie)
 
-  const body = new URLSearchParams({ request: unescapeHtml(request), csrf: unescapeHtml(csrf), decision: options.decision ?? 'approve' })
+  const body = new URLSearchParams({
+    request: unescapeHtml(request),
+    csrf: unescapeHtml(csrf),
+    decision: options.decision ?? 'approve',
+  })
   for (const scope of options.granted ?? ['profile', 'create']) body.append('scope', scope)
   const answer = await fetch(new URL(unescapeHtml(action), url), {
     method: 'POST',
@@ -74,13 +84,27 @@ async function authorize(as: oauth.AuthorizationServer, options: { scope?: strin
 }
 
 /** Validates the authorization response and exchanges its code, all through the library. */
-async function exchangeCode(as: oauth.AuthorizationServer, authorization: Authorization): Promise<oauth.TokenEndpointResponse> {
+async function exchangeCode(
+  as: oauth.AuthorizationServer,
+  authorization: Authorization,
+): Promise<oauth.TokenEndpointResponse> {
   const params = oauth.validateAuthResponse(as, client, authorization.location, authorization.state)
-  const response = await oauth.authorizationCodeGrantRequest(as, client, clientAuth, params, REDIRECT_URI, authorization.codeVerifier, insecure)
+  const response = await oauth.authorizationCodeGrantRequest(
+    as,
+    client,
+    clientAuth,
+    params,
+    REDIRECT_URI,
+    authorization.codeVerifier,
+    insecure,
+  )
   return oauth.processAuthorizationCodeResponse(as, client, response)
 }
 
-async function signIn(as: oauth.AuthorizationServer, options: { scope?: string; granted?: string[] } = {}): Promise<oauth.TokenEndpointResponse> {
+async function signIn(
+  as: oauth.AuthorizationServer,
+  options: { scope?: string; granted?: string[] } = {},
+): Promise<oauth.TokenEndpointResponse> {
   return exchangeCode(as, await authorize(as, options))
 }
 
@@ -118,7 +142,12 @@ describe('Interop with oauth4webapi, a real client library', () => {
   let latch: TestServer
   let as: oauth.AuthorizationServer
   before(async () => {
-    latch = await startLatch({ ME, PROFILE_NAME: PROFILE.name, PROFILE_PHOTO: PROFILE.photo, PROFILE_EMAIL: 'ada@example.com' })
+    latch = await startLatch({
+      ME,
+      PROFILE_NAME: PROFILE.name,
+      PROFILE_PHOTO: PROFILE.photo,
+      PROFILE_EMAIL: 'ada@example.com',
+    })
     as = await discover(latch.issuer)
   })
   after(() => latch.close())
@@ -126,7 +155,13 @@ describe('Interop with oauth4webapi, a real client library', () => {
   it('discovers every endpoint from the issuer alone', async () => {
     const metadata = await discover(latch.issuer)
     assert.equal(metadata.issuer, latch.issuer)
-    for (const endpoint of ['authorization_endpoint', 'token_endpoint', 'introspection_endpoint', 'revocation_endpoint', 'userinfo_endpoint'] as const) {
+    for (const endpoint of [
+      'authorization_endpoint',
+      'token_endpoint',
+      'introspection_endpoint',
+      'revocation_endpoint',
+      'userinfo_endpoint',
+    ] as const) {
       assert.ok(metadata[endpoint]?.startsWith(latch.issuer), endpoint)
     }
     assert.deepEqual(metadata.code_challenge_methods_supported, ['S256'])
@@ -223,14 +258,20 @@ describe('Interop with oauth4webapi, a real client library', () => {
   it('answers userinfo to a token without the profile scope with an insufficient_scope challenge', async () => {
     const tokens = await signIn(as, { scope: 'create', granted: ['create'] })
     const response = await oauth.userInfoRequest(as, client, tokens.access_token, insecure)
-    await assert.rejects(oauth.processUserInfoResponse(as, client, oauth.skipSubjectCheck, response), challengeError(403, 'insufficient_scope'))
+    await assert.rejects(
+      oauth.processUserInfoResponse(as, client, oauth.skipSubjectCheck, response),
+      challengeError(403, 'insufficient_scope'),
+    )
   })
 
   it('answers userinfo to a revoked token with an invalid_token challenge', async () => {
     const tokens = await signIn(as)
     await revoke(as, tokens.access_token)
     const response = await oauth.userInfoRequest(as, client, tokens.access_token, insecure)
-    await assert.rejects(oauth.processUserInfoResponse(as, client, oauth.skipSubjectCheck, response), challengeError(401, 'invalid_token'))
+    await assert.rejects(
+      oauth.processUserInfoResponse(as, client, oauth.skipSubjectCheck, response),
+      challengeError(401, 'invalid_token'),
+    )
   })
 
   it('surfaces a denied consent as access_denied, after the iss and state checks pass', async () => {
