@@ -535,11 +535,11 @@ describe('MemoryStore', () => {
   it('marks a code used once, atomically, and hides it once expired', async () => {
     const store = new MemoryStore()
     await store.saveCode('h', code(1000), 0)
-    assert.equal(await store.takeCode('h', 10), true)
-    assert.equal(await store.takeCode('h', 20), false)
-    assert.equal((await store.findCode('h', 30))?.usedAt, 10)
-    assert.equal(await store.findCode('h', 1000), undefined)
-    assert.equal(await store.takeCode('h', 1000), false)
+    assert.equal(await store.markCodeUsed('h', 10), true)
+    assert.equal(await store.markCodeUsed('h', 20), false)
+    assert.equal((await store.findCodeUsedOrNot('h', 30))?.usedAt, 10)
+    assert.equal(await store.findCodeUsedOrNot('h', 1000), undefined)
+    assert.equal(await store.markCodeUsed('h', 1000), false)
   })
 
   it('sweeps expired entries on later writes without touching live ones', async () => {
@@ -584,8 +584,8 @@ describe('MemoryStore', () => {
       grant: grant(9000),
       tokens: [[tokenHash, token(9000)]] as [string, Token][],
     })
-    assert.equal(await store.issueTokens(issue('first'), 1000), true)
-    assert.equal(await store.issueTokens(issue('second'), 2000), false)
+    assert.equal(await store.redeemForTokens(issue('first'), 1000), true)
+    assert.equal(await store.redeemForTokens(issue('second'), 2000), false)
     assert.equal((await store.findToken('r', 3000))?.usedAt, 1000)
     assert.ok(store.tokens.has('first'))
     assert.equal(store.tokens.has('second'), false)
@@ -601,10 +601,10 @@ describe('MemoryStore', () => {
       grant: grant(9000),
       tokens: [['a', token(9000)]] as [string, Token][],
     }
-    assert.equal(await store.issueTokens(issue, 5000), false) // expired
+    assert.equal(await store.redeemForTokens(issue, 5000), false) // expired
     assert.equal(store.grants.has('c'), false)
-    assert.equal(await store.issueTokens(issue, 1000), true)
-    assert.equal(await store.takeCode('c', 1000), false)
+    assert.equal(await store.redeemForTokens(issue, 1000), true)
+    assert.equal(await store.markCodeUsed('c', 1000), false)
     assert.deepEqual([store.grants.has('c'), store.tokens.has('a')], [true, true])
   })
 
@@ -619,7 +619,7 @@ describe('MemoryStore', () => {
       (await store.listGrants(2000)).map(([id]) => id),
       ['g1'],
     )
-    await store.deleteGrant('g1', 2000)
+    await store.revokeGrant('g1', 2000)
     assert.equal(await store.findGrant('g1', 2000), undefined)
     await store.saveGrant('g1', grant(9000), 2100) // a refresh that read it just before
     assert.equal(await store.findGrant('g1', 2200), undefined)

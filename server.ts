@@ -73,7 +73,7 @@ export type Config = {
   introspectionSecret: string | undefined
   /** Whether client discovery may fetch from private addresses (a LAN); loopback never. */
   clientFetchPrivate: boolean
-  /** What the `profile` and `email` scopes show of the owner (IA §5.3.4). */
+  /** What the `profile` and `email` scopes show of the owner (IndieAuth §5.3.4). */
   profile: Profile
 }
 
@@ -161,7 +161,15 @@ export type TokenIssue = {
  */
 export type Session = { createdAt: number; expiresAt: number; passwordTag: string }
 
-/** Where codes and tokens live. Keys are hashes (`hashSecret`); raw secrets never reach a store. */
+/**
+ * Where codes and tokens live. Keys are hashes (`hashSecret`); raw secrets never reach a store.
+ * Single use is a store operation: `markCodeUsed` and `redeemForTokens` must be atomic. On SQL,
+ * each kind is a table keyed by hash with an `expires_at` column, and those two are one
+ * `UPDATE ... SET used_at = ? WHERE hash = ? AND used_at IS NULL AND expires_at > ?` (one row
+ * changed: the first caller), in a transaction with the inserts of the grant and the tokens;
+ * `revokeGrant` deletes the grant and inserts it into a table of revoked ids. On Redis, each
+ * entry is a key with a TTL, and the same step is a `WATCH`/`MULTI` or a small Lua script.
+ */
 export interface Store {
   savePending(id: string, request: PendingRequest, now: number): Promise<void>
   findPending(id: string, now: number): Promise<PendingRequest | undefined>
@@ -169,9 +177,9 @@ export interface Store {
   takePending(id: string, now: number): Promise<PendingRequest | undefined>
   saveCode(hash: string, code: AuthorizationCode, now: number): Promise<void>
   /** Returns an unexpired code, used or not. */
-  findCode(hash: string, now: number): Promise<AuthorizationCode | undefined>
+  findCodeUsedOrNot(hash: string, now: number): Promise<AuthorizationCode | undefined>
   /** Marks an unexpired code used, in one step: true only for the first caller. */
-  takeCode(hash: string, now: number): Promise<boolean>
+  markCodeUsed(hash: string, now: number): Promise<boolean>
   saveGrant(id: string, grant: Grant, now: number): Promise<void>
   findGrant(id: string, now: number): Promise<Grant | undefined>
   /** Every unexpired grant, oldest first. */
@@ -180,7 +188,7 @@ export interface Store {
    * Deletes a grant, which ends every token of its family, and keeps it from being saved again:
    * a refresh or an exchange that read it just before must not bring it back.
    */
-  deleteGrant(id: string, now: number): Promise<void>
+  revokeGrant(id: string, now: number): Promise<void>
   /** Notes that a token of the grant was used; a store may keep this in memory only. */
   touchGrant(id: string, now: number): Promise<void>
   saveToken(hash: string, token: Token, now: number): Promise<void>
@@ -191,7 +199,7 @@ export interface Store {
    * (if it is unexpired and unused), then saves the grant and the tokens. True only for the
    * first caller; nothing is saved for any other.
    */
-  issueTokens(issue: TokenIssue, now: number): Promise<boolean>
+  redeemForTokens(issue: TokenIssue, now: number): Promise<boolean>
   deleteToken(hash: string): Promise<void>
   saveSession(hash: string, session: Session, now: number): Promise<void>
   findSession(hash: string, now: number): Promise<Session | undefined>
@@ -242,274 +250,12 @@ export type PasswordSlots = Slots
 /** Query or form parameters: every value of every name, in the order sent. */
 export type Params = Map<string, string[]>
 
-// --- Configuration --------------------------------------------------------------
-// Every setting is an environment variable and the same-named flag (`--code-ttl 10m`);
-// a flag wins over the variable, and an empty value counts as unset.
-
-/** The settings with their defaults and one line of help each; `--help` prints this table. */
-export const SETTINGS = [
-  { name: 'PORT', default: '3000', help: 'Port to listen on (0 = any free port; the real one is printed).' },
-  { name: 'HOST', default: '127.0.0.1', help: 'Interface to bind.' },
-  { name: 'ISSUER', default: 'http://HOST:PORT', help: 'Public base URL; every endpoint URL is built from it.' },
-  { name: 'ME', default: 'ISSUER + /', help: "The owner's profile URL." },
-  {
-    name: 'PASSWORD_HASH',
-    default: 'unset',
-    help: 'Owner password hash from `npx tsx server.ts hash-password`. Unset: no password, loopback only.',
-  },
-  {
-    name: 'DATA_FILE',
-    default: 'latch-data.jsonl',
-    help: 'File where codes, grants and tokens survive restarts; `memory` keeps them in memory only.',
-  },
-  { name: 'CODE_TTL', default: '300', help: 'Authorization code lifetime (90s, 10m, 12h, 7d; at most 600).' },
-  { name: 'ACCESS_TOKEN_TTL', default: '604800', help: 'Access token lifetime (7 days).' },
-  {
-    name: 'REFRESH_TOKEN_TTL',
-    default: '2592000',
-    help: 'A refresh token expires after this long without use (30 days).',
-  },
-  {
-    name: 'REFRESH_TOKEN_GRACE',
-    default: '30',
-    help: 'A rotated refresh token sent again this soon is a retry, not a theft (0 turns it off; at most 600).',
-  },
-  {
-    name: 'SESSION_TTL',
-    default: '604800',
-    help: 'How long you stay signed in after entering your password (7 days).',
-  },
-  {
-    name: 'INTROSPECTION_SECRET',
-    default: 'unset',
-    help: 'Unset: /introspect is open. Set: callers send `Authorization: Bearer <secret>`.',
-  },
-  {
-    name: 'CLIENT_FETCH_PRIVATE',
-    default: 'unset',
-    help: '`allow` lets client discovery fetch apps on private addresses (a LAN); loopback stays forbidden.',
-  },
-  { name: 'PROFILE_NAME', default: 'unset', help: 'Your name, shown to apps granted the profile scope.' },
-  { name: 'PROFILE_URL', default: 'ME', help: 'Your home page, shown to apps granted the profile scope.' },
-  { name: 'PROFILE_PHOTO', default: 'unset', help: 'URL of your photo, shown to apps granted the profile scope.' },
-  {
-    name: 'PROFILE_EMAIL',
-    default: 'unset',
-    help: 'Your email address, shown to apps granted the profile and email scopes.',
-  },
-] as const
-
-type SettingName = (typeof SETTINGS)[number]['name']
-
-/** A setting that stops start-up; the message names the setting and the fix. */
-export class ConfigError extends Error {}
-
-const LOOPBACK_HOSTS = new Set(['127.0.0.1', '::1', 'localhost'])
-const MAX_CODE_TTL_SECONDS = 600
-const MIN_SECRET_LENGTH = 16
-const MAX_DURATION_SECONDS = 3650 * 86400
-const MAX_REFRESH_GRACE_SECONDS = 600
-
-/**
- * Reads the configuration from environment variables and command-line flags, or throws a
- * `ConfigError` that says what to fix. Pure: pass `process.env` and `process.argv.slice(2)`.
- * `boundPort` replaces a `PORT` of 0 in the default issuer once the real port is known.
- * @see https://indieauth.spec.indieweb.org/#discovery-by-clients IA §4.1 (issuer)
- */
-export function loadConfig(
-  env: Record<string, string | undefined>,
-  argv: readonly string[] = [],
-  options: { boundPort?: number } = {},
-): Config {
-  const raw = readSettings(env, argv)
-  const port = parsePort(raw.PORT ?? '3000')
-  const host = raw.HOST ?? '127.0.0.1'
-  const issuer = parseIssuer(raw.ISSUER ?? `http://${hostForUrl(host)}:${options.boundPort ?? port}`)
-  const me = parseMe(raw.ME ?? `${issuer}/`)
-  const passwordHash = raw.PASSWORD_HASH
-  if (passwordHash !== undefined && parsePasswordHash(passwordHash) === undefined) {
-    throw new ConfigError(
-      'PASSWORD_HASH is not a hash made by Latch: create one with `npx tsx server.ts hash-password`',
-    )
-  }
-  if (passwordHash === undefined && !LOOPBACK_HOSTS.has(host)) {
-    throw new ConfigError(
-      `HOST ${host} is not a loopback interface, and without PASSWORD_HASH anyone who reaches it ` +
-        'could approve sign-ins: ' +
-        'create a hash with `npx tsx server.ts hash-password` and set PASSWORD_HASH, or bind HOST=127.0.0.1',
-    )
-  }
-  if (passwordHash === undefined && !LOOPBACK_HOSTS.has(new URL(issuer).hostname.replace(/^\[|\]$/g, ''))) {
-    throw new ConfigError(
-      `ISSUER ${issuer} is not on a loopback host, and behind a proxy anyone could approve sign-ins ` +
-        'without PASSWORD_HASH: ' +
-        'create a hash with `npx tsx server.ts hash-password` and set PASSWORD_HASH',
-    )
-  }
-  const dataFile = raw.DATA_FILE ?? 'latch-data.jsonl'
-  const codeTtlSeconds = parseDuration('CODE_TTL', raw.CODE_TTL ?? '300')
-  if (codeTtlSeconds > MAX_CODE_TTL_SECONDS) {
-    throw new ConfigError('CODE_TTL is longer than the 10 minutes IndieAuth allows: use 600 or less')
-  }
-  const accessTokenTtlSeconds = parseDuration('ACCESS_TOKEN_TTL', raw.ACCESS_TOKEN_TTL ?? '604800')
-  const refreshTokenTtlSeconds = parseDuration('REFRESH_TOKEN_TTL', raw.REFRESH_TOKEN_TTL ?? '2592000')
-  const refreshTokenGraceSeconds = /^0+[smhd]?$/.test(raw.REFRESH_TOKEN_GRACE ?? '')
-    ? 0
-    : parseDuration('REFRESH_TOKEN_GRACE', raw.REFRESH_TOKEN_GRACE ?? '30')
-  if (refreshTokenGraceSeconds > MAX_REFRESH_GRACE_SECONDS) {
-    throw new ConfigError(
-      'REFRESH_TOKEN_GRACE is longer than 10 minutes, which would let a stolen refresh token go unnoticed: ' +
-        'use 600 or less',
-    )
-  }
-  const sessionTtlSeconds = parseDuration('SESSION_TTL', raw.SESSION_TTL ?? '604800')
-  const introspectionSecret = raw.INTROSPECTION_SECRET
-  if (introspectionSecret !== undefined && introspectionSecret.length < MIN_SECRET_LENGTH) {
-    throw new ConfigError(
-      `INTROSPECTION_SECRET is shorter than ${MIN_SECRET_LENGTH} characters: ` +
-        'use a long random value, such as the output of `openssl rand -base64 32`',
-    )
-  }
-  const clientFetchPrivate = raw.CLIENT_FETCH_PRIVATE === 'allow'
-  if (raw.CLIENT_FETCH_PRIVATE !== undefined && !clientFetchPrivate) {
-    throw new ConfigError(
-      `CLIENT_FETCH_PRIVATE ${raw.CLIENT_FETCH_PRIVATE} is not a choice: set it to allow, or leave it unset`,
-    )
-  }
-  const profile = {
-    name: raw.PROFILE_NAME,
-    url: parseProfileLink('PROFILE_URL', raw.PROFILE_URL ?? me),
-    photo: raw.PROFILE_PHOTO === undefined ? undefined : parseProfileLink('PROFILE_PHOTO', raw.PROFILE_PHOTO),
-    email: raw.PROFILE_EMAIL === undefined ? undefined : parseEmail(raw.PROFILE_EMAIL),
-  }
-  return {
-    port,
-    host,
-    issuer,
-    me,
-    passwordHash,
-    dataFile,
-    codeTtlSeconds,
-    accessTokenTtlSeconds,
-    refreshTokenTtlSeconds,
-    refreshTokenGraceSeconds,
-    sessionTtlSeconds,
-    introspectionSecret,
-    clientFetchPrivate,
-    profile,
-  }
-}
-
-/** Merges variables and flags into one value per setting; empty values count as unset. */
-function readSettings(env: Record<string, string | undefined>, argv: readonly string[]) {
-  const values: Partial<Record<SettingName, string>> = {}
-  for (const { name } of SETTINGS) {
-    if (env[name] !== undefined && env[name] !== '') values[name] = env[name]
-  }
-  for (let i = 0; i < argv.length; i++) {
-    const arg = argv[i]
-    const equals = arg.indexOf('=')
-    const flag = equals === -1 ? arg : arg.slice(0, equals)
-    const name = SETTINGS.find((setting) => flagName(setting.name) === flag)?.name
-    if (name === undefined)
-      throw new ConfigError(`Unknown option ${flag}: run \`npx tsx server.ts --help\` for the list`)
-    const value = equals === -1 ? argv[++i] : arg.slice(equals + 1)
-    if (value === undefined) throw new ConfigError(`Option ${flag} needs a value, as in \`${flag} VALUE\``)
-    if (value === '') delete values[name]
-    else values[name] = value
-  }
-  return values
-}
-
-/** `CODE_TTL` becomes `--code-ttl`. */
-function flagName(setting: string): string {
-  return `--${setting.toLowerCase().replaceAll('_', '-')}`
-}
-
-function parsePort(value: string): number {
-  const port = /^\d{1,5}$/.test(value) ? Number(value) : NaN
-  if (!(port >= 0 && port <= 65535)) throw new ConfigError(`PORT ${value} is not a port number: use 0 to 65535`)
-  return port
-}
-
-/** Parses plain seconds or a number with a unit (`90s`, `10m`, `12h`, `7d`) into seconds. */
-export function parseDuration(name: string, value: string): number {
-  const match = /^(\d{1,12})([smhd]?)$/.exec(value.trim())
-  const unitSeconds = { '': 1, s: 1, m: 60, h: 3600, d: 86400 }
-  const seconds = match === null ? NaN : Number(match[1]) * unitSeconds[match[2] as keyof typeof unitSeconds]
-  if (!(seconds > 0))
-    throw new ConfigError(
-      `${name} ${value} is not a positive duration: use seconds or a unit, as in 300, 90s, 10m, 12h or 7d`,
-    )
-  if (seconds > MAX_DURATION_SECONDS)
-    throw new ConfigError(`${name} ${value} is longer than ten years: use 3650d or less`)
-  return seconds
-}
-
-function hostForUrl(host: string): string {
-  return host.includes(':') ? `[${host}]` : host
-}
-
-function parseIssuer(value: string): string {
-  const url = URL.canParse(value) ? new URL(value) : undefined
-  if (url === undefined || (url.protocol !== 'https:' && url.protocol !== 'http:')) {
-    throw new ConfigError(
-      `ISSUER ${value} is not an http or https URL: use the public base URL, as in https://auth.example.com`,
-    )
-  }
-  if (url.search !== '' || url.hash !== '' || value.includes('?') || value.includes('#')) {
-    throw new ConfigError(
-      `ISSUER ${value} has a query or fragment, which RFC 8414 forbids: remove everything from ? or #`,
-    )
-  }
-  if (url.username !== '' || url.password !== '') {
-    throw new ConfigError(`ISSUER ${value} contains a user name or password: remove it`)
-  }
-  return url.href.replace(/\/+$/, '')
-}
-
-function parseMe(value: string): string {
-  const problem = profileUrlProblem(value)
-  if (problem !== undefined)
-    throw new ConfigError(
-      `ME ${value} is not a valid profile URL (${problem}): use your site's URL, as in https://example.com/`,
-    )
-  return canonicalizeUrl(value)
-}
-
-function parseProfileLink(name: string, value: string): string {
-  if (!/^https?:\/\//i.test(value) || !URL.canParse(value))
-    throw new ConfigError(
-      `${name} ${value} is not an http or https URL: use a full URL, as in https://example.com/photo.jpg`,
-    )
-  return new URL(value).href
-}
-
-function parseEmail(value: string): string {
-  if (!/^[^\s@]+@[^\s@]+$/.test(value))
-    throw new ConfigError(`PROFILE_EMAIL ${value} is not an email address: use one like me@example.com`)
-  return value
-}
-
-/** Start-up warnings for settings that work but are not right for real use. */
-export function configWarnings(config: Config): string[] {
-  const warnings: string[] = []
-  const issuer = new URL(config.issuer)
-  if (issuer.protocol === 'http:' && !LOOPBACK_HOSTS.has(issuer.hostname.replace(/^\[|\]$/g, ''))) {
-    warnings.push(
-      `ISSUER ${config.issuer} is http on a non-loopback host; IndieAuth wants https, ` +
-        'so put Latch behind TLS and set ISSUER to the https URL',
-    )
-  }
-  const me = new URL(config.me)
-  if (me.port !== '' || isIpAddress(me.hostname)) {
-    warnings.push(
-      `ME ${config.me} has a port or an IP address, which IndieAuth forbids for profile URLs; ` +
-        "fine for trying Latch, but set ME to your site's URL for real use",
-    )
-  }
-  return warnings
-}
+// =================================================================================================
+// PART 1: THE PROTOCOL
+// The nouns, the checks and the endpoints of IndieAuth, in the order a client meets them. To learn
+// IndieAuth, read to the end of this part: it calls what Part 2 provides by names that say what
+// they do (`readForm`, `sendJson`, `hashSecret`, `store.markCodeUsed`, ...).
+// =================================================================================================
 
 // --- Errors ---------------------------------------------------------------------
 // RFC 6749 §5.2  https://www.rfc-editor.org/rfc/rfc6749#section-5.2
@@ -517,7 +263,6 @@ export function configWarnings(config: Config): string[] {
 
 const ERROR_STATUS: Record<string, number> = {
   invalid_request: 400,
-  invalid_client: 401,
   invalid_grant: 400,
   invalid_scope: 400,
   invalid_token: 401,
@@ -555,15 +300,6 @@ export function base64url(bytes: Buffer): string {
   return bytes.toString('base64url')
 }
 
-const BASE64URL_ALPHABET = 'ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789-_'
-
-/** The 6-bit value of each base64url character, by character code. */
-const BASE64URL_VALUES = new Uint8Array(128)
-for (const [value, char] of [...BASE64URL_ALPHABET].entries()) BASE64URL_VALUES[char.charCodeAt(0)] = value
-
-/** Each base64url character, by character code, with its last 4 bits zeroed. */
-const TOP_TWO_BITS = Array.from({ length: 128 }, (_, code) => BASE64URL_ALPHABET[BASE64URL_VALUES[code] & 0b110000])
-
 /**
  * The key under which a secret is stored: its SHA-256, cut to the first 128 bits, base64url (22
  * characters). Finding a secret for a key stays out of reach; a million keys take 24 MB less
@@ -572,23 +308,6 @@ const TOP_TWO_BITS = Array.from({ length: 128 }, (_, code) => BASE64URL_ALPHABET
 export function hashSecret(value: string): string {
   return cutHash(hash('sha256', value, 'base64url'))
 }
-
-/**
- * The first 128 bits of a whole hash in base64url: 21 characters of 6 bits, and the first 2
- * bits of the 22nd, whose other 4 become zero (as if the bytes stopped there). Joined, not
- * added with `+`: V8 would keep that as a pair of parts still holding the whole hash.
- */
-function cutHash(whole: string): string {
-  return [whole.slice(0, 21), TOP_TWO_BITS[whole.charCodeAt(21) & 127]].join('')
-}
-
-/**
- * Random bytes for secrets, drawn from the system a few kilobytes at a time: one call for 32
- * bytes costs as much as one for 4 KiB, and a token exchange needs two secrets. Bytes are zeroed
- * once used, so the pool never holds a secret already handed out (Node's randomUUID keeps a
- * cache the same way).
- */
-const randomPool = { bytes: Buffer.alloc(4096), used: 4096 }
 
 /** A fresh code or token: 32 random bytes, base64url (43 characters). */
 export function createSecret(): string {
@@ -740,58 +459,6 @@ export function parseScope(value: string | undefined): string[] {
   return [...new Set(scopes)]
 }
 
-// --- Owner password -------------------------------------------------------------
-// The owner's password is stored as `scrypt:ln=15,r=8,p=1:<salt>:<hash>` (base64url): the
-// string carries its own salt and cost, and has no `$` for a shell to expand.
-
-const SCRYPT_KEY_LENGTH = 32
-const SCRYPT_DEFAULT_COST = { ln: 15, r: 8, p: 1 }
-
-type PasswordHash = { ln: number; r: number; p: number; salt: Buffer; hash: Buffer }
-
-/** Hashes a password with scrypt and a random salt; `ln` is log2 of the cost N. */
-export async function hashPassword(
-  password: string,
-  cost: { ln: number; r: number; p: number } = SCRYPT_DEFAULT_COST,
-): Promise<string> {
-  const salt = randomBytes(16)
-  const hash = await runScrypt(password, { ...cost, salt })
-  return `scrypt:ln=${cost.ln},r=${cost.r},p=${cost.p}:${base64url(salt)}:${base64url(hash)}`
-}
-
-/** Checks a password against a hash from `hashPassword`, comparing in constant time. */
-export async function verifyPassword(password: string, passwordHash: string): Promise<boolean> {
-  const parsed = parsePasswordHash(passwordHash)
-  if (parsed === undefined) return false
-  const hash = await runScrypt(password, parsed)
-  return timingSafeEqual(hash, parsed.hash)
-}
-
-function parsePasswordHash(value: string): PasswordHash | undefined {
-  const match = /^scrypt:ln=(\d+),r=(\d+),p=(\d+):([A-Za-z0-9_-]{16,}):([A-Za-z0-9_-]{43})$/.exec(value)
-  if (match === null) return undefined
-  const [ln, r, p] = [Number(match[1]), Number(match[2]), Number(match[3])]
-  if (ln < 10 || ln > 20 || r < 1 || r > 16 || p < 1 || p > 4) return undefined
-  return { ln, r, p, salt: Buffer.from(match[4], 'base64url'), hash: Buffer.from(match[5], 'base64url') }
-}
-
-function runScrypt(password: string, params: { ln: number; r: number; p: number; salt: Buffer }): Promise<Buffer> {
-  const N = 2 ** params.ln
-  const maxmem = 128 * N * params.r * params.p + 1024 * 1024
-  return new Promise((resolve, reject) => {
-    scrypt(
-      password.normalize('NFC'),
-      params.salt,
-      SCRYPT_KEY_LENGTH,
-      { N, r: params.r, p: params.p, maxmem },
-      (err, key) => {
-        if (err) reject(err)
-        else resolve(key)
-      },
-    )
-  })
-}
-
 // --- Identifiers ----------------------------------------------------------------
 // IndieAuth §3.2 (user profile URL) and §3.3 (client identifier), checked on the raw string:
 // `new URL()` would silently remove dot segments and default ports before we could see them.
@@ -856,7 +523,7 @@ function isDomainName(host: string): boolean {
 /**
  * Why a string is not a valid client identifier, or undefined when it is one. A URL without a
  * path counts as having the path `/` (§3.4).
- * @see https://indieauth.spec.indieweb.org/#client-identifier IA §3.3
+ * @see https://indieauth.spec.indieweb.org/#client-identifier IndieAuth §3.3
  */
 export function clientIdProblem(raw: string): string | undefined {
   if (raw.length > 2_048) return 'it is longer than 2048 characters'
@@ -871,7 +538,7 @@ export function clientIdProblem(raw: string): string | undefined {
   return undefined
 }
 
-/** True when a string is a valid client identifier (IA §3.3). */
+/** True when a string is a valid client identifier (IndieAuth §3.3). */
 export function isClientId(raw: string): boolean {
   return clientIdProblem(raw) === undefined
 }
@@ -879,7 +546,7 @@ export function isClientId(raw: string): boolean {
 /**
  * Why a string is not a valid profile URL, or undefined when it is one. A port or an IP
  * address is only warned about, so that Latch can be tried on a laptop.
- * @see https://indieauth.spec.indieweb.org/#user-profile-url IA §3.2
+ * @see https://indieauth.spec.indieweb.org/#user-profile-url IndieAuth §3.2
  */
 export function profileUrlProblem(raw: string): string | undefined {
   const parts = splitHttpUrl(raw)
@@ -889,7 +556,7 @@ export function profileUrlProblem(raw: string): string | undefined {
 
 /**
  * The canonical form of a valid identifier: lowercase scheme and host, `/` for an empty path.
- * @see https://indieauth.spec.indieweb.org/#url-canonicalization IA §3.4
+ * @see https://indieauth.spec.indieweb.org/#url-canonicalization IndieAuth §3.4
  */
 export function canonicalizeUrl(raw: string): string {
   return new URL(raw).href
@@ -902,7 +569,7 @@ const UNSAFE_SCHEMES = new Set(['javascript', 'data', 'vbscript', 'file', 'blob'
  * absolute and without a fragment, and either on the same scheme, host and port as
  * `client_id`, or exactly one of the redirect URIs the client publishes (a native app's
  * `com.example.app:/callback`, say). `client` is what discovery found, if anything.
- * @see https://indieauth.spec.indieweb.org/#redirect-url IA §4.2.2
+ * @see https://indieauth.spec.indieweb.org/#redirect-url IndieAuth §4.2.2
  */
 export function redirectUriProblem(
   redirectUri: string,
@@ -934,6 +601,1765 @@ export function redirectUriProblem(
   }
   const published = client.info.redirectUris.length === 0 ? 'none' : client.info.redirectUris.join(' , ')
   return `${notSameOrigin}, nor one of the redirect URIs the client publishes: ${published}`
+}
+
+// --- Configuration of the endpoints --------------------------------------------
+
+/** Words for the scopes people meet most, so the consent page can say what each one allows. */
+const SCOPE_DESCRIPTIONS: Record<string, string> = {
+  profile: 'See your name, photo and URL',
+  email: 'See your email address',
+  create: 'Create posts on your site',
+  draft: 'Create draft posts only',
+  update: 'Edit your posts',
+  delete: 'Delete your posts',
+  undelete: 'Restore deleted posts',
+  media: 'Upload files to your media endpoint',
+  read: 'Read your feeds and channels',
+  follow: 'Follow and unfollow feeds',
+  mute: 'Mute and unmute accounts',
+  block: 'Block and unblock accounts',
+  channels: 'Manage your channels',
+}
+
+const PENDING_TTL_SECONDS = 600
+const SUPPORTED_SCOPES = Object.keys(SCOPE_DESCRIPTIONS)
+
+/** The access token lifetimes the consent page offers; `ACCESS_TOKEN_TTL` is added if missing. */
+const LIFETIME_CHOICES: [string, number][] = [
+  ['1 day', 86400],
+  ['1 week', 604800],
+  ['1 month', 2592000],
+  ['3 months', 7776000],
+  ['1 year', 31536000],
+]
+
+function endpointUrl(config: Config, path: string): string {
+  return `${config.issuer}${path}`
+}
+
+// --- Metadata -------------------------------------------------------------------
+// IndieAuth §4.1.1  https://indieauth.spec.indieweb.org/#indieauth-server-metadata
+// RFC 8414 §2      https://www.rfc-editor.org/rfc/rfc8414#section-2
+
+/**
+ * Builds the server metadata document; every URL starts with the issuer.
+ * @see https://indieauth.spec.indieweb.org/#indieauth-server-metadata IndieAuth §4.1.1
+ * @see https://www.rfc-editor.org/rfc/rfc8414#section-2
+ */
+export function buildMetadata(config: Config): Record<string, unknown> {
+  return {
+    issuer: config.issuer,
+    authorization_endpoint: endpointUrl(config, '/auth'),
+    token_endpoint: endpointUrl(config, '/token'),
+    introspection_endpoint: endpointUrl(config, '/introspect'),
+    introspection_endpoint_auth_methods_supported: config.introspectionSecret === undefined ? ['none'] : ['Bearer'],
+    revocation_endpoint: endpointUrl(config, '/revoke'),
+    revocation_endpoint_auth_methods_supported: ['none'],
+    userinfo_endpoint: endpointUrl(config, '/userinfo'),
+    scopes_supported: SUPPORTED_SCOPES,
+    response_types_supported: ['code'],
+    grant_types_supported: ['authorization_code', 'refresh_token'],
+    code_challenge_methods_supported: ['S256'],
+    authorization_response_iss_parameter_supported: true,
+  }
+}
+
+/**
+ * Answers `GET /.well-known/oauth-authorization-server` with the metadata.
+ * @see https://www.rfc-editor.org/rfc/rfc8414#section-3 RFC 8414 §3
+ */
+async function handleMetadataRequest(_req: IncomingMessage, res: ServerResponse, ctx: Context): Promise<void> {
+  sendJson(res, 200, buildMetadata(ctx.config))
+}
+
+// --- Authorization endpoint -----------------------------------------------------
+// IndieAuth §5.2    https://indieauth.spec.indieweb.org/#authorization-request
+// RFC 6749 §4.1.1   https://www.rfc-editor.org/rfc/rfc6749#section-4.1.1
+// RFC 7636 §4.3     https://www.rfc-editor.org/rfc/rfc7636#section-4.3
+
+/**
+ * Validates an authorization request and shows the consent page. Until `client_id` and
+ * `redirect_uri` are known good, errors are a 400 page; after that, redirects to the client.
+ * @see https://indieauth.spec.indieweb.org/#authorization-request IndieAuth §5.2
+ */
+async function handleAuthorizationRequest(req: IncomingMessage, res: ServerResponse, ctx: Context): Promise<void> {
+  const query = queryOf(req.url ?? '/')
+  const clientId = requireParam(query, 'client_id')
+  const clientProblem = clientIdProblem(clientId)
+  if (clientProblem !== undefined)
+    throw new OAuthError('invalid_request', `client_id is not a valid client identifier: ${clientProblem}`)
+  const redirectUri = requireParam(query, 'redirect_uri')
+  const client = await findClient(canonicalizeUrl(clientId), ctx)
+  const redirectProblem = redirectUriProblem(redirectUri, clientId, client)
+  if (redirectProblem !== undefined) throw new OAuthError('invalid_request', redirectProblem)
+
+  // From here on redirect_uri is trusted: report errors by redirecting to it (RFC 6749 §4.1.2.1).
+  const state = stateOf(query)
+  let request: PendingRequest
+  try {
+    request = buildPendingRequest(
+      query,
+      { client_id: canonicalizeUrl(clientId), client_name: client.info?.name, redirect_uri: redirectUri },
+      ctx,
+    )
+  } catch (err) {
+    if (!(err instanceof OAuthError)) throw err
+    const params = { error: err.error, error_description: err.message, state, iss: ctx.config.issuer }
+    return redirect(res, 302, buildRedirectUrl(redirectUri, params))
+  }
+  const visitor = await readVisitor(req, ctx)
+  request.csrfHash = hashSecret(visitor.csrf) // the request is answered from this browser only
+  const id = createSecret()
+  await ctx.store.savePending(hashSecret(id), request, ctx.now())
+  const page = renderConsentPage(request, {
+    id,
+    csrf: formToken(visitor),
+    config: ctx.config,
+    signedIn: visitor.signedIn,
+    logo: client.info?.logo,
+  })
+  sendPage(res, 200, page, {
+    'Set-Cookie': buildCookie(csrfCookieName(ctx.config), visitor.csrf, undefined, ctx.config),
+  })
+}
+
+/** The `state` to send back on an error redirect: none when it was sent twice or is too long. */
+function stateOf(query: Params): string | undefined {
+  const values = query.get('state')?.filter((value) => value !== '') ?? []
+  return values.length === 1 && values[0].length <= MAX_STATE_LENGTH ? values[0] : undefined
+}
+
+/**
+ * What discovery knows of a client, or that it knows nothing. A client is fetched at most once
+ * per Cache-Control lifetime; requests for the same client while it is being fetched share the
+ * fetch; a failure is remembered for 30 seconds; and at most 8 fetches run at once, with 8 more
+ * waiting, so that a flood of made-up clients costs a bounded amount of memory. Why a fetch
+ * failed goes to the log only: it can name addresses and ports of the server's network.
+ */
+async function findClient(clientId: string, ctx: Context): Promise<{ info?: ClientInfo }> {
+  const now = ctx.now()
+  const cached = ctx.clients.get(clientId)
+  if (cached !== undefined && cached.expiresAt > now) return { info: cached.info }
+  if (isLoopbackClient(clientId) || (ctx.failedClients.get(clientId) ?? 0) > now) return {}
+  let lookup = ctx.clientLookups.get(clientId)
+  if (lookup === undefined) {
+    lookup = fetchClient(clientId, ctx).finally(() => ctx.clientLookups.delete(clientId))
+    ctx.clientLookups.set(clientId, lookup)
+  }
+  return lookup
+}
+
+async function fetchClient(clientId: string, ctx: Context): Promise<{ info?: ClientInfo }> {
+  const busy = new Error('too many apps are being looked up at once')
+  try {
+    const options = { allowPrivate: ctx.config.clientFetchPrivate, fetch: ctx.clientFetch }
+    const { info, maxAgeSeconds } = await withSlot(
+      ctx.clientFetchSlots,
+      CLIENT_FETCH_SLOTS,
+      () => busy,
+      () => discoverClient(clientId, options),
+    )
+    ctx.clients.delete(clientId)
+    if (maxAgeSeconds > 0) {
+      if (ctx.clients.size >= MAX_CACHED_CLIENTS) ctx.clients.delete(ctx.clients.keys().next().value ?? '')
+      ctx.clients.set(clientId, { info, expiresAt: ctx.now() + maxAgeSeconds * 1000 })
+    }
+    return { info }
+  } catch (err) {
+    const failure = err instanceof Error ? err.message : String(err)
+    ctx.log(`discovery: ${clientId} could not be fetched: ${failure}`)
+    if (err !== busy) {
+      ctx.failedClients.delete(clientId)
+      if (ctx.failedClients.size >= MAX_REMEMBERED_FAILURES)
+        ctx.failedClients.delete(ctx.failedClients.keys().next().value ?? '')
+      ctx.failedClients.set(clientId, ctx.now() + FAILED_CLIENT_MEMORY_SECONDS * 1000)
+    }
+    return {}
+  }
+}
+
+const MAX_CACHED_CLIENTS = 100
+const MAX_REMEMBERED_FAILURES = 1_000
+const FAILED_CLIENT_MEMORY_SECONDS = 30
+const CLIENT_FETCH_SLOTS = { running: 8, waiting: 8 }
+
+/** Checks the rest of the request, one rule per line, in the order the contract lists them. */
+function buildPendingRequest(
+  query: Params,
+  client: { client_id: string; client_name: string | undefined; redirect_uri: string },
+  ctx: Context,
+): PendingRequest {
+  for (const [name, values] of query) {
+    if (values.filter((value) => value !== '').length > 1)
+      throw new OAuthError('invalid_request', `Parameter ${name} was sent more than once`)
+  }
+  const responseType = getParam(query, 'response_type') ?? 'code' // older clients omit it
+  if (responseType !== 'code' && responseType !== 'id')
+    throw new OAuthError('unsupported_response_type', 'response_type must be code')
+  const codeChallenge = requireParam(query, 'code_challenge')
+  if (!isCodeChallenge(codeChallenge))
+    throw new OAuthError('invalid_request', 'code_challenge must be 43 base64url characters')
+  const method = getParam(query, 'code_challenge_method') ?? 'S256'
+  if (method !== 'S256') throw new OAuthError('invalid_request', 'code_challenge_method must be S256')
+  const state = getParam(query, 'state')
+  if (state !== undefined && state.length > MAX_STATE_LENGTH)
+    throw new OAuthError('invalid_request', `state is longer than ${MAX_STATE_LENGTH} characters`)
+  const meHint = getParam(query, 'me')
+  if (meHint !== undefined && meHint.length > MAX_URL_LENGTH)
+    throw new OAuthError('invalid_request', `me is longer than ${MAX_URL_LENGTH} characters`)
+  // `id`: the profile-only request of older clients
+  const scope = responseType === 'id' ? [] : parseScope(getParam(query, 'scope'))
+  if (scope.length > MAX_SCOPES)
+    throw new OAuthError('invalid_scope', `The request asks for more than ${MAX_SCOPES} scopes`)
+  if (scope.some((one) => one.length > MAX_SCOPE_LENGTH))
+    throw new OAuthError('invalid_scope', `A scope is longer than ${MAX_SCOPE_LENGTH} characters`)
+  return {
+    ...client,
+    redirect_uri: detached(client.redirect_uri),
+    state: state === undefined ? undefined : detached(state),
+    code_challenge: detached(codeChallenge),
+    scope: scope.map(detached),
+    meHint: meHint === undefined ? undefined : detached(meHint),
+    csrfHash: '',
+    expiresAt: ctx.now() + PENDING_TTL_SECONDS * 1000,
+  }
+}
+
+// What a pending request may hold: with the 8 KiB request target, these keep the 1,000 pending
+// requests a store holds at once to a few megabytes, and the consent page to a few kilobytes.
+const MAX_STATE_LENGTH = 1_024
+const MAX_SCOPES = 50
+const MAX_SCOPE_LENGTH = 100
+
+/** The consent page: who asks, where the browser goes next, what access, and one form. */
+function renderConsentPage(
+  request: PendingRequest,
+  form: { id: string; csrf: string; config: Config; signedIn: boolean; logo?: string; message?: string },
+): string {
+  const { config } = form
+  // a native app's custom scheme has no host
+  const redirectHost = new URL(request.redirect_uri).host || request.redirect_uri
+  const scopes = request.scope
+    .map((scope) => {
+      const description = Object.hasOwn(SCOPE_DESCRIPTIONS, scope)
+        ? SCOPE_DESCRIPTIONS[scope]
+        : 'Access that this server does not describe'
+      const box = `<input type="checkbox" name="scope" value="${escapeHtml(scope)}" checked>`
+      return `<label>${box} <code>${escapeHtml(scope)}</code> · ${escapeHtml(description)}</label>`
+    })
+    .join('\n')
+  const logo =
+    form.logo === undefined
+      ? ''
+      : `<p><img class="logo" src="${escapeHtml(form.logo)}" alt="" width="64" height="64"></p>`
+  const name = request.client_name === undefined ? '' : `<strong>${isolate(request.client_name)}</strong> at `
+  const access =
+    scopes === ''
+      ? '<p>It asks for no access beyond your identity.</p>'
+      : `<fieldset>\n<legend>It also asks to</legend>\n${scopes}\n</fieldset>\n${renderLifetimeChoice(config)}`
+  const signedIn = config.passwordHash === undefined ? '' : '<p class="muted">You are signed in.</p>'
+  const password = form.signedIn ? signedIn : renderPasswordField(form.message)
+  const hint =
+    request.meHint !== undefined && request.meHint !== config.me
+      ? `<p class="muted">The app expected <code>${isolate(request.meHint)}</code>.</p>`
+      : ''
+  return renderPage(
+    'Sign in',
+    `<h1>Sign in to an app as ${escapeHtml(config.me)}</h1>
+${logo}
+<p>The app ${name}<code>${isolate(request.client_id)}</code>
+wants to know that you are <code>${escapeHtml(config.me)}</code>.</p>
+${hint}
+<p class="muted">After you decide, your browser goes to <code>${isolate(redirectHost)}</code>.</p>
+<form method="post" action="${escapeHtml(endpointUrl(config, '/auth/consent'))}">
+<input type="hidden" name="request" value="${escapeHtml(form.id)}">
+<input type="hidden" name="csrf" value="${escapeHtml(form.csrf)}">
+${access}
+${password}
+<div class="actions">
+<button class="primary" name="decision" value="approve">Approve</button>
+<button name="decision" value="deny" formnovalidate>Deny</button>
+</div>
+</form>`,
+  )
+}
+
+/** A choice of access token lifetimes, because many clients never refresh. */
+function renderLifetimeChoice(config: Config): string {
+  const options = lifetimeChoices(config)
+    .map(
+      ([label, seconds]) =>
+        `<option value="${seconds}"${seconds === config.accessTokenTtlSeconds ? ' selected' : ''}>` +
+        `${escapeHtml(label)}</option>`,
+    )
+    .join('')
+  return `<p><label>Its access lasts <select name="lifetime">${options}</select></label></p>`
+}
+
+function lifetimeChoices(config: Config): [string, number][] {
+  const ttl = config.accessTokenTtlSeconds
+  if (LIFETIME_CHOICES.some(([, seconds]) => seconds === ttl)) return LIFETIME_CHOICES
+  const label = ttl % 86400 === 0 ? `${ttl / 86400} days` : ttl % 3600 === 0 ? `${ttl / 3600} hours` : `${ttl} seconds`
+  return [...LIFETIME_CHOICES, [label, ttl] as [string, number]].sort((a, b) => a[1] - b[1])
+}
+
+/** The lifetime chosen on the consent page: one of those offered, or `ACCESS_TOKEN_TTL` when none was sent. */
+function requireLifetime(value: string | undefined, config: Config): number {
+  if (value === undefined) return config.accessTokenTtlSeconds
+  const choice = lifetimeChoices(config).find(([, seconds]) => String(seconds) === value)
+  if (choice === undefined) throw new OAuthError('invalid_request', 'Choose one of the offered token lifetimes')
+  return choice[1]
+}
+
+// --- Consent --------------------------------------------------------------------
+// IndieAuth §5.2.1  https://indieauth.spec.indieweb.org/#authorization-response
+// RFC 6749 §4.1.2   https://www.rfc-editor.org/rfc/rfc6749#section-4.1.2
+
+/**
+ * Handles the consent form: checks the pending request, the CSRF token and the password, then
+ * redirects to the client with a code or with `access_denied`.
+ * @see https://indieauth.spec.indieweb.org/#authorization-response IndieAuth §5.2.1
+ * @see https://www.rfc-editor.org/rfc/rfc9207#section-2 RFC 9207 (iss)
+ */
+async function handleConsent(req: IncomingMessage, res: ServerResponse, ctx: Context): Promise<void> {
+  const form = await readForm(req)
+  const id = requireParam(form, 'request')
+  const request = await ctx.store.findPending(hashSecret(id), ctx.now())
+  if (request === undefined)
+    throw new OAuthError('invalid_request', 'This sign-in request is unknown or has expired: start again from the app')
+  const visitor = await requireFormToken(form, req, ctx)
+  if (!safeEqual(hashSecret(readCookie(req, csrfCookieName(ctx.config)) ?? ''), request.csrfHash)) {
+    throw new OAuthError(
+      'access_denied',
+      'This sign-in request was opened in another browser: start again from the app',
+      { status: 403 },
+    )
+  }
+  const decision = getParam(form, 'decision')
+  if (decision !== 'approve' && decision !== 'deny') throw new OAuthError('invalid_request', 'Choose Approve or Deny')
+  const lifetime = requireLifetime(getParam(form, 'lifetime'), ctx.config)
+  const headers: Record<string, string> = {}
+  if (decision === 'approve' && !visitor.signedIn) {
+    const message = await checkPassword(getParam(form, 'password'), clientAddress(req), ctx)
+    if (message !== undefined) {
+      const logo = ctx.clients.get(request.client_id)?.info.logo
+      return sendPage(
+        res,
+        401,
+        renderConsentPage(request, {
+          id,
+          csrf: formToken(visitor),
+          config: ctx.config,
+          signedIn: false,
+          logo,
+          message,
+        }),
+      )
+    }
+    headers['Set-Cookie'] = await startSession(ctx)
+  }
+  if ((await ctx.store.takePending(hashSecret(id), ctx.now())) === undefined) {
+    throw new OAuthError('invalid_request', 'This sign-in request was already answered: start again from the app')
+  }
+  const iss = ctx.config.issuer
+  if (decision === 'deny') {
+    const params = {
+      error: 'access_denied',
+      error_description: 'The owner denied the request',
+      state: request.state,
+      iss,
+    }
+    return redirect(res, 303, buildRedirectUrl(request.redirect_uri, params))
+  }
+  const granted = request.scope.filter((scope) => (form.get('scope') ?? []).includes(scope))
+  const code = await issueCode(request, { scope: granted, accessTokenTtlSeconds: lifetime }, ctx)
+  redirect(res, 303, buildRedirectUrl(request.redirect_uri, { code, state: request.state, iss }), headers)
+}
+
+/** Issues a code bound to the request, the granted scopes and the chosen lifetime, and returns its value. */
+async function issueCode(
+  request: PendingRequest,
+  grant: { scope: string[]; accessTokenTtlSeconds: number },
+  ctx: Context,
+): Promise<string> {
+  const code = createSecret()
+  const now = ctx.now()
+  await ctx.store.saveCode(
+    hashSecret(code),
+    {
+      client_id: request.client_id,
+      client_name: request.client_name,
+      redirect_uri: request.redirect_uri,
+      code_challenge: request.code_challenge,
+      scope: grant.scope,
+      me: ctx.config.me,
+      accessTokenTtlSeconds: grant.accessTokenTtlSeconds,
+      issuedAt: now,
+      expiresAt: now + ctx.config.codeTtlSeconds * 1000,
+      usedAt: undefined,
+    },
+    now,
+  )
+  return code
+}
+
+// --- Code redemption ------------------------------------------------------------
+// IndieAuth §5.3    https://indieauth.spec.indieweb.org/#redeeming-the-authorization-code
+// RFC 6749 §4.1.3   https://www.rfc-editor.org/rfc/rfc6749#section-4.1.3
+// RFC 7636 §4.6     https://www.rfc-editor.org/rfc/rfc7636#section-4.6
+//
+// The life of a code, from the consent to its redemption, at `POST /auth` or `POST /token`:
+//  1. `issueCode` (Consent): 32 random bytes, stored under their hash with the client_id,
+//     redirect_uri, code_challenge, scope and me it is bound to; it lives CODE_TTL.
+//  2. `checkCode`: the code is found, used or not (`store.findCodeUsedOrNot`); client_id and
+//     redirect_uri must match it (IndieAuth §5.3.1), and `verifyCodeChallenge` checks the PKCE
+//     verifier against the challenge (RFC 7636 §4.6). A failed check uses nothing up.
+//  3. `POST /auth`: `store.markCodeUsed`; `POST /token`: `store.redeemForTokens`, which marks it
+//     used in the same write as the grant and the tokens. Either is true for the first caller only.
+//  4. A replay is caught there: the code was used before. The grant made from it, whose id is the
+//     code's hash, is revoked with every token issued from it (`revokeReplayedCode`,
+//     RFC 6749 §4.1.2), and the request gets `invalid_grant`.
+
+/**
+ * Redeems a code for the owner's profile URL only: `{"me": "…"}`, with the profile information
+ * when the `profile` scope was granted.
+ * @see https://indieauth.spec.indieweb.org/#profile-url-response IndieAuth §5.3.2
+ */
+async function handleProfileRedemption(req: IncomingMessage, res: ServerResponse, ctx: Context): Promise<void> {
+  const form = await readForm(req)
+  const grantType = getParam(form, 'grant_type')
+  if (grantType !== undefined && grantType !== 'authorization_code') {
+    throw new OAuthError('unsupported_grant_type', 'grant_type must be authorization_code')
+  }
+  const { code, codeHash } = await checkCode(form, { clientRequired: false }, ctx)
+  await consumeCode(codeHash, ctx)
+  // JSON leaves out a profile that is undefined
+  sendJson(res, 200, { me: code.me, profile: buildProfile(code.scope, ctx.config.profile) })
+}
+
+/**
+ * Finds a code and checks that the request matches it: `client_id`, `redirect_uri` and the PKCE
+ * verifier. Shared by `POST /auth` and `POST /token`. The code is not consumed here.
+ * @see https://indieauth.spec.indieweb.org/#redeeming-the-authorization-code IndieAuth §5.3.1
+ * @see https://www.rfc-editor.org/rfc/rfc7636#section-4.6
+ */
+async function checkCode(form: Params, options: { clientRequired: boolean }, ctx: Context) {
+  const value = requireParam(form, 'code')
+  const clientId = options.clientRequired ? requireParam(form, 'client_id') : getParam(form, 'client_id')
+  const redirectUri = options.clientRequired ? requireParam(form, 'redirect_uri') : getParam(form, 'redirect_uri')
+  const verifier = requireParam(form, 'code_verifier')
+  if (!isCodeVerifier(verifier))
+    throw new OAuthError('invalid_request', 'code_verifier must be 43 to 128 characters of A-Z, a-z, 0-9 and -._~')
+  const codeHash = hashSecret(value)
+  const code = await ctx.store.findCodeUsedOrNot(codeHash, ctx.now())
+  if (code === undefined) throw new OAuthError('invalid_grant', 'The authorization code is unknown or has expired')
+  if (clientId !== undefined && !isSameClientId(clientId, code.client_id)) {
+    throw new OAuthError('invalid_grant', 'client_id does not match the client the code was issued to')
+  }
+  if (redirectUri !== undefined && redirectUri !== code.redirect_uri) {
+    throw new OAuthError('invalid_grant', 'redirect_uri does not match the one in the authorization request')
+  }
+  if (!verifyCodeChallenge(verifier, code.code_challenge)) {
+    throw new OAuthError('invalid_grant', 'PKCE check failed: code_verifier does not match code_challenge')
+  }
+  return { code, codeHash }
+}
+
+/** Compares a sent `client_id` with a stored canonical one, after canonicalizing it (IndieAuth §3.4). */
+function isSameClientId(sent: string, stored: string): boolean {
+  return sent === stored || (isClientId(sent) && canonicalizeUrl(sent) === stored)
+}
+
+/** Marks a checked code used, or, when it was used before, revokes what was issued from it. */
+async function consumeCode(codeHash: string, ctx: Context): Promise<void> {
+  if (!(await ctx.store.markCodeUsed(codeHash, ctx.now()))) await revokeReplayedCode(codeHash, ctx)
+}
+
+/**
+ * A code that was used before is a replay: the grant made from it, and so every token issued
+ * from it, is revoked, because "the authorization server MUST deny the request and SHOULD
+ * revoke (when possible) all tokens previously issued based on that authorization code".
+ * @see https://www.rfc-editor.org/rfc/rfc6749#section-4.1.2
+ */
+async function revokeReplayedCode(codeHash: string, ctx: Context): Promise<never> {
+  await ctx.store.revokeGrant(codeHash, ctx.now()) // a grant's id is the hash of its code
+  throw new OAuthError(
+    'invalid_grant',
+    'The authorization code was already used, so the tokens issued from it are revoked',
+  )
+}
+
+/**
+ * The profile object for a scope: `name`, `url` and `photo` with `profile`, and `email` only
+ * when `email` was granted too; undefined without `profile`.
+ * @see https://indieauth.spec.indieweb.org/#profile-information IndieAuth §5.3.4
+ */
+export function buildProfile(scope: string[], profile: Profile): Record<string, string> | undefined {
+  if (!scope.includes('profile')) return undefined
+  const info: Record<string, string> = {}
+  if (profile.name !== undefined) info.name = profile.name
+  info.url = profile.url
+  if (profile.photo !== undefined) info.photo = profile.photo
+  if (profile.email !== undefined && scope.includes('email')) info.email = profile.email
+  return info
+}
+
+// --- Token endpoint -------------------------------------------------------------
+// IndieAuth §5.3.3  https://indieauth.spec.indieweb.org/#access-token-response
+// IndieAuth §5.5    https://indieauth.spec.indieweb.org/#refresh-tokens
+// RFC 6749 §5.1, §6 https://www.rfc-editor.org/rfc/rfc6749#section-6
+
+/**
+ * Exchanges a code, or a refresh token, for an access token and a new refresh token. Older
+ * clients also revoke here, with `action=revoke`.
+ * @see https://indieauth.spec.indieweb.org/#access-token-response IndieAuth §5.3.3
+ * @see https://indieauth.spec.indieweb.org/#refresh-tokens IndieAuth §5.5
+ */
+async function handleTokenRequest(req: IncomingMessage, res: ServerResponse, ctx: Context): Promise<void> {
+  const form = await readForm(req)
+  if (getParam(form, 'action') !== undefined) return handleLegacyRevocation(form, res, ctx)
+  const grantType = requireParam(form, 'grant_type')
+  switch (grantType) {
+    case 'authorization_code':
+      return sendJson(res, 200, await exchangeCode(form, ctx))
+    case 'refresh_token':
+      return sendJson(res, 200, await refreshGrant(form, ctx))
+    default:
+      throw new OAuthError('unsupported_grant_type', 'grant_type must be authorization_code or refresh_token')
+  }
+}
+
+/** Redeems a code with scope: the owner's approval becomes a grant, with its first tokens. */
+async function exchangeCode(form: Params, ctx: Context) {
+  const { code, codeHash } = await checkCode(form, { clientRequired: true }, ctx)
+  if (code.scope.length === 0) {
+    throw new OAuthError(
+      'invalid_grant',
+      'This code was issued without scope, so it only proves identity: redeem it at the authorization endpoint instead',
+    )
+  }
+  const grant = {
+    client_id: code.client_id,
+    client_name: code.client_name,
+    me: code.me,
+    scope: code.scope,
+    accessTokenTtlSeconds: code.accessTokenTtlSeconds,
+    approvedAt: code.issuedAt,
+    lastUsedAt: 0,
+    expiresAt: 0,
+  }
+  // awaited: a returned promise takes two more turns
+  return await issueTokens({ kind: 'code', hash: codeHash }, codeHash, grant, code.scope, ctx)
+}
+
+/**
+ * Rotates a refresh token: the old one stops working, and presenting it again revokes the
+ * whole grant, since one of the two presenters must have stolen it. Within
+ * `REFRESH_TOKEN_GRACE` of its rotation, though, it is a retry (the answer was lost on the way,
+ * or the client refreshed twice at once) and gets fresh tokens too: RFC 9700 §4.14.2 allows it.
+ * @see https://www.rfc-editor.org/rfc/rfc6749#section-6
+ * @see https://www.rfc-editor.org/rfc/rfc9700#section-4.14.2 RFC 9700 §4.14.2
+ */
+async function refreshGrant(form: Params, ctx: Context) {
+  const hash = hashSecret(requireParam(form, 'refresh_token'))
+  const clientId = requireParam(form, 'client_id')
+  const found = await findLiveToken(hash, 'refresh', ctx)
+  if (found === undefined) throw new OAuthError('invalid_grant', 'The refresh token is unknown, expired or revoked')
+  const retriedSince = ctx.now() - ctx.config.refreshTokenGraceSeconds * 1000
+  const { usedAt } = found.token
+  if (usedAt !== undefined && !(ctx.config.refreshTokenGraceSeconds > 0 && usedAt + 1000 > retriedSince)) {
+    await revokeReusedRefreshToken(found.token.grantId, ctx) // whatever else the request says
+  }
+  if (!isSameClientId(clientId, found.grant.client_id)) {
+    throw new OAuthError('invalid_grant', 'client_id does not match the client the refresh token was issued to')
+  }
+  const scope = narrowScope(getParam(form, 'scope'), found.token.scope)
+  const redeemed = {
+    kind: 'refresh',
+    hash,
+    retriedSince: ctx.config.refreshTokenGraceSeconds > 0 ? retriedSince : undefined,
+  } as const
+  return await issueTokens(redeemed, found.token.grantId, found.grant, scope, ctx)
+}
+
+async function revokeReusedRefreshToken(grantId: string, ctx: Context): Promise<never> {
+  await ctx.store.revokeGrant(grantId, ctx.now())
+  throw new OAuthError('invalid_grant', 'The refresh token was already used, so every token of its grant is revoked')
+}
+
+/** A refresh may ask for fewer scopes than were granted, never more (RFC 6749 §6). */
+function narrowScope(requested: string | undefined, granted: string[]): string[] {
+  if (requested === undefined) return granted
+  const scope = parseScope(requested)
+  if (scope.length === 0 || scope.some((one) => !granted.includes(one))) {
+    throw new OAuthError('invalid_scope', 'A refresh may narrow the granted scope, never widen it')
+  }
+  return scope
+}
+
+/**
+ * Redeems a code or a refresh token for an access token for `scope` and a refresh token for the
+ * whole grant, and saves the grant with its new expiry: all in one store write. Redeemed twice,
+ * by a replay or a race, the grant is revoked.
+ */
+async function issueTokens(
+  redeemed: TokenIssue['redeemed'],
+  grantId: string,
+  grant: Grant,
+  scope: string[],
+  ctx: Context,
+) {
+  const now = ctx.now()
+  const { accessTokenTtlSeconds } = grant
+  const { refreshTokenTtlSeconds } = ctx.config
+  const accessToken = createSecret()
+  const refreshToken = createSecret()
+  const access: Token = {
+    kind: 'access',
+    grantId,
+    scope,
+    issuedAt: now,
+    expiresAt: now + accessTokenTtlSeconds * 1000,
+    usedAt: undefined,
+  }
+  const refresh: Token = {
+    kind: 'refresh',
+    grantId,
+    scope: grant.scope,
+    issuedAt: now,
+    expiresAt: now + refreshTokenTtlSeconds * 1000,
+    usedAt: undefined,
+  }
+  const expiresAt = Math.max(grant.expiresAt, access.expiresAt, refresh.expiresAt)
+  const tokens: TokenIssue['tokens'] = [
+    [hashSecret(accessToken), access],
+    [hashSecret(refreshToken), refresh],
+  ]
+  if (
+    !(await ctx.store.redeemForTokens(
+      { redeemed, grantId, grant: { ...grant, lastUsedAt: now, expiresAt }, tokens },
+      now,
+    ))
+  ) {
+    await (redeemed.kind === 'code' ? revokeReplayedCode(grantId, ctx) : revokeReusedRefreshToken(grantId, ctx))
+  }
+  return {
+    access_token: accessToken,
+    token_type: 'Bearer',
+    scope: scope.join(' '),
+    me: grant.me,
+    expires_in: accessTokenTtlSeconds,
+    refresh_token: refreshToken,
+    profile: buildProfile(scope, ctx.config.profile), // left out of the JSON when undefined: without the profile scope
+  }
+}
+
+/** A live token of the given kind with its live grant, or undefined. */
+async function findLiveToken(
+  hash: string,
+  kind: Token['kind'],
+  ctx: Context,
+): Promise<{ token: Token; grant: Grant } | undefined> {
+  const now = ctx.now()
+  const token = await ctx.store.findToken(hash, now)
+  if (token === undefined || token.kind !== kind) return undefined
+  const grant = await ctx.store.findGrant(token.grantId, now)
+  return grant === undefined ? undefined : { token, grant }
+}
+
+// --- Introspection --------------------------------------------------------------
+// IndieAuth §6   https://indieauth.spec.indieweb.org/#access-token-verification
+// RFC 7662 §2    https://www.rfc-editor.org/rfc/rfc7662#section-2
+
+/**
+ * Tells a resource server whether an access token is live, and for whom. Anything else, a
+ * refresh token, a malformed or an unknown token, gets exactly `{"active": false}`.
+ * @see https://indieauth.spec.indieweb.org/#access-token-verification-response IndieAuth §6.2
+ * @see https://www.rfc-editor.org/rfc/rfc7662#section-2.2
+ */
+async function handleIntrospectionRequest(req: IncomingMessage, res: ServerResponse, ctx: Context): Promise<void> {
+  requireIntrospectionCaller(req, ctx.config)
+  const form = await readForm(req)
+  const found = await findLiveToken(hashSecret(requireParam(form, 'token')), 'access', ctx)
+  if (found === undefined) return sendJson(res, 200, { active: false })
+  const { token, grant } = found
+  await ctx.store.touchGrant(token.grantId, ctx.now())
+  sendJson(res, 200, {
+    active: true,
+    me: grant.me,
+    scope: token.scope.join(' '),
+    client_id: grant.client_id,
+    exp: Math.floor(token.expiresAt / 1000),
+    iat: Math.floor(token.issuedAt / 1000),
+  })
+}
+
+/**
+ * With `INTROSPECTION_SECRET` set, the caller must send it as a Bearer credential (IndieAuth §6.1:
+ * "the token endpoint MUST require some form of authorization to access this endpoint").
+ * @see https://www.rfc-editor.org/rfc/rfc6750#section-3
+ */
+function requireIntrospectionCaller(req: IncomingMessage, config: Config): void {
+  if (config.introspectionSecret === undefined) return
+  const realm = `Bearer realm="${config.issuer}"`
+  const match = /^Bearer +(\S+) *$/i.exec(req.headers.authorization ?? '')
+  if (match === null) {
+    throw new OAuthError('invalid_token', 'This endpoint needs the introspection secret as a Bearer credential', {
+      headers: { 'WWW-Authenticate': realm },
+    })
+  }
+  if (!safeEqual(match[1], config.introspectionSecret)) {
+    throw new OAuthError('invalid_token', 'The Bearer credential is not the introspection secret', {
+      headers: { 'WWW-Authenticate': `${realm}, error="invalid_token"` },
+    })
+  }
+}
+
+// --- Revocation -----------------------------------------------------------------
+// IndieAuth §7   https://indieauth.spec.indieweb.org/#token-revocation
+// RFC 7009 §2    https://www.rfc-editor.org/rfc/rfc7009#section-2
+
+/**
+ * Revokes a token. Answers 200 whether or not the token was known, as RFC 7009 §2.2 requires.
+ * @see https://www.rfc-editor.org/rfc/rfc7009#section-2.2
+ */
+async function handleRevocationRequest(req: IncomingMessage, res: ServerResponse, ctx: Context): Promise<void> {
+  const form = await readForm(req)
+  await revokeToken(requireParam(form, 'token'), ctx)
+  sendEmptyOk(res)
+}
+
+/**
+ * The revocation that IndieAuth clients made before §7: `POST /token` with `action=revoke`.
+ * @see https://indieauth.spec.indieweb.org/20201126/#token-revocation IndieAuth (2020) §6.3
+ */
+async function handleLegacyRevocation(form: Params, res: ServerResponse, ctx: Context): Promise<void> {
+  if (getParam(form, 'action') !== 'revoke') throw new OAuthError('invalid_request', 'action must be revoke')
+  await revokeToken(requireParam(form, 'token'), ctx)
+  sendEmptyOk(res)
+}
+
+/**
+ * Revokes an access token alone, or a refresh token with its whole grant: "If the particular
+ * token is a refresh token [...] the authorization server SHOULD also invalidate all access
+ * tokens based on the same authorization grant".
+ * @see https://www.rfc-editor.org/rfc/rfc7009#section-2.1
+ */
+async function revokeToken(value: string, ctx: Context): Promise<void> {
+  const hash = hashSecret(value)
+  const token = await ctx.store.findToken(hash, ctx.now())
+  if (token?.kind === 'refresh') await ctx.store.revokeGrant(token.grantId, ctx.now())
+  await ctx.store.deleteToken(hash)
+}
+
+// --- Bearer endpoints -----------------------------------------------------------
+// IndieAuth §9   https://indieauth.spec.indieweb.org/#user-information
+// RFC 6750 §2, §3  https://www.rfc-editor.org/rfc/rfc6750#section-3
+
+/**
+ * Answers the profile information of the owner to a token with the `profile` scope, with the
+ * owner's `me` as `sub`, which IndieAuth does not ask for but OpenID Connect libraries require.
+ * @see https://indieauth.spec.indieweb.org/#user-information IndieAuth §9
+ * @see https://www.rfc-editor.org/rfc/rfc6750#section-3.1
+ */
+async function handleUserinfoRequest(req: IncomingMessage, res: ServerResponse, ctx: Context): Promise<void> {
+  const form = req.method === 'POST' && req.headers['content-type'] !== undefined ? await readForm(req) : undefined
+  const { token, grant } = await requireAccessToken(req, form, ctx)
+  if (!token.scope.includes('profile')) {
+    const challenge = `Bearer realm="${ctx.config.issuer}", error="insufficient_scope", scope="profile"`
+    throw new OAuthError('insufficient_scope', 'The access token was not granted the profile scope', {
+      headers: { 'WWW-Authenticate': challenge },
+    })
+  }
+  // `sub`: what OpenID Connect libraries require
+  sendJson(res, 200, { sub: grant.me, ...buildProfile(token.scope, ctx.config.profile) })
+}
+
+/**
+ * The token verification of IndieAuth before §6, still used by Micropub servers: `GET /token`
+ * with `Authorization: Bearer` answers `{me, client_id, scope}`.
+ * @see https://indieauth.spec.indieweb.org/20201126/#access-token-verification IndieAuth (2020) §6.1
+ */
+async function handleTokenVerification(req: IncomingMessage, res: ServerResponse, ctx: Context): Promise<void> {
+  const { token, grant } = await requireAccessToken(req, undefined, ctx)
+  sendJson(res, 200, { me: grant.me, client_id: grant.client_id, scope: token.scope.join(' ') })
+}
+
+/**
+ * The live access token a request carries, in the `Authorization` header or an `access_token`
+ * form field, or 401 with a `WWW-Authenticate` challenge. Both may be sent if they agree.
+ * @see https://www.rfc-editor.org/rfc/rfc6750#section-2
+ */
+async function requireAccessToken(req: IncomingMessage, form: Params | undefined, ctx: Context) {
+  const realm = `Bearer realm="${ctx.config.issuer}"`
+  const header = /^Bearer +(\S+) *$/i.exec(req.headers.authorization ?? '')?.[1]
+  const field = form === undefined ? undefined : getParam(form, 'access_token')
+  if (header !== undefined && field !== undefined && header !== field) {
+    throw new OAuthError('invalid_request', 'The request carries two different access tokens')
+  }
+  const value = header ?? field
+  if (value === undefined) {
+    throw new OAuthError('invalid_token', 'Send an access token as Authorization: Bearer', {
+      headers: { 'WWW-Authenticate': realm },
+    })
+  }
+  const found = await findLiveToken(hashSecret(value), 'access', ctx)
+  if (found === undefined) {
+    throw new OAuthError('invalid_token', 'The access token is unknown, expired or revoked', {
+      headers: { 'WWW-Authenticate': `${realm}, error="invalid_token"` },
+    })
+  }
+  await ctx.store.touchGrant(found.token.grantId, ctx.now())
+  return found
+}
+
+// --- The owner's pages ----------------------------------------------------------
+// Signing in once starts a session, so later consents take one click (the explicit approve
+// stays). `GET /apps` lists every live grant with a Revoke button; every button is a POST that
+// carries the CSRF value.
+
+/**
+ * Shows the connected apps to the signed-in owner, and a sign-in form to anyone else.
+ * @see https://www.rfc-editor.org/rfc/rfc7009#section-1 RFC 7009 §1 (revocation by the end user)
+ */
+async function handleAppsPage(req: IncomingMessage, res: ServerResponse, ctx: Context): Promise<void> {
+  const visitor = await readVisitor(req, ctx)
+  const headers = { 'Set-Cookie': buildCookie(csrfCookieName(ctx.config), visitor.csrf, undefined, ctx.config) }
+  const page = { csrf: formToken(visitor), config: ctx.config }
+  if (!visitor.signedIn) return sendPage(res, 200, renderSignInPage(page), headers)
+  sendPage(res, 200, renderAppsPage(await ctx.store.listGrants(ctx.now()), page), headers)
+}
+
+/**
+ * Checks the owner's password and starts a session.
+ * @see https://www.rfc-editor.org/rfc/rfc6749#section-10.12 RFC 6749 §10.12 (cross-site request forgery)
+ */
+async function handleSignIn(req: IncomingMessage, res: ServerResponse, ctx: Context): Promise<void> {
+  const form = await readForm(req)
+  const visitor = await requireFormToken(form, req, ctx)
+  const headers: Record<string, string> = {}
+  if (!visitor.signedIn) {
+    const message = await checkPassword(getParam(form, 'password'), clientAddress(req), ctx)
+    if (message !== undefined)
+      return sendPage(res, 401, renderSignInPage({ csrf: formToken(visitor), config: ctx.config, message }))
+    headers['Set-Cookie'] = await startSession(ctx)
+  }
+  redirect(res, 303, endpointUrl(ctx.config, '/apps'), headers)
+}
+
+/**
+ * Ends the owner's session, here and in the store.
+ * @see https://www.rfc-editor.org/rfc/rfc6749#section-10.12 RFC 6749 §10.12 (cross-site request forgery)
+ */
+async function handleSignOut(req: IncomingMessage, res: ServerResponse, ctx: Context): Promise<void> {
+  const { session } = await requireFormToken(await readForm(req), req, ctx)
+  if (session !== undefined) await ctx.store.deleteSession(hashSecret(session))
+  redirect(res, 303, endpointUrl(ctx.config, '/apps'), {
+    'Set-Cookie': buildCookie(sessionCookieName(ctx.config), '', 0, ctx.config),
+  })
+}
+
+/**
+ * Ends every session of the owner, in every browser: after a lost phone or a shared computer.
+ * @see https://www.rfc-editor.org/rfc/rfc6749#section-10.12 RFC 6749 §10.12 (cross-site request forgery)
+ */
+async function handleSignOutEverywhere(req: IncomingMessage, res: ServerResponse, ctx: Context): Promise<void> {
+  await requireOwner(await readForm(req), req, ctx)
+  await ctx.store.deleteAllSessions()
+  ctx.log('security: the owner signed out everywhere, so every session ended')
+  redirect(res, 303, endpointUrl(ctx.config, '/apps'), {
+    'Set-Cookie': buildCookie(sessionCookieName(ctx.config), '', 0, ctx.config),
+  })
+}
+
+/**
+ * Revokes one grant: its access and refresh tokens stop working at once.
+ * @see https://www.rfc-editor.org/rfc/rfc7009#section-1 RFC 7009 §1 (revocation by the end user)
+ */
+async function handleAppRevocation(req: IncomingMessage, res: ServerResponse, ctx: Context): Promise<void> {
+  const form = await readForm(req)
+  await requireOwner(form, req, ctx)
+  await ctx.store.revokeGrant(requireParam(form, 'grant'), ctx.now())
+  redirect(res, 303, endpointUrl(ctx.config, '/apps'))
+}
+
+/**
+ * Revokes every grant.
+ * @see https://www.rfc-editor.org/rfc/rfc7009#section-1 RFC 7009 §1 (revocation by the end user)
+ */
+async function handleAllAppsRevocation(req: IncomingMessage, res: ServerResponse, ctx: Context): Promise<void> {
+  await requireOwner(await readForm(req), req, ctx)
+  for (const [id] of await ctx.store.listGrants(ctx.now())) await ctx.store.revokeGrant(id, ctx.now())
+  redirect(res, 303, endpointUrl(ctx.config, '/apps'))
+}
+
+async function requireOwner(form: Params, req: IncomingMessage, ctx: Context): Promise<void> {
+  if (!(await requireFormToken(form, req, ctx)).signedIn)
+    throw new OAuthError('access_denied', 'Sign in first: your session has ended', { status: 401 })
+}
+
+function renderSignInPage(page: { csrf: string; config: Config; message?: string }): string {
+  const { config } = page
+  return renderPage(
+    'Sign in',
+    `<h1>Sign in</h1>
+<p>Sign in as <code>${escapeHtml(config.me)}</code> to see the apps you have connected.</p>
+<form method="post" action="${escapeHtml(endpointUrl(config, '/sign-in'))}">
+<input type="hidden" name="csrf" value="${escapeHtml(page.csrf)}">
+${renderPasswordField(page.message)}
+<div class="actions"><button class="primary">Sign in</button></div>
+</form>`,
+  )
+}
+
+function renderAppsPage(grants: [string, Grant][], page: { csrf: string; config: Config }): string {
+  const { config } = page
+  const csrfField = `<input type="hidden" name="csrf" value="${escapeHtml(page.csrf)}">`
+  const apps = grants
+    .map(
+      ([id, grant]) => `<section class="app">
+<h2>${isolate(grant.client_name ?? grant.client_id)}</h2>
+<dl>
+${grant.client_name === undefined ? '' : `<dt>App</dt><dd><code>${isolate(grant.client_id)}</code></dd>`}
+<dt>Scopes</dt><dd>${escapeHtml(grant.scope.join(' '))}</dd>
+<dt>Approved</dt><dd>${formatTime(grant.approvedAt)}</dd>
+<dt>Last used</dt><dd>${formatTime(grant.lastUsedAt)}</dd>
+<dt>Access ends</dt><dd>${formatTime(grant.expiresAt)}</dd>
+</dl>
+${renderButton(config, '/apps/revoke', `${csrfField}${grantField(id)}`, 'danger', 'Revoke')}
+</section>`,
+    )
+    .join('\n')
+  const signOut = config.passwordHash === undefined ? '' : renderButton(config, '/sign-out', csrfField, '', 'Sign out')
+  const revokeAll = renderButton(config, '/apps/revoke-all', csrfField, 'danger', 'Revoke all')
+  const actions = `<div class="actions">${revokeAll}</div>`
+  const everywhere =
+    config.passwordHash === undefined
+      ? ''
+      : '<p class="muted">Signed in on a device you no longer have?</p>\n' +
+        renderButton(config, '/sign-out-everywhere', csrfField, '', 'Sign out everywhere')
+  return renderPage(
+    'Connected apps',
+    `<div class="bar"><span class="muted">${escapeHtml(config.me)}</span>${signOut}</div>
+<h1>Connected apps</h1>
+<p>These apps can act as you. Revoking one ends its access and refresh tokens at once;
+“Access ends” is when it would end anyway, unless the app refreshes it.</p>
+${apps === '' ? '<p class="muted">No app holds a token right now.</p>' : `${apps}\n${actions}`}
+${everywhere}`,
+  )
+}
+
+function grantField(id: string): string {
+  return `<input type="hidden" name="grant" value="${escapeHtml(id)}">`
+}
+
+/** A form that is one button: it posts the hidden fields to the path. */
+function renderButton(config: Config, path: string, fields: string, kind: string, label: string): string {
+  const button = kind === '' ? `<button>${label}</button>` : `<button class="${kind}">${label}</button>`
+  return `<form method="post" action="${escapeHtml(endpointUrl(config, path))}">${fields}${button}</form>`
+}
+
+/** A time as people read it: `2027-01-01 12:00 UTC`. */
+function formatTime(ms: number): string {
+  return `${new Date(ms).toISOString().slice(0, 16).replace('T', ' ')} UTC`
+}
+
+// --- Home page ------------------------------------------------------------------
+
+/**
+ * Says what this server is, and shows the owner the `<link>` tags to paste into their site:
+ * `indieauth-metadata`, and the two older relations that clients before 2022 look for. The same
+ * links go out as a `Link` header, so a `ME` that points at this server is discoverable too.
+ * @see https://indieauth.spec.indieweb.org/#discovery-by-clients IndieAuth §4.1
+ */
+async function handleHomePage(_req: IncomingMessage, res: ServerResponse, ctx: Context): Promise<void> {
+  const { config } = ctx
+  const relations: [string, string][] = [
+    ['indieauth-metadata', endpointUrl(config, '/.well-known/oauth-authorization-server')],
+    ['authorization_endpoint', endpointUrl(config, '/auth')],
+    ['token_endpoint', endpointUrl(config, '/token')],
+  ]
+  const metadata = endpointUrl(config, '/.well-known/oauth-authorization-server')
+  const links = relations.map(([rel, href]) => `<link rel="${rel}" href="${href}">`).join('\n')
+  const linkHeader = relations.map(([rel, href]) => `<${href}>; rel="${rel}"`).join(', ')
+  sendPage(
+    res,
+    200,
+    renderPage(
+      'Latch',
+      `<h1>Latch</h1>
+<p>This is the IndieAuth server of <code>${escapeHtml(config.me)}</code>.
+Apps that let you sign in with your website send you here to confirm that you are you.</p>
+<p>To use it, paste these lines into the <code>&lt;head&gt;</code> of <code>${escapeHtml(config.me)}</code>:</p>
+<pre>${escapeHtml(links)}</pre>
+<p class="muted">Server metadata: <a href="${escapeHtml(metadata)}">${escapeHtml(metadata)}</a></p>`,
+    ),
+    { Link: linkHeader },
+  )
+}
+
+// --- Router ---------------------------------------------------------------------
+
+type Handler = (req: IncomingMessage, res: ServerResponse, ctx: Context) => Promise<void>
+
+/**
+ * One row of the route table: a path, the methods one handler answers there, whether its errors
+ * are shown to a person (a page) or to a program (JSON), whether browser apps on any origin may
+ * call it (CORS: RFC 9700 §2.6 allows it on these endpoints, never on the authorization request
+ * or the consent form, which are for the owner's own browser), and the spec that defines it.
+ */
+type Route = { path: string; methods: string[]; handler: Handler; errors: 'page' | 'json'; cors: boolean; spec: string }
+
+/**
+ * Every endpoint of Latch, in the order a client meets them. The router reads nothing else, and
+ * the README's table of endpoints is this one. `HEAD` is answered where discovery may start with it.
+ */
+// prettier-ignore
+const ROUTES: Route[] = [
+  route('/.well-known/oauth-authorization-server', 'GET HEAD', handleMetadataRequest, 'json', 'CORS', 'RFC 8414 §3'),
+  route('/auth',                'GET',      handleAuthorizationRequest, 'page', '',     'IndieAuth §5.2'),
+  route('/auth/consent',        'POST',     handleConsent,              'page', '',     'IndieAuth §5.2.1'),
+  route('/auth',                'POST',     handleProfileRedemption,    'json', 'CORS', 'IndieAuth §5.3.2'),
+  route('/token',               'POST',     handleTokenRequest,         'json', 'CORS', 'IndieAuth §5.3.3, §5.5'),
+  route('/introspect',          'POST',     handleIntrospectionRequest, 'json', 'CORS', 'IndieAuth §6, RFC 7662'),
+  route('/revoke',              'POST',     handleRevocationRequest,    'json', 'CORS', 'IndieAuth §7, RFC 7009'),
+  route('/userinfo',            'GET POST', handleUserinfoRequest,      'json', 'CORS', 'IndieAuth §9, RFC 6750'),
+  route('/token',               'GET',      handleTokenVerification,    'json', 'CORS', 'IndieAuth before §6'),
+  route('/apps',                'GET',      handleAppsPage,             'page', '',     ''),
+  route('/apps/revoke',         'POST',     handleAppRevocation,        'page', '',     ''),
+  route('/apps/revoke-all',     'POST',     handleAllAppsRevocation,    'page', '',     ''),
+  route('/sign-in',             'POST',     handleSignIn,               'page', '',     ''),
+  route('/sign-out',            'POST',     handleSignOut,              'page', '',     ''),
+  route('/sign-out-everywhere', 'POST',     handleSignOutEverywhere,    'page', '',     ''),
+  route('/',                    'GET HEAD', handleHomePage,             'page', '',     'IndieAuth §4.1'),
+]
+
+/** A row of the table, from its columns. */
+function route(
+  ...[path, methods, handler, errors, cors, spec]: [string, string, Handler, Route['errors'], string, string]
+): Route {
+  return { path, methods: methods.split(' '), handler, errors, cors: cors === 'CORS', spec }
+}
+
+/** The route table by path, then by method. */
+const ROUTES_BY_PATH = new Map<string, Map<string, Route>>()
+for (const row of ROUTES) {
+  const methods = ROUTES_BY_PATH.get(row.path) ?? new Map<string, Route>()
+  for (const method of row.methods) methods.set(method, row)
+  ROUTES_BY_PATH.set(row.path, methods)
+}
+
+/** Picks the route for a method and path: 404 for an unknown path, 405 for another method. */
+function selectRoute(method: string, path: string): Pick<Route, 'handler' | 'errors' | 'cors'> {
+  const methods = ROUTES_BY_PATH.get(path)
+  if (methods === undefined) return { handler: rejectUnknownPath, errors: 'json', cors: false }
+  const found = methods.get(method)
+  if (found !== undefined) return found
+  const corsMethods = [...methods].filter(([, row]) => row.cors).map(([name]) => name)
+  if (method === 'OPTIONS' && corsMethods.length > 0) {
+    return { handler: answerPreflight(corsMethods.sort()), errors: 'json', cors: true }
+  }
+  const allow = [...methods.keys()].sort().join(', ')
+  const rejectMethod = async () => {
+    throw new OAuthError('method_not_allowed', `This endpoint accepts ${allow} only`, { headers: { Allow: allow } })
+  }
+  return { handler: rejectMethod, errors: 'json', cors: false }
+}
+
+/**
+ * Answers a CORS preflight: any origin may send these methods with `Authorization`.
+ * @see https://fetch.spec.whatwg.org/#http-cors-protocol
+ */
+function answerPreflight(methods: string[]): Handler {
+  return async (_req, res) => {
+    res.writeHead(204, {
+      'Access-Control-Allow-Origin': '*',
+      'Access-Control-Allow-Methods': methods.join(', '),
+      'Access-Control-Allow-Headers': 'Authorization, Content-Type',
+      'Access-Control-Max-Age': '86400',
+    })
+    res.end()
+  }
+}
+
+async function rejectUnknownPath(): Promise<void> {
+  throw new OAuthError('not_found', 'There is no endpoint at this path')
+}
+
+/**
+ * Creates the request handler: a plain `(req, res) => void` for node:http, Express or Connect.
+ * It logs one line per request (method, path, status, milliseconds) and never a secret.
+ */
+export function createHandler(options: HandlerOptions): (req: IncomingMessage, res: ServerResponse) => void {
+  const log = options.log ?? console.log
+  const ctx: Context = {
+    config: options.config,
+    store: options.store ?? new MemoryStore({ log }),
+    now: options.now ?? Date.now,
+    log,
+    passwordAttempts: { byAddress: new Map(), total: NO_ATTEMPTS },
+    passwordSlots: { running: 0, waiting: [] },
+    clientFetch: options.clientFetch ?? {},
+    clients: new Map(),
+    failedClients: new Map(),
+    clientLookups: new Map(),
+    clientFetchSlots: { running: 0, waiting: [] },
+  }
+  const ownHosts = ownHostsOf(ctx.config)
+  let lastOwnHost: string | undefined // the Host header that passed last time: nearly every request repeats it
+  return (req, res) => {
+    const started = performance.now()
+    const path = pathOf(req.url ?? '/')
+    const { handler, errors, cors } = selectRoute(req.method ?? 'GET', path)
+    if (cors) (res as MarkedResponse)[CORS] = true
+    // Answered only once the whole answer went to the socket: node:http may have closed it first,
+    // after bytes it could not parse, and the client may have gone away.
+    let answered = false
+    res.on('finish', () => (answered = true))
+    res.on('close', () => {
+      const status = answered ? res.statusCode : 'closed before the answer'
+      log(`${req.method} ${describePath(path, handler)} ${status} ${Math.round(performance.now() - started)}ms`)
+    })
+    const host = req.headers.host
+    const own = host === lastOwnHost || isOwnHost(host, ownHosts)
+    if (own) lastOwnHost = host
+    const checked = !own
+      ? Promise.reject(
+          new OAuthError(
+            'invalid_request',
+            'This server answers only to its own host name: set ISSUER to the URL you use, or set PASSWORD_HASH',
+            { status: 421 },
+          ),
+        )
+      : (req.url ?? '').length > MAX_REQUEST_TARGET
+        ? Promise.reject(
+            new OAuthError('invalid_request', `The request URL is longer than ${MAX_REQUEST_TARGET} characters`, {
+              status: 414,
+            }),
+          )
+        : handler(req, res, ctx)
+    checked.catch((err: unknown) => renderError(err, res, errors === 'page', ctx))
+  }
+}
+
+/** The longest request target (path and query) Latch reads: what it keeps of a request is bounded by it. */
+const MAX_REQUEST_TARGET = 8_192
+
+/**
+ * Without a password, anyone who can load a page from this server can approve a sign-in. A web
+ * page on another name that resolves to 127.0.0.1 (DNS rebinding) could; so only requests for
+ * the issuer's host or a loopback name are served.
+ */
+function isOwnHost(hostHeader: string | undefined, ownHosts: Set<string> | undefined): boolean {
+  if (ownHosts === undefined || hostHeader === undefined) return true
+  return ownHosts.has(
+    hostHeader
+      .toLowerCase()
+      .replace(/:\d*$/, '')
+      .replace(/^\[(.*)\]$/, '$1'),
+  )
+}
+
+/** The host names served without a password: loopback names and the issuer's; with a password, any. */
+function ownHostsOf(config: Config): Set<string> | undefined {
+  if (config.passwordHash !== undefined) return undefined
+  return new Set([...LOOPBACK_HOSTS, new URL(config.issuer).hostname.replace(/^\[(.*)\]$/, '$1')])
+}
+
+/** The path as logged: an unknown path is not, since a client may have put anything in it. */
+function describePath(path: string, handler: Handler): string {
+  return handler === rejectUnknownPath ? '(unknown path)' : path
+}
+
+/** The router's one catch: an `OAuthError` is rendered; anything else is a logged 500. */
+function renderError(err: unknown, res: ServerResponse, asPage: boolean, ctx: Context): void {
+  if (res.headersSent) {
+    res.destroy()
+    return
+  }
+  if (err instanceof OAuthError) {
+    if (asPage) sendErrorPage(res, err)
+    else sendJsonError(res, err)
+    return
+  }
+  ctx.log(`error: ${err instanceof Error ? (err.stack ?? err.message) : String(err)}`)
+  if (asPage)
+    sendErrorPage(
+      res,
+      new OAuthError('server_error', 'Something went wrong on the server: try again later', { status: 500 }),
+    )
+  else sendJson(res, 500, { error: 'server_error' })
+}
+
+// =================================================================================================
+// PART 2: WHAT IT LEANS ON
+// HTTP plumbing and pages, sessions and password throttling, client fetching, the stores and the
+// journal, the performance internals, the configuration and the command line. Each section says
+// first what the protocol needs from it.
+// =================================================================================================
+
+// --- HTTP plumbing --------------------------------------------------------------
+// Read a form, send JSON, redirect, render a page. Nothing here knows about OAuth.
+
+const MAX_BODY_BYTES = 64 * 1024
+
+/**
+ * Reads an `application/x-www-form-urlencoded` body of at most 64 KiB. A larger body is
+ * answered with 413 and the rest of it is never buffered.
+ * @see https://www.rfc-editor.org/rfc/rfc6749#appendix-B
+ */
+export async function readForm(req: IncomingMessage): Promise<Params> {
+  const contentType = req.headers['content-type'] ?? ''
+  if (contentType === 'application/x-www-form-urlencoded') return parseForm((await readBody(req)).toString('latin1'))
+  const [mediaType, ...parameters] = contentType.split(';').map((part) => part.trim().toLowerCase())
+  if (mediaType !== 'application/x-www-form-urlencoded') {
+    throw new OAuthError('invalid_request', 'The body must be application/x-www-form-urlencoded')
+  }
+  if (parameters.some((parameter) => parameter.startsWith('charset=') && !/^charset="?utf-8"?$/.test(parameter))) {
+    throw new OAuthError('invalid_request', 'The body must be UTF-8')
+  }
+  return parseForm((await readBody(req)).toString('latin1'))
+}
+
+function readBody(req: IncomingMessage): Promise<Buffer> {
+  if (Number(req.headers['content-length']) > MAX_BODY_BYTES) return Promise.reject(bodyTooLarge())
+  return new Promise((resolve, reject) => {
+    const chunks: Buffer[] = []
+    let size = 0
+    let ended = false
+    req.on('data', (chunk: Buffer) => {
+      size += chunk.length
+      if (size <= MAX_BODY_BYTES) chunks.push(chunk)
+      // later chunks are read and dropped until the connection closes
+      else if (size - chunk.length <= MAX_BODY_BYTES) reject(bodyTooLarge())
+    })
+    req.on('end', () => {
+      ended = true
+      resolve(chunks.length === 1 ? chunks[0] : Buffer.concat(chunks))
+    })
+    req.on('error', () => ended || reject(bodyCutShort()))
+    req.on('close', () => ended || reject(bodyCutShort()))
+  })
+}
+
+const bodyTooLarge = () =>
+  new OAuthError('invalid_request', 'The request body is larger than 64 KiB', {
+    status: 413,
+    headers: { Connection: 'close' },
+  })
+const bodyCutShort = () => new OAuthError('invalid_request', 'The request body ended early')
+
+/** The path of a request target, without its query. */
+function pathOf(target: string): string {
+  const query = target.indexOf('?')
+  return query === -1 ? target : target.slice(0, query)
+}
+
+/** The query parameters of a request target. */
+function queryOf(target: string): Params {
+  const query = target.indexOf('?')
+  return parseForm(query === -1 ? '' : target.slice(query + 1))
+}
+
+function readCookie(req: IncomingMessage, name: string): string | undefined {
+  for (const pair of (req.headers.cookie ?? '').split(';')) {
+    const equals = pair.indexOf('=')
+    if (equals !== -1 && pair.slice(0, equals).trim() === name) return pair.slice(equals + 1).trim()
+  }
+  return undefined
+}
+
+const NO_STORE = { 'Cache-Control': 'no-store', Pragma: 'no-cache' }
+
+/**
+ * Marks the responses of endpoints that browser apps on any origin may call, as the router
+ * finds them. Their headers get `Access-Control-Allow-Origin: *` where they are written:
+ * setting it early with `res.setHeader` would send node:http down a slower path for every
+ * other header. A mark on the response itself, not a WeakSet: adding to a WeakSet on every
+ * request costs the garbage collector more than the rest of the router.
+ */
+const CORS = Symbol('cors')
+
+type MarkedResponse = ServerResponse & { [CORS]?: true }
+
+/** Adds `Access-Control-Allow-Origin: *` to a fresh headers object when the response is a CORS one. */
+function withCors(res: MarkedResponse, headers: OutgoingHttpHeaders): OutgoingHttpHeaders {
+  if (res[CORS] === true) headers['Access-Control-Allow-Origin'] = '*'
+  return headers
+}
+
+/** Sends a JSON body. Every JSON answer carries `no-store`: most hold codes or tokens. */
+function sendJson(res: ServerResponse, status: number, body: unknown, headers?: Record<string, string>): void {
+  const json = JSON.stringify(body)
+  const head = withCors(res, {
+    'Content-Type': 'application/json',
+    'Content-Length': Buffer.byteLength(json),
+    'Cache-Control': 'no-store',
+    Pragma: 'no-cache',
+  })
+  setImmediate(writeAnswer, res, status, headers === undefined ? head : Object.assign(head, headers), json)
+}
+
+/** Answers 200 with no body, as revocation does. */
+function sendEmptyOk(res: ServerResponse): void {
+  // a length, not an empty chunked body
+  setImmediate(writeAnswer, res, 200, withCors(res, { 'Content-Length': 0, ...NO_STORE }), '')
+}
+
+/**
+ * Writes an answer of the endpoints that programs call (JSON, and revocation's empty 200). It
+ * runs in `setImmediate`, once node:http has read every request that was ready in this turn of
+ * the event loop, so that the answers to many connections leave together. A client on the same
+ * machine, such as a resource server introspecting tokens over a pool of connections, is then
+ * woken once for a batch of answers rather than once for each. Under load those wake-ups were a
+ * sixth of the CPU time of a token exchange (`npm run bench`).
+ */
+function writeAnswer(res: ServerResponse, status: number, headers: OutgoingHttpHeaders, body: string): void {
+  if (res.headersSent || res.destroyed) return // answered meanwhile, or the connection is gone
+  try {
+    res.writeHead(status, headers)
+    res.end(body)
+  } catch {
+    res.destroy() // only an embedding app's hook on writeHead could throw here: close, do not crash
+  }
+}
+
+/** Sends an OAuth error as JSON. */
+function sendJsonError(res: ServerResponse, err: OAuthError): void {
+  sendJson(res, err.status, { error: err.error, error_description: err.message }, err.headers)
+}
+
+/** Redirects with the given status (302 from `GET /auth`, 303 after a form). */
+function redirect(res: ServerResponse, status: number, location: string, headers: Record<string, string> = {}): void {
+  res.writeHead(status, { Location: location, ...NO_STORE, 'Referrer-Policy': 'no-referrer', ...headers })
+  res.end()
+}
+
+/** Adds parameters to a URL, keeping the query it already has byte for byte. */
+export function buildRedirectUrl(base: string, params: Record<string, string | undefined>): string {
+  const query = new URLSearchParams()
+  for (const [name, value] of Object.entries(params)) {
+    if (value !== undefined) query.append(name, value)
+  }
+  const separator = !base.includes('?') ? '?' : base.endsWith('?') || base.endsWith('&') ? '' : '&'
+  return `${base}${separator}${query}`
+}
+
+// --- Pages ----------------------------------------------------------------------
+// Plain HTML: no scripts, nothing loaded from elsewhere. The one stylesheet is allowed by its
+// hash, so the Content-Security-Policy can keep `default-src 'none'`.
+
+const STYLESHEET = `
+:root {
+  color-scheme: light dark;
+  --fg: #1c1b1f;
+  --bg: #fbfbfd;
+  --muted: #55535e;
+  --line: #c9c7d1;
+  --accent: #1f4fd1;
+  --danger: #b3261e;
+  --panel: #fff;
+}
+@media (prefers-color-scheme: dark) {
+  :root {
+    --fg: #ecebf1;
+    --bg: #141318;
+    --muted: #b2b0bc;
+    --line: #45434d;
+    --accent: #9db7ff;
+    --danger: #ffb4ab;
+    --panel: #1d1c22;
+  }
+}
+* { box-sizing: border-box; }
+body {
+  margin: 0;
+  background: var(--bg);
+  color: var(--fg);
+  font: 1rem/1.5 system-ui, -apple-system, "Segoe UI", sans-serif;
+}
+main { max-width: 34rem; margin: 0 auto; padding: 2rem 1rem; }
+h1 { font-size: 1.5rem; line-height: 1.25; margin: 0 0 1rem; overflow-wrap: anywhere; }
+p, fieldset, pre { margin: 0 0 1rem; }
+code, pre { font-family: ui-monospace, Menlo, Consolas, monospace; font-size: .9rem; overflow-wrap: anywhere; }
+pre {
+  background: var(--panel);
+  border: 1px solid var(--line);
+  border-radius: .5rem;
+  padding: .75rem;
+  white-space: pre-wrap;
+}
+.muted { color: var(--muted); }
+.error { border-left: 4px solid #d93025; padding: .25rem .75rem; }
+fieldset { border: 1px solid var(--line); border-radius: .5rem; padding: .75rem 1rem; background: var(--panel); }
+legend { padding: 0 .25rem; font-weight: 600; }
+label { display: block; padding: .5rem 0; }
+.bar { display: flex; justify-content: space-between; align-items: center; gap: 1rem; margin: 0 0 1rem; }
+.bar button { width: auto; padding: .4rem .8rem; font-weight: 400; }
+input[type=password] {
+  display: block;
+  width: 100%;
+  margin-top: .25rem;
+  padding: .6rem;
+  font: inherit;
+  color: inherit;
+  background: var(--panel);
+  border: 1px solid var(--line);
+  border-radius: .4rem;
+}
+.actions { display: flex; gap: .75rem; margin-top: 1.25rem; }
+.actions > * { flex: 1; }
+button {
+  width: 100%;
+  padding: .7rem 1rem;
+  font: inherit;
+  font-weight: 600;
+  border-radius: .4rem;
+  border: 1px solid var(--accent);
+  background: transparent;
+  color: var(--accent);
+  cursor: pointer;
+}
+button.primary { background: var(--accent); color: var(--bg); }
+button.danger { border-color: var(--danger); color: var(--danger); }
+select {
+  font: inherit;
+  color: inherit;
+  background: var(--panel);
+  border: 1px solid var(--line);
+  border-radius: .4rem;
+  padding: .4rem;
+  margin-left: .25rem;
+}
+.app {
+  border: 1px solid var(--line);
+  border-radius: .5rem;
+  padding: .75rem 1rem;
+  margin: 0 0 1rem;
+  background: var(--panel);
+}
+.app h2 { font-size: 1.1rem; margin: 0 0 .5rem; overflow-wrap: anywhere; }
+.logo { border-radius: .5rem; }
+dl { display: grid; grid-template-columns: max-content 1fr; gap: .2rem .75rem; margin: 0 0 .75rem; }
+dt { color: var(--muted); }
+dd { margin: 0; }
+a { color: var(--accent); }
+:focus-visible { outline: 3px solid var(--accent); outline-offset: 2px; }
+`
+
+const PAGE_HEADERS = {
+  'Content-Type': 'text/html; charset=utf-8',
+  'Content-Security-Policy': [
+    "default-src 'none'",
+    `style-src 'sha256-${hash('sha256', STYLESHEET, 'base64')}'`,
+    'img-src data:',
+    "frame-ancestors 'none'",
+    "base-uri 'none'",
+  ].join('; '),
+  'X-Frame-Options': 'DENY',
+  'Referrer-Policy': 'no-referrer',
+  'X-Content-Type-Options': 'nosniff',
+  ...NO_STORE,
+}
+
+/** Escapes text for HTML element content and double-quoted attributes. */
+export function escapeHtml(text: string): string {
+  return text.replace(/[&<>"']/g, (char) => `&#${char.charCodeAt(0)};`)
+}
+
+/** Text a stranger chose, as plain text, escaped and isolated: whatever its direction, it cannot reorder the page. */
+function isolate(text: string): string {
+  return `<bdi>${escapeHtml(plainText(text))}</bdi>`
+}
+
+function renderPage(title: string, body: string): string {
+  return `<!doctype html>
+<html lang="en">
+<head>
+<meta charset="utf-8">
+<meta name="viewport" content="width=device-width, initial-scale=1">
+<meta name="referrer" content="no-referrer">
+<title>${escapeHtml(title)}</title>
+<style>${STYLESHEET}</style>
+</head>
+<body>
+<main>
+${body}
+</main>
+</body>
+</html>
+`
+}
+
+function sendPage(res: ServerResponse, status: number, html: string, headers: Record<string, string> = {}): void {
+  res.writeHead(status, { ...PAGE_HEADERS, 'Content-Length': String(Buffer.byteLength(html)), ...headers })
+  res.end(html)
+}
+
+/** Sends an error as a page that names the problem; used where a person, not a client, reads it. */
+function sendErrorPage(res: ServerResponse, err: OAuthError): void {
+  const title = err.status === 429 ? 'Too many attempts' : 'This sign-in cannot continue'
+  const next = err.status === 429 ? 'Wait, then try again.' : 'Go back to the app you came from and start again.'
+  const body = [
+    `<h1>${escapeHtml(title)}</h1>`,
+    `<p class="error">${escapeHtml(err.message)}</p>`,
+    `<p class="muted">${next}</p>`,
+  ].join('\n')
+  sendPage(res, err.status, renderPage(title, body), err.headers)
+}
+
+/** The password field, with the message of a failed attempt right above it. */
+function renderPasswordField(message: string | undefined): string {
+  const input = 'type="password" name="password" autocomplete="current-password" required autofocus'
+  if (message === undefined) return `<label>Password<input ${input}></label>`
+  return `<p class="error" id="password-error" role="alert">${escapeHtml(message)}</p>
+<label>Password<input ${input} aria-invalid="true" aria-describedby="password-error"></label>`
+}
+
+// --- Cookies --------------------------------------------------------------------
+// Two cookies, both HttpOnly and SameSite=Lax, and Secure on an https issuer: the browser's CSRF
+// value, and the owner's session. On https both take the `__Host-` prefix, which binds them to
+// this host and the path `/`. Cookies ignore ports, though: a page on another port of the same
+// host can set a cookie of the same name, and its form posts count as same-site. So the hidden
+// `csrf` field of a signed-in owner's forms is not the cookie's value but a token derived from
+// the session cookie, which no page can read (HttpOnly) nor derive without it; forms of someone
+// not signed in carry the CSRF cookie's value (double submit), and approve only with the password.
+
+function csrfCookieName(config: Config): string {
+  return config.issuer.startsWith('https:') ? '__Host-latch_csrf' : 'latch_csrf'
+}
+
+function sessionCookieName(config: Config): string {
+  return config.issuer.startsWith('https:') ? '__Host-latch_session' : 'latch_session'
+}
+
+/** A Set-Cookie value; `maxAgeSeconds` undefined makes a cookie that ends with the browser session. */
+function buildCookie(name: string, value: string, maxAgeSeconds: number | undefined, config: Config): string {
+  const issuer = new URL(config.issuer)
+  const path = name.startsWith('__Host-') ? '/' : `${issuer.pathname.replace(/\/$/, '')}/`
+  const maxAge = maxAgeSeconds === undefined ? '' : `; Max-Age=${maxAgeSeconds}`
+  const secure = issuer.protocol === 'https:' ? '; Secure' : ''
+  return `${name}=${value}; Path=${path}${maxAge}; HttpOnly; SameSite=Lax${secure}`
+}
+
+/** Who is at the browser: its CSRF value, the owner's session if any, and whether approving needs no password. */
+type Visitor = { csrf: string; session: string | undefined; signedIn: boolean }
+
+/** Reads the visitor of a page. The CSRF value is the browser's own when it has one, so two open tabs both work. */
+async function readVisitor(req: IncomingMessage, ctx: Context): Promise<Visitor> {
+  const cookie = readCookie(req, csrfCookieName(ctx.config))
+  const csrf = cookie !== undefined && /^[A-Za-z0-9_-]{43}$/.test(cookie) ? cookie : createSecret()
+  const session = await findOwnerSession(req, ctx)
+  return { csrf, session, signedIn: ctx.config.passwordHash === undefined || session !== undefined }
+}
+
+/** The value a visitor's forms carry in their `csrf` field: derived from the session when signed in. */
+function formToken(visitor: Pick<Visitor, 'csrf' | 'session'>): string {
+  return visitor.session === undefined ? visitor.csrf : hash('sha256', `latch form ${visitor.session}`, 'base64url')
+}
+
+/**
+ * Checks the `csrf` field of a form posted from one of Latch's pages: with a live session it must
+ * be the session's token, and otherwise the browser's CSRF cookie; and a browser that says where
+ * the form came from (`Sec-Fetch-Site`) must say this origin. Returns the visitor it names.
+ */
+async function requireFormToken(form: Params, req: IncomingMessage, ctx: Context): Promise<Visitor> {
+  // sent by browsers since 2023: a form of this server's own pages is same-origin
+  const site = req.headers['sec-fetch-site']
+  const sent = site === undefined || site === 'same-origin' ? getParam(form, 'csrf') : undefined
+  const cookie = readCookie(req, csrfCookieName(ctx.config))
+  const session = await findOwnerSession(req, ctx)
+  const visitor = {
+    csrf: cookie ?? '',
+    session,
+    signedIn: ctx.config.passwordHash === undefined || session !== undefined,
+  }
+  if (sent === undefined || (session === undefined && cookie === undefined) || !safeEqual(sent, formToken(visitor))) {
+    throw new OAuthError(
+      'access_denied',
+      'This form was not sent from a page of this server in this browser: go back, reload the page and try again',
+      { status: 403 },
+    )
+  }
+  return visitor
+}
+
+/**
+ * The value of the browser's session cookie when it names a live session started with the
+ * current password: a new `PASSWORD_HASH` ends every session made with the old one.
+ */
+async function findOwnerSession(req: IncomingMessage, ctx: Context): Promise<string | undefined> {
+  const value = readCookie(req, sessionCookieName(ctx.config))
+  if (value === undefined || ctx.config.passwordHash === undefined) return undefined
+  const session = await ctx.store.findSession(hashSecret(value), ctx.now())
+  if (session === undefined) return undefined
+  if (session.passwordTag !== passwordTag(ctx.config.passwordHash))
+    return void (await ctx.store.deleteSession(hashSecret(value)))
+  return value
+}
+
+/** What a session keeps of the password it was started with: enough to tell a new one, nothing to guess it by. */
+function passwordTag(passwordHash: string): string {
+  return hashSecret(`latch session ${passwordHash}`)
+}
+
+/** Starts a session for the owner and returns its Set-Cookie value. */
+async function startSession(ctx: Context): Promise<string> {
+  const value = createSecret()
+  const now = ctx.now()
+  const ttl = ctx.config.sessionTtlSeconds
+  const session = {
+    createdAt: now,
+    expiresAt: now + ttl * 1000,
+    passwordTag: passwordTag(ctx.config.passwordHash ?? ''),
+  }
+  await ctx.store.saveSession(hashSecret(value), session, now)
+  return buildCookie(sessionCookieName(ctx.config), value, ttl, ctx.config)
+}
+
+// --- Password checks ------------------------------------------------------------
+// Attempts are counted before the hash is checked, so guesses sent in parallel count too: per
+// client address, where five are free, and in total, where twenty are. Past that, each attempt
+// must wait twice as long as the last, up to 15 minutes (429 with Retry-After); a success
+// clears the counts, and a day of quiet forgets them. At most two scrypt checks run at once,
+// so a flood cannot pin the CPU.
+
+const FREE_ATTEMPTS_PER_ADDRESS = 5
+const FREE_ATTEMPTS_IN_TOTAL = 20
+const MAX_PASSWORD_DELAY_SECONDS = 900
+const FORGET_PASSWORD_FAILURES_SECONDS = 86400
+const MAX_TRACKED_ADDRESSES = 10_000
+const MAX_PARALLEL_PASSWORD_CHECKS = 2
+const MAX_WAITING_PASSWORD_CHECKS = 32
+
+function clientAddress(req: IncomingMessage): string {
+  return req.socket.remoteAddress ?? 'unknown'
+}
+
+/** Checks the owner's password; returns a message for the page when it is wrong, or throws 429. */
+async function checkPassword(password: string | undefined, address: string, ctx: Context): Promise<string | undefined> {
+  const now = ctx.now()
+  const attempts = ctx.passwordAttempts
+  const lockedUntil = Math.max(attempts.byAddress.get(address)?.lockedUntil ?? 0, attempts.total.lockedUntil)
+  if (lockedUntil > now) {
+    const retryAfter = String(Math.ceil((lockedUntil - now) / 1000))
+    throw new OAuthError('too_many_requests', `Too many wrong passwords: try again in ${retryAfter} seconds`, {
+      headers: { 'Retry-After': retryAfter },
+    })
+  }
+  if (password === undefined) return 'Enter your password'
+  const previous = attempts.byAddress.get(address)
+  attempts.byAddress.delete(address) // re-inserted last, so the map stays ordered oldest first
+  if (attempts.byAddress.size >= MAX_TRACKED_ADDRESSES)
+    attempts.byAddress.delete(attempts.byAddress.keys().next().value ?? '')
+  attempts.byAddress.set(address, countAttempt(previous, now, FREE_ATTEMPTS_PER_ADDRESS))
+  attempts.total = countAttempt(attempts.total, now, FREE_ATTEMPTS_IN_TOTAL)
+  const passwordHash = ctx.config.passwordHash ?? ''
+  if (!(await withPasswordSlot(ctx.passwordSlots, () => verifyPassword(password, passwordHash))))
+    return 'Wrong password'
+  attempts.byAddress.delete(address)
+  attempts.total = NO_ATTEMPTS
+  return undefined
+}
+
+const NO_ATTEMPTS: PasswordAttempts = { count: 0, lastAt: 0, lockedUntil: 0 }
+
+/** One more attempt: free up to `free`, then locked for 2, 4, 8, … seconds, up to 15 minutes. */
+export function countAttempt(previous: PasswordAttempts | undefined, now: number, free: number): PasswordAttempts {
+  const forgotten = previous === undefined || now - previous.lastAt > FORGET_PASSWORD_FAILURES_SECONDS * 1000
+  const count = forgotten ? 1 : previous.count + 1
+  const delaySeconds = count <= free ? 0 : Math.min(2 ** (count - free), MAX_PASSWORD_DELAY_SECONDS)
+  return { count, lastAt: now, lockedUntil: now + delaySeconds * 1000 }
+}
+
+/** Runs a password check when one of the few slots is free; past the queue's length, 429. */
+export function withPasswordSlot<T>(slots: PasswordSlots, check: () => Promise<T>): Promise<T> {
+  const busy = () =>
+    new OAuthError('too_many_requests', 'The server is busy checking passwords: try again in a few seconds', {
+      headers: { 'Retry-After': '5' },
+    })
+  return withSlot(slots, PASSWORD_CHECK_SLOTS, busy, check)
+}
+
+const PASSWORD_CHECK_SLOTS = { running: MAX_PARALLEL_PASSWORD_CHECKS, waiting: MAX_WAITING_PASSWORD_CHECKS }
+
+/**
+ * Runs a task when fewer than `limits.running` run, queued in order behind at most
+ * `limits.waiting`; past that, throws `busy()`.
+ */
+async function withSlot<T>(
+  slots: Slots,
+  limits: { running: number; waiting: number },
+  busy: () => Error,
+  task: () => Promise<T>,
+): Promise<T> {
+  if (slots.running < limits.running) {
+    slots.running++
+  } else if (slots.waiting.length < limits.waiting) {
+    await new Promise<void>((resolve) => slots.waiting.push(resolve)) // the slot is handed over by the task that ends
+  } else {
+    throw busy()
+  }
+  try {
+    return await task()
+  } finally {
+    const next = slots.waiting.shift()
+    if (next === undefined) slots.running--
+    else next()
+  }
+}
+
+// --- Owner password -------------------------------------------------------------
+// The owner's password is stored as `scrypt:ln=15,r=8,p=1:<salt>:<hash>` (base64url): the
+// string carries its own salt and cost, and has no `$` for a shell to expand.
+
+const SCRYPT_KEY_LENGTH = 32
+const SCRYPT_DEFAULT_COST = { ln: 15, r: 8, p: 1 }
+
+type PasswordHash = { ln: number; r: number; p: number; salt: Buffer; hash: Buffer }
+
+/** Hashes a password with scrypt and a random salt; `ln` is log2 of the cost N. */
+export async function hashPassword(
+  password: string,
+  cost: { ln: number; r: number; p: number } = SCRYPT_DEFAULT_COST,
+): Promise<string> {
+  const salt = randomBytes(16)
+  const hash = await runScrypt(password, { ...cost, salt })
+  return `scrypt:ln=${cost.ln},r=${cost.r},p=${cost.p}:${base64url(salt)}:${base64url(hash)}`
+}
+
+/** Checks a password against a hash from `hashPassword`, comparing in constant time. */
+export async function verifyPassword(password: string, passwordHash: string): Promise<boolean> {
+  const parsed = parsePasswordHash(passwordHash)
+  if (parsed === undefined) return false
+  const hash = await runScrypt(password, parsed)
+  return timingSafeEqual(hash, parsed.hash)
+}
+
+function parsePasswordHash(value: string): PasswordHash | undefined {
+  const match = /^scrypt:ln=(\d+),r=(\d+),p=(\d+):([A-Za-z0-9_-]{16,}):([A-Za-z0-9_-]{43})$/.exec(value)
+  if (match === null) return undefined
+  const [ln, r, p] = [Number(match[1]), Number(match[2]), Number(match[3])]
+  if (ln < 10 || ln > 20 || r < 1 || r > 16 || p < 1 || p > 4) return undefined
+  return { ln, r, p, salt: Buffer.from(match[4], 'base64url'), hash: Buffer.from(match[5], 'base64url') }
+}
+
+function runScrypt(password: string, params: { ln: number; r: number; p: number; salt: Buffer }): Promise<Buffer> {
+  const N = 2 ** params.ln
+  const maxmem = 128 * N * params.r * params.p + 1024 * 1024
+  return new Promise((resolve, reject) => {
+    scrypt(
+      password.normalize('NFC'),
+      params.salt,
+      SCRYPT_KEY_LENGTH,
+      { N, r: params.r, p: params.p, maxmem },
+      (err, key) => {
+        if (err) reject(err)
+        else resolve(key)
+      },
+    )
+  })
 }
 
 // --- Client information discovery -----------------------------------------------
@@ -1143,7 +2569,7 @@ function withDeadline<T>(promise: Promise<T>, deadline: AbortSignal, timeoutMs: 
 /**
  * Fetches and reads a client's information, JSON metadata or an HTML page, with its logo.
  * Throws an Error that says why when the client cannot be fetched or read.
- * @see https://indieauth.spec.indieweb.org/#client-information-discovery IA §4.2
+ * @see https://indieauth.spec.indieweb.org/#client-information-discovery IndieAuth §4.2
  */
 export async function discoverClient(
   clientId: string,
@@ -1187,7 +2613,7 @@ type ClientDocument = { name?: string; url?: string; logoUrl?: string; redirectU
 /**
  * Reads a client metadata document: its `client_id` must be the URL it came from, and its
  * `client_uri` a prefix of it.
- * @see https://indieauth.spec.indieweb.org/#client-metadata IA §4.2.1
+ * @see https://indieauth.spec.indieweb.org/#client-metadata IndieAuth §4.2.1
  */
 export function readClientMetadata(text: string, clientId: string): ClientDocument {
   let metadata: Record<string, unknown>
@@ -1224,7 +2650,7 @@ export function readClientMetadata(text: string, clientId: string): ClientDocume
 /**
  * Reads an HTML client page: the first `h-app` or `h-x-app` (its name, logo and url) and every
  * `<link rel="redirect_uri">`, resolved against the page's URL.
- * @see https://indieauth.spec.indieweb.org/#client-information-discovery IA §4.2 (2022: §4.2.1, §4.2.2)
+ * @see https://indieauth.spec.indieweb.org/#client-information-discovery IndieAuth §4.2 (2022: §4.2.1, §4.2.2)
  */
 export function readClientPage(html: string, pageUrl: string): ClientDocument {
   const elements = scanHtml(html)
@@ -1455,175 +2881,6 @@ async function fetchLogo(
 // them from the front. Grants and tokens need not; the sweep walks them in turn, a few at a time.
 // To put SQLite or Redis behind Latch, implement `Store`: eighteen small methods.
 
-/**
- * An iterator with nothing left: where the walk stands in an empty shard, so as not to make one
- * per step. A Map's, like the others the walk meets, so that V8 sees one kind of iterator.
- */
-const NOTHING_TO_WALK: IterableIterator<[never, never]> = new Map<never, never>().entries()
-
-/**
- * A Map of entries that expire, split in 64 shards by the first character of their keys (hashes
- * in base64url, so evenly: each character is one of 64). V8 rehashes a whole table when it grows
- * or shrinks, and a table of a million entries stops the server for tens of milliseconds; a
- * shard, for a sixty-fourth of that. Expired entries are found by walking the shards, a few
- * steps a call, so nothing is kept per entry but the entry. `expiresAt` is in seconds here (see
- * `StoredGrant`).
- */
-export class ExpiringMap<V extends { expiresAt: number }> {
-  readonly #shards = Array.from({ length: 64 }, () => new Map<string, V>())
-  /** Where the sweep goes on from: a Map iterator survives deletes and inserts. */
-  #walkShard = 0
-  #walkEntries: IterableIterator<[string, V]> = NOTHING_TO_WALK
-
-  #shard(key: string): Map<string, V> {
-    return this.#shards[BASE64URL_VALUES[key.charCodeAt(0) & 127]]
-  }
-
-  get size(): number {
-    let size = 0
-    for (const shard of this.#shards) size += shard.size
-    return size
-  }
-
-  get(key: string): V | undefined {
-    return this.#shard(key).get(key)
-  }
-
-  has(key: string): boolean {
-    return this.#shard(key).has(key)
-  }
-
-  set(key: string, value: V): this {
-    this.#shard(key).set(key, value)
-    return this
-  }
-
-  delete(key: string): boolean {
-    return this.#shard(key).delete(key)
-  }
-
-  /**
-   * Takes up to `budget` steps of the walk, deleting what it finds expired: a step looks at one
-   * entry, or moves on to the next shard. A full round takes as many steps as entries, plus 64;
-   * one call takes one round at most.
-   */
-  sweep(now: number, budget: number): void {
-    if (budget <= 0) return
-    const nowSeconds = now / 1000
-    let steps = 0
-    // A round ends back in the shard where it began, which it may have begun halfway through.
-    for (let shardsLeft = 64; ; shardsLeft--) {
-      const shard = this.#shards[this.#walkShard]
-      // `for…of` goes on where the walk stopped last time: a Map iterator has no `return`, so
-      // leaving the loop early does not close it. Unlike `next()` by hand, V8 allocates nothing.
-      for (const [key, entry] of this.#walkEntries) {
-        if (entry.expiresAt <= nowSeconds) shard.delete(key)
-        if (++steps === budget) return
-      }
-      if (shardsLeft === 0) return
-      this.#walkShard = (this.#walkShard + 1) & 63
-      const next = this.#shards[this.#walkShard]
-      this.#walkEntries = next.size === 0 ? NOTHING_TO_WALK : next.entries()
-      if (++steps === budget) return
-    }
-  }
-
-  *[Symbol.iterator](): IterableIterator<[string, V]> {
-    for (const shard of this.#shards) yield* shard
-  }
-
-  *keys(): IterableIterator<string> {
-    for (const shard of this.#shards) yield* shard.keys()
-  }
-
-  *values(): IterableIterator<V> {
-    for (const shard of this.#shards) yield* shard.values()
-  }
-}
-
-// A million live tokens, each with a grant of its own, must fit in 300 MB of heap. So the store
-// keeps grants and tokens in a smaller shape than the one the rest of Latch sees:
-// - Times are whole seconds since 1970, rounded down, as the `exp` a token is introspected with
-//   is. V8 keeps an integer up to 2^31 (until 2038) inside the field; milliseconds since 1970
-//   would each take a box of 16 bytes of their own.
-// - The parts most grants share (client, name, `me`, scope) are one object, kept once.
-// - Scope lists too are kept once, however many tokens hold them.
-// A read returns a fresh record in the usual shape.
-
-type GrantedApp = Pick<Grant, 'client_id' | 'client_name' | 'me' | 'scope'>
-
-// Classes, not object literals, so that V8 gives them shapes of their own: literals with the
-// same fields as a `Token` would share its shape, in which the times are boxed.
-
-/** A grant as the store keeps it: times in seconds, and the parts that many grants share in `app`. */
-class StoredGrant {
-  readonly app: GrantedApp
-  readonly accessTokenTtlSeconds: number
-  readonly approvedAt: number
-  lastUsedAt: number
-  readonly expiresAt: number
-
-  constructor(grant: Grant, app: GrantedApp) {
-    this.app = app
-    this.accessTokenTtlSeconds = grant.accessTokenTtlSeconds
-    this.approvedAt = toSeconds(grant.approvedAt)
-    this.lastUsedAt = toSeconds(grant.lastUsedAt)
-    this.expiresAt = toSeconds(grant.expiresAt)
-  }
-
-  toGrant(): Grant {
-    const { client_id, client_name, me, scope } = this.app
-    return {
-      client_id,
-      client_name,
-      me,
-      scope,
-      accessTokenTtlSeconds: this.accessTokenTtlSeconds,
-      approvedAt: this.approvedAt * 1000,
-      lastUsedAt: this.lastUsedAt * 1000,
-      expiresAt: this.expiresAt * 1000,
-    }
-  }
-}
-
-/** A token as the store keeps it: times in seconds. */
-class StoredToken {
-  readonly kind: Token['kind']
-  readonly grantId: string
-  readonly scope: string[]
-  readonly issuedAt: number
-  readonly expiresAt: number
-  usedAt: number | undefined
-
-  constructor(token: Token, scope: string[]) {
-    this.kind = token.kind
-    this.grantId = token.grantId
-    this.scope = scope
-    this.issuedAt = toSeconds(token.issuedAt)
-    this.expiresAt = toSeconds(token.expiresAt)
-    this.usedAt = token.usedAt === undefined ? undefined : toSeconds(token.usedAt)
-  }
-
-  toToken(): Token {
-    const { kind, grantId, scope, issuedAt, expiresAt, usedAt } = this
-    return {
-      kind,
-      grantId,
-      scope,
-      issuedAt: issuedAt * 1000,
-      expiresAt: expiresAt * 1000,
-      usedAt: usedAt === undefined ? undefined : usedAt * 1000,
-    }
-  }
-}
-
-/** Whole seconds, as a small integer where it fits: `Math.floor` alone may hand back a boxed number. */
-function toSeconds(ms: number): number {
-  const seconds = Math.floor(ms / 1000)
-  return (seconds | 0) === seconds ? seconds | 0 : seconds
-}
-
-/** Options of the in-memory store: caps so that a flood cannot grow memory without limit. */
 export type MemoryStoreOptions = {
   maxPendingRequests?: number
   maxCodes?: number
@@ -1678,11 +2935,11 @@ export class MemoryStore implements Store {
     this.codes.set(hash, code)
   }
 
-  async findCode(hash: string, now: number): Promise<AuthorizationCode | undefined> {
+  async findCodeUsedOrNot(hash: string, now: number): Promise<AuthorizationCode | undefined> {
     return live(this.codes.get(hash), now)
   }
 
-  async takeCode(hash: string, now: number): Promise<boolean> {
+  async markCodeUsed(hash: string, now: number): Promise<boolean> {
     return this.redeem({ kind: 'code', hash }, now) !== undefined
   }
 
@@ -1701,7 +2958,7 @@ export class MemoryStore implements Store {
     return grants.sort(([, a], [, b]) => a.approvedAt - b.approvedAt)
   }
 
-  async deleteGrant(id: string, now: number): Promise<void> {
+  async revokeGrant(id: string, now: number): Promise<void> {
     const expiresAt = Math.max(this.grants.get(id)?.expiresAt ?? 0, toSeconds(now) + REVOKED_GRANT_MEMORY_SECONDS)
     this.revokedGrants.sweep(now, SWEEP_BATCH_WALKED)
     this.revokedGrants.set(id, { expiresAt })
@@ -1722,7 +2979,7 @@ export class MemoryStore implements Store {
     return stored !== undefined && stored.expiresAt * 1000 > now ? stored.toToken() : undefined
   }
 
-  async issueTokens(issue: TokenIssue, now: number): Promise<boolean> {
+  async redeemForTokens(issue: TokenIssue, now: number): Promise<boolean> {
     if (this.redeem(issue.redeemed, now) === undefined) return false
     this.keepIssued(issue, now)
     return true
@@ -2201,17 +3458,17 @@ export class FileStore implements Store {
     await this.memory.saveCode(hash, code, now)
   }
 
-  findCode(hash: string, now: number): Promise<AuthorizationCode | undefined> {
-    return this.memory.findCode(hash, now)
+  findCodeUsedOrNot(hash: string, now: number): Promise<AuthorizationCode | undefined> {
+    return this.memory.findCodeUsedOrNot(hash, now)
   }
 
-  async takeCode(hash: string, now: number): Promise<boolean> {
+  async markCodeUsed(hash: string, now: number): Promise<boolean> {
     const redeemed = { kind: 'code', hash } as const
     return this.#redeemAndStore(redeemed, now, [])
   }
 
   /** The code or refresh token taken, the grant and its new tokens: one line of the journal, and so one fsync. */
-  async issueTokens(issue: TokenIssue, now: number): Promise<boolean> {
+  async redeemForTokens(issue: TokenIssue, now: number): Promise<boolean> {
     const { redeemed, grantId, grant, tokens } = issue
     const records: JournalRecord[] = [{ set: 'grant', key: grantId, value: grant }]
     for (const [key, value] of tokens) records.push({ set: 'token', key, value })
@@ -2259,9 +3516,9 @@ export class FileStore implements Store {
     return this.memory.listGrants(now)
   }
 
-  async deleteGrant(id: string, now: number): Promise<void> {
+  async revokeGrant(id: string, now: number): Promise<void> {
     await this.#append([{ delete: 'grant', key: id }])
-    await this.memory.deleteGrant(id, now)
+    await this.memory.revokeGrant(id, now)
   }
 
   /** Last use is kept in memory only: after a restart it is the last time a token was issued. */
@@ -2426,7 +3683,7 @@ function isObject(value: unknown): value is Record<string, unknown> {
 async function applyRecord(memory: MemoryStore, record: JournalRecord, now: number): Promise<void> {
   const key = currentKey(record.key)
   if ('delete' in record) {
-    if (record.delete === 'grant') await memory.deleteGrant(key, now)
+    if (record.delete === 'grant') await memory.revokeGrant(key, now)
     else if (record.delete === 'token') await memory.deleteToken(key)
     else await memory.deleteSession(key)
     return
@@ -2450,1677 +3707,486 @@ export async function openStore(config: Config, options: FileStoreOptions = {}):
   return config.dataFile === 'memory' ? new MemoryStore(options) : FileStore.open(config.dataFile, options)
 }
 
-// --- HTTP plumbing --------------------------------------------------------------
-// Read a form, send JSON, redirect, render a page. Nothing here knows about OAuth.
+// --- Performance internals ------------------------------------------------------
+// What the protocol needs from this part: secrets hashed and drawn fast, and a million live
+// tokens kept in little memory, expiring without stalling the server. Nothing here changes
+// what Latch answers; `npm run bench` measures what each piece saves.
 
-const MAX_BODY_BYTES = 64 * 1024
+const BASE64URL_ALPHABET = 'ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789-_'
+
+/** The 6-bit value of each base64url character, by character code. */
+const BASE64URL_VALUES = new Uint8Array(128)
+for (const [value, char] of [...BASE64URL_ALPHABET].entries()) BASE64URL_VALUES[char.charCodeAt(0)] = value
+
+/** Each base64url character, by character code, with its last 4 bits zeroed. */
+const TOP_TWO_BITS = Array.from({ length: 128 }, (_, code) => BASE64URL_ALPHABET[BASE64URL_VALUES[code] & 0b110000])
 
 /**
- * Reads an `application/x-www-form-urlencoded` body of at most 64 KiB. A larger body is
- * answered with 413 and the rest of it is never buffered.
- * @see https://www.rfc-editor.org/rfc/rfc6749#appendix-B
+ * The first 128 bits of a whole hash in base64url: 21 characters of 6 bits, and the first 2
+ * bits of the 22nd, whose other 4 become zero (as if the bytes stopped there). Joined, not
+ * added with `+`: V8 would keep that as a pair of parts still holding the whole hash.
  */
-export async function readForm(req: IncomingMessage): Promise<Params> {
-  const contentType = req.headers['content-type'] ?? ''
-  if (contentType === 'application/x-www-form-urlencoded') return parseForm((await readBody(req)).toString('latin1'))
-  const [mediaType, ...parameters] = contentType.split(';').map((part) => part.trim().toLowerCase())
-  if (mediaType !== 'application/x-www-form-urlencoded') {
-    throw new OAuthError('invalid_request', 'The body must be application/x-www-form-urlencoded')
-  }
-  if (parameters.some((parameter) => parameter.startsWith('charset=') && !/^charset="?utf-8"?$/.test(parameter))) {
-    throw new OAuthError('invalid_request', 'The body must be UTF-8')
-  }
-  return parseForm((await readBody(req)).toString('latin1'))
+function cutHash(whole: string): string {
+  return [whole.slice(0, 21), TOP_TWO_BITS[whole.charCodeAt(21) & 127]].join('')
 }
 
-function readBody(req: IncomingMessage): Promise<Buffer> {
-  if (Number(req.headers['content-length']) > MAX_BODY_BYTES) return Promise.reject(bodyTooLarge())
-  return new Promise((resolve, reject) => {
-    const chunks: Buffer[] = []
+/**
+ * Random bytes for secrets, drawn from the system a few kilobytes at a time: one call for 32
+ * bytes costs as much as one for 4 KiB, and a token exchange needs two secrets. Bytes are zeroed
+ * once used, so the pool never holds a secret already handed out (Node's randomUUID keeps a
+ * cache the same way).
+ */
+const randomPool = { bytes: Buffer.alloc(4096), used: 4096 }
+
+/**
+ * An iterator with nothing left: where the walk stands in an empty shard, so as not to make one
+ * per step. A Map's, like the others the walk meets, so that V8 sees one kind of iterator.
+ */
+const NOTHING_TO_WALK: IterableIterator<[never, never]> = new Map<never, never>().entries()
+
+/**
+ * A Map of entries that expire, split in 64 shards by the first character of their keys (hashes
+ * in base64url, so evenly: each character is one of 64). V8 rehashes a whole table when it grows
+ * or shrinks, and a table of a million entries stops the server for tens of milliseconds; a
+ * shard, for a sixty-fourth of that. Expired entries are found by walking the shards, a few
+ * steps a call, so nothing is kept per entry but the entry. `expiresAt` is in seconds here (see
+ * `StoredGrant`).
+ */
+export class ExpiringMap<V extends { expiresAt: number }> {
+  readonly #shards = Array.from({ length: 64 }, () => new Map<string, V>())
+  /** Where the sweep goes on from: a Map iterator survives deletes and inserts. */
+  #walkShard = 0
+  #walkEntries: IterableIterator<[string, V]> = NOTHING_TO_WALK
+
+  #shard(key: string): Map<string, V> {
+    return this.#shards[BASE64URL_VALUES[key.charCodeAt(0) & 127]]
+  }
+
+  get size(): number {
     let size = 0
-    let ended = false
-    req.on('data', (chunk: Buffer) => {
-      size += chunk.length
-      if (size <= MAX_BODY_BYTES) chunks.push(chunk)
-      // later chunks are read and dropped until the connection closes
-      else if (size - chunk.length <= MAX_BODY_BYTES) reject(bodyTooLarge())
-    })
-    req.on('end', () => {
-      ended = true
-      resolve(chunks.length === 1 ? chunks[0] : Buffer.concat(chunks))
-    })
-    req.on('error', () => ended || reject(bodyCutShort()))
-    req.on('close', () => ended || reject(bodyCutShort()))
-  })
-}
-
-const bodyTooLarge = () =>
-  new OAuthError('invalid_request', 'The request body is larger than 64 KiB', {
-    status: 413,
-    headers: { Connection: 'close' },
-  })
-const bodyCutShort = () => new OAuthError('invalid_request', 'The request body ended early')
-
-/** The path of a request target, without its query. */
-function pathOf(target: string): string {
-  const query = target.indexOf('?')
-  return query === -1 ? target : target.slice(0, query)
-}
-
-/** The query parameters of a request target. */
-function queryOf(target: string): Params {
-  const query = target.indexOf('?')
-  return parseForm(query === -1 ? '' : target.slice(query + 1))
-}
-
-function readCookie(req: IncomingMessage, name: string): string | undefined {
-  for (const pair of (req.headers.cookie ?? '').split(';')) {
-    const equals = pair.indexOf('=')
-    if (equals !== -1 && pair.slice(0, equals).trim() === name) return pair.slice(equals + 1).trim()
+    for (const shard of this.#shards) size += shard.size
+    return size
   }
-  return undefined
+
+  get(key: string): V | undefined {
+    return this.#shard(key).get(key)
+  }
+
+  has(key: string): boolean {
+    return this.#shard(key).has(key)
+  }
+
+  set(key: string, value: V): this {
+    this.#shard(key).set(key, value)
+    return this
+  }
+
+  delete(key: string): boolean {
+    return this.#shard(key).delete(key)
+  }
+
+  /**
+   * Takes up to `budget` steps of the walk, deleting what it finds expired: a step looks at one
+   * entry, or moves on to the next shard. A full round takes as many steps as entries, plus 64;
+   * one call takes one round at most.
+   */
+  sweep(now: number, budget: number): void {
+    if (budget <= 0) return
+    const nowSeconds = now / 1000
+    let steps = 0
+    // A round ends back in the shard where it began, which it may have begun halfway through.
+    for (let shardsLeft = 64; ; shardsLeft--) {
+      const shard = this.#shards[this.#walkShard]
+      // `for…of` goes on where the walk stopped last time: a Map iterator has no `return`, so
+      // leaving the loop early does not close it. Unlike `next()` by hand, V8 allocates nothing.
+      for (const [key, entry] of this.#walkEntries) {
+        if (entry.expiresAt <= nowSeconds) shard.delete(key)
+        if (++steps === budget) return
+      }
+      if (shardsLeft === 0) return
+      this.#walkShard = (this.#walkShard + 1) & 63
+      const next = this.#shards[this.#walkShard]
+      this.#walkEntries = next.size === 0 ? NOTHING_TO_WALK : next.entries()
+      if (++steps === budget) return
+    }
+  }
+
+  *[Symbol.iterator](): IterableIterator<[string, V]> {
+    for (const shard of this.#shards) yield* shard
+  }
+
+  *keys(): IterableIterator<string> {
+    for (const shard of this.#shards) yield* shard.keys()
+  }
 }
 
-const NO_STORE = { 'Cache-Control': 'no-store', Pragma: 'no-cache' }
+// A million live tokens, each with a grant of its own, must fit in 300 MB of heap. So the store
+// keeps grants and tokens in a smaller shape than the one the rest of Latch sees:
+// - Times are whole seconds since 1970, rounded down, as the `exp` a token is introspected with
+//   is. V8 keeps an integer up to 2^31 (until 2038) inside the field; milliseconds since 1970
+//   would each take a box of 16 bytes of their own.
+// - The parts most grants share (client, name, `me`, scope) are one object, kept once.
+// - Scope lists too are kept once, however many tokens hold them.
+// A read returns a fresh record in the usual shape.
+
+type GrantedApp = Pick<Grant, 'client_id' | 'client_name' | 'me' | 'scope'>
+
+// Classes, not object literals, so that V8 gives them shapes of their own: literals with the
+// same fields as a `Token` would share its shape, in which the times are boxed.
+
+/** A grant as the store keeps it: times in seconds, and the parts that many grants share in `app`. */
+class StoredGrant {
+  readonly app: GrantedApp
+  readonly accessTokenTtlSeconds: number
+  readonly approvedAt: number
+  lastUsedAt: number
+  readonly expiresAt: number
+
+  constructor(grant: Grant, app: GrantedApp) {
+    this.app = app
+    this.accessTokenTtlSeconds = grant.accessTokenTtlSeconds
+    this.approvedAt = toSeconds(grant.approvedAt)
+    this.lastUsedAt = toSeconds(grant.lastUsedAt)
+    this.expiresAt = toSeconds(grant.expiresAt)
+  }
+
+  toGrant(): Grant {
+    const { client_id, client_name, me, scope } = this.app
+    return {
+      client_id,
+      client_name,
+      me,
+      scope,
+      accessTokenTtlSeconds: this.accessTokenTtlSeconds,
+      approvedAt: this.approvedAt * 1000,
+      lastUsedAt: this.lastUsedAt * 1000,
+      expiresAt: this.expiresAt * 1000,
+    }
+  }
+}
+
+/** A token as the store keeps it: times in seconds. */
+class StoredToken {
+  readonly kind: Token['kind']
+  readonly grantId: string
+  readonly scope: string[]
+  readonly issuedAt: number
+  readonly expiresAt: number
+  usedAt: number | undefined
+
+  constructor(token: Token, scope: string[]) {
+    this.kind = token.kind
+    this.grantId = token.grantId
+    this.scope = scope
+    this.issuedAt = toSeconds(token.issuedAt)
+    this.expiresAt = toSeconds(token.expiresAt)
+    this.usedAt = token.usedAt === undefined ? undefined : toSeconds(token.usedAt)
+  }
+
+  toToken(): Token {
+    const { kind, grantId, scope, issuedAt, expiresAt, usedAt } = this
+    return {
+      kind,
+      grantId,
+      scope,
+      issuedAt: issuedAt * 1000,
+      expiresAt: expiresAt * 1000,
+      usedAt: usedAt === undefined ? undefined : usedAt * 1000,
+    }
+  }
+}
+
+/** Whole seconds, as a small integer where it fits: `Math.floor` alone may hand back a boxed number. */
+function toSeconds(ms: number): number {
+  const seconds = Math.floor(ms / 1000)
+  return (seconds | 0) === seconds ? seconds | 0 : seconds
+}
+
+/** Options of the in-memory store: caps so that a flood cannot grow memory without limit. */
+/**
+ * A copy of a string that holds nothing else. V8 keeps a string cut from a longer one (a
+ * parameter cut from a request URL, say) as a slice of it, so a pending request that kept a
+ * parameter as it was parsed would keep the whole request URL alive.
+ */
+function detached(text: string): string {
+  return Buffer.from(text, 'utf8').toString('utf8')
+}
+
+// --- Configuration --------------------------------------------------------------
+// Every setting is an environment variable and the same-named flag (`--code-ttl 10m`);
+// a flag wins over the variable, and an empty value counts as unset.
+
+/** The settings with their defaults and one line of help each; `--help` prints this table. */
+export const SETTINGS = [
+  { name: 'PORT', default: '3000', help: 'Port to listen on (0 = any free port; the real one is printed).' },
+  { name: 'HOST', default: '127.0.0.1', help: 'Interface to bind.' },
+  { name: 'ISSUER', default: 'http://HOST:PORT', help: 'Public base URL; every endpoint URL is built from it.' },
+  { name: 'ME', default: 'ISSUER + /', help: "The owner's profile URL." },
+  {
+    name: 'PASSWORD_HASH',
+    default: 'unset',
+    help: 'Owner password hash from `npx tsx server.ts hash-password`. Unset: no password, loopback only.',
+  },
+  {
+    name: 'DATA_FILE',
+    default: 'latch-data.jsonl',
+    help: 'File where codes, grants and tokens survive restarts; `memory` keeps them in memory only.',
+  },
+  { name: 'CODE_TTL', default: '300', help: 'Authorization code lifetime (90s, 10m, 12h, 7d; at most 600).' },
+  { name: 'ACCESS_TOKEN_TTL', default: '604800', help: 'Access token lifetime (7 days).' },
+  {
+    name: 'REFRESH_TOKEN_TTL',
+    default: '2592000',
+    help: 'A refresh token expires after this long without use (30 days).',
+  },
+  {
+    name: 'REFRESH_TOKEN_GRACE',
+    default: '30',
+    help: 'A rotated refresh token sent again this soon is a retry, not a theft (0 turns it off; at most 600).',
+  },
+  {
+    name: 'SESSION_TTL',
+    default: '604800',
+    help: 'How long you stay signed in after entering your password (7 days).',
+  },
+  {
+    name: 'INTROSPECTION_SECRET',
+    default: 'unset',
+    help: 'Unset: /introspect is open. Set: callers send `Authorization: Bearer <secret>`.',
+  },
+  {
+    name: 'CLIENT_FETCH_PRIVATE',
+    default: 'unset',
+    help: '`allow` lets client discovery fetch apps on private addresses (a LAN); loopback stays forbidden.',
+  },
+  { name: 'PROFILE_NAME', default: 'unset', help: 'Your name, shown to apps granted the profile scope.' },
+  { name: 'PROFILE_URL', default: 'ME', help: 'Your home page, shown to apps granted the profile scope.' },
+  { name: 'PROFILE_PHOTO', default: 'unset', help: 'URL of your photo, shown to apps granted the profile scope.' },
+  {
+    name: 'PROFILE_EMAIL',
+    default: 'unset',
+    help: 'Your email address, shown to apps granted the profile and email scopes.',
+  },
+] as const
+
+type SettingName = (typeof SETTINGS)[number]['name']
+
+/** A setting that stops start-up; the message names the setting and the fix. */
+export class ConfigError extends Error {}
+
+const LOOPBACK_HOSTS = new Set(['127.0.0.1', '::1', 'localhost'])
+const MAX_CODE_TTL_SECONDS = 600
+const MIN_SECRET_LENGTH = 16
+const MAX_DURATION_SECONDS = 3650 * 86400
+const MAX_REFRESH_GRACE_SECONDS = 600
 
 /**
- * Marks the responses of endpoints that browser apps on any origin may call, as the router
- * finds them. Their headers get `Access-Control-Allow-Origin: *` where they are written:
- * setting it early with `res.setHeader` would send node:http down a slower path for every
- * other header. A mark on the response itself, not a WeakSet: adding to a WeakSet on every
- * request costs the garbage collector more than the rest of the router.
+ * Reads the configuration from environment variables and command-line flags, or throws a
+ * `ConfigError` that says what to fix. Pure: pass `process.env` and `process.argv.slice(2)`.
+ * `boundPort` replaces a `PORT` of 0 in the default issuer once the real port is known.
+ * @see https://indieauth.spec.indieweb.org/#discovery-by-clients IndieAuth §4.1 (issuer)
  */
-const CORS = Symbol('cors')
-
-type MarkedResponse = ServerResponse & { [CORS]?: true }
-
-/** Adds `Access-Control-Allow-Origin: *` to a fresh headers object when the response is a CORS one. */
-function withCors(res: MarkedResponse, headers: OutgoingHttpHeaders): OutgoingHttpHeaders {
-  if (res[CORS] === true) headers['Access-Control-Allow-Origin'] = '*'
-  return headers
-}
-
-/** Sends a JSON body. Every JSON answer carries `no-store`: most hold codes or tokens. */
-function sendJson(res: ServerResponse, status: number, body: unknown, headers?: Record<string, string>): void {
-  const json = JSON.stringify(body)
-  const head = withCors(res, {
-    'Content-Type': 'application/json',
-    'Content-Length': Buffer.byteLength(json),
-    'Cache-Control': 'no-store',
-    Pragma: 'no-cache',
-  })
-  setImmediate(writeAnswer, res, status, headers === undefined ? head : Object.assign(head, headers), json)
-}
-
-/** Answers 200 with no body, as revocation does. */
-function sendEmptyOk(res: ServerResponse): void {
-  // a length, not an empty chunked body
-  setImmediate(writeAnswer, res, 200, withCors(res, { 'Content-Length': 0, ...NO_STORE }), '')
-}
-
-/**
- * Writes an answer of the endpoints that programs call (JSON, and revocation's empty 200). It
- * runs in `setImmediate`, once node:http has read every request that was ready in this turn of
- * the event loop, so that the answers to many connections leave together. A client on the same
- * machine, such as a resource server introspecting tokens over a pool of connections, is then
- * woken once for a batch of answers rather than once for each. Under load those wake-ups were a
- * sixth of the CPU time of a token exchange (`npm run bench`).
- */
-function writeAnswer(res: ServerResponse, status: number, headers: OutgoingHttpHeaders, body: string): void {
-  if (res.headersSent || res.destroyed) return // answered meanwhile, or the connection is gone
-  try {
-    res.writeHead(status, headers)
-    res.end(body)
-  } catch {
-    res.destroy() // only an embedding app's hook on writeHead could throw here: close, do not crash
-  }
-}
-
-/** Sends an OAuth error as JSON. */
-function sendJsonError(res: ServerResponse, err: OAuthError): void {
-  sendJson(res, err.status, { error: err.error, error_description: err.message }, err.headers)
-}
-
-/** Redirects with the given status (302 from `GET /auth`, 303 after a form). */
-function redirect(res: ServerResponse, status: number, location: string, headers: Record<string, string> = {}): void {
-  res.writeHead(status, { Location: location, ...NO_STORE, 'Referrer-Policy': 'no-referrer', ...headers })
-  res.end()
-}
-
-/** Adds parameters to a URL, keeping the query it already has byte for byte. */
-export function buildRedirectUrl(base: string, params: Record<string, string | undefined>): string {
-  const query = new URLSearchParams()
-  for (const [name, value] of Object.entries(params)) {
-    if (value !== undefined) query.append(name, value)
-  }
-  const separator = !base.includes('?') ? '?' : base.endsWith('?') || base.endsWith('&') ? '' : '&'
-  return `${base}${separator}${query}`
-}
-
-// --- Pages ----------------------------------------------------------------------
-// Plain HTML: no scripts, nothing loaded from elsewhere. The one stylesheet is allowed by its
-// hash, so the Content-Security-Policy can keep `default-src 'none'`.
-
-const STYLESHEET = `
-:root {
-  color-scheme: light dark;
-  --fg: #1c1b1f;
-  --bg: #fbfbfd;
-  --muted: #55535e;
-  --line: #c9c7d1;
-  --accent: #1f4fd1;
-  --danger: #b3261e;
-  --panel: #fff;
-}
-@media (prefers-color-scheme: dark) {
-  :root {
-    --fg: #ecebf1;
-    --bg: #141318;
-    --muted: #b2b0bc;
-    --line: #45434d;
-    --accent: #9db7ff;
-    --danger: #ffb4ab;
-    --panel: #1d1c22;
-  }
-}
-* { box-sizing: border-box; }
-body {
-  margin: 0;
-  background: var(--bg);
-  color: var(--fg);
-  font: 1rem/1.5 system-ui, -apple-system, "Segoe UI", sans-serif;
-}
-main { max-width: 34rem; margin: 0 auto; padding: 2rem 1rem; }
-h1 { font-size: 1.5rem; line-height: 1.25; margin: 0 0 1rem; overflow-wrap: anywhere; }
-p, fieldset, pre { margin: 0 0 1rem; }
-code, pre { font-family: ui-monospace, Menlo, Consolas, monospace; font-size: .9rem; overflow-wrap: anywhere; }
-pre {
-  background: var(--panel);
-  border: 1px solid var(--line);
-  border-radius: .5rem;
-  padding: .75rem;
-  white-space: pre-wrap;
-}
-.muted { color: var(--muted); }
-.error { border-left: 4px solid #d93025; padding: .25rem .75rem; }
-fieldset { border: 1px solid var(--line); border-radius: .5rem; padding: .75rem 1rem; background: var(--panel); }
-legend { padding: 0 .25rem; font-weight: 600; }
-label { display: block; padding: .5rem 0; }
-.bar { display: flex; justify-content: space-between; align-items: center; gap: 1rem; margin: 0 0 1rem; }
-.bar button { width: auto; padding: .4rem .8rem; font-weight: 400; }
-input[type=password] {
-  display: block;
-  width: 100%;
-  margin-top: .25rem;
-  padding: .6rem;
-  font: inherit;
-  color: inherit;
-  background: var(--panel);
-  border: 1px solid var(--line);
-  border-radius: .4rem;
-}
-.actions { display: flex; gap: .75rem; margin-top: 1.25rem; }
-.actions > * { flex: 1; }
-button {
-  width: 100%;
-  padding: .7rem 1rem;
-  font: inherit;
-  font-weight: 600;
-  border-radius: .4rem;
-  border: 1px solid var(--accent);
-  background: transparent;
-  color: var(--accent);
-  cursor: pointer;
-}
-button.primary { background: var(--accent); color: var(--bg); }
-button.danger { border-color: var(--danger); color: var(--danger); }
-select {
-  font: inherit;
-  color: inherit;
-  background: var(--panel);
-  border: 1px solid var(--line);
-  border-radius: .4rem;
-  padding: .4rem;
-  margin-left: .25rem;
-}
-.app {
-  border: 1px solid var(--line);
-  border-radius: .5rem;
-  padding: .75rem 1rem;
-  margin: 0 0 1rem;
-  background: var(--panel);
-}
-.app h2 { font-size: 1.1rem; margin: 0 0 .5rem; overflow-wrap: anywhere; }
-.logo { border-radius: .5rem; }
-dl { display: grid; grid-template-columns: max-content 1fr; gap: .2rem .75rem; margin: 0 0 .75rem; }
-dt { color: var(--muted); }
-dd { margin: 0; }
-a { color: var(--accent); }
-:focus-visible { outline: 3px solid var(--accent); outline-offset: 2px; }
-`
-
-const PAGE_HEADERS = {
-  'Content-Type': 'text/html; charset=utf-8',
-  'Content-Security-Policy': [
-    "default-src 'none'",
-    `style-src 'sha256-${hash('sha256', STYLESHEET, 'base64')}'`,
-    'img-src data:',
-    "frame-ancestors 'none'",
-    "base-uri 'none'",
-  ].join('; '),
-  'X-Frame-Options': 'DENY',
-  'Referrer-Policy': 'no-referrer',
-  'X-Content-Type-Options': 'nosniff',
-  ...NO_STORE,
-}
-
-/** Escapes text for HTML element content and double-quoted attributes. */
-export function escapeHtml(text: string): string {
-  return text.replace(/[&<>"']/g, (char) => `&#${char.charCodeAt(0)};`)
-}
-
-/** Text a stranger chose, as plain text, escaped and isolated: whatever its direction, it cannot reorder the page. */
-function isolate(text: string): string {
-  return `<bdi>${escapeHtml(plainText(text))}</bdi>`
-}
-
-function renderPage(title: string, body: string): string {
-  return `<!doctype html>
-<html lang="en">
-<head>
-<meta charset="utf-8">
-<meta name="viewport" content="width=device-width, initial-scale=1">
-<meta name="referrer" content="no-referrer">
-<title>${escapeHtml(title)}</title>
-<style>${STYLESHEET}</style>
-</head>
-<body>
-<main>
-${body}
-</main>
-</body>
-</html>
-`
-}
-
-function sendPage(res: ServerResponse, status: number, html: string, headers: Record<string, string> = {}): void {
-  res.writeHead(status, { ...PAGE_HEADERS, 'Content-Length': String(Buffer.byteLength(html)), ...headers })
-  res.end(html)
-}
-
-/** Sends an error as a page that names the problem; used where a person, not a client, reads it. */
-function sendErrorPage(res: ServerResponse, err: OAuthError): void {
-  const title = err.status === 429 ? 'Too many attempts' : 'This sign-in cannot continue'
-  const next = err.status === 429 ? 'Wait, then try again.' : 'Go back to the app you came from and start again.'
-  const body = [
-    `<h1>${escapeHtml(title)}</h1>`,
-    `<p class="error">${escapeHtml(err.message)}</p>`,
-    `<p class="muted">${next}</p>`,
-  ].join('\n')
-  sendPage(res, err.status, renderPage(title, body), err.headers)
-}
-
-/** The password field, with the message of a failed attempt right above it. */
-function renderPasswordField(message: string | undefined): string {
-  const input = 'type="password" name="password" autocomplete="current-password" required autofocus'
-  if (message === undefined) return `<label>Password<input ${input}></label>`
-  return `<p class="error" id="password-error" role="alert">${escapeHtml(message)}</p>
-<label>Password<input ${input} aria-invalid="true" aria-describedby="password-error"></label>`
-}
-
-/** Words for the scopes people meet most, so the consent page can say what each one allows. */
-const SCOPE_DESCRIPTIONS: Record<string, string> = {
-  profile: 'See your name, photo and URL',
-  email: 'See your email address',
-  create: 'Create posts on your site',
-  draft: 'Create draft posts only',
-  update: 'Edit your posts',
-  delete: 'Delete your posts',
-  undelete: 'Restore deleted posts',
-  media: 'Upload files to your media endpoint',
-  read: 'Read your feeds and channels',
-  follow: 'Follow and unfollow feeds',
-  mute: 'Mute and unmute accounts',
-  block: 'Block and unblock accounts',
-  channels: 'Manage your channels',
-}
-
-// --- Configuration of the endpoints --------------------------------------------
-
-const PENDING_TTL_SECONDS = 600
-const SUPPORTED_SCOPES = Object.keys(SCOPE_DESCRIPTIONS)
-
-/** The access token lifetimes the consent page offers; `ACCESS_TOKEN_TTL` is added if missing. */
-const LIFETIME_CHOICES: [string, number][] = [
-  ['1 day', 86400],
-  ['1 week', 604800],
-  ['1 month', 2592000],
-  ['3 months', 7776000],
-  ['1 year', 31536000],
-]
-
-function endpointUrl(config: Config, path: string): string {
-  return `${config.issuer}${path}`
-}
-
-// --- Cookies --------------------------------------------------------------------
-// Two cookies, both HttpOnly and SameSite=Lax, and Secure on an https issuer: the browser's CSRF
-// value, and the owner's session. On https both take the `__Host-` prefix, which binds them to
-// this host and the path `/`. Cookies ignore ports, though: a page on another port of the same
-// host can set a cookie of the same name, and its form posts count as same-site. So the hidden
-// `csrf` field of a signed-in owner's forms is not the cookie's value but a token derived from
-// the session cookie, which no page can read (HttpOnly) nor derive without it; forms of someone
-// not signed in carry the CSRF cookie's value (double submit), and approve only with the password.
-
-function csrfCookieName(config: Config): string {
-  return config.issuer.startsWith('https:') ? '__Host-latch_csrf' : 'latch_csrf'
-}
-
-function sessionCookieName(config: Config): string {
-  return config.issuer.startsWith('https:') ? '__Host-latch_session' : 'latch_session'
-}
-
-/** A Set-Cookie value; `maxAgeSeconds` undefined makes a cookie that ends with the browser session. */
-function buildCookie(name: string, value: string, maxAgeSeconds: number | undefined, config: Config): string {
-  const issuer = new URL(config.issuer)
-  const path = name.startsWith('__Host-') ? '/' : `${issuer.pathname.replace(/\/$/, '')}/`
-  const maxAge = maxAgeSeconds === undefined ? '' : `; Max-Age=${maxAgeSeconds}`
-  const secure = issuer.protocol === 'https:' ? '; Secure' : ''
-  return `${name}=${value}; Path=${path}${maxAge}; HttpOnly; SameSite=Lax${secure}`
-}
-
-/** Who is at the browser: its CSRF value, the owner's session if any, and whether approving needs no password. */
-type Visitor = { csrf: string; session: string | undefined; signedIn: boolean }
-
-/** Reads the visitor of a page. The CSRF value is the browser's own when it has one, so two open tabs both work. */
-async function readVisitor(req: IncomingMessage, ctx: Context): Promise<Visitor> {
-  const cookie = readCookie(req, csrfCookieName(ctx.config))
-  const csrf = cookie !== undefined && /^[A-Za-z0-9_-]{43}$/.test(cookie) ? cookie : createSecret()
-  const session = await findOwnerSession(req, ctx)
-  return { csrf, session, signedIn: ctx.config.passwordHash === undefined || session !== undefined }
-}
-
-/** The value a visitor's forms carry in their `csrf` field: derived from the session when signed in. */
-function formToken(visitor: Pick<Visitor, 'csrf' | 'session'>): string {
-  return visitor.session === undefined ? visitor.csrf : hash('sha256', `latch form ${visitor.session}`, 'base64url')
-}
-
-/**
- * Checks the `csrf` field of a form posted from one of Latch's pages: with a live session it must
- * be the session's token, and otherwise the browser's CSRF cookie; and a browser that says where
- * the form came from (`Sec-Fetch-Site`) must say this origin. Returns the visitor it names.
- */
-async function requireFormToken(form: Params, req: IncomingMessage, ctx: Context): Promise<Visitor> {
-  // sent by browsers since 2023: a form of this server's own pages is same-origin
-  const site = req.headers['sec-fetch-site']
-  const sent = site === undefined || site === 'same-origin' ? getParam(form, 'csrf') : undefined
-  const cookie = readCookie(req, csrfCookieName(ctx.config))
-  const session = await findOwnerSession(req, ctx)
-  const visitor = {
-    csrf: cookie ?? '',
-    session,
-    signedIn: ctx.config.passwordHash === undefined || session !== undefined,
-  }
-  if (sent === undefined || (session === undefined && cookie === undefined) || !safeEqual(sent, formToken(visitor))) {
-    throw new OAuthError(
-      'access_denied',
-      'This form was not sent from a page of this server in this browser: go back, reload the page and try again',
-      { status: 403 },
+export function loadConfig(
+  env: Record<string, string | undefined>,
+  argv: readonly string[] = [],
+  options: { boundPort?: number } = {},
+): Config {
+  const raw = readSettings(env, argv)
+  const port = parsePort(raw.PORT ?? defaultOf('PORT'))
+  const host = raw.HOST ?? defaultOf('HOST')
+  const issuer = parseIssuer(raw.ISSUER ?? `http://${hostForUrl(host)}:${options.boundPort ?? port}`)
+  const me = parseMe(raw.ME ?? `${issuer}/`)
+  const passwordHash = raw.PASSWORD_HASH
+  if (passwordHash !== undefined && parsePasswordHash(passwordHash) === undefined) {
+    throw new ConfigError(
+      'PASSWORD_HASH is not a hash made by Latch: create one with `npx tsx server.ts hash-password`',
     )
   }
-  return visitor
+  if (passwordHash === undefined && !LOOPBACK_HOSTS.has(host)) {
+    throw new ConfigError(
+      `HOST ${host} is not a loopback interface, and without PASSWORD_HASH anyone who reaches it ` +
+        'could approve sign-ins: ' +
+        'create a hash with `npx tsx server.ts hash-password` and set PASSWORD_HASH, or bind HOST=127.0.0.1',
+    )
+  }
+  if (passwordHash === undefined && !LOOPBACK_HOSTS.has(new URL(issuer).hostname.replace(/^\[|\]$/g, ''))) {
+    throw new ConfigError(
+      `ISSUER ${issuer} is not on a loopback host, and behind a proxy anyone could approve sign-ins ` +
+        'without PASSWORD_HASH: ' +
+        'create a hash with `npx tsx server.ts hash-password` and set PASSWORD_HASH',
+    )
+  }
+  const dataFile = raw.DATA_FILE ?? defaultOf('DATA_FILE')
+  const codeTtlSeconds = parseDuration('CODE_TTL', raw.CODE_TTL ?? defaultOf('CODE_TTL'))
+  if (codeTtlSeconds > MAX_CODE_TTL_SECONDS) {
+    throw new ConfigError('CODE_TTL is longer than the 10 minutes IndieAuth allows: use 600 or less')
+  }
+  const accessTokenTtlSeconds = parseDuration('ACCESS_TOKEN_TTL', raw.ACCESS_TOKEN_TTL ?? defaultOf('ACCESS_TOKEN_TTL'))
+  const refreshTokenTtlSeconds = parseDuration(
+    'REFRESH_TOKEN_TTL',
+    raw.REFRESH_TOKEN_TTL ?? defaultOf('REFRESH_TOKEN_TTL'),
+  )
+  const refreshTokenGraceSeconds = /^0+[smhd]?$/.test(raw.REFRESH_TOKEN_GRACE ?? '')
+    ? 0
+    : parseDuration('REFRESH_TOKEN_GRACE', raw.REFRESH_TOKEN_GRACE ?? defaultOf('REFRESH_TOKEN_GRACE'))
+  if (refreshTokenGraceSeconds > MAX_REFRESH_GRACE_SECONDS) {
+    throw new ConfigError(
+      'REFRESH_TOKEN_GRACE is longer than 10 minutes, which would let a stolen refresh token go unnoticed: ' +
+        'use 600 or less',
+    )
+  }
+  const sessionTtlSeconds = parseDuration('SESSION_TTL', raw.SESSION_TTL ?? defaultOf('SESSION_TTL'))
+  const introspectionSecret = raw.INTROSPECTION_SECRET
+  if (introspectionSecret !== undefined && introspectionSecret.length < MIN_SECRET_LENGTH) {
+    throw new ConfigError(
+      `INTROSPECTION_SECRET is shorter than ${MIN_SECRET_LENGTH} characters: ` +
+        'use a long random value, such as the output of `openssl rand -base64 32`',
+    )
+  }
+  const clientFetchPrivate = raw.CLIENT_FETCH_PRIVATE === 'allow'
+  if (raw.CLIENT_FETCH_PRIVATE !== undefined && !clientFetchPrivate) {
+    throw new ConfigError(
+      `CLIENT_FETCH_PRIVATE ${raw.CLIENT_FETCH_PRIVATE} is not a choice: set it to allow, or leave it unset`,
+    )
+  }
+  const profile = {
+    name: raw.PROFILE_NAME,
+    url: parseProfileLink('PROFILE_URL', raw.PROFILE_URL ?? me),
+    photo: raw.PROFILE_PHOTO === undefined ? undefined : parseProfileLink('PROFILE_PHOTO', raw.PROFILE_PHOTO),
+    email: raw.PROFILE_EMAIL === undefined ? undefined : parseEmail(raw.PROFILE_EMAIL),
+  }
+  return {
+    port,
+    host,
+    issuer,
+    me,
+    passwordHash,
+    dataFile,
+    codeTtlSeconds,
+    accessTokenTtlSeconds,
+    refreshTokenTtlSeconds,
+    refreshTokenGraceSeconds,
+    sessionTtlSeconds,
+    introspectionSecret,
+    clientFetchPrivate,
+    profile,
+  }
 }
 
-/**
- * The value of the browser's session cookie when it names a live session started with the
- * current password: a new `PASSWORD_HASH` ends every session made with the old one.
- */
-async function findOwnerSession(req: IncomingMessage, ctx: Context): Promise<string | undefined> {
-  const value = readCookie(req, sessionCookieName(ctx.config))
-  if (value === undefined || ctx.config.passwordHash === undefined) return undefined
-  const session = await ctx.store.findSession(hashSecret(value), ctx.now())
-  if (session === undefined) return undefined
-  if (session.passwordTag !== passwordTag(ctx.config.passwordHash))
-    return void (await ctx.store.deleteSession(hashSecret(value)))
+/** A setting's default, as `SETTINGS` lists it: the one place defaults are written. */
+function defaultOf(name: SettingName): string {
+  return SETTINGS.find((setting) => setting.name === name)?.default ?? ''
+}
+
+/** Merges variables and flags into one value per setting; empty values count as unset. */
+function readSettings(env: Record<string, string | undefined>, argv: readonly string[]) {
+  const values: Partial<Record<SettingName, string>> = {}
+  for (const { name } of SETTINGS) {
+    if (env[name] !== undefined && env[name] !== '') values[name] = env[name]
+  }
+  for (let i = 0; i < argv.length; i++) {
+    const arg = argv[i]
+    const equals = arg.indexOf('=')
+    const flag = equals === -1 ? arg : arg.slice(0, equals)
+    const name = SETTINGS.find((setting) => flagName(setting.name) === flag)?.name
+    if (name === undefined)
+      throw new ConfigError(`Unknown option ${flag}: run \`npx tsx server.ts --help\` for the list`)
+    const value = equals === -1 ? argv[++i] : arg.slice(equals + 1)
+    if (value === undefined) throw new ConfigError(`Option ${flag} needs a value, as in \`${flag} VALUE\``)
+    if (value === '') delete values[name]
+    else values[name] = value
+  }
+  return values
+}
+
+/** `CODE_TTL` becomes `--code-ttl`. */
+function flagName(setting: string): string {
+  return `--${setting.toLowerCase().replaceAll('_', '-')}`
+}
+
+function parsePort(value: string): number {
+  const port = /^\d{1,5}$/.test(value) ? Number(value) : NaN
+  if (!(port >= 0 && port <= 65535)) throw new ConfigError(`PORT ${value} is not a port number: use 0 to 65535`)
+  return port
+}
+
+/** Parses plain seconds or a number with a unit (`90s`, `10m`, `12h`, `7d`) into seconds. */
+export function parseDuration(name: string, value: string): number {
+  const match = /^(\d{1,12})([smhd]?)$/.exec(value.trim())
+  const unitSeconds = { '': 1, s: 1, m: 60, h: 3600, d: 86400 }
+  const seconds = match === null ? NaN : Number(match[1]) * unitSeconds[match[2] as keyof typeof unitSeconds]
+  if (!(seconds > 0))
+    throw new ConfigError(
+      `${name} ${value} is not a positive duration: use seconds or a unit, as in 300, 90s, 10m, 12h or 7d`,
+    )
+  if (seconds > MAX_DURATION_SECONDS)
+    throw new ConfigError(`${name} ${value} is longer than ten years: use 3650d or less`)
+  return seconds
+}
+
+function hostForUrl(host: string): string {
+  return host.includes(':') ? `[${host}]` : host
+}
+
+function parseIssuer(value: string): string {
+  const url = URL.canParse(value) ? new URL(value) : undefined
+  if (url === undefined || (url.protocol !== 'https:' && url.protocol !== 'http:')) {
+    throw new ConfigError(
+      `ISSUER ${value} is not an http or https URL: use the public base URL, as in https://auth.example.com`,
+    )
+  }
+  if (url.search !== '' || url.hash !== '' || value.includes('?') || value.includes('#')) {
+    throw new ConfigError(
+      `ISSUER ${value} has a query or fragment, which RFC 8414 forbids: remove everything from ? or #`,
+    )
+  }
+  if (url.username !== '' || url.password !== '') {
+    throw new ConfigError(`ISSUER ${value} contains a user name or password: remove it`)
+  }
+  return url.href.replace(/\/+$/, '')
+}
+
+function parseMe(value: string): string {
+  const problem = profileUrlProblem(value)
+  if (problem !== undefined)
+    throw new ConfigError(
+      `ME ${value} is not a valid profile URL (${problem}): use your site's URL, as in https://example.com/`,
+    )
+  return canonicalizeUrl(value)
+}
+
+function parseProfileLink(name: string, value: string): string {
+  if (!/^https?:\/\//i.test(value) || !URL.canParse(value))
+    throw new ConfigError(
+      `${name} ${value} is not an http or https URL: use a full URL, as in https://example.com/photo.jpg`,
+    )
+  return new URL(value).href
+}
+
+function parseEmail(value: string): string {
+  if (!/^[^\s@]+@[^\s@]+$/.test(value))
+    throw new ConfigError(`PROFILE_EMAIL ${value} is not an email address: use one like me@example.com`)
   return value
 }
 
-/** What a session keeps of the password it was started with: enough to tell a new one, nothing to guess it by. */
-function passwordTag(passwordHash: string): string {
-  return hashSecret(`latch session ${passwordHash}`)
-}
-
-/** Starts a session for the owner and returns its Set-Cookie value. */
-async function startSession(ctx: Context): Promise<string> {
-  const value = createSecret()
-  const now = ctx.now()
-  const ttl = ctx.config.sessionTtlSeconds
-  const session = {
-    createdAt: now,
-    expiresAt: now + ttl * 1000,
-    passwordTag: passwordTag(ctx.config.passwordHash ?? ''),
-  }
-  await ctx.store.saveSession(hashSecret(value), session, now)
-  return buildCookie(sessionCookieName(ctx.config), value, ttl, ctx.config)
-}
-
-// --- Metadata -------------------------------------------------------------------
-// IndieAuth §4.1.1  https://indieauth.spec.indieweb.org/#indieauth-server-metadata
-// RFC 8414 §2      https://www.rfc-editor.org/rfc/rfc8414#section-2
-
-/**
- * Builds the server metadata document; every URL starts with the issuer.
- * @see https://indieauth.spec.indieweb.org/#indieauth-server-metadata IA §4.1.1
- * @see https://www.rfc-editor.org/rfc/rfc8414#section-2
- */
-export function buildMetadata(config: Config): Record<string, unknown> {
-  return {
-    issuer: config.issuer,
-    authorization_endpoint: endpointUrl(config, '/auth'),
-    token_endpoint: endpointUrl(config, '/token'),
-    introspection_endpoint: endpointUrl(config, '/introspect'),
-    introspection_endpoint_auth_methods_supported: config.introspectionSecret === undefined ? ['none'] : ['Bearer'],
-    revocation_endpoint: endpointUrl(config, '/revoke'),
-    revocation_endpoint_auth_methods_supported: ['none'],
-    userinfo_endpoint: endpointUrl(config, '/userinfo'),
-    scopes_supported: SUPPORTED_SCOPES,
-    response_types_supported: ['code'],
-    grant_types_supported: ['authorization_code', 'refresh_token'],
-    code_challenge_methods_supported: ['S256'],
-    authorization_response_iss_parameter_supported: true,
-  }
-}
-
-/** Answers `GET /.well-known/oauth-authorization-server`. */
-async function handleMetadataRequest(_req: IncomingMessage, res: ServerResponse, ctx: Context): Promise<void> {
-  sendJson(res, 200, buildMetadata(ctx.config))
-}
-
-// --- Authorization endpoint -----------------------------------------------------
-// IndieAuth §5.2    https://indieauth.spec.indieweb.org/#authorization-request
-// RFC 6749 §4.1.1   https://www.rfc-editor.org/rfc/rfc6749#section-4.1.1
-// RFC 7636 §4.3     https://www.rfc-editor.org/rfc/rfc7636#section-4.3
-
-/**
- * Validates an authorization request and shows the consent page. Until `client_id` and
- * `redirect_uri` are known good, errors are a 400 page; after that, redirects to the client.
- * @see https://indieauth.spec.indieweb.org/#authorization-request IA §5.2
- */
-async function handleAuthorizationRequest(req: IncomingMessage, res: ServerResponse, ctx: Context): Promise<void> {
-  const query = queryOf(req.url ?? '/')
-  const clientId = requireParam(query, 'client_id')
-  const clientProblem = clientIdProblem(clientId)
-  if (clientProblem !== undefined)
-    throw new OAuthError('invalid_request', `client_id is not a valid client identifier: ${clientProblem}`)
-  const redirectUri = requireParam(query, 'redirect_uri')
-  const client = await findClient(canonicalizeUrl(clientId), ctx)
-  const redirectProblem = redirectUriProblem(redirectUri, clientId, client)
-  if (redirectProblem !== undefined) throw new OAuthError('invalid_request', redirectProblem)
-
-  // From here on redirect_uri is trusted: report errors by redirecting to it (RFC 6749 §4.1.2.1).
-  const state = stateOf(query)
-  let request: PendingRequest
-  try {
-    request = buildPendingRequest(
-      query,
-      { client_id: canonicalizeUrl(clientId), client_name: client.info?.name, redirect_uri: redirectUri },
-      ctx,
-    )
-  } catch (err) {
-    if (!(err instanceof OAuthError)) throw err
-    const params = { error: err.error, error_description: err.message, state, iss: ctx.config.issuer }
-    return redirect(res, 302, buildRedirectUrl(redirectUri, params))
-  }
-  const visitor = await readVisitor(req, ctx)
-  request.csrfHash = hashSecret(visitor.csrf) // the request is answered from this browser only
-  const id = createSecret()
-  await ctx.store.savePending(hashSecret(id), request, ctx.now())
-  const page = renderConsentPage(request, {
-    id,
-    csrf: formToken(visitor),
-    config: ctx.config,
-    signedIn: visitor.signedIn,
-    logo: client.info?.logo,
-  })
-  sendPage(res, 200, page, {
-    'Set-Cookie': buildCookie(csrfCookieName(ctx.config), visitor.csrf, undefined, ctx.config),
-  })
-}
-
-/** The `state` to send back on an error redirect: none when it was sent twice or is too long. */
-function stateOf(query: Params): string | undefined {
-  const values = query.get('state')?.filter((value) => value !== '') ?? []
-  return values.length === 1 && values[0].length <= MAX_STATE_LENGTH ? values[0] : undefined
-}
-
-/**
- * What discovery knows of a client, or that it knows nothing. A client is fetched at most once
- * per Cache-Control lifetime; requests for the same client while it is being fetched share the
- * fetch; a failure is remembered for 30 seconds; and at most 8 fetches run at once, with 8 more
- * waiting, so that a flood of made-up clients costs a bounded amount of memory. Why a fetch
- * failed goes to the log only: it can name addresses and ports of the server's network.
- */
-async function findClient(clientId: string, ctx: Context): Promise<{ info?: ClientInfo }> {
-  const now = ctx.now()
-  const cached = ctx.clients.get(clientId)
-  if (cached !== undefined && cached.expiresAt > now) return { info: cached.info }
-  if (isLoopbackClient(clientId) || (ctx.failedClients.get(clientId) ?? 0) > now) return {}
-  let lookup = ctx.clientLookups.get(clientId)
-  if (lookup === undefined) {
-    lookup = fetchClient(clientId, ctx).finally(() => ctx.clientLookups.delete(clientId))
-    ctx.clientLookups.set(clientId, lookup)
-  }
-  return lookup
-}
-
-async function fetchClient(clientId: string, ctx: Context): Promise<{ info?: ClientInfo }> {
-  const busy = new Error('too many apps are being looked up at once')
-  try {
-    const options = { allowPrivate: ctx.config.clientFetchPrivate, fetch: ctx.clientFetch }
-    const { info, maxAgeSeconds } = await withSlot(
-      ctx.clientFetchSlots,
-      CLIENT_FETCH_SLOTS,
-      () => busy,
-      () => discoverClient(clientId, options),
-    )
-    ctx.clients.delete(clientId)
-    if (maxAgeSeconds > 0) {
-      if (ctx.clients.size >= MAX_CACHED_CLIENTS) ctx.clients.delete(ctx.clients.keys().next().value ?? '')
-      ctx.clients.set(clientId, { info, expiresAt: ctx.now() + maxAgeSeconds * 1000 })
-    }
-    return { info }
-  } catch (err) {
-    const failure = err instanceof Error ? err.message : String(err)
-    ctx.log(`discovery: ${clientId} could not be fetched: ${failure}`)
-    if (err !== busy) {
-      ctx.failedClients.delete(clientId)
-      if (ctx.failedClients.size >= MAX_REMEMBERED_FAILURES)
-        ctx.failedClients.delete(ctx.failedClients.keys().next().value ?? '')
-      ctx.failedClients.set(clientId, ctx.now() + FAILED_CLIENT_MEMORY_SECONDS * 1000)
-    }
-    return {}
-  }
-}
-
-const MAX_CACHED_CLIENTS = 100
-const MAX_REMEMBERED_FAILURES = 1_000
-const FAILED_CLIENT_MEMORY_SECONDS = 30
-const CLIENT_FETCH_SLOTS = { running: 8, waiting: 8 }
-
-/** Checks the rest of the request, one rule per line, in the order the contract lists them. */
-function buildPendingRequest(
-  query: Params,
-  client: { client_id: string; client_name: string | undefined; redirect_uri: string },
-  ctx: Context,
-): PendingRequest {
-  for (const [name, values] of query) {
-    if (values.filter((value) => value !== '').length > 1)
-      throw new OAuthError('invalid_request', `Parameter ${name} was sent more than once`)
-  }
-  const responseType = getParam(query, 'response_type') ?? 'code' // older clients omit it
-  if (responseType !== 'code' && responseType !== 'id')
-    throw new OAuthError('unsupported_response_type', 'response_type must be code')
-  const codeChallenge = requireParam(query, 'code_challenge')
-  if (!isCodeChallenge(codeChallenge))
-    throw new OAuthError('invalid_request', 'code_challenge must be 43 base64url characters')
-  const method = getParam(query, 'code_challenge_method') ?? 'S256'
-  if (method !== 'S256') throw new OAuthError('invalid_request', 'code_challenge_method must be S256')
-  const state = getParam(query, 'state')
-  if (state !== undefined && state.length > MAX_STATE_LENGTH)
-    throw new OAuthError('invalid_request', `state is longer than ${MAX_STATE_LENGTH} characters`)
-  const meHint = getParam(query, 'me')
-  if (meHint !== undefined && meHint.length > MAX_URL_LENGTH)
-    throw new OAuthError('invalid_request', `me is longer than ${MAX_URL_LENGTH} characters`)
-  // `id`: the profile-only request of older clients
-  const scope = responseType === 'id' ? [] : parseScope(getParam(query, 'scope'))
-  if (scope.length > MAX_SCOPES)
-    throw new OAuthError('invalid_scope', `The request asks for more than ${MAX_SCOPES} scopes`)
-  if (scope.some((one) => one.length > MAX_SCOPE_LENGTH))
-    throw new OAuthError('invalid_scope', `A scope is longer than ${MAX_SCOPE_LENGTH} characters`)
-  return {
-    ...client,
-    state,
-    code_challenge: codeChallenge,
-    scope,
-    meHint,
-    csrfHash: '',
-    expiresAt: ctx.now() + PENDING_TTL_SECONDS * 1000,
-  }
-}
-
-// What a pending request may hold: with the 8 KiB request target, these keep the 1,000 pending
-// requests a store holds at once to a few megabytes, and the consent page to a few kilobytes.
-const MAX_STATE_LENGTH = 1_024
-const MAX_SCOPES = 50
-const MAX_SCOPE_LENGTH = 100
-
-/** The consent page: who asks, where the browser goes next, what access, and one form. */
-function renderConsentPage(
-  request: PendingRequest,
-  form: { id: string; csrf: string; config: Config; signedIn: boolean; logo?: string; message?: string },
-): string {
-  const { config } = form
-  // a native app's custom scheme has no host
-  const redirectHost = new URL(request.redirect_uri).host || request.redirect_uri
-  const scopes = request.scope
-    .map((scope) => {
-      const description = Object.hasOwn(SCOPE_DESCRIPTIONS, scope)
-        ? SCOPE_DESCRIPTIONS[scope]
-        : 'Access that this server does not describe'
-      const box = `<input type="checkbox" name="scope" value="${escapeHtml(scope)}" checked>`
-      return `<label>${box} <code>${escapeHtml(scope)}</code> · ${escapeHtml(description)}</label>`
-    })
-    .join('\n')
-  const logo =
-    form.logo === undefined
-      ? ''
-      : `<p><img class="logo" src="${escapeHtml(form.logo)}" alt="" width="64" height="64"></p>`
-  const name = request.client_name === undefined ? '' : `<strong>${isolate(request.client_name)}</strong> at `
-  const access =
-    scopes === ''
-      ? '<p>It asks for no access beyond your identity.</p>'
-      : `<fieldset>\n<legend>It also asks to</legend>\n${scopes}\n</fieldset>\n${renderLifetimeChoice(config)}`
-  const signedIn = config.passwordHash === undefined ? '' : '<p class="muted">You are signed in.</p>'
-  const password = form.signedIn ? signedIn : renderPasswordField(form.message)
-  const hint =
-    request.meHint !== undefined && request.meHint !== config.me
-      ? `<p class="muted">The app expected <code>${isolate(request.meHint)}</code>.</p>`
-      : ''
-  return renderPage(
-    'Sign in',
-    `<h1>Sign in to an app as ${escapeHtml(config.me)}</h1>
-${logo}
-<p>The app ${name}<code>${isolate(request.client_id)}</code>
-wants to know that you are <code>${escapeHtml(config.me)}</code>.</p>
-${hint}
-<p class="muted">After you decide, your browser goes to <code>${isolate(redirectHost)}</code>.</p>
-<form method="post" action="${escapeHtml(endpointUrl(config, '/auth/consent'))}">
-<input type="hidden" name="request" value="${escapeHtml(form.id)}">
-<input type="hidden" name="csrf" value="${escapeHtml(form.csrf)}">
-${access}
-${password}
-<div class="actions">
-<button class="primary" name="decision" value="approve">Approve</button>
-<button name="decision" value="deny" formnovalidate>Deny</button>
-</div>
-</form>`,
-  )
-}
-
-/** A choice of access token lifetimes, because many clients never refresh. */
-function renderLifetimeChoice(config: Config): string {
-  const options = lifetimeChoices(config)
-    .map(
-      ([label, seconds]) =>
-        `<option value="${seconds}"${seconds === config.accessTokenTtlSeconds ? ' selected' : ''}>` +
-        `${escapeHtml(label)}</option>`,
-    )
-    .join('')
-  return `<p><label>Its access lasts <select name="lifetime">${options}</select></label></p>`
-}
-
-function lifetimeChoices(config: Config): [string, number][] {
-  const ttl = config.accessTokenTtlSeconds
-  if (LIFETIME_CHOICES.some(([, seconds]) => seconds === ttl)) return LIFETIME_CHOICES
-  const label = ttl % 86400 === 0 ? `${ttl / 86400} days` : ttl % 3600 === 0 ? `${ttl / 3600} hours` : `${ttl} seconds`
-  return [...LIFETIME_CHOICES, [label, ttl] as [string, number]].sort((a, b) => a[1] - b[1])
-}
-
-/** The lifetime chosen on the consent page: one of those offered, or `ACCESS_TOKEN_TTL` when none was sent. */
-function requireLifetime(value: string | undefined, config: Config): number {
-  if (value === undefined) return config.accessTokenTtlSeconds
-  const choice = lifetimeChoices(config).find(([, seconds]) => String(seconds) === value)
-  if (choice === undefined) throw new OAuthError('invalid_request', 'Choose one of the offered token lifetimes')
-  return choice[1]
-}
-
-// --- Consent --------------------------------------------------------------------
-// IndieAuth §5.2.1  https://indieauth.spec.indieweb.org/#authorization-response
-// RFC 6749 §4.1.2   https://www.rfc-editor.org/rfc/rfc6749#section-4.1.2
-
-/**
- * Handles the consent form: checks the pending request, the CSRF token and the password, then
- * redirects to the client with a code or with `access_denied`.
- * @see https://indieauth.spec.indieweb.org/#authorization-response IA §5.2.1
- * @see https://www.rfc-editor.org/rfc/rfc9207#section-2 RFC 9207 (iss)
- */
-async function handleConsent(req: IncomingMessage, res: ServerResponse, ctx: Context): Promise<void> {
-  const form = await readForm(req)
-  const id = requireParam(form, 'request')
-  const request = await ctx.store.findPending(hashSecret(id), ctx.now())
-  if (request === undefined)
-    throw new OAuthError('invalid_request', 'This sign-in request is unknown or has expired: start again from the app')
-  const visitor = await requireFormToken(form, req, ctx)
-  if (!safeEqual(hashSecret(readCookie(req, csrfCookieName(ctx.config)) ?? ''), request.csrfHash)) {
-    throw new OAuthError(
-      'access_denied',
-      'This sign-in request was opened in another browser: start again from the app',
-      { status: 403 },
+/** Start-up warnings for settings that work but are not right for real use. */
+export function configWarnings(config: Config): string[] {
+  const warnings: string[] = []
+  const issuer = new URL(config.issuer)
+  if (issuer.protocol === 'http:' && !LOOPBACK_HOSTS.has(issuer.hostname.replace(/^\[|\]$/g, ''))) {
+    warnings.push(
+      `ISSUER ${config.issuer} is http on a non-loopback host; IndieAuth wants https, ` +
+        'so put Latch behind TLS and set ISSUER to the https URL',
     )
   }
-  const decision = getParam(form, 'decision')
-  if (decision !== 'approve' && decision !== 'deny') throw new OAuthError('invalid_request', 'Choose Approve or Deny')
-  const lifetime = requireLifetime(getParam(form, 'lifetime'), ctx.config)
-  const headers: Record<string, string> = {}
-  if (decision === 'approve' && !visitor.signedIn) {
-    const message = await checkPassword(getParam(form, 'password'), clientAddress(req), ctx)
-    if (message !== undefined) {
-      const logo = ctx.clients.get(request.client_id)?.info.logo
-      return sendPage(
-        res,
-        401,
-        renderConsentPage(request, {
-          id,
-          csrf: formToken(visitor),
-          config: ctx.config,
-          signedIn: false,
-          logo,
-          message,
-        }),
-      )
-    }
-    headers['Set-Cookie'] = await startSession(ctx)
-  }
-  if ((await ctx.store.takePending(hashSecret(id), ctx.now())) === undefined) {
-    throw new OAuthError('invalid_request', 'This sign-in request was already answered: start again from the app')
-  }
-  const iss = ctx.config.issuer
-  if (decision === 'deny') {
-    const params = {
-      error: 'access_denied',
-      error_description: 'The owner denied the request',
-      state: request.state,
-      iss,
-    }
-    return redirect(res, 303, buildRedirectUrl(request.redirect_uri, params))
-  }
-  const granted = request.scope.filter((scope) => (form.get('scope') ?? []).includes(scope))
-  const code = await issueCode(request, { scope: granted, accessTokenTtlSeconds: lifetime }, ctx)
-  redirect(res, 303, buildRedirectUrl(request.redirect_uri, { code, state: request.state, iss }), headers)
-}
-
-/** Issues a code bound to the request, the granted scopes and the chosen lifetime, and returns its value. */
-async function issueCode(
-  request: PendingRequest,
-  grant: { scope: string[]; accessTokenTtlSeconds: number },
-  ctx: Context,
-): Promise<string> {
-  const code = createSecret()
-  const now = ctx.now()
-  await ctx.store.saveCode(
-    hashSecret(code),
-    {
-      client_id: request.client_id,
-      client_name: request.client_name,
-      redirect_uri: request.redirect_uri,
-      code_challenge: request.code_challenge,
-      scope: grant.scope,
-      me: ctx.config.me,
-      accessTokenTtlSeconds: grant.accessTokenTtlSeconds,
-      issuedAt: now,
-      expiresAt: now + ctx.config.codeTtlSeconds * 1000,
-      usedAt: undefined,
-    },
-    now,
-  )
-  return code
-}
-
-// --- Password checks ------------------------------------------------------------
-// Attempts are counted before the hash is checked, so guesses sent in parallel count too: per
-// client address, where five are free, and in total, where twenty are. Past that, each attempt
-// must wait twice as long as the last, up to 15 minutes (429 with Retry-After); a success
-// clears the counts, and a day of quiet forgets them. At most two scrypt checks run at once,
-// so a flood cannot pin the CPU.
-
-const FREE_ATTEMPTS_PER_ADDRESS = 5
-const FREE_ATTEMPTS_IN_TOTAL = 20
-const MAX_PASSWORD_DELAY_SECONDS = 900
-const FORGET_PASSWORD_FAILURES_SECONDS = 86400
-const MAX_TRACKED_ADDRESSES = 10_000
-const MAX_PARALLEL_PASSWORD_CHECKS = 2
-const MAX_WAITING_PASSWORD_CHECKS = 32
-
-function clientAddress(req: IncomingMessage): string {
-  return req.socket.remoteAddress ?? 'unknown'
-}
-
-/** Checks the owner's password; returns a message for the page when it is wrong, or throws 429. */
-async function checkPassword(password: string | undefined, address: string, ctx: Context): Promise<string | undefined> {
-  const now = ctx.now()
-  const attempts = ctx.passwordAttempts
-  const lockedUntil = Math.max(attempts.byAddress.get(address)?.lockedUntil ?? 0, attempts.total.lockedUntil)
-  if (lockedUntil > now) {
-    const retryAfter = String(Math.ceil((lockedUntil - now) / 1000))
-    throw new OAuthError('too_many_requests', `Too many wrong passwords: try again in ${retryAfter} seconds`, {
-      headers: { 'Retry-After': retryAfter },
-    })
-  }
-  if (password === undefined) return 'Enter your password'
-  const previous = attempts.byAddress.get(address)
-  attempts.byAddress.delete(address) // re-inserted last, so the map stays ordered oldest first
-  if (attempts.byAddress.size >= MAX_TRACKED_ADDRESSES)
-    attempts.byAddress.delete(attempts.byAddress.keys().next().value ?? '')
-  attempts.byAddress.set(address, countAttempt(previous, now, FREE_ATTEMPTS_PER_ADDRESS))
-  attempts.total = countAttempt(attempts.total, now, FREE_ATTEMPTS_IN_TOTAL)
-  const passwordHash = ctx.config.passwordHash ?? ''
-  if (!(await withPasswordSlot(ctx.passwordSlots, () => verifyPassword(password, passwordHash))))
-    return 'Wrong password'
-  attempts.byAddress.delete(address)
-  attempts.total = NO_ATTEMPTS
-  return undefined
-}
-
-const NO_ATTEMPTS: PasswordAttempts = { count: 0, lastAt: 0, lockedUntil: 0 }
-
-/** One more attempt: free up to `free`, then locked for 2, 4, 8, … seconds, up to 15 minutes. */
-export function countAttempt(previous: PasswordAttempts | undefined, now: number, free: number): PasswordAttempts {
-  const forgotten = previous === undefined || now - previous.lastAt > FORGET_PASSWORD_FAILURES_SECONDS * 1000
-  const count = forgotten ? 1 : previous.count + 1
-  const delaySeconds = count <= free ? 0 : Math.min(2 ** (count - free), MAX_PASSWORD_DELAY_SECONDS)
-  return { count, lastAt: now, lockedUntil: now + delaySeconds * 1000 }
-}
-
-/** Runs a password check when one of the few slots is free; past the queue's length, 429. */
-export function withPasswordSlot<T>(slots: PasswordSlots, check: () => Promise<T>): Promise<T> {
-  const busy = () =>
-    new OAuthError('too_many_requests', 'The server is busy checking passwords: try again in a few seconds', {
-      headers: { 'Retry-After': '5' },
-    })
-  return withSlot(slots, PASSWORD_CHECK_SLOTS, busy, check)
-}
-
-const PASSWORD_CHECK_SLOTS = { running: MAX_PARALLEL_PASSWORD_CHECKS, waiting: MAX_WAITING_PASSWORD_CHECKS }
-
-/**
- * Runs a task when fewer than `limits.running` run, queued in order behind at most
- * `limits.waiting`; past that, throws `busy()`.
- */
-async function withSlot<T>(
-  slots: Slots,
-  limits: { running: number; waiting: number },
-  busy: () => Error,
-  task: () => Promise<T>,
-): Promise<T> {
-  if (slots.running < limits.running) {
-    slots.running++
-  } else if (slots.waiting.length < limits.waiting) {
-    await new Promise<void>((resolve) => slots.waiting.push(resolve)) // the slot is handed over by the task that ends
-  } else {
-    throw busy()
-  }
-  try {
-    return await task()
-  } finally {
-    const next = slots.waiting.shift()
-    if (next === undefined) slots.running--
-    else next()
-  }
-}
-
-// --- Code redemption ------------------------------------------------------------
-// IndieAuth §5.3    https://indieauth.spec.indieweb.org/#redeeming-the-authorization-code
-// RFC 6749 §4.1.3   https://www.rfc-editor.org/rfc/rfc6749#section-4.1.3
-// RFC 7636 §4.6     https://www.rfc-editor.org/rfc/rfc7636#section-4.6
-
-/**
- * Redeems a code for the owner's profile URL only: `{"me": "…"}`, with the profile information
- * when the `profile` scope was granted.
- * @see https://indieauth.spec.indieweb.org/#profile-url-response IA §5.3.2
- */
-async function handleProfileRedemption(req: IncomingMessage, res: ServerResponse, ctx: Context): Promise<void> {
-  const form = await readForm(req)
-  const grantType = getParam(form, 'grant_type')
-  if (grantType !== undefined && grantType !== 'authorization_code') {
-    throw new OAuthError('unsupported_grant_type', 'grant_type must be authorization_code')
-  }
-  const { code, codeHash } = await checkCode(form, { clientRequired: false }, ctx)
-  await consumeCode(codeHash, ctx)
-  // JSON leaves out a profile that is undefined
-  sendJson(res, 200, { me: code.me, profile: buildProfile(code.scope, ctx.config.profile) })
-}
-
-/**
- * Finds a code and checks that the request matches it: `client_id`, `redirect_uri` and the PKCE
- * verifier. Shared by `POST /auth` and `POST /token`. The code is not consumed here.
- * @see https://indieauth.spec.indieweb.org/#redeeming-the-authorization-code IA §5.3.1
- * @see https://www.rfc-editor.org/rfc/rfc7636#section-4.6
- */
-async function checkCode(form: Params, options: { clientRequired: boolean }, ctx: Context) {
-  const value = requireParam(form, 'code')
-  const clientId = options.clientRequired ? requireParam(form, 'client_id') : getParam(form, 'client_id')
-  const redirectUri = options.clientRequired ? requireParam(form, 'redirect_uri') : getParam(form, 'redirect_uri')
-  const verifier = requireParam(form, 'code_verifier')
-  if (!isCodeVerifier(verifier))
-    throw new OAuthError('invalid_request', 'code_verifier must be 43 to 128 characters of A-Z, a-z, 0-9 and -._~')
-  const codeHash = hashSecret(value)
-  const code = await ctx.store.findCode(codeHash, ctx.now())
-  if (code === undefined) throw new OAuthError('invalid_grant', 'The authorization code is unknown or has expired')
-  if (clientId !== undefined && !isSameClientId(clientId, code.client_id)) {
-    throw new OAuthError('invalid_grant', 'client_id does not match the client the code was issued to')
-  }
-  if (redirectUri !== undefined && redirectUri !== code.redirect_uri) {
-    throw new OAuthError('invalid_grant', 'redirect_uri does not match the one in the authorization request')
-  }
-  if (!verifyCodeChallenge(verifier, code.code_challenge)) {
-    throw new OAuthError('invalid_grant', 'PKCE check failed: code_verifier does not match code_challenge')
-  }
-  return { code, codeHash }
-}
-
-/** Compares a sent `client_id` with a stored canonical one, after canonicalizing it (IA §3.4). */
-function isSameClientId(sent: string, stored: string): boolean {
-  return sent === stored || (isClientId(sent) && canonicalizeUrl(sent) === stored)
-}
-
-/** Marks a checked code used, or, when it was used before, revokes what was issued from it. */
-async function consumeCode(codeHash: string, ctx: Context): Promise<void> {
-  if (!(await ctx.store.takeCode(codeHash, ctx.now()))) await revokeReplayedCode(codeHash, ctx)
-}
-
-/**
- * A code that was used before is a replay: the grant made from it, and so every token issued
- * from it, is revoked, because "the authorization server MUST deny the request and SHOULD
- * revoke (when possible) all tokens previously issued based on that authorization code".
- * @see https://www.rfc-editor.org/rfc/rfc6749#section-4.1.2
- */
-async function revokeReplayedCode(codeHash: string, ctx: Context): Promise<never> {
-  await ctx.store.deleteGrant(codeHash, ctx.now()) // a grant's id is the hash of its code
-  throw new OAuthError(
-    'invalid_grant',
-    'The authorization code was already used, so the tokens issued from it are revoked',
-  )
-}
-
-/**
- * The profile object for a scope: `name`, `url` and `photo` with `profile`, and `email` only
- * when `email` was granted too; undefined without `profile`.
- * @see https://indieauth.spec.indieweb.org/#profile-information IA §5.3.4
- */
-export function buildProfile(scope: string[], profile: Profile): Record<string, string> | undefined {
-  if (!scope.includes('profile')) return undefined
-  const info: Record<string, string> = {}
-  if (profile.name !== undefined) info.name = profile.name
-  info.url = profile.url
-  if (profile.photo !== undefined) info.photo = profile.photo
-  if (profile.email !== undefined && scope.includes('email')) info.email = profile.email
-  return info
-}
-
-// --- Token endpoint -------------------------------------------------------------
-// IndieAuth §5.3.3  https://indieauth.spec.indieweb.org/#access-token-response
-// IndieAuth §5.5    https://indieauth.spec.indieweb.org/#refresh-tokens
-// RFC 6749 §5.1, §6 https://www.rfc-editor.org/rfc/rfc6749#section-6
-
-/**
- * Exchanges a code, or a refresh token, for an access token and a new refresh token. Older
- * clients also revoke here, with `action=revoke`.
- * @see https://indieauth.spec.indieweb.org/#access-token-response IA §5.3.3
- * @see https://indieauth.spec.indieweb.org/#refresh-tokens IA §5.5
- */
-async function handleTokenRequest(req: IncomingMessage, res: ServerResponse, ctx: Context): Promise<void> {
-  const form = await readForm(req)
-  if (getParam(form, 'action') !== undefined) return handleLegacyRevocation(form, res, ctx)
-  const grantType = requireParam(form, 'grant_type')
-  switch (grantType) {
-    case 'authorization_code':
-      return sendJson(res, 200, await exchangeCode(form, ctx))
-    case 'refresh_token':
-      return sendJson(res, 200, await refreshGrant(form, ctx))
-    default:
-      throw new OAuthError('unsupported_grant_type', 'grant_type must be authorization_code or refresh_token')
-  }
-}
-
-/** Redeems a code with scope: the owner's approval becomes a grant, with its first tokens. */
-async function exchangeCode(form: Params, ctx: Context) {
-  const { code, codeHash } = await checkCode(form, { clientRequired: true }, ctx)
-  if (code.scope.length === 0) {
-    throw new OAuthError(
-      'invalid_grant',
-      'This code was issued without scope, so it only proves identity: redeem it at the authorization endpoint instead',
+  const me = new URL(config.me)
+  if (me.port !== '' || isIpAddress(me.hostname)) {
+    warnings.push(
+      `ME ${config.me} has a port or an IP address, which IndieAuth forbids for profile URLs; ` +
+        "fine for trying Latch, but set ME to your site's URL for real use",
     )
   }
-  const grant = {
-    client_id: code.client_id,
-    client_name: code.client_name,
-    me: code.me,
-    scope: code.scope,
-    accessTokenTtlSeconds: code.accessTokenTtlSeconds,
-    approvedAt: code.issuedAt,
-    lastUsedAt: 0,
-    expiresAt: 0,
-  }
-  // awaited: a returned promise takes two more turns
-  return await issueTokens({ kind: 'code', hash: codeHash }, codeHash, grant, code.scope, ctx)
-}
-
-/**
- * Rotates a refresh token: the old one stops working, and presenting it again revokes the
- * whole grant, since one of the two presenters must have stolen it. Within
- * `REFRESH_TOKEN_GRACE` of its rotation, though, it is a retry (the answer was lost on the way,
- * or the client refreshed twice at once) and gets fresh tokens too: RFC 9700 §4.14.2 allows it.
- * @see https://www.rfc-editor.org/rfc/rfc6749#section-6
- * @see https://www.rfc-editor.org/rfc/rfc9700#section-4.14.2 RFC 9700 §4.14.2
- */
-async function refreshGrant(form: Params, ctx: Context) {
-  const hash = hashSecret(requireParam(form, 'refresh_token'))
-  const clientId = requireParam(form, 'client_id')
-  const found = await findLiveToken(hash, 'refresh', ctx)
-  if (found === undefined) throw new OAuthError('invalid_grant', 'The refresh token is unknown, expired or revoked')
-  const retriedSince = ctx.now() - ctx.config.refreshTokenGraceSeconds * 1000
-  const { usedAt } = found.token
-  if (usedAt !== undefined && !(ctx.config.refreshTokenGraceSeconds > 0 && usedAt + 1000 > retriedSince)) {
-    await revokeReusedRefreshToken(found.token.grantId, ctx) // whatever else the request says
-  }
-  if (!isSameClientId(clientId, found.grant.client_id)) {
-    throw new OAuthError('invalid_grant', 'client_id does not match the client the refresh token was issued to')
-  }
-  const scope = narrowScope(getParam(form, 'scope'), found.token.scope)
-  const redeemed = {
-    kind: 'refresh',
-    hash,
-    retriedSince: ctx.config.refreshTokenGraceSeconds > 0 ? retriedSince : undefined,
-  } as const
-  return await issueTokens(redeemed, found.token.grantId, found.grant, scope, ctx)
-}
-
-async function revokeReusedRefreshToken(grantId: string, ctx: Context): Promise<never> {
-  await ctx.store.deleteGrant(grantId, ctx.now())
-  throw new OAuthError('invalid_grant', 'The refresh token was already used, so every token of its grant is revoked')
-}
-
-/** A refresh may ask for fewer scopes than were granted, never more (RFC 6749 §6). */
-function narrowScope(requested: string | undefined, granted: string[]): string[] {
-  if (requested === undefined) return granted
-  const scope = parseScope(requested)
-  if (scope.length === 0 || scope.some((one) => !granted.includes(one))) {
-    throw new OAuthError('invalid_scope', 'A refresh may narrow the granted scope, never widen it')
-  }
-  return scope
-}
-
-/**
- * Redeems a code or a refresh token for an access token for `scope` and a refresh token for the
- * whole grant, and saves the grant with its new expiry: all in one store write. Redeemed twice,
- * by a replay or a race, the grant is revoked.
- */
-async function issueTokens(
-  redeemed: TokenIssue['redeemed'],
-  grantId: string,
-  grant: Grant,
-  scope: string[],
-  ctx: Context,
-) {
-  const now = ctx.now()
-  const { accessTokenTtlSeconds } = grant
-  const { refreshTokenTtlSeconds } = ctx.config
-  const accessToken = createSecret()
-  const refreshToken = createSecret()
-  const access: Token = {
-    kind: 'access',
-    grantId,
-    scope,
-    issuedAt: now,
-    expiresAt: now + accessTokenTtlSeconds * 1000,
-    usedAt: undefined,
-  }
-  const refresh: Token = {
-    kind: 'refresh',
-    grantId,
-    scope: grant.scope,
-    issuedAt: now,
-    expiresAt: now + refreshTokenTtlSeconds * 1000,
-    usedAt: undefined,
-  }
-  const expiresAt = Math.max(grant.expiresAt, access.expiresAt, refresh.expiresAt)
-  const tokens: TokenIssue['tokens'] = [
-    [hashSecret(accessToken), access],
-    [hashSecret(refreshToken), refresh],
-  ]
-  if (
-    !(await ctx.store.issueTokens({ redeemed, grantId, grant: { ...grant, lastUsedAt: now, expiresAt }, tokens }, now))
-  ) {
-    await (redeemed.kind === 'code' ? revokeReplayedCode(grantId, ctx) : revokeReusedRefreshToken(grantId, ctx))
-  }
-  return {
-    access_token: accessToken,
-    token_type: 'Bearer',
-    scope: scope.join(' '),
-    me: grant.me,
-    expires_in: accessTokenTtlSeconds,
-    refresh_token: refreshToken,
-    profile: buildProfile(scope, ctx.config.profile), // left out of the JSON when undefined: without the profile scope
-  }
-}
-
-/** A live token of the given kind with its live grant, or undefined. */
-async function findLiveToken(
-  hash: string,
-  kind: Token['kind'],
-  ctx: Context,
-): Promise<{ token: Token; grant: Grant } | undefined> {
-  const now = ctx.now()
-  const token = await ctx.store.findToken(hash, now)
-  if (token === undefined || token.kind !== kind) return undefined
-  const grant = await ctx.store.findGrant(token.grantId, now)
-  return grant === undefined ? undefined : { token, grant }
-}
-
-// --- Introspection --------------------------------------------------------------
-// IndieAuth §6   https://indieauth.spec.indieweb.org/#access-token-verification
-// RFC 7662 §2    https://www.rfc-editor.org/rfc/rfc7662#section-2
-
-/**
- * Tells a resource server whether an access token is live, and for whom. Anything else, a
- * refresh token, a malformed or an unknown token, gets exactly `{"active": false}`.
- * @see https://indieauth.spec.indieweb.org/#access-token-verification-response IA §6.2
- * @see https://www.rfc-editor.org/rfc/rfc7662#section-2.2
- */
-async function handleIntrospectionRequest(req: IncomingMessage, res: ServerResponse, ctx: Context): Promise<void> {
-  requireIntrospectionCaller(req, ctx.config)
-  const form = await readForm(req)
-  const found = await findLiveToken(hashSecret(requireParam(form, 'token')), 'access', ctx)
-  if (found === undefined) return sendJson(res, 200, { active: false })
-  const { token, grant } = found
-  await ctx.store.touchGrant(token.grantId, ctx.now())
-  sendJson(res, 200, {
-    active: true,
-    me: grant.me,
-    scope: token.scope.join(' '),
-    client_id: grant.client_id,
-    exp: Math.floor(token.expiresAt / 1000),
-    iat: Math.floor(token.issuedAt / 1000),
-  })
-}
-
-/**
- * With `INTROSPECTION_SECRET` set, the caller must send it as a Bearer credential (IA §6.1:
- * "the token endpoint MUST require some form of authorization to access this endpoint").
- * @see https://www.rfc-editor.org/rfc/rfc6750#section-3
- */
-function requireIntrospectionCaller(req: IncomingMessage, config: Config): void {
-  if (config.introspectionSecret === undefined) return
-  const realm = `Bearer realm="${config.issuer}"`
-  const match = /^Bearer +(\S+) *$/i.exec(req.headers.authorization ?? '')
-  if (match === null) {
-    throw new OAuthError('invalid_token', 'This endpoint needs the introspection secret as a Bearer credential', {
-      headers: { 'WWW-Authenticate': realm },
-    })
-  }
-  if (!safeEqual(match[1], config.introspectionSecret)) {
-    throw new OAuthError('invalid_token', 'The Bearer credential is not the introspection secret', {
-      headers: { 'WWW-Authenticate': `${realm}, error="invalid_token"` },
-    })
-  }
-}
-
-// --- Revocation -----------------------------------------------------------------
-// IndieAuth §7   https://indieauth.spec.indieweb.org/#token-revocation
-// RFC 7009 §2    https://www.rfc-editor.org/rfc/rfc7009#section-2
-
-/**
- * Revokes a token. Answers 200 whether or not the token was known, as RFC 7009 §2.2 requires.
- * @see https://www.rfc-editor.org/rfc/rfc7009#section-2.2
- */
-async function handleRevocationRequest(req: IncomingMessage, res: ServerResponse, ctx: Context): Promise<void> {
-  const form = await readForm(req)
-  await revokeToken(requireParam(form, 'token'), ctx)
-  sendEmptyOk(res)
-}
-
-/** The revocation that IndieAuth clients made before §7: `POST /token` with `action=revoke`. */
-async function handleLegacyRevocation(form: Params, res: ServerResponse, ctx: Context): Promise<void> {
-  if (getParam(form, 'action') !== 'revoke') throw new OAuthError('invalid_request', 'action must be revoke')
-  await revokeToken(requireParam(form, 'token'), ctx)
-  sendEmptyOk(res)
-}
-
-/**
- * Revokes an access token alone, or a refresh token with its whole grant: "If the particular
- * token is a refresh token [...] the authorization server SHOULD also invalidate all access
- * tokens based on the same authorization grant".
- * @see https://www.rfc-editor.org/rfc/rfc7009#section-2.1
- */
-async function revokeToken(value: string, ctx: Context): Promise<void> {
-  const hash = hashSecret(value)
-  const token = await ctx.store.findToken(hash, ctx.now())
-  if (token?.kind === 'refresh') await ctx.store.deleteGrant(token.grantId, ctx.now())
-  await ctx.store.deleteToken(hash)
-}
-
-// --- Bearer endpoints -----------------------------------------------------------
-// IndieAuth §9   https://indieauth.spec.indieweb.org/#user-information
-// RFC 6750 §2, §3  https://www.rfc-editor.org/rfc/rfc6750#section-3
-
-/**
- * Answers the profile information of the owner to a token with the `profile` scope, with the
- * owner's `me` as `sub`, which IndieAuth does not ask for but OpenID Connect libraries require.
- * @see https://indieauth.spec.indieweb.org/#user-information IA §9
- * @see https://www.rfc-editor.org/rfc/rfc6750#section-3.1
- */
-async function handleUserinfoRequest(req: IncomingMessage, res: ServerResponse, ctx: Context): Promise<void> {
-  const form = req.method === 'POST' && req.headers['content-type'] !== undefined ? await readForm(req) : undefined
-  const { token, grant } = await requireAccessToken(req, form, ctx)
-  if (!token.scope.includes('profile')) {
-    const challenge = `Bearer realm="${ctx.config.issuer}", error="insufficient_scope", scope="profile"`
-    throw new OAuthError('insufficient_scope', 'The access token was not granted the profile scope', {
-      headers: { 'WWW-Authenticate': challenge },
-    })
-  }
-  // `sub`: what OpenID Connect libraries require
-  sendJson(res, 200, { sub: grant.me, ...buildProfile(token.scope, ctx.config.profile) })
-}
-
-/**
- * The token verification of IndieAuth before §6, still used by Micropub servers: `GET /token`
- * with `Authorization: Bearer` answers `{me, client_id, scope}`.
- */
-async function handleTokenVerification(req: IncomingMessage, res: ServerResponse, ctx: Context): Promise<void> {
-  const { token, grant } = await requireAccessToken(req, undefined, ctx)
-  sendJson(res, 200, { me: grant.me, client_id: grant.client_id, scope: token.scope.join(' ') })
-}
-
-/**
- * The live access token a request carries, in the `Authorization` header or an `access_token`
- * form field, or 401 with a `WWW-Authenticate` challenge. Both may be sent if they agree.
- * @see https://www.rfc-editor.org/rfc/rfc6750#section-2
- */
-async function requireAccessToken(req: IncomingMessage, form: Params | undefined, ctx: Context) {
-  const realm = `Bearer realm="${ctx.config.issuer}"`
-  const header = /^Bearer +(\S+) *$/i.exec(req.headers.authorization ?? '')?.[1]
-  const field = form === undefined ? undefined : getParam(form, 'access_token')
-  if (header !== undefined && field !== undefined && header !== field) {
-    throw new OAuthError('invalid_request', 'The request carries two different access tokens')
-  }
-  const value = header ?? field
-  if (value === undefined) {
-    throw new OAuthError('invalid_token', 'Send an access token as Authorization: Bearer', {
-      headers: { 'WWW-Authenticate': realm },
-    })
-  }
-  const found = await findLiveToken(hashSecret(value), 'access', ctx)
-  if (found === undefined) {
-    throw new OAuthError('invalid_token', 'The access token is unknown, expired or revoked', {
-      headers: { 'WWW-Authenticate': `${realm}, error="invalid_token"` },
-    })
-  }
-  await ctx.store.touchGrant(found.token.grantId, ctx.now())
-  return found
-}
-
-// --- The owner's pages ----------------------------------------------------------
-// Signing in once starts a session, so later consents take one click (the explicit approve
-// stays). `GET /apps` lists every live grant with a Revoke button; every button is a POST that
-// carries the CSRF value.
-
-/** Shows the connected apps to the signed-in owner, and a sign-in form to anyone else. */
-async function handleAppsPage(req: IncomingMessage, res: ServerResponse, ctx: Context): Promise<void> {
-  const visitor = await readVisitor(req, ctx)
-  const headers = { 'Set-Cookie': buildCookie(csrfCookieName(ctx.config), visitor.csrf, undefined, ctx.config) }
-  const page = { csrf: formToken(visitor), config: ctx.config }
-  if (!visitor.signedIn) return sendPage(res, 200, renderSignInPage(page), headers)
-  sendPage(res, 200, renderAppsPage(await ctx.store.listGrants(ctx.now()), page), headers)
-}
-
-/** Checks the owner's password and starts a session. */
-async function handleSignIn(req: IncomingMessage, res: ServerResponse, ctx: Context): Promise<void> {
-  const form = await readForm(req)
-  const visitor = await requireFormToken(form, req, ctx)
-  const headers: Record<string, string> = {}
-  if (!visitor.signedIn) {
-    const message = await checkPassword(getParam(form, 'password'), clientAddress(req), ctx)
-    if (message !== undefined)
-      return sendPage(res, 401, renderSignInPage({ csrf: formToken(visitor), config: ctx.config, message }))
-    headers['Set-Cookie'] = await startSession(ctx)
-  }
-  redirect(res, 303, endpointUrl(ctx.config, '/apps'), headers)
-}
-
-/** Ends the owner's session, here and in the store. */
-async function handleSignOut(req: IncomingMessage, res: ServerResponse, ctx: Context): Promise<void> {
-  const { session } = await requireFormToken(await readForm(req), req, ctx)
-  if (session !== undefined) await ctx.store.deleteSession(hashSecret(session))
-  redirect(res, 303, endpointUrl(ctx.config, '/apps'), {
-    'Set-Cookie': buildCookie(sessionCookieName(ctx.config), '', 0, ctx.config),
-  })
-}
-
-/** Ends every session of the owner, in every browser: after a lost phone or a shared computer. */
-async function handleSignOutEverywhere(req: IncomingMessage, res: ServerResponse, ctx: Context): Promise<void> {
-  await requireOwner(await readForm(req), req, ctx)
-  await ctx.store.deleteAllSessions()
-  ctx.log('security: the owner signed out everywhere, so every session ended')
-  redirect(res, 303, endpointUrl(ctx.config, '/apps'), {
-    'Set-Cookie': buildCookie(sessionCookieName(ctx.config), '', 0, ctx.config),
-  })
-}
-
-/** Revokes one grant: its access and refresh tokens stop working at once. */
-async function handleAppRevocation(req: IncomingMessage, res: ServerResponse, ctx: Context): Promise<void> {
-  const form = await readForm(req)
-  await requireOwner(form, req, ctx)
-  await ctx.store.deleteGrant(requireParam(form, 'grant'), ctx.now())
-  redirect(res, 303, endpointUrl(ctx.config, '/apps'))
-}
-
-/** Revokes every grant. */
-async function handleAllAppsRevocation(req: IncomingMessage, res: ServerResponse, ctx: Context): Promise<void> {
-  await requireOwner(await readForm(req), req, ctx)
-  for (const [id] of await ctx.store.listGrants(ctx.now())) await ctx.store.deleteGrant(id, ctx.now())
-  redirect(res, 303, endpointUrl(ctx.config, '/apps'))
-}
-
-async function requireOwner(form: Params, req: IncomingMessage, ctx: Context): Promise<void> {
-  if (!(await requireFormToken(form, req, ctx)).signedIn)
-    throw new OAuthError('access_denied', 'Sign in first: your session has ended', { status: 401 })
-}
-
-function renderSignInPage(page: { csrf: string; config: Config; message?: string }): string {
-  const { config } = page
-  return renderPage(
-    'Sign in',
-    `<h1>Sign in</h1>
-<p>Sign in as <code>${escapeHtml(config.me)}</code> to see the apps you have connected.</p>
-<form method="post" action="${escapeHtml(endpointUrl(config, '/sign-in'))}">
-<input type="hidden" name="csrf" value="${escapeHtml(page.csrf)}">
-${renderPasswordField(page.message)}
-<div class="actions"><button class="primary">Sign in</button></div>
-</form>`,
-  )
-}
-
-function renderAppsPage(grants: [string, Grant][], page: { csrf: string; config: Config }): string {
-  const { config } = page
-  const csrfField = `<input type="hidden" name="csrf" value="${escapeHtml(page.csrf)}">`
-  const apps = grants
-    .map(
-      ([id, grant]) => `<section class="app">
-<h2>${isolate(grant.client_name ?? grant.client_id)}</h2>
-<dl>
-${grant.client_name === undefined ? '' : `<dt>App</dt><dd><code>${isolate(grant.client_id)}</code></dd>`}
-<dt>Scopes</dt><dd>${escapeHtml(grant.scope.join(' '))}</dd>
-<dt>Approved</dt><dd>${formatTime(grant.approvedAt)}</dd>
-<dt>Last used</dt><dd>${formatTime(grant.lastUsedAt)}</dd>
-<dt>Access ends</dt><dd>${formatTime(grant.expiresAt)}</dd>
-</dl>
-${renderButton(config, '/apps/revoke', `${csrfField}${grantField(id)}`, 'danger', 'Revoke')}
-</section>`,
-    )
-    .join('\n')
-  const signOut = config.passwordHash === undefined ? '' : renderButton(config, '/sign-out', csrfField, '', 'Sign out')
-  const revokeAll = renderButton(config, '/apps/revoke-all', csrfField, 'danger', 'Revoke all')
-  const actions = `<div class="actions">${revokeAll}</div>`
-  const everywhere =
-    config.passwordHash === undefined
-      ? ''
-      : '<p class="muted">Signed in on a device you no longer have?</p>\n' +
-        renderButton(config, '/sign-out-everywhere', csrfField, '', 'Sign out everywhere')
-  return renderPage(
-    'Connected apps',
-    `<div class="bar"><span class="muted">${escapeHtml(config.me)}</span>${signOut}</div>
-<h1>Connected apps</h1>
-<p>These apps can act as you. Revoking one ends its access and refresh tokens at once;
-“Access ends” is when it would end anyway, unless the app refreshes it.</p>
-${apps === '' ? '<p class="muted">No app holds a token right now.</p>' : `${apps}\n${actions}`}
-${everywhere}`,
-  )
-}
-
-function grantField(id: string): string {
-  return `<input type="hidden" name="grant" value="${escapeHtml(id)}">`
-}
-
-/** A form that is one button: it posts the hidden fields to the path. */
-function renderButton(config: Config, path: string, fields: string, kind: string, label: string): string {
-  const button = kind === '' ? `<button>${label}</button>` : `<button class="${kind}">${label}</button>`
-  return `<form method="post" action="${escapeHtml(endpointUrl(config, path))}">${fields}${button}</form>`
-}
-
-/** A time as people read it: `2027-01-01 12:00 UTC`. */
-function formatTime(ms: number): string {
-  return `${new Date(ms).toISOString().slice(0, 16).replace('T', ' ')} UTC`
-}
-
-// --- Home page ------------------------------------------------------------------
-
-/**
- * Says what this server is, and shows the owner the `<link>` tags to paste into their site:
- * `indieauth-metadata`, and the two older relations that clients before 2022 look for. The same
- * links go out as a `Link` header, so a `ME` that points at this server is discoverable too.
- * @see https://indieauth.spec.indieweb.org/#discovery-by-clients IA §4.1
- */
-async function handleHomePage(_req: IncomingMessage, res: ServerResponse, ctx: Context): Promise<void> {
-  const { config } = ctx
-  const relations: [string, string][] = [
-    ['indieauth-metadata', endpointUrl(config, '/.well-known/oauth-authorization-server')],
-    ['authorization_endpoint', endpointUrl(config, '/auth')],
-    ['token_endpoint', endpointUrl(config, '/token')],
-  ]
-  const metadata = endpointUrl(config, '/.well-known/oauth-authorization-server')
-  const links = relations.map(([rel, href]) => `<link rel="${rel}" href="${href}">`).join('\n')
-  const linkHeader = relations.map(([rel, href]) => `<${href}>; rel="${rel}"`).join(', ')
-  sendPage(
-    res,
-    200,
-    renderPage(
-      'Latch',
-      `<h1>Latch</h1>
-<p>This is the IndieAuth server of <code>${escapeHtml(config.me)}</code>.
-Apps that let you sign in with your website send you here to confirm that you are you.</p>
-<p>To use it, paste these lines into the <code>&lt;head&gt;</code> of <code>${escapeHtml(config.me)}</code>:</p>
-<pre>${escapeHtml(links)}</pre>
-<p class="muted">Server metadata: <a href="${escapeHtml(metadata)}">${escapeHtml(metadata)}</a></p>`,
-    ),
-    { Link: linkHeader },
-  )
-}
-
-// --- Router ---------------------------------------------------------------------
-
-type Handler = (req: IncomingMessage, res: ServerResponse, ctx: Context) => Promise<void>
-
-/** The handlers of a path by method, or undefined for a path Latch does not serve. */
-function routesOf(path: string): Partial<Record<string, Handler>> | undefined {
-  switch (path) {
-    case '/':
-      return { GET: handleHomePage, HEAD: handleHomePage } // HEAD: IndieAuth discovery may start with it
-    case '/.well-known/oauth-authorization-server':
-      return { GET: handleMetadataRequest, HEAD: handleMetadataRequest }
-    case '/auth':
-      return { GET: handleAuthorizationRequest, POST: handleProfileRedemption }
-    case '/auth/consent':
-      return { POST: handleConsent }
-    case '/token':
-      return { GET: handleTokenVerification, POST: handleTokenRequest }
-    case '/introspect':
-      return { POST: handleIntrospectionRequest }
-    case '/revoke':
-      return { POST: handleRevocationRequest }
-    case '/userinfo':
-      return { GET: handleUserinfoRequest, POST: handleUserinfoRequest }
-    case '/apps':
-      return { GET: handleAppsPage }
-    case '/apps/revoke':
-      return { POST: handleAppRevocation }
-    case '/apps/revoke-all':
-      return { POST: handleAllAppsRevocation }
-    case '/sign-in':
-      return { POST: handleSignIn }
-    case '/sign-out':
-      return { POST: handleSignOut }
-    case '/sign-out-everywhere':
-      return { POST: handleSignOutEverywhere }
-    default:
-      return undefined
-  }
-}
-
-/** Handlers whose errors a person reads: rendered as pages, not JSON. */
-const PAGE_HANDLERS = new Set<Handler>([
-  handleHomePage,
-  handleAuthorizationRequest,
-  handleConsent,
-  handleAppsPage,
-  handleSignIn,
-  handleSignOut,
-  handleSignOutEverywhere,
-  handleAppRevocation,
-  handleAllAppsRevocation,
-])
-
-/**
- * Handlers that browser apps on any origin may call (RFC 9700 §2.6 allows CORS there). Never
- * the authorization request or the consent form: those are for the owner's own browser.
- */
-const CORS_HANDLERS = new Set<Handler>([
-  handleMetadataRequest,
-  handleProfileRedemption,
-  handleTokenVerification,
-  handleTokenRequest,
-  handleIntrospectionRequest,
-  handleRevocationRequest,
-  handleUserinfoRequest,
-])
-
-/** Picks the handler for a method and path: 404 for an unknown path, 405 for another method. */
-function selectRoute(method: string, path: string): { handler: Handler; cors: boolean } {
-  const routes = routesOf(path)
-  if (routes === undefined) return { handler: rejectUnknownPath, cors: false }
-  const handler = Object.hasOwn(routes, method) ? routes[method] : undefined
-  if (handler !== undefined) return { handler, cors: CORS_HANDLERS.has(handler) }
-  const corsMethods = Object.keys(routes).filter((name) => CORS_HANDLERS.has(routes[name] as Handler))
-  if (method === 'OPTIONS' && corsMethods.length > 0) return { handler: answerPreflight(corsMethods), cors: true }
-  const allow = Object.keys(routes).join(', ')
-  const rejectMethod = async () => {
-    throw new OAuthError('method_not_allowed', `This endpoint accepts ${allow} only`, { headers: { Allow: allow } })
-  }
-  return { handler: rejectMethod, cors: false }
-}
-
-/**
- * Answers a CORS preflight: any origin may send these methods with `Authorization`.
- * @see https://fetch.spec.whatwg.org/#http-cors-protocol
- */
-function answerPreflight(methods: string[]): Handler {
-  return async (_req, res) => {
-    res.writeHead(204, {
-      'Access-Control-Allow-Origin': '*',
-      'Access-Control-Allow-Methods': methods.join(', '),
-      'Access-Control-Allow-Headers': 'Authorization, Content-Type',
-      'Access-Control-Max-Age': '86400',
-    })
-    res.end()
-  }
-}
-
-async function rejectUnknownPath(): Promise<void> {
-  throw new OAuthError('not_found', 'There is no endpoint at this path')
-}
-
-/**
- * Creates the request handler: a plain `(req, res) => void` for node:http, Express or Connect.
- * It logs one line per request (method, path, status, milliseconds) and never a secret.
- */
-export function createHandler(options: HandlerOptions): (req: IncomingMessage, res: ServerResponse) => void {
-  const log = options.log ?? console.log
-  const ctx: Context = {
-    config: options.config,
-    store: options.store ?? new MemoryStore({ log }),
-    now: options.now ?? Date.now,
-    log,
-    passwordAttempts: { byAddress: new Map(), total: NO_ATTEMPTS },
-    passwordSlots: { running: 0, waiting: [] },
-    clientFetch: options.clientFetch ?? {},
-    clients: new Map(),
-    failedClients: new Map(),
-    clientLookups: new Map(),
-    clientFetchSlots: { running: 0, waiting: [] },
-  }
-  const ownHosts = ownHostsOf(ctx.config)
-  let lastOwnHost: string | undefined // the Host header that passed last time: nearly every request repeats it
-  return (req, res) => {
-    const started = performance.now()
-    const path = pathOf(req.url ?? '/')
-    const { handler, cors } = selectRoute(req.method ?? 'GET', path)
-    if (cors) (res as MarkedResponse)[CORS] = true
-    // Answered only once the whole answer went to the socket: node:http may have closed it first,
-    // after bytes it could not parse, and the client may have gone away.
-    let answered = false
-    res.on('finish', () => (answered = true))
-    res.on('close', () => {
-      const status = answered ? res.statusCode : 'closed before the answer'
-      log(`${req.method} ${describePath(path, handler)} ${status} ${Math.round(performance.now() - started)}ms`)
-    })
-    const host = req.headers.host
-    const own = host === lastOwnHost || isOwnHost(host, ownHosts)
-    if (own) lastOwnHost = host
-    const checked = !own
-      ? Promise.reject(
-          new OAuthError(
-            'invalid_request',
-            'This server answers only to its own host name: set ISSUER to the URL you use, or set PASSWORD_HASH',
-            { status: 421 },
-          ),
-        )
-      : (req.url ?? '').length > MAX_REQUEST_TARGET
-        ? Promise.reject(
-            new OAuthError('invalid_request', `The request URL is longer than ${MAX_REQUEST_TARGET} characters`, {
-              status: 414,
-            }),
-          )
-        : handler(req, res, ctx)
-    checked.catch((err: unknown) => renderError(err, res, PAGE_HANDLERS.has(handler), ctx))
-  }
-}
-
-/** The longest request target (path and query) Latch reads: what it keeps of a request is bounded by it. */
-const MAX_REQUEST_TARGET = 8_192
-
-/**
- * Without a password, anyone who can load a page from this server can approve a sign-in. A web
- * page on another name that resolves to 127.0.0.1 (DNS rebinding) could; so only requests for
- * the issuer's host or a loopback name are served.
- */
-function isOwnHost(hostHeader: string | undefined, ownHosts: Set<string> | undefined): boolean {
-  if (ownHosts === undefined || hostHeader === undefined) return true
-  return ownHosts.has(
-    hostHeader
-      .toLowerCase()
-      .replace(/:\d*$/, '')
-      .replace(/^\[(.*)\]$/, '$1'),
-  )
-}
-
-/** The host names served without a password: loopback names and the issuer's; with a password, any. */
-function ownHostsOf(config: Config): Set<string> | undefined {
-  if (config.passwordHash !== undefined) return undefined
-  return new Set([...LOOPBACK_HOSTS, new URL(config.issuer).hostname.replace(/^\[(.*)\]$/, '$1')])
-}
-
-/** The path as logged: an unknown path is not, since a client may have put anything in it. */
-function describePath(path: string, handler: Handler): string {
-  return handler === rejectUnknownPath ? '(unknown path)' : path
-}
-
-/** The router's one catch: an `OAuthError` is rendered; anything else is a logged 500. */
-function renderError(err: unknown, res: ServerResponse, asPage: boolean, ctx: Context): void {
-  if (res.headersSent) {
-    res.destroy()
-    return
-  }
-  if (err instanceof OAuthError) {
-    if (asPage) sendErrorPage(res, err)
-    else sendJsonError(res, err)
-    return
-  }
-  ctx.log(`error: ${err instanceof Error ? (err.stack ?? err.message) : String(err)}`)
-  if (asPage)
-    sendErrorPage(
-      res,
-      new OAuthError('server_error', 'Something went wrong on the server: try again later', { status: 500 }),
-    )
-  else sendJson(res, 500, { error: 'server_error' })
+  return warnings
 }
 
 // --- Command line ---------------------------------------------------------------

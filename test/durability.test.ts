@@ -422,7 +422,7 @@ describe('DATA_FILE: compaction and failures', () => {
       expiresAt: START + 3600_000,
     }
     assert.equal(
-      await store.issueTokens(
+      await store.redeemForTokens(
         {
           redeemed: { kind: 'code', hash: 'c' },
           grantId: 'c',
