@@ -20,8 +20,12 @@
  *     const config = loadConfig(env)
  *     createServer(createHandler({ config })).listen(3000)
  *
- * The file reads in the order a flow runs: configuration, errors, helpers, identifiers, storage,
- * HTTP plumbing, then the endpoints in the order a client meets them, the router, and `main()`.
+ * Reading guide. The file has two parts. Part 1, "The protocol", is IndieAuth: the nouns and the
+ * `Store` contract, errors, parameters, PKCE and identifiers, then the endpoints in the order a
+ * client meets them (metadata, authorization, consent, redemption, token, introspection,
+ * revocation), then the route table and `createHandler`. To learn IndieAuth, read to the end of
+ * Part 1. Part 2, "What it leans on", is the machinery: HTTP and pages, sessions and password
+ * throttling, client fetching, the stores and the journal, performance, configuration, `main()`.
  *
  * @see https://indieauth.spec.indieweb.org/ IndieAuth Living Standard (2024-07-11)
  * @see https://www.rfc-editor.org/rfc/rfc6749 OAuth 2.0
