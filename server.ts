@@ -352,9 +352,6 @@ export function verifyCodeChallenge(verifier: string, challenge: string): boolea
   return timingSafeEqual(challengeBytes.computed, challengeBytes.stored)
 }
 
-/** Where `verifyCodeChallenge` puts the two challenges it compares, so as not to allocate each time. */
-const challengeBytes = { computed: Buffer.alloc(43), stored: Buffer.alloc(43) }
-
 /**
  * True when a `code_verifier` has the form RFC 7636 requires.
  * @see https://www.rfc-editor.org/rfc/rfc7636#section-4.1
@@ -440,7 +437,7 @@ function decodeFormComponent(text: string): string {
 export function getParam(params: Params, name: string): string | undefined {
   const values = params.get(name)
   if (values === undefined) return undefined
-  if (values.length === 1) return values[0] === '' ? undefined : values[0] // the usual case, without a new array
+  if (values.length === 1) return values[0] === '' ? undefined : values[0]
   const sent = values.filter((value) => value !== '')
   if (sent.length > 1) throw new OAuthError('invalid_request', `Parameter ${name} was sent more than once`)
   return sent[0]
@@ -1153,7 +1150,6 @@ async function exchangeCode(form: Params, ctx: Context) {
     lastUsedAt: 0,
     expiresAt: 0,
   }
-  // awaited: a returned promise takes two more turns
   return await issueTokens({ kind: 'code', hash: codeHash }, codeHash, grant, code.scope, ctx)
 }
 
@@ -3741,6 +3737,9 @@ function cutHash(whole: string): string {
  * cache the same way).
  */
 const randomPool = { bytes: Buffer.alloc(4096), used: 4096 }
+
+/** Where `verifyCodeChallenge` puts the two challenges it compares, so as not to allocate each time. */
+const challengeBytes = { computed: Buffer.alloc(43), stored: Buffer.alloc(43) }
 
 /**
  * An iterator with nothing left: where the walk stands in an empty shard, so as not to make one
