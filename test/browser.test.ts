@@ -8,23 +8,16 @@
 
 import { after, before, describe, it } from 'node:test'
 import assert from 'node:assert/strict'
-import { existsSync } from 'node:fs'
 import { mkdir, writeFile } from 'node:fs/promises'
 import { createServer } from 'node:http'
 import type { IncomingMessage, Server, ServerResponse } from 'node:http'
 import type { AddressInfo } from 'node:net'
-import { chromium } from 'playwright-core'
+import { SKIP, launchChromium } from './chromium.ts'
 import type { Browser, BrowserContext, Locator, Page } from 'playwright-core'
 import { computeCodeChallenge, createHandler, createSecret, escapeHtml, hashPassword, loadConfig } from '../server.ts'
 
 // --- Harness ----------------------------------------------------------------------
 
-const CHROMIUM = '/usr/bin/chromium'
-const MISSING = existsSync(CHROMIUM)
-  ? undefined
-  : `Chromium not found at ${CHROMIUM}: apt-get install -y chromium to run the browser test`
-const IN_CI = (process.env.CI ?? '') !== ''
-const SKIP = MISSING !== undefined && !IN_CI ? MISSING : false
 const DOCS = new URL('../docs/', import.meta.url)
 const WRITE_SCREENSHOTS = process.env.UPDATE_SCREENSHOTS === '1'
 
@@ -166,23 +159,9 @@ describe('A person signs in with a browser (issue 6)', () => {
 
   before(async () => {
     if (SKIP !== false) return
-    if (MISSING !== undefined) throw new Error(`${MISSING} (CI is set, so the browser test must run)`)
     latch = await startLatch()
     client = await startClient(latch)
-    browser = await chromium.launch({
-      executablePath: CHROMIUM,
-      headless: true,
-      args: [
-        '--headless',
-        '--no-sandbox',
-        '--disable-gpu',
-        '--disable-background-networking',
-        '--disable-quic',
-        '--no-first-run',
-        '--disable-component-update',
-        '--disable-sync',
-      ],
-    })
+    browser = await launchChromium()
     context = await browser.newContext({ viewport: VIEWPORT, deviceScaleFactor: 2 })
     context.setDefaultTimeout(5000)
     page = await context.newPage()

@@ -18,21 +18,13 @@
 import { after, before, describe, it } from 'node:test'
 import assert from 'node:assert/strict'
 import { randomBytes } from 'node:crypto'
-import { existsSync } from 'node:fs'
 import { createServer } from 'node:http'
 import type { AddressInfo } from 'node:net'
-import { chromium } from 'playwright-core'
+import { SKIP, launchChromium } from './chromium.ts'
 import type { Browser, Page } from 'playwright-core'
 import { hashPassword } from '../server.ts'
 import { startLatch } from './harness.ts'
 import type { TestServer } from './harness.ts'
-
-const CHROMIUM = '/usr/bin/chromium'
-const MISSING = existsSync(CHROMIUM)
-  ? undefined
-  : `Chromium not found at ${CHROMIUM}: apt-get install -y chromium to run the cross-port test`
-const IN_CI = (process.env.CI ?? '') !== ''
-const SKIP = MISSING !== undefined && !IN_CI ? MISSING : false
 
 const PASSWORD = 'correct horse'
 /** The PKCE example of RFC 7636 Appendix B. */
@@ -136,25 +128,10 @@ describe('A page on another port of 127.0.0.1 cannot act for the signed-in owner
 
   before(async () => {
     if (SKIP !== false) return
-    if (MISSING !== undefined) throw new Error(`${MISSING} (CI is set, so the browser test must run)`)
     latch = await startLatch({ PASSWORD_HASH: await hashPassword(PASSWORD, { ln: 10, r: 8, p: 1 }) })
     attacker = await startSite(latch)
     app = await startSite(latch)
-    browser = await chromium.launch({
-      executablePath: CHROMIUM,
-      headless: true,
-      timeout: 15_000,
-      args: [
-        '--headless',
-        '--no-sandbox',
-        '--disable-gpu',
-        '--disable-background-networking',
-        '--disable-quic',
-        '--no-first-run',
-        '--disable-component-update',
-        '--disable-sync',
-      ],
-    })
+    browser = await launchChromium({ timeout: 15_000 })
   })
 
   after(async () => {
