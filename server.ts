@@ -596,7 +596,7 @@ export function redirectUriProblem(
   if (redirect.protocol === origin.protocol && redirect.host === origin.host) return undefined
   const notSameOrigin = 'redirect_uri is not on the scheme, host and port of client_id'
   if (client.info?.redirectUris.includes(redirectUri)) return undefined
-  if (isLoopbackClient(clientId)) return `${notSameOrigin}, as a loopback client, never fetched, requires`
+  if (isLoopbackClient(clientId)) return `${notSameOrigin}, as it must be for a loopback client, which is never fetched`
   if (client.info === undefined) {
     return `${notSameOrigin}, and the app's information could not be fetched to check it`
   }
@@ -1637,7 +1637,12 @@ const ROUTES: Route[] = [
 
 /** A row of the table, from its columns. */
 function route(
-  ...[path, methods, handler, errors, cors, spec]: [string, string, Handler, Route['errors'], string, string]
+  path: string,
+  methods: string,
+  handler: Handler,
+  errors: Route['errors'],
+  cors: string,
+  spec: string,
 ): Route {
   return { path, methods: methods.split(' '), handler, errors, cors: cors === 'CORS', spec }
 }
@@ -2193,10 +2198,8 @@ async function findOwnerSession(req: IncomingMessage, ctx: Context): Promise<str
   const value = readCookie(req, sessionCookieName(ctx.config))
   if (value === undefined || ctx.config.passwordHash === undefined) return undefined
   const session = await ctx.store.findSession(hashSecret(value), ctx.now())
-  if (session === undefined) return undefined
-  if (session.passwordTag !== passwordTag(ctx.config.passwordHash))
-    return void (await ctx.store.deleteSession(hashSecret(value)))
-  return value
+  // a session of an old password is ignored, not deleted here: a read writes nothing, and it expires
+  return session !== undefined && session.passwordTag === passwordTag(ctx.config.passwordHash) ? value : undefined
 }
 
 /** What a session keeps of the password it was started with: enough to tell a new one, nothing to guess it by. */

@@ -7,7 +7,7 @@
 //   node --import tsx bench/attack.ts
 //
 //   (1) GET /auth flood: ATTACK_REQUESTS requests over ATTACK_CONNECTIONS connections, twice, each
-//       in a fresh Latch: (a) the largest request the planned limits accept (ATTACK_MAX_SCOPES
+//       in a fresh Latch: (a) the largest request the limits accept (ATTACK_MAX_SCOPES
 //       distinct scopes of ATTACK_MAX_SCOPE_LENGTH characters, a state of ATTACK_MAX_STATE, a `me`
 //       filling the request target up to ATTACK_MAX_TARGET characters, at most ATTACK_MAX_ME),
 //       and (b) a hostile one those limits refuse: ATTACK_HOSTILE_SCOPES distinct scopes of
@@ -656,7 +656,7 @@ async function main(): Promise<void> {
     `Latch attack bench: Node ${process.version}, ${cpus().length} cores (load average ${load}), 127.0.0.1 only`,
   )
   console.log(
-    `Latch runs in a child process (bench/attack-server.ts, DATA_FILE=memory, --expose-gc); planned limits: target ${format(LIMITS.target)}, ` +
+    `Latch runs in a child process (bench/attack-server.ts, DATA_FILE=memory, --expose-gc); limits: target ${format(LIMITS.target)}, ` +
       `state ${format(LIMITS.state)}, me ${format(LIMITS.me)}, ${format(LIMITS.scopes)} scopes × ${format(LIMITS.scopeLength)} characters`,
   )
   const watchdog = setTimeout(() => {
