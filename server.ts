@@ -9,7 +9,7 @@
  *
  * Quick start:
  *
- *     npm install  *     npx tsx server.ts            # serves http://127.0.0.1:3000, no configuration needed *     npx tsx server.ts            # serves http://127.0.0.1:3000, no configuration needed npx tsx server.ts   # serves http://127.0.0.1:3000, no configuration needed
+ *     npm install && npx tsx server.ts   # serves http://127.0.0.1:3000, no configuration needed
  *     npm install && npm test      # runs the tests
  *
  * Embedding (nothing listens and nothing reads `process.env` until you ask):
