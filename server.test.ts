@@ -180,7 +180,8 @@ async function introspect(
 }
 
 /** Asserts a JSON OAuth error by status and `error` code, never by its prose. */
-async function assertError(response: Response, status: number, error: string): Promise<void> {
+/** Asserts an error answer; `error` undefined: a 401 without an error code, as to a request without credentials. */
+async function assertError(response: Response, status: number, error: string | undefined): Promise<void> {
   const body = await response.text()
   assert.equal(response.status, status, body)
   assert.equal(response.headers.get('content-type'), 'application/json')
@@ -507,6 +508,7 @@ describe('MemoryStore', () => {
     redirect_uri: REDIRECT_URI,
     code_challenge: CHALLENGE,
     scope: ['create'],
+    resource: [],
     me: 'https://example.com/',
     accessTokenTtlSeconds: 3600,
     issuedAt: 0,
@@ -517,6 +519,7 @@ describe('MemoryStore', () => {
     kind: 'access',
     grantId: 'g',
     scope: ['create'],
+    resource: [],
     issuedAt: 0,
     expiresAt,
     usedAt: undefined,
@@ -526,6 +529,7 @@ describe('MemoryStore', () => {
     client_name: undefined,
     me: 'https://example.com/',
     scope: ['create'],
+    resource: [],
     accessTokenTtlSeconds: 3600,
     approvedAt: 0,
     lastUsedAt: 0,
@@ -554,13 +558,13 @@ describe('MemoryStore', () => {
     assert.equal(store.tokens.size, 51)
   })
 
-  it('keeps grant and token times to the second, rounded down, as introspection reports them', async () => {
+  it('keeps times to the second: expiries rounded up, so nothing dies before its expires_in', async () => {
     const store = new MemoryStore()
-    await store.saveToken('t', { ...token(2999), issuedAt: 1500 }, 0)
-    assert.deepEqual(await store.findToken('t', 1999), { ...token(2000), issuedAt: 1000 })
-    assert.equal(await store.findToken('t', 2000), undefined)
+    await store.saveToken('t', { ...token(2001), issuedAt: 1500 }, 0)
+    assert.deepEqual(await store.findToken('t', 2001), { ...token(3000), issuedAt: 1000 })
+    assert.equal(await store.findToken('t', 3000), undefined)
     await store.saveGrant('g', { ...grant(5500), approvedAt: 1250, lastUsedAt: 1999 }, 0)
-    assert.deepEqual(await store.findGrant('g', 0), { ...grant(5000), approvedAt: 1000, lastUsedAt: 1000 })
+    assert.deepEqual(await store.findGrant('g', 0), { ...grant(6000), approvedAt: 1000, lastUsedAt: 1000 })
   })
 
   it('keeps one copy of the client, me and scope that many grants share', async () => {
@@ -1362,17 +1366,17 @@ describe('POST /introspect with INTROSPECTION_SECRET (IndieAuth §6.1)', () => {
   })
 
   it('answers 401 with WWW-Authenticate before any other check', async () => {
-    const attempts: Record<string, string>[] = [
-      {},
-      { Authorization: 'Bearer wrong-secret-of-some-length' },
-      { Authorization: `Basic ${secret}` },
+    const attempts: [Record<string, string>, string | undefined][] = [
+      [{}, undefined], // no credentials: no error code (RFC 6750 §3.1)
+      [{ Authorization: 'Bearer wrong-secret-of-some-length' }, 'invalid_token'],
+      [{ Authorization: `Basic ${secret}` }, undefined],
     ]
-    for (const headers of attempts) {
+    for (const [headers, error] of attempts) {
       const response = await post(`${latch.base}/introspect`, 'not a form', {
         'Content-Type': 'text/plain',
         ...headers,
       })
-      await assertError(response, 401, 'invalid_token')
+      await assertError(response, 401, error)
       assert.match(response.headers.get('www-authenticate') ?? '', new RegExp(`^Bearer realm="${latch.issuer}"`))
     }
   })
@@ -1612,9 +1616,10 @@ describe('Profile information (IndieAuth §5.3.4) and GET /userinfo', () => {
   })
 
   it('answers 401 with a Bearer challenge and no error code when no token is sent', async () => {
-    const response = await userinfo()
-    await assertError(response, 401, 'invalid_token')
-    assert.equal(response.headers.get('www-authenticate'), `Bearer realm="${latch.issuer}"`)
+    for (const response of [await userinfo(), await fetch(`${latch.base}/token`)]) {
+      await assertError(response, 401, undefined)
+      assert.equal(response.headers.get('www-authenticate'), `Bearer realm="${latch.issuer}"`)
+    }
   })
 
   it('answers 401 invalid_token for a bad, expired or revoked token', async () => {
@@ -2151,7 +2156,7 @@ describe('Router and errors', () => {
     const response = await fetch(`${latch.base}/introspect`)
     await assertError(response, 405, 'method_not_allowed')
     assert.equal(response.headers.get('allow'), 'POST')
-    assert.equal((await fetch(`${latch.base}/auth`, { method: 'PUT' })).headers.get('allow'), 'GET, POST')
+    assert.equal((await fetch(`${latch.base}/auth`, { method: 'PUT' })).headers.get('allow'), 'GET, HEAD, POST')
   })
 
   it('hides the detail of an unexpected failure behind 500 server_error, and logs it', async () => {

@@ -36,7 +36,14 @@
 // node: modules only. Latch has no runtime dependencies.
 
 import { createServer, request as httpRequest } from 'node:http'
-import type { Agent, IncomingMessage, OutgoingHttpHeaders, Server, ServerResponse } from 'node:http'
+import type {
+  Agent,
+  IncomingHttpHeaders,
+  IncomingMessage,
+  OutgoingHttpHeaders,
+  Server,
+  ServerResponse,
+} from 'node:http'
 import { request as httpsRequest } from 'node:https'
 import { lookup } from 'node:dns/promises'
 import type { LookupAddress } from 'node:dns'
@@ -94,6 +101,8 @@ export type PendingRequest = {
   code_challenge: string
   /** The scopes the client asked for, in its order, without duplicates. */
   scope: string[]
+  /** The services (RFC 8707 resource indicators) the client wants to reach; empty for IndieAuth. */
+  resource: string[]
   /** The `me` the client suggested: shown to the owner, never trusted. */
   meHint: string | undefined
   /** The hash (`hashSecret`) of the CSRF cookie of the browser that opened the request. */
@@ -107,8 +116,10 @@ export type AuthorizationCode = {
   client_name: string | undefined
   redirect_uri: string
   code_challenge: string
-  /** The scopes the owner granted; empty means the code only proves identity. */
+  /** The scopes the owner granted; with no resource either, the code only proves identity. */
   scope: string[]
+  /** The services the owner let the client reach (RFC 8707): the audience of its tokens. */
+  resource: string[]
   me: string
   /** The access token lifetime the owner chose on the consent page. */
   accessTokenTtlSeconds: number
@@ -128,6 +139,8 @@ export type Grant = {
   me: string
   /** The scopes the owner granted; refreshed tokens may narrow them, never widen them. */
   scope: string[]
+  /** The services the owner let the client reach; as with scope, a refresh may narrow them only. */
+  resource: string[]
   accessTokenTtlSeconds: number
   approvedAt: number
   lastUsedAt: number
@@ -140,6 +153,8 @@ export type Token = {
   kind: 'access' | 'refresh'
   grantId: string
   scope: string[]
+  /** The services the token is for: its audience (`aud`). Empty for an IndieAuth token. */
+  resource: string[]
   issuedAt: number
   expiresAt: number
   /** Refresh tokens only: set once rotated, and kept so that a reuse can be recognised. */
@@ -239,7 +254,7 @@ type Context = {
   /** Clients whose fetch failed, with when to try again. */
   failedClients: Map<string, number>
   /** Fetches under way, by client_id, for requests that arrive meanwhile to share. */
-  clientLookups: Map<string, Promise<{ info?: ClientInfo }>>
+  clientLookups: Map<string, Promise<ClientLookup>>
   clientFetchSlots: Slots
 }
 
@@ -269,6 +284,8 @@ const ERROR_STATUS: Record<string, number> = {
   invalid_request: 400,
   invalid_grant: 400,
   invalid_scope: 400,
+  invalid_target: 400,
+  invalid_client: 401,
   invalid_token: 401,
   insufficient_scope: 403,
   unsupported_grant_type: 400,
@@ -278,6 +295,9 @@ const ERROR_STATUS: Record<string, number> = {
   method_not_allowed: 405,
   too_many_requests: 429,
 }
+
+/** The error code of a 401 to a request without credentials, which RFC 6750 §3.1 says should have none. */
+const NO_ERROR_CODE = ''
 
 /**
  * An error the client caused, with its OAuth error code, one plain sentence, the HTTP status and
@@ -569,13 +589,17 @@ const UNSAFE_SCHEMES = new Set(['javascript', 'data', 'vbscript', 'file', 'blob'
  * Why `redirect_uri` may not be used with this client, or undefined when it may. It must be
  * absolute and without a fragment, and either on the same scheme, host and port as
  * `client_id`, or exactly one of the redirect URIs the client publishes (a native app's
- * `com.example.app:/callback`, say). `client` is what discovery found, if anything.
+ * `com.example.app:/callback`, say). A client whose document is a Client ID Metadata Document
+ * gets only what it publishes: the draft leaves out IndieAuth's same-host rule. A published
+ * loopback redirect matches on any port, since a desktop app listens where it can (RFC 8252
+ * §7.3). `client` is what discovery found, if anything.
  * @see https://indieauth.spec.indieweb.org/#redirect-url IndieAuth §4.2.2
+ * @see https://www.rfc-editor.org/rfc/rfc8252#section-7.3 RFC 8252 §7.3
  */
 export function redirectUriProblem(
   redirectUri: string,
   clientId: string,
-  client: { info?: ClientInfo } = {},
+  client: ClientLookup = {},
 ): string | undefined {
   if (redirectUri.length > MAX_URL_LENGTH) return `redirect_uri is longer than ${MAX_URL_LENGTH} characters`
   if (redirectUri.includes('#')) return 'redirect_uri must not contain a fragment'
@@ -592,16 +616,35 @@ export function redirectUriProblem(
     return 'redirect_uri is not an absolute URL'
   if (UNSAFE_SCHEMES.has(scheme)) return `redirect_uri must not use the ${scheme} scheme`
   const redirect = new URL(redirectUri)
+  const repeated = RESPONSE_PARAMETERS.filter((name) => redirect.searchParams.has(name))
+  if (repeated.length > 0) return `redirect_uri must not carry ${repeated.join(', ')}: the answer adds its own`
+  if (client.info?.redirectUris.some((published) => isSameRedirect(published, redirectUri))) return undefined
+  const published = client.info?.redirectUris.join(' , ') || 'none'
+  if (client.info?.metadataDocument)
+    return `redirect_uri is not one of the redirect_uris of the app's Client ID Metadata Document: ${published}`
   const origin = new URL(clientId)
   if (redirect.protocol === origin.protocol && redirect.host === origin.host) return undefined
   const notSameOrigin = 'redirect_uri is not on the scheme, host and port of client_id'
-  if (client.info?.redirectUris.includes(redirectUri)) return undefined
   if (isLoopbackClient(clientId)) return `${notSameOrigin}, as it must be for a loopback client, which is never fetched`
   if (client.info === undefined) {
     return `${notSameOrigin}, and the app's information could not be fetched to check it`
   }
-  const published = client.info.redirectUris.length === 0 ? 'none' : client.info.redirectUris.join(' , ')
   return `${notSameOrigin}, nor one of the redirect URIs the client publishes: ${published}`
+}
+
+/** What Latch adds to a redirect URI: one it already carries would reach the client twice. */
+const RESPONSE_PARAMETERS = ['code', 'state', 'iss', 'error', 'error_description']
+
+/**
+ * A published redirect URI and a requested one are the same: equal, or both on the loopback
+ * interface with the same scheme, host, path and query, whatever the port (RFC 8252 §7.3).
+ */
+function isSameRedirect(published: string, requested: string): boolean {
+  if (published === requested) return true
+  const loopback = /^(https?:\/\/(?:127\.0\.0\.1|\[::1\]|localhost))(?::\d{1,5})?([/?].*)?$/i
+  const a = loopback.exec(published)
+  const b = loopback.exec(requested)
+  return a !== null && b !== null && a[1] === b[1] && (a[2] ?? '') === (b[2] ?? '')
 }
 
 // --- Configuration of the endpoints --------------------------------------------
@@ -653,6 +696,8 @@ export function buildMetadata(config: Config): Record<string, unknown> {
     issuer: config.issuer,
     authorization_endpoint: endpointUrl(config, '/auth'),
     token_endpoint: endpointUrl(config, '/token'),
+    // public clients only: without this, RFC 8414 says client_secret_basic
+    token_endpoint_auth_methods_supported: ['none'],
     introspection_endpoint: endpointUrl(config, '/introspect'),
     introspection_endpoint_auth_methods_supported: config.introspectionSecret === undefined ? ['none'] : ['Bearer'],
     revocation_endpoint: endpointUrl(config, '/revoke'),
@@ -660,9 +705,14 @@ export function buildMetadata(config: Config): Record<string, unknown> {
     userinfo_endpoint: endpointUrl(config, '/userinfo'),
     scopes_supported: SUPPORTED_SCOPES,
     response_types_supported: ['code'],
+    response_modes_supported: ['query'],
     grant_types_supported: ['authorization_code', 'refresh_token'],
     code_challenge_methods_supported: ['S256'],
     authorization_response_iss_parameter_supported: true,
+    // a client_id may be the URL of its metadata: OAuth's name for IndieAuth's client discovery
+    client_id_metadata_document_supported: true,
+    service_documentation: endpointUrl(config, '/'),
+    ui_locales_supported: ['en'],
   }
 }
 
@@ -672,6 +722,32 @@ export function buildMetadata(config: Config): Record<string, unknown> {
  */
 async function handleMetadataRequest(_req: IncomingMessage, res: ServerResponse, ctx: Context): Promise<void> {
   sendJson(res, 200, buildMetadata(ctx.config))
+}
+
+/**
+ * Where RFC 8414 §3.1 puts the metadata of an issuer with a path: the well-known prefix, then the
+ * path. For `https://example.com/latch`, `/.well-known/oauth-authorization-server/latch`: a path
+ * of the site at the issuer's origin, not of Latch, so that site must answer it (see the README).
+ * @see https://www.rfc-editor.org/rfc/rfc8414#section-3.1
+ */
+export function metadataPath(config: Config): string {
+  return `/.well-known/oauth-authorization-server${new URL(config.issuer).pathname.replace(/\/$/, '')}`
+}
+
+/**
+ * A handler that answers `GET` and `HEAD` with Latch's metadata, for the site at the issuer's
+ * origin to mount at `metadataPath(config)` when Latch runs under a path.
+ */
+export function createMetadataHandler(config: Config): (req: IncomingMessage, res: ServerResponse) => void {
+  return (req, res) => {
+    if (req.method !== 'GET' && req.method !== 'HEAD') {
+      res.writeHead(405, { Allow: 'GET, HEAD' })
+      res.end()
+      return
+    }
+    ;(res as MarkedResponse)[CORS] = true
+    sendJson(res, 200, buildMetadata(config))
+  }
 }
 
 // --- Authorization endpoint -----------------------------------------------------
@@ -692,6 +768,8 @@ async function handleAuthorizationRequest(req: IncomingMessage, res: ServerRespo
     throw new OAuthError('invalid_request', `client_id is not a valid client identifier: ${clientProblem}`)
   const redirectUri = requireParam(query, 'redirect_uri')
   const client = await findClient(canonicalizeUrl(clientId), ctx)
+  if (client.refused !== undefined)
+    throw new OAuthError('invalid_request', `The app's Client ID Metadata Document cannot be used: ${client.refused}`)
   const redirectProblem = redirectUriProblem(redirectUri, clientId, client)
   if (redirectProblem !== undefined) throw new OAuthError('invalid_request', redirectProblem)
 
@@ -712,7 +790,7 @@ async function handleAuthorizationRequest(req: IncomingMessage, res: ServerRespo
   const visitor = await readVisitor(req, ctx)
   request.csrfHash = hashSecret(visitor.csrf) // the request is answered from this browser only
   const id = createSecret()
-  await ctx.store.savePending(hashSecret(id), request, ctx.now())
+  if (req.method !== 'HEAD') await ctx.store.savePending(hashSecret(id), request, ctx.now())
   const page = renderConsentPage(request, {
     id,
     csrf: formToken(visitor),
@@ -738,7 +816,7 @@ function stateOf(query: Params): string | undefined {
  * waiting, so that a flood of made-up clients costs a bounded amount of memory. Why a fetch
  * failed goes to the log only: it can name addresses and ports of the server's network.
  */
-async function findClient(clientId: string, ctx: Context): Promise<{ info?: ClientInfo }> {
+async function findClient(clientId: string, ctx: Context): Promise<ClientLookup> {
   const now = ctx.now()
   const cached = ctx.clients.get(clientId)
   if (cached !== undefined && cached.expiresAt > now) return { info: cached.info }
@@ -751,7 +829,7 @@ async function findClient(clientId: string, ctx: Context): Promise<{ info?: Clie
   return lookup
 }
 
-async function fetchClient(clientId: string, ctx: Context): Promise<{ info?: ClientInfo }> {
+async function fetchClient(clientId: string, ctx: Context): Promise<ClientLookup> {
   const busy = new Error('too many apps are being looked up at once')
   try {
     const options = { allowPrivate: ctx.config.clientFetchPrivate, fetch: ctx.clientFetch }
@@ -769,6 +847,9 @@ async function fetchClient(clientId: string, ctx: Context): Promise<{ info?: Cli
     return { info }
   } catch (err) {
     const failure = err instanceof Error ? err.message : String(err)
+    // An invalid Client ID Metadata Document refuses the request, and is not remembered: its
+    // author may fix it and try again at once (draft-ietf-oauth-client-id-metadata-document §5.2).
+    if (err instanceof InvalidClientDocument) return { refused: failure }
     ctx.log(`discovery: ${clientId} could not be fetched: ${failure}`)
     if (err !== busy) {
       ctx.failedClients.delete(clientId)
@@ -792,7 +873,7 @@ function buildPendingRequest(
   ctx: Context,
 ): PendingRequest {
   for (const [name, values] of query) {
-    if (values.filter((value) => value !== '').length > 1)
+    if (name !== 'resource' && values.filter((value) => value !== '').length > 1)
       throw new OAuthError('invalid_request', `Parameter ${name} was sent more than once`)
   }
   const responseType = getParam(query, 'response_type') ?? 'code' // older clients omit it
@@ -815,12 +896,14 @@ function buildPendingRequest(
     throw new OAuthError('invalid_scope', `The request asks for more than ${MAX_SCOPES} scopes`)
   if (scope.some((one) => one.length > MAX_SCOPE_LENGTH))
     throw new OAuthError('invalid_scope', `A scope is longer than ${MAX_SCOPE_LENGTH} characters`)
+  const resource = requireResources(query)
   return {
     ...client,
     redirect_uri: detached(client.redirect_uri),
     state: state === undefined ? undefined : detached(state),
     code_challenge: detached(codeChallenge),
     scope: scope.map(detached),
+    resource: resource.map(detached),
     meHint: meHint === undefined ? undefined : detached(meHint),
     csrfHash: '',
     expiresAt: ctx.now() + PENDING_TTL_SECONDS * 1000,
@@ -832,6 +915,30 @@ function buildPendingRequest(
 const MAX_STATE_LENGTH = 1_024
 const MAX_SCOPES = 50
 const MAX_SCOPE_LENGTH = 100
+const MAX_RESOURCES = 10
+
+/**
+ * The services a request names with `resource` (RFC 8707 §2), without duplicates: each an
+ * absolute URI without a fragment, else `invalid_target`. An OAuth client such as an MCP client
+ * names the server it wants a token for; an IndieAuth client names none.
+ * @see https://www.rfc-editor.org/rfc/rfc8707#section-2
+ */
+function requireResources(params: Params): string[] {
+  const resources = [...new Set(params.get('resource') ?? [])].filter((resource) => resource !== '')
+  if (resources.length > MAX_RESOURCES)
+    throw new OAuthError('invalid_target', `The request names more than ${MAX_RESOURCES} resources`)
+  for (const resource of resources) {
+    if (
+      resource.length > MAX_URL_LENGTH ||
+      !/^[a-zA-Z][a-zA-Z0-9+.-]*:[\x21-\x7e]+$/.test(resource) ||
+      !URL.canParse(resource) ||
+      resource.includes('#')
+    ) {
+      throw new OAuthError('invalid_target', 'Each resource must be an absolute URI without a fragment')
+    }
+  }
+  return resources
+}
 
 /** The consent page: who asks, where the browser goes next, what access, and one form. */
 function renderConsentPage(
@@ -855,10 +962,17 @@ function renderConsentPage(
       ? ''
       : `<p><img class="logo" src="${escapeHtml(form.logo)}" alt="" width="64" height="64"></p>`
   const name = request.client_name === undefined ? '' : `<strong>${isolate(request.client_name)}</strong> at `
+  const services =
+    request.resource.length === 0
+      ? ''
+      : `<p>It asks to use ${request.resource.length === 1 ? 'this service' : 'these services'} as you:</p>\n<ul>` +
+        request.resource.map((resource) => `<li><code>${isolate(resource)}</code></li>`).join('') +
+        '</ul>\n'
+  const fieldset = scopes === '' ? '' : `<fieldset>\n<legend>It also asks to</legend>\n${scopes}\n</fieldset>\n`
   const access =
-    scopes === ''
+    scopes === '' && services === ''
       ? '<p>It asks for no access beyond your identity.</p>'
-      : `<fieldset>\n<legend>It also asks to</legend>\n${scopes}\n</fieldset>\n${renderLifetimeChoice(config)}`
+      : `${services}${fieldset}${renderLifetimeChoice(config)}`
   const signedIn = config.passwordHash === undefined ? '' : '<p class="muted">You are signed in.</p>'
   const password = form.signedIn ? signedIn : renderPasswordField(form.message)
   const hint =
@@ -974,14 +1088,18 @@ async function handleConsent(req: IncomingMessage, res: ServerResponse, ctx: Con
     return redirect(res, 303, buildRedirectUrl(request.redirect_uri, params))
   }
   const granted = request.scope.filter((scope) => (form.get('scope') ?? []).includes(scope))
-  const code = await issueCode(request, { scope: granted, accessTokenTtlSeconds: lifetime }, ctx)
+  const code = await issueCode(
+    request,
+    { scope: granted, resource: request.resource, accessTokenTtlSeconds: lifetime },
+    ctx,
+  )
   redirect(res, 303, buildRedirectUrl(request.redirect_uri, { code, state: request.state, iss }), headers)
 }
 
 /** Issues a code bound to the request, the granted scopes and the chosen lifetime, and returns its value. */
 async function issueCode(
   request: PendingRequest,
-  grant: { scope: string[]; accessTokenTtlSeconds: number },
+  grant: { scope: string[]; resource: string[]; accessTokenTtlSeconds: number },
   ctx: Context,
 ): Promise<string> {
   const code = createSecret()
@@ -994,6 +1112,7 @@ async function issueCode(
       redirect_uri: request.redirect_uri,
       code_challenge: request.code_challenge,
       scope: grant.scope,
+      resource: grant.resource,
       me: ctx.config.me,
       accessTokenTtlSeconds: grant.accessTokenTtlSeconds,
       issuedAt: now,
@@ -1029,6 +1148,7 @@ async function issueCode(
  */
 async function handleProfileRedemption(req: IncomingMessage, res: ServerResponse, ctx: Context): Promise<void> {
   const form = await readForm(req)
+  readPublicClient(req, form, ctx.config)
   const grantType = getParam(form, 'grant_type')
   if (grantType !== undefined && grantType !== 'authorization_code') {
     throw new OAuthError('unsupported_grant_type', 'grant_type must be authorization_code')
@@ -1120,6 +1240,7 @@ export function buildProfile(scope: string[], profile: Profile): Record<string, 
 async function handleTokenRequest(req: IncomingMessage, res: ServerResponse, ctx: Context): Promise<void> {
   const form = await readForm(req)
   if (getParam(form, 'action') !== undefined) return handleLegacyRevocation(form, res, ctx)
+  readPublicClient(req, form, ctx.config)
   const grantType = requireParam(form, 'grant_type')
   switch (grantType) {
     case 'authorization_code':
@@ -1131,10 +1252,47 @@ async function handleTokenRequest(req: IncomingMessage, res: ServerResponse, ctx
   }
 }
 
-/** Redeems a code with scope: the owner's approval becomes a grant, with its first tokens. */
+/**
+ * Latch's clients are public: they prove nothing but the code's PKCE verifier, so the metadata
+ * says `none`. Some OAuth libraries still send the `client_id` as the HTTP Basic user name with
+ * an empty password (RFC 6749 §2.3.1); that is read as if it came in the body. A password would
+ * be a client secret, which Latch never issued: 401 `invalid_client`.
+ * @see https://www.rfc-editor.org/rfc/rfc6749#section-2.3.1
+ */
+function readPublicClient(req: IncomingMessage, form: Params, config: Config): void {
+  const match = /^Basic +([A-Za-z0-9+/]*={0,2}) *$/i.exec(req.headers.authorization ?? '')
+  if (match === null) {
+    if (/^Basic\b/i.test(req.headers.authorization ?? ''))
+      throw basicRefused('The Basic credentials are malformed', config)
+    return
+  }
+  const credentials = Buffer.from(match[1], 'base64').toString('utf8')
+  const colon = credentials.indexOf(':')
+  if (colon === -1) throw basicRefused('The Basic credentials are malformed', config)
+  if (colon !== credentials.length - 1)
+    throw basicRefused('This server issues no client secrets: send the client_id with an empty password', config)
+  const clientId = decodeFormComponent(credentials.slice(0, colon))
+  const sent = getParam(form, 'client_id')
+  if (sent !== undefined && sent !== clientId)
+    throw new OAuthError('invalid_request', 'The client_id in the body is not the one in the Authorization header')
+  form.set('client_id', [clientId])
+}
+
+function basicRefused(description: string, config: Config): OAuthError {
+  return new OAuthError('invalid_client', description, {
+    headers: { 'WWW-Authenticate': `Basic realm="${config.issuer}"` },
+  })
+}
+
+/**
+ * Redeems a code with scope, or for a resource: the owner's approval becomes a grant, with its
+ * first tokens. A code with neither only proves identity (IndieAuth §5.3.3). A code for a
+ * resource is OAuth's: an MCP client may ask for no scope at all, and the token it gets carries
+ * none, only its audience.
+ */
 async function exchangeCode(form: Params, ctx: Context) {
   const { code, codeHash } = await checkCode(form, { clientRequired: true }, ctx)
-  if (code.scope.length === 0) {
+  if (code.scope.length === 0 && code.resource.length === 0) {
     throw new OAuthError(
       'invalid_grant',
       'This code was issued without scope, so it only proves identity: redeem it at the authorization endpoint instead',
@@ -1145,12 +1303,14 @@ async function exchangeCode(form: Params, ctx: Context) {
     client_name: code.client_name,
     me: code.me,
     scope: code.scope,
+    resource: code.resource,
     accessTokenTtlSeconds: code.accessTokenTtlSeconds,
     approvedAt: code.issuedAt,
     lastUsedAt: 0,
     expiresAt: 0,
   }
-  return await issueTokens({ kind: 'code', hash: codeHash }, codeHash, grant, code.scope, ctx)
+  const access = { scope: code.scope, resource: narrowResource(form, code.resource) }
+  return await issueTokens({ kind: 'code', hash: codeHash }, codeHash, grant, access, ctx)
 }
 
 /**
@@ -1174,13 +1334,16 @@ async function refreshGrant(form: Params, ctx: Context) {
   if (!isSameClientId(clientId, found.grant.client_id)) {
     throw new OAuthError('invalid_grant', 'client_id does not match the client the refresh token was issued to')
   }
-  const scope = narrowScope(getParam(form, 'scope'), found.token.scope)
+  const access = {
+    scope: narrowScope(getParam(form, 'scope'), found.token.scope),
+    resource: narrowResource(form, found.token.resource),
+  }
   const redeemed = {
     kind: 'refresh',
     hash,
     retriedSince: ctx.config.refreshTokenGraceSeconds > 0 ? retriedSince : undefined,
   } as const
-  return await issueTokens(redeemed, found.token.grantId, found.grant, scope, ctx)
+  return await issueTokens(redeemed, found.token.grantId, found.grant, access, ctx)
 }
 
 async function revokeReusedRefreshToken(grantId: string, ctx: Context): Promise<never> {
@@ -1199,15 +1362,30 @@ function narrowScope(requested: string | undefined, granted: string[]): string[]
 }
 
 /**
- * Redeems a code or a refresh token for an access token for `scope` and a refresh token for the
- * whole grant, and saves the grant with its new expiry: all in one store write. Redeemed twice,
+ * The audience of the access token: the resources the request names, each one the owner
+ * approved, or all of those when it names none. So a refresh may narrow the audience, never
+ * widen it, and a refresh token keeps the whole grant's.
+ * @see https://www.rfc-editor.org/rfc/rfc8707#section-2.2 RFC 8707 §2.2
+ */
+function narrowResource(form: Params, granted: string[]): string[] {
+  const requested = requireResources(form)
+  if (requested.length === 0) return granted
+  if (requested.some((resource) => !granted.includes(resource))) {
+    throw new OAuthError('invalid_target', 'The resource was not among those the owner approved for this app')
+  }
+  return requested
+}
+
+/**
+ * Redeems a code or a refresh token for an access token for `access` (scope and audience) and a
+ * refresh token for the whole grant, and saves the grant with its new expiry: all in one store write. Redeemed twice,
  * by a replay or a race, the grant is revoked.
  */
 async function issueTokens(
   redeemed: TokenIssue['redeemed'],
   grantId: string,
   grant: Grant,
-  scope: string[],
+  { scope, resource }: Pick<Token, 'scope' | 'resource'>,
   ctx: Context,
 ) {
   const now = ctx.now()
@@ -1219,6 +1397,7 @@ async function issueTokens(
     kind: 'access',
     grantId,
     scope,
+    resource,
     issuedAt: now,
     expiresAt: now + accessTokenTtlSeconds * 1000,
     usedAt: undefined,
@@ -1227,6 +1406,7 @@ async function issueTokens(
     kind: 'refresh',
     grantId,
     scope: grant.scope,
+    resource: grant.resource,
     issuedAt: now,
     expiresAt: now + refreshTokenTtlSeconds * 1000,
     usedAt: undefined,
@@ -1247,7 +1427,7 @@ async function issueTokens(
   return {
     access_token: accessToken,
     token_type: 'Bearer',
-    scope: scope.join(' '),
+    scope: scope.length === 0 ? undefined : scope.join(' '), // a token for a resource alone has none
     me: grant.me,
     expires_in: accessTokenTtlSeconds,
     refresh_token: refreshToken,
@@ -1259,12 +1439,12 @@ async function issueTokens(
 async function findLiveToken(
   hash: string,
   kind: Token['kind'],
-  ctx: Context,
+  { store, now: clock }: Pick<Context, 'store' | 'now'>,
 ): Promise<{ token: Token; grant: Grant } | undefined> {
-  const now = ctx.now()
-  const token = await ctx.store.findToken(hash, now)
+  const now = clock()
+  const token = await store.findToken(hash, now)
   if (token === undefined || token.kind !== kind) return undefined
-  const grant = await ctx.store.findGrant(token.grantId, now)
+  const grant = await store.findGrant(token.grantId, now)
   return grant === undefined ? undefined : { token, grant }
 }
 
@@ -1285,14 +1465,25 @@ async function handleIntrospectionRequest(req: IncomingMessage, res: ServerRespo
   if (found === undefined) return sendJson(res, 200, { active: false })
   const { token, grant } = found
   await ctx.store.touchGrant(token.grantId, ctx.now())
-  sendJson(res, 200, {
+  sendJson(res, 200, describeToken(token, grant))
+}
+
+/**
+ * What introspection says of a live access token. `aud` names the services it is for (RFC 8707),
+ * one as a string, several as a list, as in a JWT; a resource server must check that it is one
+ * of them. An IndieAuth token has no audience, and a token for a resource alone has no scope.
+ * @see https://www.rfc-editor.org/rfc/rfc7662#section-2.2
+ */
+function describeToken(token: Token, grant: Grant): Record<string, unknown> {
+  return {
     active: true,
     me: grant.me,
-    scope: token.scope.join(' '),
+    scope: token.scope.length === 0 ? undefined : token.scope.join(' '),
     client_id: grant.client_id,
+    aud: token.resource.length === 0 ? undefined : token.resource.length === 1 ? token.resource[0] : token.resource,
     exp: Math.floor(token.expiresAt / 1000),
     iat: Math.floor(token.issuedAt / 1000),
-  })
+  }
 }
 
 /**
@@ -1304,11 +1495,8 @@ function requireIntrospectionCaller(req: IncomingMessage, config: Config): void 
   if (config.introspectionSecret === undefined) return
   const realm = `Bearer realm="${config.issuer}"`
   const match = /^Bearer +(\S+) *$/i.exec(req.headers.authorization ?? '')
-  if (match === null) {
-    throw new OAuthError('invalid_token', 'This endpoint needs the introspection secret as a Bearer credential', {
-      headers: { 'WWW-Authenticate': realm },
-    })
-  }
+  if (match === null)
+    throw credentialsMissing('This endpoint needs the introspection secret as a Bearer credential', realm)
   if (!safeEqual(match[1], config.introspectionSecret)) {
     throw new OAuthError('invalid_token', 'The Bearer credential is not the introspection secret', {
       headers: { 'WWW-Authenticate': `${realm}, error="invalid_token"` },
@@ -1326,6 +1514,7 @@ function requireIntrospectionCaller(req: IncomingMessage, config: Config): void 
  */
 async function handleRevocationRequest(req: IncomingMessage, res: ServerResponse, ctx: Context): Promise<void> {
   const form = await readForm(req)
+  readPublicClient(req, form, ctx.config)
   await revokeToken(requireParam(form, 'token'), ctx)
   sendEmptyOk(res)
 }
@@ -1399,11 +1588,7 @@ async function requireAccessToken(req: IncomingMessage, form: Params | undefined
     throw new OAuthError('invalid_request', 'The request carries two different access tokens')
   }
   const value = header ?? field
-  if (value === undefined) {
-    throw new OAuthError('invalid_token', 'Send an access token as Authorization: Bearer', {
-      headers: { 'WWW-Authenticate': realm },
-    })
-  }
+  if (value === undefined) throw credentialsMissing('Send an access token as Authorization: Bearer', realm)
   const found = await findLiveToken(hashSecret(value), 'access', ctx)
   if (found === undefined) {
     throw new OAuthError('invalid_token', 'The access token is unknown, expired or revoked', {
@@ -1412,6 +1597,48 @@ async function requireAccessToken(req: IncomingMessage, form: Params | undefined
   }
   await ctx.store.touchGrant(found.token.grantId, ctx.now())
   return found
+}
+
+/**
+ * A 401 for a request that sent no credentials: a challenge, and no error code, since nothing
+ * was wrong with a token it did not send (RFC 6750 §3.1).
+ * @see https://www.rfc-editor.org/rfc/rfc6750#section-3.1
+ */
+function credentialsMissing(description: string, challenge: string): OAuthError {
+  return new OAuthError(NO_ERROR_CODE, description, { status: 401, headers: { 'WWW-Authenticate': challenge } })
+}
+
+/** What `checkAccessToken` says of a token: what it allows, or why it must be refused. */
+export type AccessCheck =
+  | { active: true; me: string; client_id: string; scope: string[]; aud: string[]; expiresAt: number }
+  | { active: false; error: 'invalid_token' | 'insufficient_scope'; description: string }
+
+/**
+ * Checks an access token for a resource server that runs in the same process as Latch and shares
+ * its store: the token must be live, name `resource` in its audience when one is given (as an
+ * MCP server must check, RFC 8707), and carry every scope of `scope`. A resource server elsewhere
+ * asks `POST /introspect` the same (see the README). Answer `invalid_token` with 401 and
+ * `insufficient_scope` with 403, each with a `WWW-Authenticate: Bearer` challenge (RFC 6750 §3).
+ * @see https://www.rfc-editor.org/rfc/rfc6750#section-3.1
+ */
+export async function checkAccessToken(
+  store: Store,
+  token: string,
+  want: { resource?: string; scope?: string[] } = {},
+  now: () => number = Date.now,
+): Promise<AccessCheck> {
+  const found = await findLiveToken(hashSecret(token), 'access', { store, now })
+  if (found === undefined)
+    return { active: false, error: 'invalid_token', description: 'The access token is unknown, expired or revoked' }
+  const { resource, scope } = found.token
+  if (want.resource !== undefined && !resource.includes(want.resource))
+    return { active: false, error: 'invalid_token', description: 'The access token was not issued for this resource' }
+  const missing = (want.scope ?? []).filter((one) => !scope.includes(one))
+  if (missing.length > 0)
+    return { active: false, error: 'insufficient_scope', description: `The access token lacks ${missing.join(' ')}` }
+  await store.touchGrant(found.token.grantId, now())
+  const { me, client_id } = found.grant
+  return { active: true, me, client_id, scope, aud: resource, expiresAt: found.token.expiresAt }
 }
 
 // --- The owner's pages ----------------------------------------------------------
@@ -1613,20 +1840,21 @@ type Route = { path: string; methods: string[]; handler: Handler; errors: 'page'
 
 /**
  * Every endpoint of Latch, in the order a client meets them. The router reads nothing else, and
- * the README's table of endpoints is this one. `HEAD` is answered where discovery may start with it.
+ * the README's table of endpoints is this one. Every `GET` answers `HEAD` too (RFC 9110 §9.3.2):
+ * node:http then sends the headers without the body.
  */
 // prettier-ignore
 const ROUTES: Route[] = [
   route('/.well-known/oauth-authorization-server', 'GET HEAD', handleMetadataRequest, 'json', 'CORS', 'RFC 8414 §3'),
-  route('/auth',                'GET',      handleAuthorizationRequest, 'page', '',     'IndieAuth §5.2'),
+  route('/auth',                'GET HEAD', handleAuthorizationRequest, 'page', '',     'IndieAuth §5.2'),
   route('/auth/consent',        'POST',     handleConsent,              'page', '',     'IndieAuth §5.2.1'),
   route('/auth',                'POST',     handleProfileRedemption,    'json', 'CORS', 'IndieAuth §5.3.2'),
   route('/token',               'POST',     handleTokenRequest,         'json', 'CORS', 'IndieAuth §5.3.3, §5.5'),
   route('/introspect',          'POST',     handleIntrospectionRequest, 'json', 'CORS', 'IndieAuth §6, RFC 7662'),
   route('/revoke',              'POST',     handleRevocationRequest,    'json', 'CORS', 'IndieAuth §7, RFC 7009'),
-  route('/userinfo',            'GET POST', handleUserinfoRequest,      'json', 'CORS', 'IndieAuth §9, RFC 6750'),
-  route('/token',               'GET',      handleTokenVerification,    'json', 'CORS', 'IndieAuth before §6'),
-  route('/apps',                'GET',      handleAppsPage,             'page', '',     ''),
+  route('/userinfo',            'GET HEAD POST', handleUserinfoRequest, 'json', 'CORS', 'IndieAuth §9, RFC 6750'),
+  route('/token',               'GET HEAD', handleTokenVerification,    'json', 'CORS', 'IndieAuth before §6'),
+  route('/apps',                'GET HEAD', handleAppsPage,             'page', '',     ''),
   route('/apps/revoke',         'POST',     handleAppRevocation,        'page', '',     ''),
   route('/apps/revoke-all',     'POST',     handleAllAppsRevocation,    'page', '',     ''),
   route('/sign-in',             'POST',     handleSignIn,               'page', '',     ''),
@@ -1932,7 +2160,8 @@ function writeAnswer(res: ServerResponse, status: number, headers: OutgoingHttpH
 
 /** Sends an OAuth error as JSON. */
 function sendJsonError(res: ServerResponse, err: OAuthError): void {
-  sendJson(res, err.status, { error: err.error, error_description: err.message }, err.headers)
+  const error = err.error === NO_ERROR_CODE ? undefined : err.error
+  sendJson(res, err.status, { error, error_description: err.message }, err.headers)
 }
 
 /** Redirects with the given status (302 from `GET /auth`, 303 after a form). */
@@ -2373,8 +2602,24 @@ function runScrypt(password: string, params: { ln: number; r: number; p: number;
 // resolved first, every address checked, and the connection made to the address checked; no
 // redirects; a short deadline; a capped body; only a 200 counts.
 
-/** What a client publishes about itself. `logo` is a `data:` URL, fetched by Latch. */
-export type ClientInfo = { name?: string; url?: string; logo?: string; redirectUris: string[] }
+/**
+ * What a client publishes about itself. `logo` is a `data:` URL, fetched by Latch.
+ * `metadataDocument` is true when it came from a Client ID Metadata Document, whose rules are
+ * stricter than IndieAuth's.
+ */
+export type ClientInfo = {
+  name?: string
+  url?: string
+  logo?: string
+  redirectUris: string[]
+  metadataDocument: boolean
+}
+
+/** What discovery found: the client's information, nothing, or why its document refuses the request. */
+export type ClientLookup = { info?: ClientInfo; refused?: string }
+
+/** A Client ID Metadata Document that was fetched and breaks a rule of the draft. */
+class InvalidClientDocument extends Error {}
 
 /** How Latch fetches clients: tests and embedders may swap the resolver and the HTTP agent. */
 export type ClientFetchOptions = {
@@ -2388,6 +2633,8 @@ export type ClientFetchOptions = {
 
 const CLIENT_FETCH_TIMEOUT_MS = 5_000
 const MAX_CLIENT_DOCUMENT_BYTES = 256 * 1024
+/** The draft's "recommended maximum size to read is 5 kilobytes" (§8.7). */
+const MAX_METADATA_DOCUMENT_BYTES = 5 * 1024
 const MAX_LOGO_BYTES = 64 * 1024
 const MAX_CLIENT_CACHE_SECONDS = 86_400
 const MAX_REDIRECT_URIS = 20
@@ -2489,7 +2736,7 @@ function lookupAll(hostname: string): Promise<LookupAddress[]> {
   return lookup(hostname, { all: true, verbatim: true })
 }
 
-type Fetched = { type: string; link: string; cacheControl: string; body: Buffer }
+type Fetched = { type: string; link: string; headers: IncomingHttpHeaders; body: Buffer }
 
 /**
  * Fetches a URL under the rules above: resolve, check every address, connect to the checked
@@ -2552,7 +2799,7 @@ async function fetchSafely(
       response.on('end', () => {
         const type = (response.headers['content-type'] ?? '').split(';')[0].trim().toLowerCase()
         const link = [response.headers.link ?? ''].flat().join(', ')
-        resolve({ type, link, cacheControl: response.headers['cache-control'] ?? '', body: Buffer.concat(chunks) })
+        resolve({ type, link, headers: response.headers, body: Buffer.concat(chunks) })
       })
     })
     request.end()
@@ -2582,26 +2829,45 @@ export async function discoverClient(
   if (isLoopbackClient(clientId)) throw new Error(LOOPBACK_CLIENT)
   const fetched = await fetchSafely(url, MAX_CLIENT_DOCUMENT_BYTES, options)
   const isJson = fetched.type === 'application/json' || fetched.type.endsWith('+json')
+  // JSON at an https URL: a Client ID Metadata Document, which IndieAuth's JSON metadata is too
+  const metadataDocument = isJson && url.protocol === 'https:'
+  if (metadataDocument && fetched.body.length > MAX_METADATA_DOCUMENT_BYTES)
+    throw new InvalidClientDocument(`it is larger than ${MAX_METADATA_DOCUMENT_BYTES / 1024} KiB`)
   const document = isJson
-    ? readClientMetadata(fetched.body.toString('utf8'), clientId)
+    ? readClientMetadata(fetched.body.toString('utf8'), clientId, metadataDocument)
     : readClientPage(fetched.body.toString('utf8'), clientId)
-  const redirectUris = [...document.redirectUris, ...readLinkHeader(fetched.link, 'redirect_uri', clientId)]
+  const linked = metadataDocument ? [] : readLinkHeader(fetched.link, 'redirect_uri', clientId)
+  const redirectUris = [...document.redirectUris, ...linked]
     .filter((uri) => uri.length <= MAX_URL_LENGTH)
     .slice(0, MAX_REDIRECT_URIS) // what a client publishes is kept, so it is bounded
   const logo =
     document.logoUrl === undefined ? undefined : await fetchLogo(document.logoUrl, options).catch(() => undefined)
   return {
-    info: { name: document.name, url: document.url, logo, redirectUris },
-    maxAgeSeconds: cacheLifetime(fetched.cacheControl),
+    info: { name: document.name, url: document.url, logo, redirectUris, metadataDocument },
+    maxAgeSeconds: cacheLifetime(fetched.headers, Date.now()),
   }
 }
 
-/** How long `Cache-Control` lets a result be kept: `max-age`, capped at a day; 0 for no-store and no-cache. */
-function cacheLifetime(cacheControl: string): number {
-  const directives = cacheControl.toLowerCase()
-  if (/\b(no-store|no-cache)\b/.test(directives)) return 0
-  const maxAge = /\bmax-age\s*=\s*"?(\d+)/.exec(directives)
-  return maxAge === null ? 0 : Math.min(Number(maxAge[1]), MAX_CLIENT_CACHE_SECONDS)
+/**
+ * How long a response stays fresh, in seconds, by the rules of a private cache (RFC 9111 §4.2):
+ * `max-age` less `Age`, else `Expires` less `Date`; 0 for `no-store`, for `no-cache` (Latch does
+ * not revalidate) and when neither says; at most a day, so that a change reaches Latch daily.
+ * @see https://www.rfc-editor.org/rfc/rfc9111#section-4.2.1
+ */
+export function cacheLifetime(headers: IncomingHttpHeaders, now: number): number {
+  const directives = (headers['cache-control'] ?? '').toLowerCase()
+  if (/(^|[\s,])(no-store|no-cache)\b/.test(directives)) return 0
+  const maxAge = /(?:^|[\s,])max-age\s*=\s*"?(\d+)/.exec(directives)
+  const age = /^\d+$/.test(headers.age ?? '') ? Number(headers.age) : 0
+  let fresh = 0
+  if (maxAge !== null) fresh = Number(maxAge[1]) - age
+  else if (headers.expires !== undefined) {
+    const expires = Date.parse(headers.expires)
+    const date = headers.date === undefined ? now : Date.parse(headers.date)
+    // an invalid Expires, such as "0", means already expired
+    fresh = Number.isNaN(expires) || Number.isNaN(date) ? 0 : Math.floor((expires - date) / 1000) - age
+  }
+  return Math.max(0, Math.min(fresh, MAX_CLIENT_CACHE_SECONDS))
 }
 
 const LOOPBACK_CLIENT = 'it is a loopback address, which IndieAuth forbids fetching'
@@ -2615,36 +2881,49 @@ type ClientDocument = { name?: string; url?: string; logoUrl?: string; redirectU
 
 /**
  * Reads a client metadata document: its `client_id` must be the URL it came from, and its
- * `client_uri` a prefix of it.
+ * `client_uri` a prefix of it. A Client ID Metadata Document (`metadataDocument`, JSON at an
+ * https URL) must also name the URL exactly, list its `redirect_uris`, and hold no client secret
+ * (§4.1); Latch serves public clients only, so `token_endpoint_auth_method` may only be `none`.
+ * Its faults throw `InvalidClientDocument`, which refuses the request.
  * @see https://indieauth.spec.indieweb.org/#client-metadata IndieAuth §4.2.1
+ * @see https://datatracker.ietf.org/doc/draft-ietf-oauth-client-id-metadata-document/
  */
-export function readClientMetadata(text: string, clientId: string): ClientDocument {
+export function readClientMetadata(text: string, clientId: string, metadataDocument = false): ClientDocument {
+  const fault = (message: string) => (metadataDocument ? new InvalidClientDocument(message) : new Error(message))
   let metadata: Record<string, unknown>
   try {
     metadata = JSON.parse(text) as Record<string, unknown>
   } catch {
-    throw new Error('its metadata is not valid JSON')
+    throw fault('its metadata is not valid JSON')
   }
-  if (typeof metadata !== 'object' || metadata === null) throw new Error('its metadata is not a JSON object')
+  if (!isObject(metadata)) throw fault('its metadata is not a JSON object')
+  const { client_id } = metadata
   if (
-    typeof metadata.client_id !== 'string' ||
-    !isClientId(metadata.client_id) ||
-    canonicalizeUrl(metadata.client_id) !== clientId
+    typeof client_id !== 'string' ||
+    (metadataDocument ? client_id !== clientId : !isClientId(client_id) || canonicalizeUrl(client_id) !== clientId)
   ) {
-    throw new Error('its metadata names another client_id') // "the client_id property MUST match the URL"
+    // "the client_id property MUST match the URL", and in the draft by simple string comparison
+    throw fault(`its metadata names another client_id: it must be ${clientId}`)
   }
-  if (
-    metadata.client_uri !== undefined &&
-    (typeof metadata.client_uri !== 'string' || !clientId.startsWith(metadata.client_uri))
-  ) {
+  const clientUriIsPrefix = typeof metadata.client_uri === 'string' && clientId.startsWith(metadata.client_uri)
+  if (metadata.client_uri !== undefined && !clientUriIsPrefix && !metadataDocument) {
     // "The client_uri MUST be a prefix of the client_id"
-    throw new Error('its client_uri is not a prefix of its client_id')
+    throw fault('its client_uri is not a prefix of its client_id')
   }
   const strings = (value: unknown) =>
     Array.isArray(value) ? value.filter((item): item is string => typeof item === 'string') : []
+  if (metadataDocument) {
+    if (strings(metadata.redirect_uris).length === 0) throw fault('it lists no redirect_uris')
+    if (metadata.client_secret !== undefined || metadata.client_secret_expires_at !== undefined)
+      throw fault('it holds a client_secret, which a public document must not')
+    const method = metadata.token_endpoint_auth_method
+    if (method !== undefined && method !== 'none')
+      throw fault(`its token_endpoint_auth_method is ${String(method)}, and this server serves public clients: none`)
+  }
   return {
     name: typeof metadata.client_name === 'string' ? cleanName(metadata.client_name) : undefined,
-    url: typeof metadata.client_uri === 'string' ? resolveUrl(metadata.client_uri, clientId) : undefined,
+    // where the draft does not ask it to be a prefix, one that is not is not shown
+    url: clientUriIsPrefix ? resolveUrl(metadata.client_uri as string, clientId) : undefined,
     logoUrl: typeof metadata.logo_uri === 'string' ? resolveUrl(metadata.logo_uri, clientId) : undefined,
     redirectUris: strings(metadata.redirect_uris),
   }
@@ -2908,6 +3187,7 @@ export class MemoryStore implements Store {
   readonly #shared = new Map<string, string[] | GrantedApp>()
   #lastApp: GrantedApp | undefined
   #lastScope: string[] | undefined
+  #lastResource: string[] | undefined
   #dropped = 0
 
   constructor(options: MemoryStoreOptions = {}) {
@@ -3086,31 +3366,45 @@ export class MemoryStore implements Store {
 
   #putToken(hash: string, token: Token, now: number): void {
     this.tokens.sweep(now, SWEEP_BATCH_WALKED)
-    this.tokens.set(hash, new StoredToken(token, this.#shareScope(token.scope)))
+    this.tokens.set(hash, new StoredToken(token, this.#shareScope(token.scope), this.#shareResource(token.resource)))
   }
 
   // One copy of each value that many grants and tokens hold: a million grants of a few apps
   // then hold a few copies. Values are never changed once stored. The one shared last is
   // compared first, field by field: most saves repeat it, and that spares making a key.
 
-  #shareApp({ client_id, client_name, me, scope }: Grant): GrantedApp {
+  #shareApp({ client_id, client_name, me, scope, resource }: Grant): GrantedApp {
     const last = this.#lastApp
     if (
       last !== undefined &&
       last.client_id === client_id &&
       last.client_name === client_name &&
       last.me === me &&
-      sameList(last.scope, scope)
+      sameList(last.scope, scope) &&
+      sameList(last.resource, resource)
     )
       return last
-    // Neither URLs nor scopes hold a line break, so only the name, last, could: the key is unambiguous.
-    const key = `app ${client_id}\n${me}\n${scope.join(' ')}\n${client_name === undefined ? '-' : `+${client_name}`}`
-    return (this.#lastApp = this.#share(key, () => ({ client_id, client_name, me, scope: this.#shareScope(scope) })))
+    // Neither URLs nor scopes hold a space or a line break, so only the name, last, could: the key is unambiguous.
+    const name = client_name === undefined ? '-' : `+${client_name}`
+    const key = `app ${client_id}\n${me}\n${scope.join(' ')}\n${resource.join(' ')}\n${name}`
+    return (this.#lastApp = this.#share(key, () => ({
+      client_id,
+      client_name,
+      me,
+      scope: this.#shareScope(scope),
+      resource: this.#shareResource(resource),
+    })))
   }
 
   #shareScope(scope: string[]): string[] {
     if (this.#lastScope !== undefined && sameList(this.#lastScope, scope)) return this.#lastScope
     return (this.#lastScope = this.#share(`scope ${scope.join(' ')}`, () => scope))
+  }
+
+  #shareResource(resource: string[]): string[] {
+    if (resource.length === 0) return NO_RESOURCES
+    if (this.#lastResource !== undefined && sameList(this.#lastResource, resource)) return this.#lastResource
+    return (this.#lastResource = this.#share(`resource ${resource.join(' ')}`, () => resource))
   }
 
   #share<T extends string[] | GrantedApp>(key: string, make: () => T): T {
@@ -3131,6 +3425,9 @@ export class MemoryStore implements Store {
       this.#log(`store: the cap of ${max} ${what} was reached; dropped the oldest (${this.#dropped} so far)`)
   }
 }
+
+/** The audience of every IndieAuth token: none. */
+const NO_RESOURCES: string[] = []
 
 /** How many entries a write walks in the grants or tokens: more than it adds, so expired ones cannot pile up. */
 const SWEEP_BATCH_WALKED = 4
@@ -3620,6 +3917,7 @@ const JOURNAL_FIELDS = {
     redirect_uri: 'string',
     code_challenge: 'string',
     scope: 'strings',
+    resource: 'strings?',
     me: 'string',
     accessTokenTtlSeconds: 'number',
     issuedAt: 'number',
@@ -3631,12 +3929,21 @@ const JOURNAL_FIELDS = {
     client_name: 'string?',
     me: 'string',
     scope: 'strings',
+    resource: 'strings?',
     accessTokenTtlSeconds: 'number',
     approvedAt: 'number',
     lastUsedAt: 'number',
     expiresAt: 'number',
   },
-  token: { kind: 'kind', grantId: 'key', scope: 'strings', issuedAt: 'number', expiresAt: 'number', usedAt: 'number?' },
+  token: {
+    kind: 'kind',
+    grantId: 'key',
+    scope: 'strings',
+    resource: 'strings?',
+    issuedAt: 'number',
+    expiresAt: 'number',
+    usedAt: 'number?',
+  },
   session: { createdAt: 'number', expiresAt: 'number', passwordTag: 'string?' },
 } as const
 
@@ -3663,8 +3970,9 @@ function journalRecordProblem(record: unknown): string | undefined {
             ? Number.isFinite(value)
             : kind === 'number?'
               ? value === undefined || Number.isFinite(value)
-              : kind === 'strings'
-                ? Array.isArray(value) && value.every((item) => typeof item === 'string')
+              : kind === 'strings' || kind === 'strings?'
+                ? (kind === 'strings?' && value === undefined) ||
+                  (Array.isArray(value) && value.every((item) => typeof item === 'string'))
                 : kind === 'key'
                   ? isJournalKey(value)
                   : value === 'access' || value === 'refresh'
@@ -3692,10 +4000,16 @@ async function applyRecord(memory: MemoryStore, record: JournalRecord, now: numb
     return
   }
   if (record.value.expiresAt <= now) return
-  if (record.set === 'code') await memory.saveCode(key, record.value, now)
-  else if (record.set === 'grant') await memory.saveGrant(key, record.value, now)
+  // before 0.3, nothing had a resource
+  if (record.set === 'code') await memory.saveCode(key, { ...record.value, resource: record.value.resource ?? [] }, now)
+  else if (record.set === 'grant')
+    await memory.saveGrant(key, { ...record.value, resource: record.value.resource ?? [] }, now)
   else if (record.set === 'token')
-    await memory.saveToken(key, { ...record.value, grantId: currentKey(record.value.grantId) }, now)
+    await memory.saveToken(
+      key,
+      { ...record.value, grantId: currentKey(record.value.grantId), resource: record.value.resource ?? [] },
+      now,
+    )
   // before 0.2: ended by the check
   else await memory.saveSession(key, { ...record.value, passwordTag: record.value.passwordTag ?? '' }, now)
 }
@@ -3835,7 +4149,7 @@ export class ExpiringMap<V extends { expiresAt: number }> {
 // - Scope lists too are kept once, however many tokens hold them.
 // A read returns a fresh record in the usual shape.
 
-type GrantedApp = Pick<Grant, 'client_id' | 'client_name' | 'me' | 'scope'>
+type GrantedApp = Pick<Grant, 'client_id' | 'client_name' | 'me' | 'scope' | 'resource'>
 
 // Classes, not object literals, so that V8 gives them shapes of their own: literals with the
 // same fields as a `Token` would share its shape, in which the times are boxed.
@@ -3853,16 +4167,17 @@ class StoredGrant {
     this.accessTokenTtlSeconds = grant.accessTokenTtlSeconds
     this.approvedAt = toSeconds(grant.approvedAt)
     this.lastUsedAt = toSeconds(grant.lastUsedAt)
-    this.expiresAt = toSeconds(grant.expiresAt)
+    this.expiresAt = toSeconds(grant.expiresAt, 'up')
   }
 
   toGrant(): Grant {
-    const { client_id, client_name, me, scope } = this.app
+    const { client_id, client_name, me, scope, resource } = this.app
     return {
       client_id,
       client_name,
       me,
       scope,
+      resource,
       accessTokenTtlSeconds: this.accessTokenTtlSeconds,
       approvedAt: this.approvedAt * 1000,
       lastUsedAt: this.lastUsedAt * 1000,
@@ -3876,25 +4191,28 @@ class StoredToken {
   readonly kind: Token['kind']
   readonly grantId: string
   readonly scope: string[]
+  readonly resource: string[]
   readonly issuedAt: number
   readonly expiresAt: number
   usedAt: number | undefined
 
-  constructor(token: Token, scope: string[]) {
+  constructor(token: Token, scope: string[], resource: string[]) {
     this.kind = token.kind
     this.grantId = token.grantId
     this.scope = scope
+    this.resource = resource
     this.issuedAt = toSeconds(token.issuedAt)
-    this.expiresAt = toSeconds(token.expiresAt)
+    this.expiresAt = toSeconds(token.expiresAt, 'up')
     this.usedAt = token.usedAt === undefined ? undefined : toSeconds(token.usedAt)
   }
 
   toToken(): Token {
-    const { kind, grantId, scope, issuedAt, expiresAt, usedAt } = this
+    const { kind, grantId, scope, resource, issuedAt, expiresAt, usedAt } = this
     return {
       kind,
       grantId,
       scope,
+      resource,
       issuedAt: issuedAt * 1000,
       expiresAt: expiresAt * 1000,
       usedAt: usedAt === undefined ? undefined : usedAt * 1000,
@@ -3902,9 +4220,12 @@ class StoredToken {
   }
 }
 
-/** Whole seconds, as a small integer where it fits: `Math.floor` alone may hand back a boxed number. */
-function toSeconds(ms: number): number {
-  const seconds = Math.floor(ms / 1000)
+/**
+ * Whole seconds, as a small integer where it fits: `Math.floor` alone may hand back a boxed
+ * number. An expiry is rounded up, so that nothing dies before the `expires_in` it was issued with.
+ */
+function toSeconds(ms: number, round: 'down' | 'up' = 'down'): number {
+  const seconds = round === 'up' ? Math.ceil(ms / 1000) : Math.floor(ms / 1000)
   return (seconds | 0) === seconds ? seconds | 0 : seconds
 }
 

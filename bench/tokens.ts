@@ -26,6 +26,7 @@ export async function addLiveToken(store: MemoryStore, i: number, nowMs: number,
     client_name: undefined,
     me: ME,
     scope,
+    resource: [],
     accessTokenTtlSeconds: ttlMs / 1000,
     approvedAt: nowMs,
     lastUsedAt: nowMs,
@@ -34,7 +35,7 @@ export async function addLiveToken(store: MemoryStore, i: number, nowMs: number,
   await store.saveGrant(grantId, grant, nowMs)
   await store.saveToken(
     hashSecret(`bench-token-${i}`),
-    { kind: 'access', grantId, scope, issuedAt: nowMs, expiresAt, usedAt: undefined },
+    { kind: 'access', grantId, scope, resource: [], issuedAt: nowMs, expiresAt, usedAt: undefined },
     nowMs,
   )
 }

@@ -187,6 +187,7 @@ describe('DATA_FILE: restarts', () => {
       client_id: CLIENT_ID,
       me: 'http://127.0.0.1/',
       scope: ['create'],
+      resource: [],
       accessTokenTtlSeconds: 3600,
       approvedAt: time,
       lastUsedAt: time,
@@ -196,6 +197,7 @@ describe('DATA_FILE: restarts', () => {
       kind: 'access',
       grantId: wholeHash('old-code'),
       scope: ['create'],
+      resource: [],
       issuedAt: time,
       expiresAt: time + 3600_000,
     }
@@ -240,6 +242,7 @@ describe('DATA_FILE: damaged files', () => {
     kind: 'access',
     grantId: 'g',
     scope: ['create'],
+    resource: [],
     issuedAt: START,
     expiresAt: START + 86400_000,
     usedAt: undefined,
@@ -352,6 +355,7 @@ describe('DATA_FILE: compaction and failures', () => {
       kind: 'access',
       grantId: 'g',
       scope: ['create'],
+      resource: [],
       issuedAt: START,
       expiresAt: START + 3600_000,
       usedAt: undefined,
@@ -363,6 +367,7 @@ describe('DATA_FILE: compaction and failures', () => {
         client_name: undefined,
         me: 'https://example.com/',
         scope: ['create'],
+        resource: [],
         accessTokenTtlSeconds: 3600,
         approvedAt: START,
         lastUsedAt: START,
@@ -390,7 +395,13 @@ describe('DATA_FILE: compaction and failures', () => {
     const file = join(directory, 'compact-race.jsonl')
     await writeFile(file, `${JSON.stringify({ delete: 'session', key: 'old' })}\n`.repeat(9_999))
     const store = await FileStore.open(file, { now: () => START, log: () => {} })
-    const app = { client_id: CLIENT_ID, client_name: undefined, me: 'https://example.com/', scope: ['create'] }
+    const app = {
+      client_id: CLIENT_ID,
+      client_name: undefined,
+      me: 'https://example.com/',
+      scope: ['create'],
+      resource: [],
+    }
     await store.saveCode(
       'c',
       {
@@ -410,6 +421,7 @@ describe('DATA_FILE: compaction and failures', () => {
       kind,
       grantId: 'c',
       scope: ['create'],
+      resource: [],
       issuedAt: START,
       expiresAt: START + 3600_000,
       usedAt: undefined,

@@ -921,8 +921,14 @@ function shapeProblems(c: Case, reply: Reply): Problem[] {
       },
     ]
   try {
-    const json = JSON.parse(reply.body.toString('utf8')) as { error?: unknown }
-    return typeof json.error === 'string'
+    const json = JSON.parse(reply.body.toString('utf8')) as { error?: unknown; error_description?: unknown }
+    // a request without credentials gets a challenge and no error code (RFC 6750 §3.1)
+    const bareChallenge =
+      reply.status === 401 &&
+      /^Bearer realm="[^"]*"$/.test(reply.headers.get('www-authenticate') ?? '') &&
+      json.error === undefined &&
+      typeof json.error_description === 'string'
+    return typeof json.error === 'string' || bareChallenge
       ? []
       : [{ kind: 'shape', detail: `a ${reply.status} whose JSON has no string error` }]
   } catch {

@@ -42,7 +42,7 @@ type Authorization = { state: string; codeVerifier: string; location: URL }
  */
 async function authorize(
   as: oauth.AuthorizationServer,
-  options: { scope?: string; decision?: 'approve' | 'deny'; granted?: string[] } = {},
+  options: { scope?: string; resource?: string[]; decision?: 'approve' | 'deny'; granted?: string[] } = {},
 ): Promise<Authorization> {
   const state = oauth.generateRandomState()
   const codeVerifier = oauth.generateRandomCodeVerifier()
@@ -53,7 +53,8 @@ async function authorize(
   url.searchParams.set('state', state)
   url.searchParams.set('code_challenge', await oauth.calculatePKCECodeChallenge(codeVerifier))
   url.searchParams.set('code_challenge_method', 'S256')
-  url.searchParams.set('scope', options.scope ?? 'profile create')
+  if (options.scope !== '') url.searchParams.set('scope', options.scope ?? 'profile create')
+  for (const resource of options.resource ?? []) url.searchParams.append('resource', resource)
 
   const page = await fetch(url, { redirect: 'manual' })
   const html = await page.text()
@@ -87,6 +88,7 @@ async function authorize(
 async function exchangeCode(
   as: oauth.AuthorizationServer,
   authorization: Authorization,
+  additionalParameters?: URLSearchParams,
 ): Promise<oauth.TokenEndpointResponse> {
   const params = oauth.validateAuthResponse(as, client, authorization.location, authorization.state)
   const response = await oauth.authorizationCodeGrantRequest(
@@ -96,7 +98,7 @@ async function exchangeCode(
     params,
     REDIRECT_URI,
     authorization.codeVerifier,
-    insecure,
+    { ...insecure, additionalParameters },
   )
   return oauth.processAuthorizationCodeResponse(as, client, response)
 }
@@ -108,8 +110,15 @@ async function signIn(
   return exchangeCode(as, await authorize(as, options))
 }
 
-async function refresh(as: oauth.AuthorizationServer, refreshToken: string): Promise<oauth.TokenEndpointResponse> {
-  const response = await oauth.refreshTokenGrantRequest(as, client, clientAuth, refreshToken, insecure)
+async function refresh(
+  as: oauth.AuthorizationServer,
+  refreshToken: string,
+  additionalParameters?: URLSearchParams,
+): Promise<oauth.TokenEndpointResponse> {
+  const response = await oauth.refreshTokenGrantRequest(as, client, clientAuth, refreshToken, {
+    ...insecure,
+    additionalParameters,
+  })
   return oauth.processRefreshTokenResponse(as, client, response)
 }
 
@@ -165,6 +174,8 @@ describe('Interop with oauth4webapi, a real client library', () => {
       assert.ok(metadata[endpoint]?.startsWith(latch.issuer), endpoint)
     }
     assert.deepEqual(metadata.code_challenge_methods_supported, ['S256'])
+    assert.deepEqual(metadata.token_endpoint_auth_methods_supported, ['none'])
+    assert.equal(metadata.client_id_metadata_document_supported, true)
     assert.equal(metadata.authorization_response_iss_parameter_supported, true)
     assert.ok(metadata.grant_types_supported?.includes('refresh_token'))
   })
@@ -181,6 +192,30 @@ describe('Interop with oauth4webapi, a real client library', () => {
     assert.equal(typeof tokens.refresh_token, 'string')
     assert.equal(tokens.me, ME)
     assert.deepEqual(tokens.profile, PROFILE)
+  })
+
+  it('gets a token for a resource (RFC 8707) without scope, whose introspection names it as aud', async () => {
+    const notes = 'https://notes.example.com/mcp'
+    const authorization = await authorize(as, { scope: '', resource: [notes], granted: [] })
+    const tokens = await exchangeCode(as, authorization, new URLSearchParams({ resource: notes }))
+    assert.equal(tokens.scope, undefined)
+    const introspection = await introspect(as, tokens.access_token)
+    assert.equal(introspection.active, true)
+    assert.equal(introspection.aud, notes)
+    assert.equal(introspection.scope, undefined)
+  })
+
+  it('narrows the audience on exchange and refresh, keeps the grant for later refreshes, never widens it', async () => {
+    const [notes, files] = ['https://notes.example.com/mcp', 'https://files.example.com/mcp']
+    const authorization = await authorize(as, { resource: [notes, files] })
+    const first = await exchangeCode(as, authorization, new URLSearchParams({ resource: notes }))
+    assert.equal((await introspect(as, first.access_token)).aud, notes)
+    const second = await refresh(as, first.refresh_token ?? '', new URLSearchParams({ resource: files }))
+    assert.equal((await introspect(as, second.access_token)).aud, files)
+    const third = await refresh(as, second.refresh_token ?? '')
+    assert.deepEqual((await introspect(as, third.access_token)).aud, [notes, files])
+    const elsewhere = new URLSearchParams({ resource: 'https://elsewhere.example.com/' })
+    await assert.rejects(refresh(as, third.refresh_token ?? '', elsewhere), responseBodyError('invalid_target'))
   })
 
   it('rejects a code redeemed twice with invalid_grant, and revokes the tokens issued from it', async () => {
