@@ -86,6 +86,10 @@ export type Config = {
   clientFetchPrivate: boolean
   /** What the `profile` and `email` scopes show of the owner (IndieAuth §5.3.4). */
   profile: Profile
+  /** Addresses and ranges (`10.0.0.0/8`) of proxies whose `X-Forwarded-For` tells the client's address. */
+  trustProxy: string[]
+  /** `text`: one line a person reads; `json`: one JSON object per line, for log collectors. */
+  logFormat: 'text' | 'json'
 }
 
 /** The owner's profile information; `url` defaults to `me`. */
@@ -256,6 +260,8 @@ type Context = {
   /** Fetches under way, by client_id, for requests that arrive meanwhile to share. */
   clientLookups: Map<string, Promise<ClientLookup>>
   clientFetchSlots: Slots
+  /** The proxies of `TRUST_PROXY`, whose forwarding headers are believed. */
+  trustedProxies: BlockList | undefined
 }
 
 /** Password attempts from one address, or from all: how many, the last, and until when the next must wait. */
@@ -308,12 +314,19 @@ export class OAuthError extends Error {
   readonly error: string
   readonly status: number
   readonly headers: Record<string, string>
+  /** What the log says of it on a line of its own, when it is a security event (a replayed code, say). */
+  readonly event: string | undefined
 
-  constructor(error: string, description: string, options: { status?: number; headers?: Record<string, string> } = {}) {
+  constructor(
+    error: string,
+    description: string,
+    options: { status?: number; headers?: Record<string, string>; event?: string } = {},
+  ) {
     super(description.replace(/[^\x20\x21\x23-\x5b\x5d-\x7e]/g, '?'))
     this.error = error
     this.status = options.status ?? ERROR_STATUS[error] ?? 400
     this.headers = options.headers ?? {}
+    this.event = options.event
   }
 }
 
@@ -763,6 +776,7 @@ export function createMetadataHandler(config: Config): (req: IncomingMessage, re
 async function handleAuthorizationRequest(req: IncomingMessage, res: ServerResponse, ctx: Context): Promise<void> {
   const query = queryOf(req.url ?? '/')
   const clientId = requireParam(query, 'client_id')
+  noteClient(res, clientId)
   const clientProblem = clientIdProblem(clientId)
   if (clientProblem !== undefined)
     throw new OAuthError('invalid_request', `client_id is not a valid client identifier: ${clientProblem}`)
@@ -785,6 +799,7 @@ async function handleAuthorizationRequest(req: IncomingMessage, res: ServerRespo
   } catch (err) {
     if (!(err instanceof OAuthError)) throw err
     const params = { error: err.error, error_description: err.message, state, iss: ctx.config.issuer }
+    noteError(res, err.error)
     return redirect(res, 302, buildRedirectUrl(redirectUri, params))
   }
   const visitor = await readVisitor(req, ctx)
@@ -850,7 +865,7 @@ async function fetchClient(clientId: string, ctx: Context): Promise<ClientLookup
     // An invalid Client ID Metadata Document refuses the request, and is not remembered: its
     // author may fix it and try again at once (draft-ietf-oauth-client-id-metadata-document §5.2).
     if (err instanceof InvalidClientDocument) return { refused: failure }
-    ctx.log(`discovery: ${clientId} could not be fetched: ${failure}`)
+    logEvent(ctx, 'discovery', `${clientId} could not be fetched: ${failure}`)
     if (err !== busy) {
       ctx.failedClients.delete(clientId)
       if (ctx.failedClients.size >= MAX_REMEMBERED_FAILURES)
@@ -1043,12 +1058,16 @@ async function handleConsent(req: IncomingMessage, res: ServerResponse, ctx: Con
   const request = await ctx.store.findPending(hashSecret(id), ctx.now())
   if (request === undefined)
     throw new OAuthError('invalid_request', 'This sign-in request is unknown or has expired: start again from the app')
+  noteClient(res, request.client_id)
   const visitor = await requireFormToken(form, req, ctx)
   if (!safeEqual(hashSecret(readCookie(req, csrfCookieName(ctx.config)) ?? ''), request.csrfHash)) {
     throw new OAuthError(
       'access_denied',
       'This sign-in request was opened in another browser: start again from the app',
-      { status: 403 },
+      {
+        status: 403,
+        event: `a consent for ${request.client_id} was sent from another browser than the one that opened it`,
+      },
     )
   }
   const decision = getParam(form, 'decision')
@@ -1056,7 +1075,7 @@ async function handleConsent(req: IncomingMessage, res: ServerResponse, ctx: Con
   const lifetime = requireLifetime(getParam(form, 'lifetime'), ctx.config)
   const headers: Record<string, string> = {}
   if (decision === 'approve' && !visitor.signedIn) {
-    const message = await checkPassword(getParam(form, 'password'), clientAddress(req), ctx)
+    const message = await checkPassword(getParam(form, 'password'), clientAddress(req, ctx.trustedProxies), ctx)
     if (message !== undefined) {
       const logo = ctx.clients.get(request.client_id)?.info.logo
       return sendPage(
@@ -1079,6 +1098,7 @@ async function handleConsent(req: IncomingMessage, res: ServerResponse, ctx: Con
   }
   const iss = ctx.config.issuer
   if (decision === 'deny') {
+    noteError(res, 'access_denied')
     const params = {
       error: 'access_denied',
       error_description: 'The owner denied the request',
@@ -1149,12 +1169,13 @@ async function issueCode(
 async function handleProfileRedemption(req: IncomingMessage, res: ServerResponse, ctx: Context): Promise<void> {
   const form = await readForm(req)
   readPublicClient(req, form, ctx.config)
+  noteClient(res, getParam(form, 'client_id'))
   const grantType = getParam(form, 'grant_type')
   if (grantType !== undefined && grantType !== 'authorization_code') {
     throw new OAuthError('unsupported_grant_type', 'grant_type must be authorization_code')
   }
   const { code, codeHash } = await checkCode(form, { clientRequired: false }, ctx)
-  await consumeCode(codeHash, ctx)
+  await consumeCode(codeHash, code.client_id, ctx)
   // JSON leaves out a profile that is undefined
   sendJson(res, 200, { me: code.me, profile: buildProfile(code.scope, ctx.config.profile) })
 }
@@ -1193,8 +1214,8 @@ function isSameClientId(sent: string, stored: string): boolean {
 }
 
 /** Marks a checked code used, or, when it was used before, revokes what was issued from it. */
-async function consumeCode(codeHash: string, ctx: Context): Promise<void> {
-  if (!(await ctx.store.markCodeUsed(codeHash, ctx.now()))) await revokeReplayedCode(codeHash, ctx)
+async function consumeCode(codeHash: string, clientId: string, ctx: Context): Promise<void> {
+  if (!(await ctx.store.markCodeUsed(codeHash, ctx.now()))) await revokeReplayedCode(codeHash, clientId, ctx)
 }
 
 /**
@@ -1203,11 +1224,14 @@ async function consumeCode(codeHash: string, ctx: Context): Promise<void> {
  * revoke (when possible) all tokens previously issued based on that authorization code".
  * @see https://www.rfc-editor.org/rfc/rfc6749#section-4.1.2
  */
-async function revokeReplayedCode(codeHash: string, ctx: Context): Promise<never> {
+async function revokeReplayedCode(codeHash: string, clientId: string, ctx: Context): Promise<never> {
   await ctx.store.revokeGrant(codeHash, ctx.now()) // a grant's id is the hash of its code
   throw new OAuthError(
     'invalid_grant',
     'The authorization code was already used, so the tokens issued from it are revoked',
+    {
+      event: `a code issued to ${clientId} was redeemed again, so its grant and every token issued from it are revoked`,
+    },
   )
 }
 
@@ -1241,6 +1265,7 @@ async function handleTokenRequest(req: IncomingMessage, res: ServerResponse, ctx
   const form = await readForm(req)
   if (getParam(form, 'action') !== undefined) return handleLegacyRevocation(form, res, ctx)
   readPublicClient(req, form, ctx.config)
+  noteClient(res, getParam(form, 'client_id'))
   const grantType = requireParam(form, 'grant_type')
   switch (grantType) {
     case 'authorization_code':
@@ -1329,7 +1354,7 @@ async function refreshGrant(form: Params, ctx: Context) {
   const retriedSince = ctx.now() - ctx.config.refreshTokenGraceSeconds * 1000
   const { usedAt } = found.token
   if (usedAt !== undefined && !(ctx.config.refreshTokenGraceSeconds > 0 && usedAt + 1000 > retriedSince)) {
-    await revokeReusedRefreshToken(found.token.grantId, ctx) // whatever else the request says
+    await revokeReusedRefreshToken(found.token.grantId, found.grant.client_id, ctx) // whatever else the request says
   }
   if (!isSameClientId(clientId, found.grant.client_id)) {
     throw new OAuthError('invalid_grant', 'client_id does not match the client the refresh token was issued to')
@@ -1346,9 +1371,11 @@ async function refreshGrant(form: Params, ctx: Context) {
   return await issueTokens(redeemed, found.token.grantId, found.grant, access, ctx)
 }
 
-async function revokeReusedRefreshToken(grantId: string, ctx: Context): Promise<never> {
+async function revokeReusedRefreshToken(grantId: string, clientId: string, ctx: Context): Promise<never> {
   await ctx.store.revokeGrant(grantId, ctx.now())
-  throw new OAuthError('invalid_grant', 'The refresh token was already used, so every token of its grant is revoked')
+  throw new OAuthError('invalid_grant', 'The refresh token was already used, so every token of its grant is revoked', {
+    event: `a refresh token of ${clientId} was used again, so its grant and every token of it are revoked`,
+  })
 }
 
 /** A refresh may ask for fewer scopes than were granted, never more (RFC 6749 §6). */
@@ -1422,7 +1449,9 @@ async function issueTokens(
       now,
     ))
   ) {
-    await (redeemed.kind === 'code' ? revokeReplayedCode(grantId, ctx) : revokeReusedRefreshToken(grantId, ctx))
+    await (redeemed.kind === 'code'
+      ? revokeReplayedCode(grantId, grant.client_id, ctx)
+      : revokeReusedRefreshToken(grantId, grant.client_id, ctx))
   }
   return {
     access_token: accessToken,
@@ -1464,6 +1493,7 @@ async function handleIntrospectionRequest(req: IncomingMessage, res: ServerRespo
   const found = await findLiveToken(hashSecret(requireParam(form, 'token')), 'access', ctx)
   if (found === undefined) return sendJson(res, 200, { active: false })
   const { token, grant } = found
+  noteClient(res, grant.client_id)
   await ctx.store.touchGrant(token.grantId, ctx.now())
   sendJson(res, 200, describeToken(token, grant))
 }
@@ -1515,6 +1545,7 @@ function requireIntrospectionCaller(req: IncomingMessage, config: Config): void 
 async function handleRevocationRequest(req: IncomingMessage, res: ServerResponse, ctx: Context): Promise<void> {
   const form = await readForm(req)
   readPublicClient(req, form, ctx.config)
+  noteClient(res, getParam(form, 'client_id'))
   await revokeToken(requireParam(form, 'token'), ctx)
   sendEmptyOk(res)
 }
@@ -1667,7 +1698,7 @@ async function handleSignIn(req: IncomingMessage, res: ServerResponse, ctx: Cont
   const visitor = await requireFormToken(form, req, ctx)
   const headers: Record<string, string> = {}
   if (!visitor.signedIn) {
-    const message = await checkPassword(getParam(form, 'password'), clientAddress(req), ctx)
+    const message = await checkPassword(getParam(form, 'password'), clientAddress(req, ctx.trustedProxies), ctx)
     if (message !== undefined)
       return sendPage(res, 401, renderSignInPage({ csrf: formToken(visitor), config: ctx.config, message }))
     headers['Set-Cookie'] = await startSession(ctx)
@@ -1694,7 +1725,7 @@ async function handleSignOut(req: IncomingMessage, res: ServerResponse, ctx: Con
 async function handleSignOutEverywhere(req: IncomingMessage, res: ServerResponse, ctx: Context): Promise<void> {
   await requireOwner(await readForm(req), req, ctx)
   await ctx.store.deleteAllSessions()
-  ctx.log('security: the owner signed out everywhere, so every session ended')
+  logEvent(ctx, 'security', 'the owner signed out everywhere, so every session ended', req)
   redirect(res, 303, endpointUrl(ctx.config, '/apps'), {
     'Set-Cookie': buildCookie(sessionCookieName(ctx.config), '', 0, ctx.config),
   })
@@ -1938,6 +1969,7 @@ export function createHandler(options: HandlerOptions): (req: IncomingMessage, r
     failedClients: new Map(),
     clientLookups: new Map(),
     clientFetchSlots: { running: 0, waiting: [] },
+    trustedProxies: trustedProxiesOf(options.config),
   }
   const ownHosts = ownHostsOf(ctx.config)
   let lastOwnHost: string | undefined // the Host header that passed last time: nearly every request repeats it
@@ -1946,14 +1978,11 @@ export function createHandler(options: HandlerOptions): (req: IncomingMessage, r
     const path = pathOf(req.url ?? '/')
     const { handler, errors, cors } = selectRoute(req.method ?? 'GET', path)
     if (cors) (res as MarkedResponse)[CORS] = true
-    // Answered only once the whole answer went to the socket: node:http may have closed it first,
-    // after bytes it could not parse, and the client may have gone away.
+    // the address now: once the connection is gone, node:http no longer knows it
+    const address = clientAddress(req, ctx.trustedProxies)
     let answered = false
     res.on('finish', () => (answered = true))
-    res.on('close', () => {
-      const status = answered ? res.statusCode : 'closed before the answer'
-      log(`${req.method} ${describePath(path, handler)} ${status} ${Math.round(performance.now() - started)}ms`)
-    })
+    res.on('close', () => logRequest(req, res, { address, path: describePath(path, handler), started, answered }, ctx))
     const host = req.headers.host
     const own = host === lastOwnHost || isOwnHost(host, ownHosts)
     if (own) lastOwnHost = host
@@ -1972,7 +2001,7 @@ export function createHandler(options: HandlerOptions): (req: IncomingMessage, r
             }),
           )
         : handler(req, res, ctx)
-    checked.catch((err: unknown) => renderError(err, res, errors === 'page', ctx))
+    checked.catch((err: unknown) => renderError(err, req, res, errors === 'page', ctx))
   }
 }
 
@@ -2000,13 +2029,43 @@ function ownHostsOf(config: Config): Set<string> | undefined {
   return new Set([...LOOPBACK_HOSTS, new URL(config.issuer).hostname.replace(/^\[(.*)\]$/, '$1')])
 }
 
+/**
+ * Logs a request once its connection is done with it. It counts as `answered` only once the whole
+ * answer went to the socket: node:http may have closed it first, after bytes it could not parse,
+ * and the client may have gone away.
+ */
+function logRequest(
+  req: IncomingMessage,
+  res: MarkedResponse,
+  { address, path, started, answered }: { address: string; path: string; started: number; answered: boolean },
+  ctx: Context,
+): void {
+  ctx.log(
+    formatLogEntry(
+      {
+        time: new Date(ctx.now()).toISOString(),
+        address,
+        method: req.method ?? 'GET',
+        path,
+        status: answered ? res.statusCode : 'closed before the answer',
+        ms: Math.round(performance.now() - started),
+        error: res[LOGGED_ERROR],
+        client_id: res[LOGGED_CLIENT],
+      },
+      ctx.config.logFormat,
+    ),
+  )
+}
+
 /** The path as logged: an unknown path is not, since a client may have put anything in it. */
 function describePath(path: string, handler: Handler): string {
   return handler === rejectUnknownPath ? '(unknown path)' : path
 }
 
 /** The router's one catch: an `OAuthError` is rendered; anything else is a logged 500. */
-function renderError(err: unknown, res: ServerResponse, asPage: boolean, ctx: Context): void {
+function renderError(err: unknown, req: IncomingMessage, res: ServerResponse, asPage: boolean, ctx: Context): void {
+  ;(res as MarkedResponse)[LOGGED_ERROR] = err instanceof OAuthError ? err.error || undefined : 'server_error'
+  if (err instanceof OAuthError && err.event !== undefined) logEvent(ctx, 'security', err.event, req)
   if (res.headersSent) {
     res.destroy()
     return
@@ -2016,7 +2075,7 @@ function renderError(err: unknown, res: ServerResponse, asPage: boolean, ctx: Co
     else sendJsonError(res, err)
     return
   }
-  ctx.log(`error: ${err instanceof Error ? (err.stack ?? err.message) : String(err)}`)
+  logEvent(ctx, 'error', err instanceof Error ? (err.stack ?? err.message) : String(err), req)
   if (asPage)
     sendErrorPage(
       res,
@@ -2031,6 +2090,68 @@ function renderError(err: unknown, res: ServerResponse, asPage: boolean, ctx: Co
 // journal, the performance internals, the configuration and the command line. Each section says
 // first what the protocol needs from it.
 // =================================================================================================
+
+// --- The log --------------------------------------------------------------------
+// One line per request: when, from where, what, how it ended, and for whom; and a line of its
+// own for what deserves one: a security event, an app that could not be fetched, a server error.
+// `LOG_FORMAT=json` makes each line a JSON object. Never a code, token, verifier, password or
+// hash: the `client_id` is the only thing a request sent that is logged.
+
+/** A line of the log: a request answered (`method` to `ms`), or an `event` and its `message`. */
+type LogEntry = {
+  time: string
+  address?: string
+  method?: string
+  path?: string
+  status?: number | string
+  ms?: number
+  error?: string
+  client_id?: string
+  event?: string
+  message?: string
+}
+
+/** The marks a handler leaves on a response for its log line: the OAuth error code and the client_id. */
+const LOGGED_ERROR = Symbol('logged error')
+const LOGGED_CLIENT = Symbol('logged client')
+
+/** Notes the client a request is for, for its log line. */
+function noteClient(res: ServerResponse, clientId: string | undefined): void {
+  if (clientId !== undefined) (res as MarkedResponse)[LOGGED_CLIENT] = clientId
+}
+
+/** Notes the OAuth error an answer carries, for its log line (an error redirect is a 302 or a 303). */
+function noteError(res: ServerResponse, error: string): void {
+  ;(res as MarkedResponse)[LOGGED_ERROR] = error
+}
+
+/** Logs something that happened: `security`, `discovery` or `error`, with the address of the request, if any. */
+function logEvent(ctx: Context, event: string, message: string, from?: IncomingMessage | string): void {
+  const address = from === undefined || typeof from === 'string' ? from : clientAddress(from, ctx.trustedProxies)
+  ctx.log(formatLogEntry({ time: new Date(ctx.now()).toISOString(), address, event, message }, ctx.config.logFormat))
+}
+
+/**
+ * One line: `time address METHOD path status Nms error=… client_id=…`, or `time address event:
+ * message`; or the entry as JSON. What a client chose is quoted as JSON when it holds anything but
+ * printable ASCII, so that no one can write a line of their own into the log.
+ */
+function formatLogEntry(entry: LogEntry, format: Config['logFormat']): string {
+  if (format === 'json') return JSON.stringify(entry)
+  const words = entry.address === undefined ? [entry.time] : [entry.time, entry.address]
+  if (entry.method === undefined) return [...words, `${entry.event}: ${loggable(entry.message ?? '')}`].join(' ')
+  words.push(entry.method, entry.path ?? '', String(entry.status), `${entry.ms}ms`)
+  if (entry.error !== undefined) words.push(`error=${entry.error}`)
+  if (entry.client_id !== undefined)
+    words.push(
+      `client_id=${/^[\x21-\x7e]*$/.test(entry.client_id) ? entry.client_id : JSON.stringify(entry.client_id)}`,
+    )
+  return words.join(' ')
+}
+
+function loggable(text: string): string {
+  return /^[\x20-\x7e]*$/.test(text) ? text : JSON.stringify(text)
+}
 
 // --- HTTP plumbing --------------------------------------------------------------
 // Read a form, send JSON, redirect, render a page. Nothing here knows about OAuth.
@@ -2114,7 +2235,7 @@ const NO_STORE = { 'Cache-Control': 'no-store', Pragma: 'no-cache' }
  */
 const CORS = Symbol('cors')
 
-type MarkedResponse = ServerResponse & { [CORS]?: true }
+type MarkedResponse = ServerResponse & { [CORS]?: true; [LOGGED_ERROR]?: string; [LOGGED_CLIENT]?: string }
 
 /** Adds `Access-Control-Allow-Origin: *` to a fresh headers object when the response is a CORS one. */
 function withCors(res: MarkedResponse, headers: OutgoingHttpHeaders): OutgoingHttpHeaders {
@@ -2413,7 +2534,10 @@ async function requireFormToken(form: Params, req: IncomingMessage, ctx: Context
     throw new OAuthError(
       'access_denied',
       'This form was not sent from a page of this server in this browser: go back, reload the page and try again',
-      { status: 403 },
+      {
+        status: 403,
+        event: `a form sent to ${pathOf(req.url ?? '/')} was refused: it did not come from this server's page`,
+      },
     )
   }
   return visitor
@@ -2465,8 +2589,65 @@ const MAX_TRACKED_ADDRESSES = 10_000
 const MAX_PARALLEL_PASSWORD_CHECKS = 2
 const MAX_WAITING_PASSWORD_CHECKS = 32
 
-function clientAddress(req: IncomingMessage): string {
-  return req.socket.remoteAddress ?? 'unknown'
+/**
+ * The client's address: the connection's, or, when that is a proxy of `TRUST_PROXY`, the one its
+ * `X-Forwarded-For` names. The header is read from the right, where each proxy appends the
+ * address it was reached from, past the trusted proxies: the first address that is not one is the
+ * client, and what lies left of it, anyone could have written. Without `X-Forwarded-For`, the
+ * `for=` of `Forwarded` (RFC 7239) is read the same way.
+ * @see https://www.rfc-editor.org/rfc/rfc7239#section-5.2
+ */
+function clientAddress(req: IncomingMessage, trusted: BlockList | undefined): string {
+  const peer = plainAddress(req.socket.remoteAddress ?? 'unknown')
+  if (trusted === undefined || !isTrustedProxy(peer, trusted)) return peer
+  let client = peer
+  for (const hop of forwardedChain(req).reverse()) {
+    const address = plainAddress(hop)
+    if (isIP(address) === 0) break // not an address: the client wrote it
+    client = address
+    if (!isTrustedProxy(address, trusted)) break
+  }
+  return client
+}
+
+/** The addresses a request passed through, as its proxies wrote them, the client's first. */
+function forwardedChain(req: IncomingMessage): string[] {
+  const forwardedFor = req.headers['x-forwarded-for']
+  if (forwardedFor !== undefined)
+    return [forwardedFor]
+      .flat()
+      .join(',')
+      .split(',')
+      .map((hop) => hop.trim())
+  const forwarded = req.headers.forwarded ?? ''
+  return [...forwarded.matchAll(/(?:^|[;,\s])for\s*=\s*("[^"]*"|[^;,\s]*)/gi)].map(([, value]) =>
+    value
+      .replace(/^"|"$/g, '')
+      .replace(/^\[([^\]]*)\](?::\d+)?$/, '$1') // "[2001:db8::1]:4711"
+      .replace(/^(\d+\.\d+\.\d+\.\d+):\d+$/, '$1'),
+  )
+}
+
+/** An IPv4 address as itself, not in the IPv6 form (`::ffff:192.0.2.1`) a dual-stack socket reports. */
+function plainAddress(address: string): string {
+  return address.startsWith('::ffff:') && isIP(address.slice(7)) === 4 ? address.slice(7) : address
+}
+
+function isTrustedProxy(address: string, trusted: BlockList): boolean {
+  return trusted.check(address, isIP(address) === 6 ? 'ipv6' : 'ipv4')
+}
+
+/** The proxies of `TRUST_PROXY` as a list to check addresses against, or undefined when there are none. */
+function trustedProxiesOf(config: Config): BlockList | undefined {
+  if (config.trustProxy.length === 0) return undefined
+  const list = new BlockList()
+  for (const entry of config.trustProxy) {
+    const [address, prefix] = entry.split('/')
+    const type = isIP(address) === 6 ? 'ipv6' : 'ipv4'
+    if (prefix === undefined) list.addAddress(address, type)
+    else list.addSubnet(address, Number(prefix), type)
+  }
+  return list
 }
 
 /** Checks the owner's password; returns a message for the page when it is wrong, or throws 429. */
@@ -2488,8 +2669,19 @@ async function checkPassword(password: string | undefined, address: string, ctx:
   attempts.byAddress.set(address, countAttempt(previous, now, FREE_ATTEMPTS_PER_ADDRESS))
   attempts.total = countAttempt(attempts.total, now, FREE_ATTEMPTS_IN_TOTAL)
   const passwordHash = ctx.config.passwordHash ?? ''
-  if (!(await withPasswordSlot(ctx.passwordSlots, () => verifyPassword(password, passwordHash))))
+  if (!(await withPasswordSlot(ctx.passwordSlots, () => verifyPassword(password, passwordHash)))) {
+    const wait = Math.max(attempts.byAddress.get(address)?.lockedUntil ?? 0, attempts.total.lockedUntil) - now
+    if (wait > 0) {
+      const from = attempts.total.lockedUntil - now === wait ? 'in total' : `from ${address}`
+      logEvent(
+        ctx,
+        'security',
+        `too many wrong passwords ${from}: the next attempt must wait ${wait / 1000} seconds`,
+        address,
+      )
+    }
     return 'Wrong password'
+  }
   attempts.byAddress.delete(address)
   attempts.total = NO_ATTEMPTS
   return undefined
@@ -4282,6 +4474,12 @@ export const SETTINGS = [
     help: 'Unset: /introspect is open. Set: callers send `Authorization: Bearer <secret>`.',
   },
   {
+    name: 'TRUST_PROXY',
+    default: 'unset',
+    help: 'Proxy addresses or ranges (127.0.0.1,10.0.0.0/8) whose X-Forwarded-For gives the client address.',
+  },
+  { name: 'LOG_FORMAT', default: 'text', help: '`json` writes each log line as a JSON object.' },
+  {
     name: 'CLIENT_FETCH_PRIVATE',
     default: 'unset',
     help: '`allow` lets client discovery fetch apps on private addresses (a LAN); loopback stays forbidden.',
@@ -4304,6 +4502,7 @@ export class ConfigError extends Error {}
 const LOOPBACK_HOSTS = new Set(['127.0.0.1', '::1', 'localhost'])
 const MAX_CODE_TTL_SECONDS = 600
 const MIN_SECRET_LENGTH = 16
+const MIN_PASSWORD_LENGTH = 8
 const MAX_DURATION_SECONDS = 3650 * 86400
 const MAX_REFRESH_GRACE_SECONDS = 600
 
@@ -4376,6 +4575,10 @@ export function loadConfig(
       `CLIENT_FETCH_PRIVATE ${raw.CLIENT_FETCH_PRIVATE} is not a choice: set it to allow, or leave it unset`,
     )
   }
+  const trustProxy = parseTrustProxy(raw.TRUST_PROXY ?? '')
+  const logFormat = raw.LOG_FORMAT ?? defaultOf('LOG_FORMAT')
+  if (logFormat !== 'text' && logFormat !== 'json')
+    throw new ConfigError(`LOG_FORMAT ${logFormat} is not a choice: set it to json or text, or leave it unset`)
   const profile = {
     name: raw.PROFILE_NAME,
     url: parseProfileLink('PROFILE_URL', raw.PROFILE_URL ?? me),
@@ -4397,7 +4600,28 @@ export function loadConfig(
     introspectionSecret,
     clientFetchPrivate,
     profile,
+    trustProxy,
+    logFormat,
   }
+}
+
+/** The proxies of `TRUST_PROXY`: addresses, or ranges as an address and a prefix length. */
+function parseTrustProxy(value: string): string[] {
+  const entries = value.split(/[\s,]+/).filter((entry) => entry !== '')
+  for (const entry of entries) {
+    const [address, prefix, extra] = entry.split('/')
+    const family = isIP(address)
+    const bits = family === 4 ? 32 : 128
+    if (
+      family === 0 ||
+      extra !== undefined ||
+      (prefix !== undefined && !(/^\d{1,3}$/.test(prefix) && Number(prefix) <= bits))
+    )
+      throw new ConfigError(
+        `TRUST_PROXY ${entry} is not an IP address or range: list your proxy's address, such as 127.0.0.1 or 10.0.0.0/8`,
+      )
+  }
+  return entries
 }
 
 /** A setting's default, as `SETTINGS` lists it: the one place defaults are written. */
@@ -4507,7 +4731,8 @@ export function configWarnings(config: Config): string[] {
     )
   }
   const me = new URL(config.me)
-  if (me.port !== '' || isIpAddress(me.hostname)) {
+  // the default, the issuer's home page, is said in the start-up block instead
+  if (config.me !== `${config.issuer}/` && (me.port !== '' || isIpAddress(me.hostname))) {
     warnings.push(
       `ME ${config.me} has a port or an IP address, which IndieAuth forbids for profile URLs; ` +
         "fine for trying Latch, but set ME to your site's URL for real use",
@@ -4521,21 +4746,36 @@ export function configWarnings(config: Config): string[] {
 
 /** The `--help` text: usage, then the settings table. */
 export function buildHelp(): string {
-  const rows = SETTINGS.map(
-    (setting) =>
-      `  ${`${setting.name} / ${flagName(setting.name)}`.padEnd(48)} ${setting.help} Default: ${setting.default}.`,
-  )
+  const rows = SETTINGS.flatMap((setting) => [
+    `  ${setting.name}, ${flagName(setting.name)}  (default: ${setting.default})`,
+    ...wrap(setting.help, 80 - 6).map((line) => `      ${line}`),
+  ])
   return [
     'Latch: an IndieAuth authorization server.',
     '',
     'Usage:',
-    '  npx tsx server.ts [--flag value ...]   serve (every setting is a variable or a flag; a flag wins)',
-    '  npx tsx server.ts hash-password        read a password, print the PASSWORD_HASH for it',
-    '  npx tsx server.ts --help               print this help',
+    '  npx tsx server.ts [--flag value ...]  serve',
+    '  npx tsx server.ts hash-password       read a password, print its PASSWORD_HASH',
+    '  npx tsx server.ts --help              print this help',
     '',
-    'Settings (durations take seconds or 90s, 10m, 12h, 7d):',
+    'Every setting is an environment variable or a flag; a flag wins. Durations',
+    'take seconds or 90s, 10m, 12h, 7d.',
+    '',
     ...rows,
   ].join('\n')
+}
+
+/** Breaks text into lines of at most `width` characters, at spaces. */
+function wrap(text: string, width: number): string[] {
+  const lines: string[] = []
+  let line = ''
+  for (const word of text.split(' ')) {
+    if (line !== '' && line.length + 1 + word.length > width) {
+      lines.push(line)
+      line = word
+    } else line = line === '' ? word : `${line} ${word}`
+  }
+  return line === '' ? lines : [...lines, line]
 }
 
 /** Reads a password from the terminal without echo, or from piped standard input. */
@@ -4577,7 +4817,12 @@ function promptHidden(prompt: string): Promise<string> {
 
 async function runHashPassword(): Promise<void> {
   const password = await readPassword()
-  if (password === '') throw new ConfigError('The password is empty: type one, or pipe one in')
+  if ([...password].length < MIN_PASSWORD_LENGTH) {
+    throw new ConfigError(
+      `The password is shorter than ${MIN_PASSWORD_LENGTH} characters, the least NIST SP 800-63B allows ` +
+        'for a password chosen by its owner: choose a longer one, a few words are easy to remember',
+    )
+  }
   const passwordHash = await hashPassword(password)
   process.stdout.write(`${passwordHash}\n`) // the command's one line of output, for PASSWORD_HASH
 }
@@ -4636,7 +4881,10 @@ function printStartup(config: Config, listeningUrl: string, store: MemoryStore |
   const memory = store instanceof FileStore ? store.memory : store
   const now = Date.now()
   const live = { code: 0, grant: 0, token: 0, session: 0 }
-  for (const record of memory.records(now)) if ('set' in record) live[record.set]++
+  for (const record of memory.records(now)) {
+    // a redeemed code is kept only to recognise a replay
+    if ('set' in record && !(record.set === 'code' && record.value.usedAt !== undefined)) live[record.set]++
+  }
   const count = (n: number, what: string) => `${n} ${what}${n === 1 ? '' : 's'}`
   const tokens = `${count(live.token, 'live token')} and ${count(live.grant, 'grant')}`
   const loaded = `${count(live.code, 'live code')}, ${tokens}`
@@ -4644,13 +4892,21 @@ function printStartup(config: Config, listeningUrl: string, store: MemoryStore |
     config.dataFile === 'memory'
       ? 'in memory only: codes and tokens are lost when the server stops'
       : `${config.dataFile}: ${loaded} loaded`
+  const password = config.passwordHash === undefined ? NO_PASSWORD : 'set'
+  if (config.logFormat === 'json') {
+    const time = new Date().toISOString()
+    for (const warning of configWarnings(config))
+      console.log(JSON.stringify({ time, event: 'warning', message: warning }))
+    const start = { issuer: config.issuer, me: config.me, password, data, listening: listeningUrl }
+    return void console.log(JSON.stringify({ time, event: 'start', message: 'Latch is listening', ...start }))
+  }
   for (const warning of configWarnings(config)) console.log(`warning: ${warning}`)
   console.log(
     [
       `Latch is listening on ${listeningUrl}`,
       `  issuer    ${config.issuer}`,
-      `  me        ${config.me}`,
-      `  password  ${config.passwordHash === undefined ? NO_PASSWORD : 'set'}`,
+      `  me        ${config.me}${config.me === `${config.issuer}/` ? ' (the default, this page: set ME to your site)' : ''}`,
+      `  password  ${password}`,
       `  data      ${data}`,
       `  metadata  ${config.issuer}/.well-known/oauth-authorization-server`,
     ].join('\n'),
@@ -4662,7 +4918,15 @@ async function main(argv: string[], env: Record<string, string | undefined>): Pr
   if (argv[0] === 'hash-password') return runHashPassword()
   if (argv.includes('--help') || argv.includes('-h')) return void console.log(buildHelp())
   let config = loadConfig(env, argv)
-  const store = await openStore(config)
+  const write = createLineWriter(process.stdout)
+  // the store's own lines (the journal's), in the log's format
+  const logMessage = (line: string) => {
+    const [, event = 'store', message = line] = /^(\w+): ([^]*)$/.exec(line) ?? []
+    write(formatLogEntry({ time: new Date().toISOString(), event, message }, config.logFormat))
+  }
+  const store = await openStore(config, { log: logMessage }).catch((err: NodeJS.ErrnoException) => {
+    throw dataFileProblem(err, config.dataFile) ?? err
+  })
   const server = createLatchServer()
   await new Promise<void>((resolve, reject) => {
     server.once('error', reject)
@@ -4672,22 +4936,24 @@ async function main(argv: string[], env: Record<string, string | undefined>): Pr
       throw new ConfigError(
         `PORT ${config.port} is in use on ${config.host}: stop the other server, or pick another port, as in PORT=3001`,
       )
-    if (err.code === 'EADDRNOTAVAIL' || err.code === 'ENOTFOUND')
+    if (err.code === 'EADDRNOTAVAIL' || err.code === 'ENOTFOUND' || err.code === 'EAI_AGAIN')
       throw new ConfigError(
         `HOST ${config.host} is not an address of this machine: use 127.0.0.1, or an interface this machine has`,
       )
+    if (err.code === 'EACCES')
+      throw new ConfigError(`PORT ${config.port} is below 1024, which only root may bind: use a port such as 3000`)
     throw err
   })
   const address = server.address()
   const port = typeof address === 'object' && address !== null ? address.port : config.port
   if (config.port === 0) config = loadConfig(env, argv, { boundPort: port })
-  const log = createLineWriter(process.stdout)
+  const log = write
   server.on('request', createHandler({ config, store, log }))
   // expired entries go even while no one writes: 20,000 a second of each kind
   setInterval(() => store.sweep(Date.now()), 100).unref()
   for (const signal of ['SIGINT', 'SIGTERM'] as const) {
     process.once(signal, () => {
-      log(`${signal}: finishing requests in flight, then stopping`) // after the lines of requests already answered
+      logMessage(`${signal}: finishing requests in flight, then stopping`) // after the lines of requests already answered
       server.close(async () => {
         if (store instanceof FileStore) await store.close()
         process.exit(0)
@@ -4698,6 +4964,22 @@ async function main(argv: string[], env: Record<string, string | undefined>): Pr
   }
   // last: a supervisor may signal as soon as it reads this
   printStartup(config, `http://${hostForUrl(config.host)}:${port}`, store)
+}
+
+/** The one line to print when the data file cannot be opened, or undefined for a failure of another kind. */
+function dataFileProblem(err: NodeJS.ErrnoException, dataFile: string): ConfigError | undefined {
+  const because: Record<string, string> = {
+    EISDIR: `is a directory: name a file in it, as in DATA_FILE=${dataFile.replace(/\/$/, '')}/latch.jsonl`,
+    ENOTDIR: 'is inside a file, not a folder: choose a path whose folders are folders',
+    EEXIST: 'is inside a file, not a folder: choose a path whose folders are folders',
+    EACCES: 'cannot be read or written by this user: give the user its folder, or choose a path it owns',
+    EPERM: 'cannot be read or written by this user: give the user its folder, or choose a path it owns',
+    EROFS: 'is on a read-only file system: choose a writable path, such as a state directory',
+    ENOSPC: 'cannot be written: the disk is full. Free some space, or choose another disk',
+    ENOENT: 'has a folder that cannot be created: create it, or choose another path',
+  }
+  const reason = err.code === undefined ? undefined : because[err.code]
+  return reason === undefined ? undefined : new ConfigError(`DATA_FILE ${dataFile} ${reason}`)
 }
 
 function isMainModule(): boolean {

@@ -263,7 +263,7 @@ async function assertNotFetched(latch: Latch, response: Response, clientId: stri
   const html = await response.text()
   assert.match(html, /information could not be fetched/)
   assert.doesNotMatch(html, why)
-  const line = latch.logs.findLast((entry) => entry.startsWith(`discovery: ${clientId} `))
+  const line = latch.logs.findLast((entry) => entry.includes(` discovery: ${clientId} `))
   assert.match(line ?? '', why)
 }
 

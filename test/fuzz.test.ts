@@ -836,7 +836,7 @@ function parseReplies(data: Buffer, firstIsHead: boolean): Reply[] | string {
   return replies
 }
 
-const REQUEST_LINE = /^[A-Z]+ \S+ (\d{3}) \d+ms$/
+const REQUEST_LINE = /^\S+ \S+ [A-Z]+ \S+ (\d{3}) \d+ms( error=\S+)?( client_id=\S+)?$/
 
 /** Waits, briefly, until the server has logged the request it answered (it logs when the response closes). */
 async function settleLog(target: Target, data: Buffer): Promise<void> {
