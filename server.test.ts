@@ -522,6 +522,7 @@ describe('MemoryStore', () => {
     accessTokenTtlSeconds: 3600,
     approvedAt: 0,
     lastUsedAt: 0,
+    endsAt: undefined,
     expiresAt,
   })
 
@@ -2028,7 +2029,7 @@ describe('Token lifetime on the consent page', () => {
   before(async () => (latch = await startLatch({ ACCESS_TOKEN_TTL: '3d' })))
   after(() => latch.close())
 
-  it('offers 1 day to 1 year, with ACCESS_TOKEN_TTL added and chosen by default', async () => {
+  it('offers 1 day to 1 year with ACCESS_TOKEN_TTL added, and "until you revoke it", chosen by default', async () => {
     const { html } = await openConsent(latch)
     const options = [...html.matchAll(/<option value="(\d+)"( selected)?>([^<]+)<\/option>/g)].map((match) => [
       match[1],
@@ -2037,23 +2038,44 @@ describe('Token lifetime on the consent page', () => {
     ])
     assert.deepEqual(options, [
       ['86400', '1 day', false],
-      ['259200', '3 days', true],
+      ['259200', '3 days', false],
       ['604800', '1 week', false],
       ['2592000', '1 month', false],
       ['7776000', '3 months', false],
       ['31536000', '1 year', false],
+      ['0', 'until you revoke it', true],
     ])
   })
 
-  it('gives the chosen lifetime to the first token and to every refreshed one', async () => {
-    const code = await obtainCode(latch, {}, { lifetime: '31536000' })
-    const first = (await (await exchange(latch, code)).json()) as { expires_in: number; refresh_token: string }
-    assert.equal(first.expires_in, 31536000)
-    const refreshed = await post(
+  const refresh = (refreshToken: string) =>
+    post(
       `${latch.base}/token`,
-      form({ grant_type: 'refresh_token', refresh_token: first.refresh_token, client_id: CLIENT_ID }),
+      form({ grant_type: 'refresh_token', refresh_token: refreshToken, client_id: CLIENT_ID }),
     )
-    assert.equal(((await refreshed.json()) as { expires_in: number }).expires_in, 31536000)
+
+  it('ends the whole grant when the chosen lifetime ends: refreshing too, and /apps shows the date', async () => {
+    const code = await obtainCode(latch, {}, { lifetime: '86400' })
+    const first = (await (await exchange(latch, code)).json()) as { expires_in: number; refresh_token: string }
+    assert.equal(first.expires_in, 86400)
+    latch.advance(12 * 3600)
+    const second = (await (await refresh(first.refresh_token)).json()) as { expires_in: number; refresh_token: string }
+    assert.equal(second.expires_in, 12 * 3600) // what is left of the day, not another day
+    latch.advance(12 * 3600)
+    const ended = await refresh(second.refresh_token)
+    assert.equal(ended.status, 400)
+    assert.equal(((await ended.json()) as { error: string }).error, 'invalid_grant')
+  })
+
+  it('gives "until you revoke it" tokens of ACCESS_TOKEN_TTL that refresh past any other choice', async () => {
+    const code = await obtainCode(latch, {}, { lifetime: '0' })
+    let tokens = (await (await exchange(latch, code)).json()) as { expires_in: number; refresh_token: string }
+    assert.equal(tokens.expires_in, 259200)
+    for (let day = 0; day < 400; day += 20) {
+      latch.advance(20 * 86400)
+      const response = await refresh(tokens.refresh_token)
+      assert.equal(response.status, 200, `day ${day + 20}`)
+      tokens = (await response.json()) as typeof tokens
+    }
   })
 
   it('refuses a lifetime it did not offer', async () => {

@@ -125,8 +125,10 @@ export type AuthorizationCode = {
   /** The services the owner let the client reach (RFC 8707): the audience of its tokens. */
   resource: string[]
   me: string
-  /** The access token lifetime the owner chose on the consent page. */
+  /** The access token lifetime: the one the owner chose on the consent page, or `ACCESS_TOKEN_TTL`. */
   accessTokenTtlSeconds: number
+  /** How long the app's access lasts from the approval, refreshing included; undefined: until revoked. */
+  approvedForSeconds?: number
   issuedAt: number
   expiresAt: number
   /** Set once the code has been redeemed; kept so that a replay can be recognised. */
@@ -148,6 +150,8 @@ export type Grant = {
   accessTokenTtlSeconds: number
   approvedAt: number
   lastUsedAt: number
+  /** When the owner's approval ends, refreshing included, as chosen on the consent page; undefined: never. */
+  endsAt?: number
   /** The latest expiry of its tokens: a grant lives as long as one of them may. */
   expiresAt: number
 }
@@ -682,7 +686,11 @@ const SCOPE_DESCRIPTIONS: Record<string, string> = {
 const PENDING_TTL_SECONDS = 600
 const SUPPORTED_SCOPES = Object.keys(SCOPE_DESCRIPTIONS)
 
-/** The access token lifetimes the consent page offers; `ACCESS_TOKEN_TTL` is added if missing. */
+/**
+ * How long an app's access may last, as the consent page offers it: the grant ends then, and
+ * refreshing with it. `ACCESS_TOKEN_TTL` is added if missing. "Until you revoke it" (0) gives
+ * tokens of `ACCESS_TOKEN_TTL` that an app may refresh for as long as it uses them.
+ */
 const LIFETIME_CHOICES: [string, number][] = [
   ['1 day', 86400],
   ['1 week', 604800],
@@ -690,6 +698,7 @@ const LIFETIME_CHOICES: [string, number][] = [
   ['3 months', 7776000],
   ['1 year', 31536000],
 ]
+const UNTIL_REVOKED = 0
 
 function endpointUrl(config: Config, path: string): string {
   return `${config.issuer}${path}`
@@ -1015,13 +1024,15 @@ ${password}
   )
 }
 
-/** A choice of access token lifetimes, because many clients never refresh. */
+/**
+ * How long the app's access lasts: a fixed time, because many clients never refresh and some
+ * should not keep access, or until the owner revokes it, for apps that refresh.
+ */
 function renderLifetimeChoice(config: Config): string {
   const options = lifetimeChoices(config)
     .map(
       ([label, seconds]) =>
-        `<option value="${seconds}"${seconds === config.accessTokenTtlSeconds ? ' selected' : ''}>` +
-        `${escapeHtml(label)}</option>`,
+        `<option value="${seconds}"${seconds === UNTIL_REVOKED ? ' selected' : ''}>${escapeHtml(label)}</option>`,
     )
     .join('')
   return `<p><label>Its access lasts <select name="lifetime">${options}</select></label></p>`
@@ -1029,14 +1040,18 @@ function renderLifetimeChoice(config: Config): string {
 
 function lifetimeChoices(config: Config): [string, number][] {
   const ttl = config.accessTokenTtlSeconds
-  if (LIFETIME_CHOICES.some(([, seconds]) => seconds === ttl)) return LIFETIME_CHOICES
+  const revoked: [string, number] = ['until you revoke it', UNTIL_REVOKED]
+  if (LIFETIME_CHOICES.some(([, seconds]) => seconds === ttl)) return [...LIFETIME_CHOICES, revoked]
   const label = ttl % 86400 === 0 ? `${ttl / 86400} days` : ttl % 3600 === 0 ? `${ttl / 3600} hours` : `${ttl} seconds`
-  return [...LIFETIME_CHOICES, [label, ttl] as [string, number]].sort((a, b) => a[1] - b[1])
+  return [...[...LIFETIME_CHOICES, [label, ttl] as [string, number]].sort((a, b) => a[1] - b[1]), revoked]
 }
 
-/** The lifetime chosen on the consent page: one of those offered, or `ACCESS_TOKEN_TTL` when none was sent. */
+/**
+ * The lifetime chosen on the consent page: one of those offered, in seconds, or `UNTIL_REVOKED`,
+ * which is also what a form that sends none gets.
+ */
 function requireLifetime(value: string | undefined, config: Config): number {
-  if (value === undefined) return config.accessTokenTtlSeconds
+  if (value === undefined) return UNTIL_REVOKED
   const choice = lifetimeChoices(config).find(([, seconds]) => String(seconds) === value)
   if (choice === undefined) throw new OAuthError('invalid_request', 'Choose one of the offered token lifetimes')
   return choice[1]
@@ -1108,18 +1123,14 @@ async function handleConsent(req: IncomingMessage, res: ServerResponse, ctx: Con
     return redirect(res, 303, buildRedirectUrl(request.redirect_uri, params))
   }
   const granted = request.scope.filter((scope) => (form.get('scope') ?? []).includes(scope))
-  const code = await issueCode(
-    request,
-    { scope: granted, resource: request.resource, accessTokenTtlSeconds: lifetime },
-    ctx,
-  )
+  const code = await issueCode(request, { scope: granted, resource: request.resource, lifetime }, ctx)
   redirect(res, 303, buildRedirectUrl(request.redirect_uri, { code, state: request.state, iss }), headers)
 }
 
 /** Issues a code bound to the request, the granted scopes and the chosen lifetime, and returns its value. */
 async function issueCode(
   request: PendingRequest,
-  grant: { scope: string[]; resource: string[]; accessTokenTtlSeconds: number },
+  grant: { scope: string[]; resource: string[]; lifetime: number },
   ctx: Context,
 ): Promise<string> {
   const code = createSecret()
@@ -1134,7 +1145,8 @@ async function issueCode(
       scope: grant.scope,
       resource: grant.resource,
       me: ctx.config.me,
-      accessTokenTtlSeconds: grant.accessTokenTtlSeconds,
+      accessTokenTtlSeconds: grant.lifetime === UNTIL_REVOKED ? ctx.config.accessTokenTtlSeconds : grant.lifetime,
+      approvedForSeconds: grant.lifetime === UNTIL_REVOKED ? undefined : grant.lifetime,
       issuedAt: now,
       expiresAt: now + ctx.config.codeTtlSeconds * 1000,
       usedAt: undefined,
@@ -1332,6 +1344,7 @@ async function exchangeCode(form: Params, ctx: Context) {
     accessTokenTtlSeconds: code.accessTokenTtlSeconds,
     approvedAt: code.issuedAt,
     lastUsedAt: 0,
+    endsAt: code.approvedForSeconds === undefined ? undefined : code.issuedAt + code.approvedForSeconds * 1000,
     expiresAt: 0,
   }
   const access = { scope: code.scope, resource: narrowResource(form, code.resource) }
@@ -1416,8 +1429,10 @@ async function issueTokens(
   ctx: Context,
 ) {
   const now = ctx.now()
-  const { accessTokenTtlSeconds } = grant
-  const { refreshTokenTtlSeconds } = ctx.config
+  // nothing outlives the approval: the last tokens end when it does
+  const endsAt = grant.endsAt ?? Infinity
+  if (endsAt <= now) throw new OAuthError('invalid_grant', 'The access the owner approved for this app has ended')
+  const accessTokenExpiresAt = Math.min(now + grant.accessTokenTtlSeconds * 1000, endsAt)
   const accessToken = createSecret()
   const refreshToken = createSecret()
   const access: Token = {
@@ -1426,7 +1441,7 @@ async function issueTokens(
     scope,
     resource,
     issuedAt: now,
-    expiresAt: now + accessTokenTtlSeconds * 1000,
+    expiresAt: accessTokenExpiresAt,
     usedAt: undefined,
   }
   const refresh: Token = {
@@ -1435,7 +1450,7 @@ async function issueTokens(
     scope: grant.scope,
     resource: grant.resource,
     issuedAt: now,
-    expiresAt: now + refreshTokenTtlSeconds * 1000,
+    expiresAt: Math.min(now + ctx.config.refreshTokenTtlSeconds * 1000, endsAt),
     usedAt: undefined,
   }
   const expiresAt = Math.max(grant.expiresAt, access.expiresAt, refresh.expiresAt)
@@ -1458,7 +1473,7 @@ async function issueTokens(
     token_type: 'Bearer',
     scope: scope.length === 0 ? undefined : scope.join(' '), // a token for a resource alone has none
     me: grant.me,
-    expires_in: accessTokenTtlSeconds,
+    expires_in: Math.ceil((accessTokenExpiresAt - now) / 1000),
     refresh_token: refreshToken,
     profile: buildProfile(scope, ctx.config.profile), // left out of the JSON when undefined: without the profile scope
   }
@@ -1783,7 +1798,7 @@ ${grant.client_name === undefined ? '' : `<dt>App</dt><dd><code>${isolate(grant.
 <dt>Scopes</dt><dd>${escapeHtml(grant.scope.join(' '))}</dd>
 <dt>Approved</dt><dd>${formatTime(grant.approvedAt)}</dd>
 <dt>Last used</dt><dd>${formatTime(grant.lastUsedAt)}</dd>
-<dt>Access ends</dt><dd>${formatTime(grant.expiresAt)}</dd>
+<dt>Access ends</dt><dd>${grant.endsAt === undefined ? untilRevoked(config) : formatTime(grant.endsAt)}</dd>
 </dl>
 ${renderButton(config, '/apps/revoke', `${csrfField}${grantField(id)}`, 'danger', 'Revoke')}
 </section>`,
@@ -1801,11 +1816,17 @@ ${renderButton(config, '/apps/revoke', `${csrfField}${grantField(id)}`, 'danger'
     'Connected apps',
     `<div class="bar"><span class="muted">${escapeHtml(config.me)}</span>${signOut}</div>
 <h1>Connected apps</h1>
-<p>These apps can act as you. Revoking one ends its access and refresh tokens at once;
-“Access ends” is when it would end anyway, unless the app refreshes it.</p>
+<p>These apps can act as you. Revoking one ends its access at once; otherwise it ends when
+you chose on the consent page.</p>
 ${apps === '' ? '<p class="muted">No app holds a token right now.</p>' : `${apps}\n${actions}`}
 ${everywhere}`,
   )
+}
+
+/** What "until you revoke it" means on /apps: a refresh token also ends when it goes unused for long. */
+function untilRevoked(config: Config): string {
+  const days = Math.round(config.refreshTokenTtlSeconds / 86400)
+  return `When you revoke it, or after ${days} days unused`
 }
 
 function grantField(id: string): string {
@@ -1828,7 +1849,9 @@ function formatTime(ms: number): string {
 /**
  * Says what this server is, and shows the owner the `<link>` tags to paste into their site:
  * `indieauth-metadata`, and the two older relations that clients before 2022 look for. The same
- * links go out as a `Link` header, so a `ME` that points at this server is discoverable too.
+ * links go out as a `Link` header, so a `ME` that points at this server is discoverable too; and
+ * when `ME` is on this server's origin (the default), in the page's own `<head>`, for clients
+ * that read only HTML.
  * @see https://indieauth.spec.indieweb.org/#discovery-by-clients IndieAuth §4.1
  */
 async function handleHomePage(_req: IncomingMessage, res: ServerResponse, ctx: Context): Promise<void> {
@@ -1839,8 +1862,9 @@ async function handleHomePage(_req: IncomingMessage, res: ServerResponse, ctx: C
     ['token_endpoint', endpointUrl(config, '/token')],
   ]
   const metadata = endpointUrl(config, '/.well-known/oauth-authorization-server')
-  const links = relations.map(([rel, href]) => `<link rel="${rel}" href="${href}">`).join('\n')
+  const links = relations.map(([rel, href]) => `<link rel="${rel}" href="${escapeHtml(href)}">`).join('\n')
   const linkHeader = relations.map(([rel, href]) => `<${href}>; rel="${rel}"`).join(', ')
+  const head = new URL(config.me).origin === new URL(config.issuer).origin ? links : ''
   sendPage(
     res,
     200,
@@ -1851,7 +1875,9 @@ async function handleHomePage(_req: IncomingMessage, res: ServerResponse, ctx: C
 Apps that let you sign in with your website send you here to confirm that you are you.</p>
 <p>To use it, paste these lines into the <code>&lt;head&gt;</code> of <code>${escapeHtml(config.me)}</code>:</p>
 <pre>${escapeHtml(links)}</pre>
+<p><a href="${escapeHtml(endpointUrl(config, '/apps'))}">Your connected apps</a></p>
 <p class="muted">Server metadata: <a href="${escapeHtml(metadata)}">${escapeHtml(metadata)}</a></p>`,
+      head,
     ),
     { Link: linkHeader },
   )
@@ -2428,7 +2454,7 @@ function isolate(text: string): string {
   return `<bdi>${escapeHtml(plainText(text))}</bdi>`
 }
 
-function renderPage(title: string, body: string): string {
+function renderPage(title: string, body: string, head = ''): string {
   return `<!doctype html>
 <html lang="en">
 <head>
@@ -2436,7 +2462,7 @@ function renderPage(title: string, body: string): string {
 <meta name="viewport" content="width=device-width, initial-scale=1">
 <meta name="referrer" content="no-referrer">
 <title>${escapeHtml(title)}</title>
-<style>${STYLESHEET}</style>
+<style>${STYLESHEET}</style>${head === '' ? '' : `\n${head}`}
 </head>
 <body>
 <main>
@@ -4112,6 +4138,7 @@ const JOURNAL_FIELDS = {
     resource: 'strings?',
     me: 'string',
     accessTokenTtlSeconds: 'number',
+    approvedForSeconds: 'number?',
     issuedAt: 'number',
     expiresAt: 'number',
     usedAt: 'number?',
@@ -4125,6 +4152,7 @@ const JOURNAL_FIELDS = {
     accessTokenTtlSeconds: 'number',
     approvedAt: 'number',
     lastUsedAt: 'number',
+    endsAt: 'number?',
     expiresAt: 'number',
   },
   token: {
@@ -4352,6 +4380,7 @@ class StoredGrant {
   readonly accessTokenTtlSeconds: number
   readonly approvedAt: number
   lastUsedAt: number
+  readonly endsAt: number | undefined
   readonly expiresAt: number
 
   constructor(grant: Grant, app: GrantedApp) {
@@ -4359,6 +4388,7 @@ class StoredGrant {
     this.accessTokenTtlSeconds = grant.accessTokenTtlSeconds
     this.approvedAt = toSeconds(grant.approvedAt)
     this.lastUsedAt = toSeconds(grant.lastUsedAt)
+    this.endsAt = grant.endsAt === undefined ? undefined : toSeconds(grant.endsAt, 'up')
     this.expiresAt = toSeconds(grant.expiresAt, 'up')
   }
 
@@ -4373,6 +4403,7 @@ class StoredGrant {
       accessTokenTtlSeconds: this.accessTokenTtlSeconds,
       approvedAt: this.approvedAt * 1000,
       lastUsedAt: this.lastUsedAt * 1000,
+      endsAt: this.endsAt === undefined ? undefined : this.endsAt * 1000,
       expiresAt: this.expiresAt * 1000,
     }
   }
