@@ -1974,6 +1974,57 @@ describe('Sign-in sessions and connected apps', () => {
     assert.ok(latch.logs.some((line) => /^\S+Z 127\.0\.0\.1 security: .*every session ended/.test(line)))
   })
 
+  it('makes a token for scripts on /apps: shown once, listed, introspected like any, revoked from the list', async () => {
+    const csrf = createSecret()
+    const cookie = `latch_csrf=${csrf}; ${await signIn(csrf)}`
+    const made = await post(
+      `${latch.base}/apps/tokens`,
+      form({ csrf: await formTokenOf(cookie), name: 'Deploy notes', scope: 'create update', lifetime: '604800' }),
+      { Cookie: cookie },
+    )
+    const page = await made.text()
+    assert.equal(made.status, 200, page)
+    assert.equal(made.headers.get('cache-control'), 'no-store')
+    const token = /<pre class="token">([A-Za-z0-9_-]{43})<\/pre>/.exec(page)?.[1] ?? ''
+    assert.ok(token, page)
+    const introspection = await introspect(latch, token)
+    assert.equal(introspection.active, true)
+    assert.equal(introspection.client_id, `${latch.issuer}/apps`)
+    assert.equal(introspection.scope, 'create update')
+    assert.equal(introspection.exp, (introspection.iat as number) + 604800)
+    const apps = await appsPage(cookie)
+    assert.match(apps, /<h2><bdi>Deploy notes<\/bdi><\/h2>/)
+    assert.doesNotMatch(apps, new RegExp(token)) // shown once only
+    const grant = /name="grant" value="([^"]+)"/.exec(apps.slice(apps.indexOf('Deploy notes')))?.[1] ?? ''
+    const revoked = await post(`${latch.base}/apps/revoke`, form({ csrf: await formTokenOf(cookie), grant }), {
+      Cookie: cookie,
+    })
+    assert.equal(revoked.status, 303)
+    assert.deepEqual(await introspect(latch, token), { active: false })
+    assert.ok(
+      latch.logs.some((line) => / security: the owner made a token for scripts named "Deploy notes"/.test(line)),
+    )
+  })
+
+  it('refuses a token for scripts without a sign-in, a name or a scope', async () => {
+    const csrf = createSecret()
+    const cookie = `latch_csrf=${csrf}; ${await signIn(csrf)}`
+    for (const fields of [
+      { name: '', scope: 'create' },
+      { name: 'x'.repeat(101), scope: 'create' },
+      { name: 'Hook', scope: '' },
+    ]) {
+      const response = await post(`${latch.base}/apps/tokens`, form({ csrf: await formTokenOf(cookie), ...fields }), {
+        Cookie: cookie,
+      })
+      assert.equal(response.status, 400, JSON.stringify(fields))
+    }
+    const signedOut = await post(`${latch.base}/apps/tokens`, form({ csrf, name: 'Hook', scope: 'create' }), {
+      Cookie: `latch_csrf=${csrf}`,
+    })
+    assert.equal(signedOut.status, 401)
+  })
+
   it('names the session and CSRF cookies __Host- and marks them Secure on an https issuer', async () => {
     const secure = await startLatch({
       PASSWORD_HASH: await hashPassword(password, FAST_COST),

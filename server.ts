@@ -1767,6 +1767,66 @@ async function handleAllAppsRevocation(req: IncomingMessage, res: ServerResponse
   redirect(res, 303, endpointUrl(ctx.config, '/apps'))
 }
 
+/**
+ * Makes a token for a script, a webhook or CI, which needs no sign-in flow: a grant of its own,
+ * under the client_id of `/apps`, with one access token that lasts the chosen time and is shown
+ * once. It is listed, revoked and introspected like any app's.
+ */
+async function handleScriptToken(req: IncomingMessage, res: ServerResponse, ctx: Context): Promise<void> {
+  const form = await readForm(req)
+  await requireOwner(form, req, ctx)
+  const given = getParam(form, 'name') ?? ''
+  const name = given.length > MAX_TOKEN_NAME_LENGTH ? undefined : cleanName(given)
+  if (name === undefined)
+    throw new OAuthError('invalid_request', `Give the token a name of at most ${MAX_TOKEN_NAME_LENGTH} characters`)
+  const scope = parseScope(getParam(form, 'scope'))
+  if (scope.length === 0 || scope.length > MAX_SCOPES || scope.some((one) => one.length > MAX_SCOPE_LENGTH))
+    throw new OAuthError('invalid_scope', `Give the token from 1 to ${MAX_SCOPES} scopes, separated by spaces`)
+  const resource = requireResources(form)
+  const lifetime = requireLifetime(getParam(form, 'lifetime'), ctx.config)
+  const now = ctx.now()
+  const expiresAt = now + (lifetime === UNTIL_REVOKED ? MAX_DURATION_SECONDS : lifetime) * 1000
+  const grantId = hashSecret(createSecret())
+  const grant: Grant = {
+    client_id: scriptClientId(ctx.config),
+    client_name: name,
+    me: ctx.config.me,
+    scope,
+    resource,
+    accessTokenTtlSeconds: (expiresAt - now) / 1000,
+    approvedAt: now,
+    lastUsedAt: 0,
+    endsAt: lifetime === UNTIL_REVOKED ? undefined : expiresAt,
+    expiresAt,
+  }
+  const token = createSecret()
+  await ctx.store.saveGrant(grantId, grant, now)
+  const access = { kind: 'access', grantId, scope, resource, issuedAt: now, expiresAt, usedAt: undefined } as const
+  await ctx.store.saveToken(hashSecret(token), access, now)
+  logEvent(ctx, 'security', `the owner made a token for scripts named ${JSON.stringify(name)}`, req)
+  sendPage(res, 200, renderScriptTokenPage(name, token, ctx.config))
+}
+
+const MAX_TOKEN_NAME_LENGTH = 100
+
+/** The client_id of tokens made on /apps: the page they were made on. */
+function scriptClientId(config: Config): string {
+  return endpointUrl(config, '/apps')
+}
+
+/** The new token, shown once: the page is not stored by the browser (`no-store`, as every page). */
+function renderScriptTokenPage(name: string, token: string, config: Config): string {
+  return renderPage(
+    'Your new token',
+    `<h1>Your new token</h1>
+<p>The token <strong>${isolate(name)}</strong> is ready. Copy it now: it is shown only this once.</p>
+<pre class="token">${escapeHtml(token)}</pre>
+<p>A script sends it as <code>Authorization: Bearer …</code>. Revoke it on your apps page when it is no
+longer needed.</p>
+<p><a href="${escapeHtml(endpointUrl(config, '/apps'))}">Back to your apps</a></p>`,
+  )
+}
+
 async function requireOwner(form: Params, req: IncomingMessage, ctx: Context): Promise<void> {
   if (!(await requireFormToken(form, req, ctx)).signedIn)
     throw new OAuthError('access_denied', 'Sign in first: your session has ended', { status: 401 })
@@ -1794,7 +1854,13 @@ function renderAppsPage(grants: [string, Grant][], page: { csrf: string; config:
       ([id, grant]) => `<section class="app">
 <h2>${isolate(grant.client_name ?? grant.client_id)}</h2>
 <dl>
-${grant.client_name === undefined ? '' : `<dt>App</dt><dd><code>${isolate(grant.client_id)}</code></dd>`}
+${
+  grant.client_id === scriptClientId(config)
+    ? '<dt>App</dt><dd>A token for scripts, made here</dd>'
+    : grant.client_name === undefined
+      ? ''
+      : `<dt>App</dt><dd><code>${isolate(grant.client_id)}</code></dd>`
+}
 <dt>Scopes</dt><dd>${escapeHtml(grant.scope.join(' '))}</dd>
 <dt>Approved</dt><dd>${formatTime(grant.approvedAt)}</dd>
 <dt>Last used</dt><dd>${formatTime(grant.lastUsedAt)}</dd>
@@ -1819,6 +1885,7 @@ ${renderButton(config, '/apps/revoke', `${csrfField}${grantField(id)}`, 'danger'
 <p>These apps can act as you. Revoking one ends its access at once; otherwise it ends when
 you chose on the consent page.</p>
 ${apps === '' ? '<p class="muted">No app holds a token right now.</p>' : `${apps}\n${actions}`}
+${renderScriptTokenForm(config, csrfField)}
 ${everywhere}`,
   )
 }
@@ -1827,6 +1894,22 @@ ${everywhere}`,
 function untilRevoked(config: Config): string {
   const days = Math.round(config.refreshTokenTtlSeconds / 86400)
   return `When you revoke it, or after ${days} days unused`
+}
+
+/** The form that makes a token for a script: a name, scopes, an optional service, a lifetime. */
+function renderScriptTokenForm(config: Config, csrfField: string): string {
+  return `<section class="app">
+<h2>A token for a script</h2>
+<p class="muted">For a webhook, CI or a shell script that posts as you: no app, no sign-in.</p>
+<form method="post" action="${escapeHtml(endpointUrl(config, '/apps/tokens'))}">
+${csrfField}
+<p><label>Name <input name="name" required maxlength="${MAX_TOKEN_NAME_LENGTH}" placeholder="Deploy notes"></label></p>
+<p><label>Scopes <input name="scope" required value="create" autocapitalize="none" spellcheck="false"></label></p>
+<p><label>For the service at (optional) <input name="resource" type="url" placeholder="https://example.com/mcp"></label></p>
+${renderLifetimeChoice(config)}
+<div class="actions"><button class="primary">Make a token</button></div>
+</form>
+</section>`
 }
 
 function grantField(id: string): string {
@@ -1914,6 +1997,7 @@ const ROUTES: Route[] = [
   route('/apps',                'GET HEAD', handleAppsPage,             'page', '',     ''),
   route('/apps/revoke',         'POST',     handleAppRevocation,        'page', '',     ''),
   route('/apps/revoke-all',     'POST',     handleAllAppsRevocation,    'page', '',     ''),
+  route('/apps/tokens',         'POST',     handleScriptToken,          'page', '',     ''),
   route('/sign-in',             'POST',     handleSignIn,               'page', '',     ''),
   route('/sign-out',            'POST',     handleSignOut,              'page', '',     ''),
   route('/sign-out-everywhere', 'POST',     handleSignOutEverywhere,    'page', '',     ''),
