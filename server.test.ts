@@ -2135,6 +2135,57 @@ describe('Token lifetime on the consent page', () => {
   })
 })
 
+describe('Pages that explain themselves', () => {
+  const password = 'correct horse'
+  let open: TestServer
+  let locked: TestServer
+  before(async () => {
+    open = await startLatch()
+    locked = await startLatch({ PASSWORD_HASH: await hashPassword(password, FAST_COST), ME: 'https://example.com/' })
+  })
+  after(async () => {
+    await open.close()
+    await locked.close()
+  })
+
+  it('names the app in the heading (its host without a name) and says when anyone could approve', async () => {
+    const { html } = await openConsent(open)
+    assert.match(html, /<h1>Sign in to <bdi>127\.0\.0\.1:8080<\/bdi><\/h1>/)
+    assert.match(html, /class="warning">This server has no password: anyone who can open this page could approve/)
+    assert.match(html, /href="[^"]*\/apps">your apps<\/a>/)
+    assert.doesNotMatch((await openConsent(locked)).html, /has no password/)
+  })
+
+  it('shows the consent form again on a lockout, with the time to wait', async () => {
+    const consent = await openConsent(locked)
+    let response: Response | undefined
+    for (let attempt = 0; attempt < 7; attempt++) {
+      response = await submitConsent(locked, consent, { password: 'wrong guess' })
+      if (response.status === 429) break
+    }
+    assert.equal(response?.status, 429)
+    const html = await response.text()
+    assert.match(html, /Too many wrong passwords: try again in \d+ seconds/)
+    assert.match(html, /type="password"/) // the form is there again
+    assert.match(response.headers.get('retry-after') ?? '', /^\d+$/)
+  })
+
+  it('answers a browser with a page for 404 and 405, and a program with JSON', async () => {
+    const html = { Accept: 'text/html,application/xhtml+xml,*/*;q=0.8' }
+    const missing = await fetch(`${open.base}/nothing-here`, { headers: html })
+    assert.equal(missing.status, 404)
+    assert.match(missing.headers.get('content-type') ?? '', /^text\/html/)
+    const page = await missing.text()
+    assert.ok(page.indexOf('There is nothing here') < page.indexOf('not_found'), 'the person first, the detail after')
+    const wrongMethod = await fetch(`${open.base}/token`, { method: 'PUT', headers: html })
+    assert.equal(wrongMethod.status, 405)
+    assert.match(wrongMethod.headers.get('content-type') ?? '', /^text\/html/)
+    assert.equal(wrongMethod.headers.get('allow'), 'GET, HEAD, POST')
+    const program = await fetch(`${open.base}/nothing-here`)
+    assert.equal(program.headers.get('content-type'), 'application/json')
+  })
+})
+
 describe('Slow clients', () => {
   // Node's own timers close these connections, so these tests wait for real, briefly.
   const timeouts = { headersMs: 300, requestMs: 600, keepAliveMs: 200, checkEveryMs: 50 }

@@ -821,6 +821,7 @@ async function handleAuthorizationRequest(req: IncomingMessage, res: ServerRespo
     config: ctx.config,
     signedIn: visitor.signedIn,
     logo: client.info?.logo,
+    clientUri: client.info?.url,
   })
   sendPage(res, 200, page, {
     'Set-Cookie': buildCookie(csrfCookieName(ctx.config), visitor.csrf, undefined, ctx.config),
@@ -967,7 +968,15 @@ function requireResources(params: Params): string[] {
 /** The consent page: who asks, where the browser goes next, what access, and one form. */
 function renderConsentPage(
   request: PendingRequest,
-  form: { id: string; csrf: string; config: Config; signedIn: boolean; logo?: string; message?: string },
+  form: {
+    id: string
+    csrf: string
+    config: Config
+    signedIn: boolean
+    logo?: string
+    clientUri?: string
+    message?: string
+  },
 ): string {
   const { config } = form
   // a native app's custom scheme has no host
@@ -982,10 +991,23 @@ function renderConsentPage(
     })
     .join('\n')
   const logo =
-    form.logo === undefined
-      ? ''
-      : `<p><img class="logo" src="${escapeHtml(form.logo)}" alt="" width="64" height="64"></p>`
+    form.logo === undefined ? '' : `<img class="logo" src="${escapeHtml(form.logo)}" alt="" width="48" height="48"> `
   const name = request.client_name === undefined ? '' : `<strong>${isolate(request.client_name)}</strong> at `
+  const clientHost = new URL(request.client_id).host
+  const about =
+    form.clientUri === undefined
+      ? ''
+      : `<p class="muted">About the app: <a href="${escapeHtml(form.clientUri)}" rel="noreferrer">` +
+        `${isolate(form.clientUri)}</a></p>`
+  const destination =
+    redirectHost === clientHost
+      ? `<p class="muted">After you decide, your browser goes to <code>${isolate(redirectHost)}</code>.</p>`
+      : `<p class="warning">After you decide, your browser goes to <code>${isolate(redirectHost)}</code>, ` +
+        `not to <code>${isolate(clientHost)}</code>: approve only if you expect that.</p>`
+  const open =
+    config.passwordHash === undefined
+      ? '<p class="warning">This server has no password: anyone who can open this page could approve.</p>'
+      : ''
   const services =
     request.resource.length === 0
       ? ''
@@ -997,20 +1019,26 @@ function renderConsentPage(
     scopes === '' && services === ''
       ? '<p>It asks for no access beyond your identity.</p>'
       : `${services}${fieldset}${renderLifetimeChoice(config)}`
-  const signedIn = config.passwordHash === undefined ? '' : '<p class="muted">You are signed in.</p>'
+  const apps = `<a href="${escapeHtml(endpointUrl(config, '/apps'))}">your apps</a>`
+  const signedIn =
+    config.passwordHash === undefined
+      ? `<p class="muted">See ${apps}.</p>`
+      : `<p class="muted">You are signed in. See ${apps}.</p>`
   const password = form.signedIn ? signedIn : renderPasswordField(form.message)
   const hint =
     request.meHint !== undefined && request.meHint !== config.me
       ? `<p class="muted">The app expected <code>${isolate(request.meHint)}</code>.</p>`
       : ''
+  const appName = request.client_name ?? clientHost
   return renderPage(
-    'Sign in',
-    `<h1>Sign in to an app as ${escapeHtml(config.me)}</h1>
-${logo}
+    `Sign in to ${appName}`,
+    `<h1>${logo}Sign in to ${isolate(appName)}</h1>
 <p>The app ${name}<code>${isolate(request.client_id)}</code>
 wants to know that you are <code>${escapeHtml(config.me)}</code>.</p>
+${about}
 ${hint}
-<p class="muted">After you decide, your browser goes to <code>${isolate(redirectHost)}</code>.</p>
+${destination}
+${open}
 <form method="post" action="${escapeHtml(endpointUrl(config, '/auth/consent'))}">
 <input type="hidden" name="request" value="${escapeHtml(form.id)}">
 <input type="hidden" name="csrf" value="${escapeHtml(form.csrf)}">
@@ -1090,20 +1118,22 @@ async function handleConsent(req: IncomingMessage, res: ServerResponse, ctx: Con
   const lifetime = requireLifetime(getParam(form, 'lifetime'), ctx.config)
   const headers: Record<string, string> = {}
   if (decision === 'approve' && !visitor.signedIn) {
-    const message = await checkPassword(getParam(form, 'password'), clientAddress(req, ctx.trustedProxies), ctx)
-    if (message !== undefined) {
-      const logo = ctx.clients.get(request.client_id)?.info.logo
+    const refused = await refusePassword(getParam(form, 'password'), req, res, ctx)
+    if (refused !== undefined) {
+      const info = ctx.clients.get(request.client_id)?.info
       return sendPage(
         res,
-        401,
+        refused.status,
         renderConsentPage(request, {
           id,
           csrf: formToken(visitor),
           config: ctx.config,
           signedIn: false,
-          logo,
-          message,
+          logo: info?.logo,
+          clientUri: info?.url,
+          message: refused.message,
         }),
+        refused.headers,
       )
     }
     headers['Set-Cookie'] = await startSession(ctx)
@@ -1713,9 +1743,11 @@ async function handleSignIn(req: IncomingMessage, res: ServerResponse, ctx: Cont
   const visitor = await requireFormToken(form, req, ctx)
   const headers: Record<string, string> = {}
   if (!visitor.signedIn) {
-    const message = await checkPassword(getParam(form, 'password'), clientAddress(req, ctx.trustedProxies), ctx)
-    if (message !== undefined)
-      return sendPage(res, 401, renderSignInPage({ csrf: formToken(visitor), config: ctx.config, message }))
+    const refused = await refusePassword(getParam(form, 'password'), req, res, ctx)
+    if (refused !== undefined) {
+      const page = renderSignInPage({ csrf: formToken(visitor), config: ctx.config, message: refused.message })
+      return sendPage(res, refused.status, page, refused.headers)
+    }
     headers['Set-Cookie'] = await startSession(ctx)
   }
   redirect(res, 303, endpointUrl(ctx.config, '/apps'), headers)
@@ -1898,7 +1930,7 @@ function untilRevoked(config: Config): string {
 
 /** The form that makes a token for a script: a name, scopes, an optional service, a lifetime. */
 function renderScriptTokenForm(config: Config, csrfField: string): string {
-  return `<section class="app">
+  return `<section class="maker">
 <h2>A token for a script</h2>
 <p class="muted">For a webhook, CI or a shell script that posts as you: no app, no sign-in.</p>
 <form method="post" action="${escapeHtml(endpointUrl(config, '/apps/tokens'))}">
@@ -2181,7 +2213,9 @@ function renderError(err: unknown, req: IncomingMessage, res: ServerResponse, as
     return
   }
   if (err instanceof OAuthError) {
-    if (asPage) sendErrorPage(res, err)
+    // a browser that followed a wrong link gets a page, a program its JSON
+    const browser = (err.status === 404 || err.status === 405) && /\btext\/html\b/.test(req.headers.accept ?? '')
+    if (asPage || browser) sendErrorPage(res, err)
     else sendJsonError(res, err)
     return
   }
@@ -2457,6 +2491,8 @@ pre {
 }
 .muted { color: var(--muted); }
 .error { border-left: 4px solid #d93025; padding: .25rem .75rem; }
+.warning { border-left: 4px solid #f29900; padding: .25rem .75rem; }
+h1 .logo { vertical-align: middle; margin-right: .5rem; }
 fieldset { border: 1px solid var(--line); border-radius: .5rem; padding: .75rem 1rem; background: var(--panel); }
 legend { padding: 0 .25rem; font-weight: 600; }
 label { display: block; padding: .5rem 0; }
@@ -2497,14 +2533,14 @@ select {
   padding: .4rem;
   margin-left: .25rem;
 }
-.app {
+.app, .maker {
   border: 1px solid var(--line);
   border-radius: .5rem;
   padding: .75rem 1rem;
   margin: 0 0 1rem;
   background: var(--panel);
 }
-.app h2 { font-size: 1.1rem; margin: 0 0 .5rem; overflow-wrap: anywhere; }
+.app h2, .maker h2 { font-size: 1.1rem; margin: 0 0 .5rem; overflow-wrap: anywhere; }
 .logo { border-radius: .5rem; }
 dl { display: grid; grid-template-columns: max-content 1fr; gap: .2rem .75rem; margin: 0 0 .75rem; }
 dt { color: var(--muted); }
@@ -2564,14 +2600,28 @@ function sendPage(res: ServerResponse, status: number, html: string, headers: Re
 
 /** Sends an error as a page that names the problem; used where a person, not a client, reads it. */
 function sendErrorPage(res: ServerResponse, err: OAuthError): void {
-  const title = err.status === 429 ? 'Too many attempts' : 'This sign-in cannot continue'
-  const next = err.status === 429 ? 'Wait, then try again.' : 'Go back to the app you came from and start again.'
+  const [title, next] = ERROR_PAGE_WORDS[err.status] ?? ERROR_PAGE_WORDS[400]
+  const detail = err.error === NO_ERROR_CODE ? `HTTP ${err.status}` : `${err.error}, HTTP ${err.status}`
   const body = [
     `<h1>${escapeHtml(title)}</h1>`,
+    `<p>${escapeHtml(next)}</p>`,
     `<p class="error">${escapeHtml(err.message)}</p>`,
-    `<p class="muted">${next}</p>`,
+    `<p class="muted">Technical detail: <code>${escapeHtml(detail)}</code></p>`,
   ].join('\n')
   sendPage(res, err.status, renderPage(title, body), err.headers)
+}
+
+/** What an error page says to the person first, by status: a title, and what to do next. */
+const ERROR_PAGE_WORDS: Record<number, [string, string]> = {
+  400: ['This sign-in cannot continue', 'Go back to the app you came from and start again.'],
+  401: ['Sign in first', 'Your session has ended: sign in again on your apps page.'],
+  403: ['This was refused', 'Go back, reload the page and try again.'],
+  404: ['There is nothing here', 'Check the address, or start from the home page of this server.'],
+  405: ['This page cannot be used that way', 'Go back and follow a link or a button of this server.'],
+  414: ['This address is too long', 'Go back to the app you came from and start again.'],
+  421: ['This is not the name of this server', 'Use the address this server was set up with.'],
+  429: ['Too many attempts', 'Wait, then try again.'],
+  500: ['Something went wrong', 'Try again in a moment. If it goes on, the server log says why.'],
 }
 
 /** The password field, with the message of a failed attempt right above it. */
@@ -2758,6 +2808,26 @@ function trustedProxiesOf(config: Config): BlockList | undefined {
     else list.addSubnet(address, Number(prefix), type)
   }
   return list
+}
+
+/**
+ * Why the password is refused, as the form shown again says it: 401 when it is wrong or missing,
+ * 429 with `Retry-After` and the time to wait when too many were wrong. Undefined when it is right.
+ */
+async function refusePassword(
+  password: string | undefined,
+  req: IncomingMessage,
+  res: ServerResponse,
+  ctx: Context,
+): Promise<{ status: number; message: string; headers: Record<string, string> } | undefined> {
+  try {
+    const message = await checkPassword(password, clientAddress(req, ctx.trustedProxies), ctx)
+    return message === undefined ? undefined : { status: 401, message, headers: {} }
+  } catch (err) {
+    if (!(err instanceof OAuthError) || err.status !== 429) throw err
+    noteError(res, err.error)
+    return { status: 429, message: err.message, headers: err.headers }
+  }
 }
 
 /** Checks the owner's password; returns a message for the page when it is wrong, or throws 429. */
@@ -5012,7 +5082,8 @@ function printStartup(config: Config, listeningUrl: string, store: MemoryStore |
     const time = new Date().toISOString()
     for (const warning of configWarnings(config))
       console.log(JSON.stringify({ time, event: 'warning', message: warning }))
-    const start = { issuer: config.issuer, me: config.me, password, data, listening: listeningUrl }
+    const metadata = `${config.issuer}/.well-known/oauth-authorization-server`
+    const start = { issuer: config.issuer, me: config.me, password, data, listening: listeningUrl, metadata }
     return void console.log(JSON.stringify({ time, event: 'start', message: 'Latch is listening', ...start }))
   }
   for (const warning of configWarnings(config)) console.log(`warning: ${warning}`)
@@ -5056,7 +5127,10 @@ async function main(argv: string[], env: Record<string, string | undefined>): Pr
         `HOST ${config.host} is not an address of this machine: use 127.0.0.1, or an interface this machine has`,
       )
     if (err.code === 'EACCES')
-      throw new ConfigError(`PORT ${config.port} is below 1024, which only root may bind: use a port such as 3000`)
+      throw new ConfigError(
+        `PORT ${config.port} may not be bound by this user (below 1024, that takes root or CAP_NET_BIND_SERVICE): ` +
+          'use a port such as 3000',
+      )
     throw err
   })
   const address = server.address()

@@ -297,6 +297,11 @@ describe('Client discovery (IndieAuth §4.2)', () => {
       /<strong><bdi>Jot &#60;Notes&#62;<\/bdi><\/strong> at <code><bdi>http:\/\/json\.example\/<\/bdi><\/code>/,
     )
     assert.ok(html.includes(`src="data:image/png;base64,${PNG.toString('base64')}"`))
+    // the browser will go to another host than the app's: the page says so plainly
+    assert.match(
+      html,
+      /class="warning">After you decide, your browser goes to <code><bdi>other\.example<\/bdi><\/code>, not to <code><bdi>json\.example<\/bdi><\/code>/,
+    )
     assert.doesNotMatch(html, /src="http/) // the page loads nothing from elsewhere
   })
 

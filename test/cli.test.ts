@@ -1,0 +1,603 @@
+// The command line and the log: what an operator reads. Start-up failures, --help, hash-password
+// and the start-up block run `node --import tsx server.ts` as a child process; the log lines of
+// requests and security events come from Latch in process, with the harness's clock and log.
+
+import { after, before, describe, it } from 'node:test'
+import assert from 'node:assert/strict'
+import { spawn, spawnSync } from 'node:child_process'
+import type { ChildProcessWithoutNullStreams, SpawnOptions } from 'node:child_process'
+import { EventEmitter } from 'node:events'
+import { chmod, mkdir, mkdtemp, rm, writeFile } from 'node:fs/promises'
+import { readFileSync } from 'node:fs'
+import { tmpdir } from 'node:os'
+import { join } from 'node:path'
+import { fileURLToPath } from 'node:url'
+import { SETTINGS, hashPassword, hashSecret } from '../server.ts'
+import { startLatch } from './harness.ts'
+import type { TestServer } from './harness.ts'
+
+/** The PKCE example of RFC 7636 Appendix B. */
+const VERIFIER = 'dBjftJeZ4CVP-mB92K27uhbUJU1p1r_wW1gFWFOEjXk'
+const CHALLENGE = 'E9Melhoa2OwvFrEMTJguCHaoeK1t8URWbuGJSstw-cM'
+const CLIENT_ID = 'http://127.0.0.1:8080/'
+const REDIRECT_URI = 'http://127.0.0.1:8080/callback'
+const FAST_COST = { ln: 10, r: 8, p: 1 }
+const PASSWORD = 'correct horse'
+const PASSWORD_HASH = await hashPassword(PASSWORD, FAST_COST)
+
+/** The folder of server.ts, where the child runs. */
+const ROOT = fileURLToPath(new URL('..', import.meta.url))
+/** How long a child may take to start, answer or stop before the test gives up on it. */
+const CHILD_TIMEOUT_MS = 20_000
+const NOBODY = 65534
+
+let directory: string
+before(async () => {
+  directory = await mkdtemp(join(tmpdir(), 'latch-cli-'))
+  await chmod(directory, 0o755) // the unprivileged user of the permission cases walks through it
+})
+after(() => rm(directory, { recursive: true, force: true }))
+
+// --- Running the command line ------------------------------------------------------------
+
+/** The test's environment without any Latch setting, plus the case's own. */
+function childEnv(settings: Record<string, string>): Record<string, string> {
+  const env: Record<string, string> = {}
+  const names = new Set<string>(SETTINGS.map((setting) => setting.name))
+  for (const [name, value] of Object.entries(process.env)) {
+    if (value !== undefined && !names.has(name) && !name.startsWith('NODE_TEST')) env[name] = value
+  }
+  return { ...env, ...settings }
+}
+
+type Exit = { code: number | null; stdout: string; stderr: string }
+
+/**
+ * Runs the command line to its end. A server that starts listening instead of failing is stopped
+ * at once, and answers `code: null`; so is one that runs past the timeout.
+ */
+function runLatch(
+  args: string[],
+  settings: Record<string, string>,
+  options: { input?: string; as?: number } = {},
+): Promise<Exit> {
+  return new Promise((resolve, reject) => {
+    const spawnOptions: SpawnOptions = { cwd: ROOT, env: childEnv(settings) }
+    if (options.as !== undefined) Object.assign(spawnOptions, { uid: options.as, gid: options.as })
+    const child = spawn(process.execPath, ['--import', 'tsx', 'server.ts', ...args], spawnOptions)
+    let stdout = ''
+    let stderr = ''
+    const timer = setTimeout(() => child.kill('SIGKILL'), CHILD_TIMEOUT_MS)
+    child.stdout?.setEncoding('utf8').on('data', (chunk: string) => {
+      stdout += chunk
+      if (stdout.includes('Latch is listening')) child.kill('SIGKILL')
+    })
+    child.stderr?.setEncoding('utf8').on('data', (chunk: string) => (stderr += chunk))
+    child.on('error', reject)
+    child.on('close', (code) => {
+      clearTimeout(timer)
+      resolve({ code, stdout, stderr })
+    })
+    child.stdin?.end(options.input ?? '')
+  })
+}
+
+/** A failure at start-up: exit 1, one line on stderr that starts `latch: `, and no stack trace. */
+function assertOneLineFailure(result: Exit, expected: RegExp): void {
+  const output = `stdout:\n${result.stdout}\nstderr:\n${result.stderr}`
+  assert.equal(result.code, 1, output)
+  const lines = result.stderr.split('\n').filter((line) => line.trim() !== '')
+  assert.equal(lines.length, 1, output)
+  assert.match(lines[0], /^latch: /)
+  assert.match(lines[0], expected)
+  assert.doesNotMatch(result.stderr, /\n\s+at |Error:/)
+}
+
+type Running = {
+  child: ChildProcessWithoutNullStreams
+  lines: string[]
+  /** The first line of stdout that passes the test, waited for up to the timeout. */
+  waitForLine: (test: (line: string) => boolean, what: string) => Promise<string>
+  stop: () => Promise<void>
+}
+
+/** Starts the server as a child process and reads its stdout line by line. */
+function serve(settings: Record<string, string>): Running {
+  const child = spawn(process.execPath, ['--import', 'tsx', 'server.ts'], { cwd: ROOT, env: childEnv(settings) })
+  const lines: string[] = []
+  const events = new EventEmitter()
+  let pending = ''
+  let stderr = ''
+  let exited = false
+  child.stdout.setEncoding('utf8').on('data', (chunk: string) => {
+    const parts = (pending + chunk).split('\n')
+    pending = parts.pop() ?? ''
+    lines.push(...parts)
+    events.emit('line')
+  })
+  child.stderr.setEncoding('utf8').on('data', (chunk: string) => (stderr += chunk))
+  const closed = new Promise<void>((resolve) =>
+    child.on('close', () => {
+      exited = true
+      events.emit('line')
+      resolve()
+    }),
+  )
+  const waitForLine = (test: (line: string) => boolean, what: string) =>
+    new Promise<string>((resolve, reject) => {
+      const output = () => `stdout:\n${lines.join('\n')}${pending}\nstderr:\n${stderr}`
+      const check = () => {
+        const line = lines.find(test)
+        if (line !== undefined) {
+          done()
+          resolve(line)
+        } else if (exited) {
+          done()
+          reject(new Error(`the server exited before ${what}\n${output()}`))
+        }
+      }
+      const timer = setTimeout(() => {
+        done()
+        reject(new Error(`no ${what} within ${CHILD_TIMEOUT_MS} ms\n${output()}`))
+      }, CHILD_TIMEOUT_MS)
+      const done = () => {
+        clearTimeout(timer)
+        events.off('line', check)
+      }
+      events.on('line', check)
+      check()
+    })
+  const stop = async () => {
+    if (exited) return
+    const timer = setTimeout(() => child.kill('SIGKILL'), CHILD_TIMEOUT_MS)
+    child.kill('SIGTERM')
+    await closed
+    clearTimeout(timer)
+  }
+  return { child, lines, waitForLine, stop }
+}
+
+/** Why the unprivileged cases cannot run here, or undefined when they can; `as` is the user to run them as. */
+function unprivilegedUser(): { as?: number; skip?: string } {
+  if (process.getuid === undefined) return { skip: 'this platform has no Unix users' }
+  if (process.getuid() !== 0) return {} // the test's own user is unprivileged already
+  const probe = spawnSync(process.execPath, ['--import', 'tsx', 'server.ts', '--help'], {
+    cwd: ROOT,
+    env: childEnv({}),
+    uid: NOBODY,
+    gid: NOBODY,
+    encoding: 'utf8',
+    timeout: CHILD_TIMEOUT_MS,
+  })
+  if (probe.error !== undefined || probe.status !== 0) {
+    const why = probe.error?.message ?? probe.stderr.split('\n')[0]
+    return { skip: `running as root, and uid ${NOBODY} cannot run server.ts from ${ROOT}: ${why}` }
+  }
+  return { as: NOBODY }
+}
+
+/** The lowest port an unprivileged user may bind, as Linux says; 1024 elsewhere. */
+function unprivilegedPortStart(): number {
+  try {
+    return Number(readFileSync('/proc/sys/net/ipv4/ip_unprivileged_port_start', 'utf8').trim())
+  } catch {
+    return 1024
+  }
+}
+
+// --- Start-up failures -------------------------------------------------------------------
+
+describe('A start-up failure is one line naming the setting and the fix, and exit 1', () => {
+  it('DATA_FILE that is a directory', async () => {
+    const folder = join(directory, 'a-folder')
+    await mkdir(folder)
+    const result = await runLatch([], { DATA_FILE: folder, PORT: '0' })
+    assertOneLineFailure(result, /DATA_FILE .*a-folder is a directory: name a file in it, as in DATA_FILE=.*\.jsonl/)
+  })
+
+  it('DATA_FILE inside a file', async () => {
+    const file = join(directory, 'a-file')
+    await writeFile(file, '')
+    const result = await runLatch([], { DATA_FILE: join(file, 'x.jsonl'), PORT: '0' })
+    assertOneLineFailure(result, /DATA_FILE .*a-file\/x\.jsonl is inside a file, not a folder: choose a path/)
+  })
+
+  it('DATA_FILE in a folder the user cannot write', async (t) => {
+    const user = unprivilegedUser()
+    if (user.skip !== undefined) return void t.skip(user.skip)
+    const folder = join(directory, 'read-only')
+    await mkdir(folder, { mode: 0o555 })
+    await chmod(folder, 0o555) // whatever the umask
+    const result = await runLatch([], { DATA_FILE: join(folder, 'latch.jsonl'), PORT: '0' }, { as: user.as })
+    assertOneLineFailure(result, /DATA_FILE .*read-only\/latch\.jsonl cannot be read or written by this user: give/)
+  })
+
+  it('HOST that does not resolve', async () => {
+    const result = await runLatch([], {
+      HOST: 'nonexistent.invalid',
+      PASSWORD_HASH,
+      DATA_FILE: 'memory',
+      PORT: '0',
+    })
+    assertOneLineFailure(result, /HOST nonexistent\.invalid is not an address of this machine: use 127\.0\.0\.1/)
+  })
+
+  it('PORT 80 as a user who may not bind it', async (t) => {
+    const user = unprivilegedUser()
+    if (user.skip !== undefined) return void t.skip(user.skip)
+    const start = unprivilegedPortStart()
+    if (start <= 80) return void t.skip(`every user may bind port 80 here (ip_unprivileged_port_start is ${start})`)
+    const result = await runLatch([], { PORT: '80', DATA_FILE: 'memory' }, { as: user.as })
+    assertOneLineFailure(result, /PORT 80 may not be bound by this user.*: use a port such as 3000/)
+  })
+
+  it('LOG_FORMAT that is not a choice', async () => {
+    const result = await runLatch([], { LOG_FORMAT: 'xml', DATA_FILE: 'memory', PORT: '0' })
+    assertOneLineFailure(result, /LOG_FORMAT xml is not a choice: set it to json or text/)
+  })
+
+  it('TRUST_PROXY that is not an address', async () => {
+    const result = await runLatch([], { TRUST_PROXY: 'not-an-ip', DATA_FILE: 'memory', PORT: '0' })
+    assertOneLineFailure(result, /TRUST_PROXY not-an-ip is not an IP address or range: .*127\.0\.0\.1/)
+  })
+})
+
+// --- --help and hash-password --------------------------------------------------------------
+
+describe('--help', () => {
+  it('prints lines of at most 80 characters, naming every setting', async () => {
+    const result = await runLatch(['--help'], {})
+    assert.equal(result.code, 0, result.stderr)
+    for (const line of result.stdout.split('\n')) assert.ok(line.length <= 80, `${line.length}: ${line}`)
+    for (const setting of SETTINGS) assert.match(result.stdout, new RegExp(`^  ${setting.name}\\b`, 'm'))
+  })
+})
+
+describe('hash-password', () => {
+  it('refuses 7 characters, citing NIST SP 800-63B, and hashes 8', async () => {
+    const short = await runLatch(['hash-password'], {}, { input: '1234567\n' })
+    assertOneLineFailure(short, /\b8 characters\b.*NIST SP 800-63B/)
+    assert.equal(short.stdout, '')
+    const long = await runLatch(['hash-password'], {}, { input: '12345678\n' })
+    assert.equal(long.code, 0, long.stderr)
+    assert.match(long.stdout, /^scrypt:\S+\n$/)
+  })
+})
+
+// --- The start-up block --------------------------------------------------------------------
+
+/** The last line of the text start-up block. */
+const isMetadataLine = (line: string) => /^ {2}metadata /.test(line)
+
+describe('The start-up block', () => {
+  it('warns of nothing with no settings, and says that ME is the default', async () => {
+    const latch = serve({ DATA_FILE: 'memory', PORT: '0' })
+    try {
+      await latch.waitForLine(isMetadataLine, 'start-up block')
+      const block = latch.lines.join('\n')
+      assert.doesNotMatch(block, /^warning:/m)
+      assert.match(block, /^ {2}me +http:\/\/127\.0\.0\.1:\d+\/ \(the default/m)
+    } finally {
+      await latch.stop()
+    }
+  })
+
+  it('counts the codes not redeemed yet, not the redeemed ones', async () => {
+    const file = join(directory, 'codes.jsonl')
+    const now = Date.now()
+    const code = (usedAt?: number) => ({
+      client_id: CLIENT_ID,
+      client_name: 'An app',
+      redirect_uri: REDIRECT_URI,
+      code_challenge: CHALLENGE,
+      scope: ['create'],
+      me: 'https://example.com/',
+      accessTokenTtlSeconds: 3600,
+      issuedAt: now,
+      expiresAt: now + 600_000,
+      ...(usedAt === undefined ? {} : { usedAt }),
+    })
+    const records = [
+      { set: 'code', key: hashSecret('a redeemed code'), value: code(now) },
+      { set: 'code', key: hashSecret('an unredeemed code'), value: code() },
+    ]
+    await writeFile(file, records.map((record) => `${JSON.stringify(record)}\n`).join(''))
+    const latch = serve({ DATA_FILE: file, PORT: '0' })
+    try {
+      await latch.waitForLine(isMetadataLine, 'start-up block')
+      assert.match(
+        latch.lines.join('\n'),
+        /^ {2}data +.*codes\.jsonl: 1 live code, 0 live tokens and 0 grants loaded$/m,
+      )
+    } finally {
+      await latch.stop()
+    }
+  })
+})
+
+// --- LOG_FORMAT=json -------------------------------------------------------------------------
+
+describe('LOG_FORMAT=json', () => {
+  it('writes the start-up block and each request as one JSON object per line', async () => {
+    const latch = serve({ LOG_FORMAT: 'json', DATA_FILE: 'memory', PORT: '0' })
+    try {
+      const isStart = (line: string) => line.includes('"event":"start"')
+      const startLine = await latch.waitForLine(
+        (line) => isStart(line) || line.startsWith('Latch is listening'),
+        'start-up line',
+      )
+      for (const line of latch.lines) assert.doesNotThrow(() => JSON.parse(line), `not JSON: ${line}`)
+      const start = JSON.parse(startLine) as Record<string, unknown>
+      assert.equal(start.event, 'start')
+      assert.match(String(start.listening), /^http:\/\/127\.0\.0\.1:\d+$/)
+      assert.ok(!Number.isNaN(Date.parse(String(start.time))), String(start.time))
+      const base = String(start.listening)
+
+      assert.equal((await fetch(`${base}/.well-known/oauth-authorization-server`)).status, 200)
+      assert.equal((await fetch(`${base}/nope`)).status, 404)
+      const metadataLine = await latch.waitForLine(
+        (line) => line.includes('/.well-known/oauth-authorization-server') && !isStart(line),
+        'log line of the metadata request',
+      )
+      const unknownLine = await latch.waitForLine((line) => line.includes('"status":404'), 'log line of GET /nope')
+      for (const line of latch.lines) assert.doesNotThrow(() => JSON.parse(line), `not JSON: ${line}`)
+
+      const metadata = JSON.parse(metadataLine) as Record<string, unknown>
+      assert.deepEqual(Object.keys(metadata), ['time', 'address', 'method', 'path', 'status', 'ms'])
+      assert.ok(!Number.isNaN(Date.parse(String(metadata.time))), String(metadata.time))
+      assert.equal(metadata.address, '127.0.0.1')
+      assert.equal(metadata.method, 'GET')
+      assert.equal(metadata.path, '/.well-known/oauth-authorization-server')
+      assert.equal(metadata.status, 200)
+      assert.equal(typeof metadata.ms, 'number')
+
+      const unknown = JSON.parse(unknownLine) as Record<string, unknown>
+      assert.deepEqual(Object.keys(unknown), ['time', 'address', 'method', 'path', 'status', 'ms', 'error'])
+      assert.equal(unknown.method, 'GET')
+      assert.doesNotMatch(String(unknown.path), /nope/) // a path no endpoint has is not logged as sent
+      assert.equal(unknown.error, 'not_found')
+    } finally {
+      await latch.stop()
+    }
+  })
+})
+
+// --- The log of requests and security events, in process -----------------------------------
+
+const ISO_TIME = String.raw`\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z`
+/** `<ISO time> <address> <METHOD> <path> <status> <n>ms[ error=<code>][ client_id=<id>]` */
+const REQUEST_LINE = new RegExp(
+  `^${ISO_TIME} (\\S+) (GET|HEAD|POST|OPTIONS) (\\S+) (\\d{3}) \\d+ms(?: error=([a-z_]+))?(?: client_id=(\\S+))?$`,
+)
+/** `<ISO time> [<address>] <event>: <message>` */
+const EVENT_LINE = new RegExp(`^${ISO_TIME} (?:\\S+ )?(security|discovery|error): `)
+
+function authorizationUrl(latch: TestServer): string {
+  const query = new URLSearchParams({
+    response_type: 'code',
+    client_id: CLIENT_ID,
+    redirect_uri: REDIRECT_URI,
+    state: 'state-1234',
+    code_challenge: CHALLENGE,
+    code_challenge_method: 'S256',
+    scope: 'profile create',
+    me: 'https://example.com/',
+  })
+  return `${latch.base}/auth?${query}`
+}
+
+function post(url: string, fields: Record<string, string>, headers: Record<string, string> = {}): Promise<Response> {
+  return fetch(url, {
+    method: 'POST',
+    redirect: 'manual',
+    headers: { 'Content-Type': 'application/x-www-form-urlencoded', ...headers },
+    body: new URLSearchParams(fields).toString(),
+  })
+}
+
+type Consent = { request: string; csrf: string; cookie: string }
+
+/** Opens the consent page and reads its form's hidden fields and the CSRF cookie. */
+async function openConsent(latch: TestServer): Promise<Consent> {
+  const response = await fetch(authorizationUrl(latch), { redirect: 'manual' })
+  const html = await response.text()
+  assert.equal(response.status, 200, html)
+  return {
+    request: /name="request" value="([^"]+)"/.exec(html)?.[1] ?? '',
+    csrf: /name="csrf" value="([^"]+)"/.exec(html)?.[1] ?? '',
+    cookie: (response.headers.get('set-cookie') ?? '').split(';')[0],
+  }
+}
+
+function submitConsent(latch: TestServer, consent: Consent, fields: Record<string, string> = {}): Promise<Response> {
+  const body = { request: consent.request, csrf: consent.csrf, scope: 'create', decision: 'approve', ...fields }
+  return post(`${latch.base}/auth/consent`, body, { Cookie: consent.cookie })
+}
+
+async function obtainCode(latch: TestServer, fields: Record<string, string> = {}): Promise<string> {
+  const response = await submitConsent(latch, await openConsent(latch), fields)
+  assert.equal(response.status, 303)
+  const code = new URL(response.headers.get('location') ?? '').searchParams.get('code')
+  assert.ok(code)
+  return code
+}
+
+function exchange(latch: TestServer, code: string): Promise<Response> {
+  return post(`${latch.base}/token`, {
+    grant_type: 'authorization_code',
+    code,
+    client_id: CLIENT_ID,
+    redirect_uri: REDIRECT_URI,
+    code_verifier: VERIFIER,
+  })
+}
+
+function refresh(latch: TestServer, refreshToken: string): Promise<Response> {
+  return post(`${latch.base}/token`, { grant_type: 'refresh_token', refresh_token: refreshToken, client_id: CLIENT_ID })
+}
+
+/** Lets the server log the requests just answered: it does so when their response closes. */
+async function settle(...responses: Response[]): Promise<void> {
+  for (const response of responses) await response.arrayBuffer()
+  await new Promise((resolve) => setImmediate(resolve))
+}
+
+/** Every line is a request line or an event line, and none holds a secret or the hash of one. */
+function assertCleanLog(logs: string[], secrets: string[], hashed: string[]): void {
+  assert.ok(logs.length > 0)
+  for (const line of logs) {
+    assert.ok(REQUEST_LINE.test(line) || EVENT_LINE.test(line), `a line of neither form: ${line}`)
+    for (const secret of secrets) assert.ok(!line.includes(secret), `${line} holds a secret (${secret})`)
+    for (const secret of hashed) assert.ok(!line.includes(hashSecret(secret)), `${line} holds the hash of ${secret}`)
+  }
+}
+
+/** The log lines of requests to a method and path, parsed. */
+function requestLines(logs: string[], method: string, path: string) {
+  return logs.flatMap((line) => {
+    const match = REQUEST_LINE.exec(line)
+    if (match === null || match[2] !== method || match[3] !== path) return []
+    const [, address, , , status, error, clientId] = match
+    return [{ line, address, status: Number(status), error, clientId }]
+  })
+}
+
+describe('The log: one line per request, and security events', () => {
+  it('logs a replayed code, with client_id on every /token line and no secret', async () => {
+    const latch = await startLatch()
+    try {
+      const consent = await openConsent(latch)
+      const approved = await submitConsent(latch, consent)
+      const code = new URL(approved.headers.get('location') ?? '').searchParams.get('code') ?? ''
+      const first = await exchange(latch, code)
+      assert.equal(first.status, 200)
+      const tokens = (await first.json()) as { access_token: string; refresh_token: string }
+      const replayed = await exchange(latch, code)
+      assert.equal(replayed.status, 400)
+      await settle(replayed)
+      assert.ok(
+        latch.logs.some((line) =>
+          new RegExp(`^${ISO_TIME} 127\\.0\\.0\\.1 security: a code issued to ${CLIENT_ID} was redeemed again`).test(
+            line,
+          ),
+        ),
+        latch.logs.join('\n'),
+      )
+      const tokenLines = requestLines(latch.logs, 'POST', '/token')
+      assert.equal(tokenLines.length, 2, latch.logs.join('\n'))
+      for (const { clientId } of tokenLines) assert.equal(clientId, CLIENT_ID)
+      assert.deepEqual(
+        tokenLines.map(({ status, error }) => [status, error]),
+        [
+          [200, undefined],
+          [400, 'invalid_grant'],
+        ],
+      )
+      for (const { address } of tokenLines) assert.equal(address, '127.0.0.1')
+      const secrets = [code, tokens.access_token, tokens.refresh_token, VERIFIER, consent.csrf, consent.request]
+      assertCleanLog(latch.logs, secrets, [code, tokens.access_token, tokens.refresh_token])
+    } finally {
+      await latch.close()
+    }
+  })
+
+  it('logs a refresh token used again after the grace period', async () => {
+    const latch = await startLatch({ REFRESH_TOKEN_GRACE: '0' })
+    try {
+      const code = await obtainCode(latch)
+      const issued = (await (await exchange(latch, code)).json()) as { access_token: string; refresh_token: string }
+      const rotated = await refresh(latch, issued.refresh_token)
+      assert.equal(rotated.status, 200)
+      const second = (await rotated.json()) as { access_token: string; refresh_token: string }
+      latch.advance(5)
+      const reused = await refresh(latch, issued.refresh_token)
+      assert.equal(reused.status, 400)
+      await settle(reused)
+      assert.ok(
+        latch.logs.some((line) =>
+          new RegExp(`^${ISO_TIME} 127\\.0\\.0\\.1 security: a refresh token of ${CLIENT_ID} was used again`).test(
+            line,
+          ),
+        ),
+        latch.logs.join('\n'),
+      )
+      const refused = requestLines(latch.logs, 'POST', '/token').at(-1)
+      assert.equal(refused?.error, 'invalid_grant')
+      assert.equal(refused?.clientId, CLIENT_ID)
+      const tokens = [issued.access_token, issued.refresh_token, second.access_token, second.refresh_token]
+      assertCleanLog(latch.logs, [code, VERIFIER, ...tokens], [code, ...tokens])
+    } finally {
+      await latch.close()
+    }
+  })
+
+  it('logs a consent form sent without the right csrf', async () => {
+    const latch = await startLatch()
+    try {
+      const consent = await openConsent(latch)
+      const refused = await submitConsent(latch, consent, { csrf: 'not-the-token-of-this-page' })
+      assert.equal(refused.status, 403)
+      await settle(refused)
+      assert.ok(
+        latch.logs.some((line) =>
+          new RegExp(`^${ISO_TIME} 127\\.0\\.0\\.1 security: a form sent to /auth/consent was refused`).test(line),
+        ),
+        latch.logs.join('\n'),
+      )
+      const [line] = requestLines(latch.logs, 'POST', '/auth/consent')
+      assert.equal(line?.status, 403)
+      assert.equal(line?.error, 'access_denied')
+      assertCleanLog(latch.logs, [consent.csrf, consent.request], [])
+    } finally {
+      await latch.close()
+    }
+  })
+
+  it('logs too many wrong passwords from one address, and never a password or its hash', async () => {
+    const latch = await startLatch({ PASSWORD_HASH })
+    try {
+      const consent = await openConsent(latch)
+      const guesses = Array.from({ length: 6 }, (_, i) => `wrong guess ${i}`)
+      for (const password of guesses) {
+        const wrong = await submitConsent(latch, consent, { password })
+        assert.equal(wrong.status, 401)
+        await settle(wrong)
+      }
+      const lockouts = latch.logs.filter((line) =>
+        new RegExp(`^${ISO_TIME} 127\\.0\\.0\\.1 security: too many wrong passwords from 127\\.0\\.0\\.1`).test(line),
+      )
+      assert.equal(lockouts.length, 1, latch.logs.join('\n'))
+      const hashParts = PASSWORD_HASH.split(':')
+      assertCleanLog(latch.logs, [...guesses, PASSWORD, PASSWORD_HASH, ...hashParts.slice(2), consent.csrf], [])
+    } finally {
+      await latch.close()
+    }
+  })
+
+  it('logs the X-Forwarded-For address only from a proxy of TRUST_PROXY', async () => {
+    const headers = { 'X-Forwarded-For': '203.0.113.7' }
+    const path = '/.well-known/oauth-authorization-server'
+    const behind = await startLatch({ TRUST_PROXY: '127.0.0.1' })
+    const direct = await startLatch()
+    try {
+      const viaProxy = await fetch(`${behind.base}${path}`, { headers })
+      const notViaProxy = await fetch(`${direct.base}${path}`, { headers })
+      assert.equal(viaProxy.status, 200)
+      assert.equal(notViaProxy.status, 200)
+      await settle(viaProxy, notViaProxy)
+      assert.deepEqual(
+        requestLines(behind.logs, 'GET', path).map(({ address }) => address),
+        ['203.0.113.7'],
+        behind.logs.join('\n'),
+      )
+      assert.deepEqual(
+        requestLines(direct.logs, 'GET', path).map(({ address }) => address),
+        ['127.0.0.1'],
+        direct.logs.join('\n'),
+      )
+    } finally {
+      await behind.close()
+      await direct.close()
+    }
+  })
+})
