@@ -15,19 +15,15 @@
 
 import { after, before, describe, it } from 'node:test'
 import assert from 'node:assert/strict'
-import { execFile } from 'node:child_process'
 import { createHash, randomBytes } from 'node:crypto'
-import { mkdtemp, readFile, rm } from 'node:fs/promises'
+import { rm } from 'node:fs/promises'
 import { createServer } from 'node:http'
 import type { IncomingMessage, Server, ServerResponse } from 'node:http'
 import { Agent as HttpsAgent, createServer as createHttpsServer } from 'node:https'
 import type { RequestOptions as HttpsRequestOptions } from 'node:https'
 import type { AddressInfo } from 'node:net'
-import { tmpdir } from 'node:os'
-import { join } from 'node:path'
 import { connect as tlsConnect } from 'node:tls'
 import type { TLSSocket } from 'node:tls'
-import { promisify } from 'node:util'
 import { Client } from '@modelcontextprotocol/sdk/client/index.js'
 import { StreamableHTTPClientTransport } from '@modelcontextprotocol/sdk/client/streamableHttp.js'
 import { UnauthorizedError } from '@modelcontextprotocol/sdk/client/auth.js'
@@ -52,6 +48,7 @@ import type { FetchLike } from '@modelcontextprotocol/sdk/shared/transport.js'
 import { LATEST_PROTOCOL_VERSION } from '@modelcontextprotocol/sdk/types.js'
 import * as z from 'zod'
 import { createHandler, loadConfig } from '../server.ts'
+import { makeCertificate } from './tls.ts'
 import type { ClientFetchOptions } from '../server.ts'
 
 const CLIENT_ID = 'https://client.example/mcp-client.json'
@@ -84,35 +81,6 @@ type Introspection = {
 // --- The client site, over TLS -------------------------------------------------------
 
 const siteRequests: string[] = [] // `method host path` of every request the site received
-
-/** Makes a self-signed certificate for client.example; returns its directory, key and certificate. */
-async function makeCertificate(): Promise<{ dir: string; key: Buffer; cert: Buffer }> {
-  const dir = await mkdtemp(join(tmpdir(), 'latch-mcp-'))
-  await promisify(execFile)(
-    'openssl',
-    [
-      'req',
-      '-x509',
-      '-newkey',
-      'ec',
-      '-pkeyopt',
-      'ec_paramgen_curve:prime256v1',
-      '-nodes',
-      '-subj',
-      '/CN=client.example',
-      '-addext',
-      'subjectAltName=DNS:client.example',
-      '-days',
-      '2',
-      '-keyout',
-      join(dir, 'key.pem'),
-      '-out',
-      join(dir, 'cert.pem'),
-    ],
-    { timeout: 10_000 },
-  )
-  return { dir, key: await readFile(join(dir, 'key.pem')), cert: await readFile(join(dir, 'cert.pem')) }
-}
 
 function clientSite(req: IncomingMessage, res: ServerResponse): void {
   siteRequests.push(`${req.method} ${req.headers.host} ${req.url}`)
@@ -486,7 +454,7 @@ describe('MCP clients sign in through Latch (Client ID Metadata Documents, RFC 8
   let mcp: McpSite
 
   before(async () => {
-    certificate = await makeCertificate()
+    certificate = await makeCertificate('client.example')
     site = createHttpsServer({ key: certificate.key, cert: certificate.cert }, clientSite)
     await new Promise<void>((resolve) => site.listen(0, '127.0.0.1', resolve))
     agent = new ClientSiteAgent({ ca: certificate.cert })

@@ -6,23 +6,20 @@
 
 import { after, before, describe, it } from 'node:test'
 import assert from 'node:assert/strict'
-import { execFile } from 'node:child_process'
-import { mkdtemp, readFile, rm } from 'node:fs/promises'
+import { rm } from 'node:fs/promises'
 import { Agent as HttpAgent, createServer } from 'node:http'
 import type { IncomingMessage, Server, ServerResponse } from 'node:http'
 import { Agent as HttpsAgent, createServer as createHttpsServer } from 'node:https'
 import type { RequestOptions as HttpsRequestOptions } from 'node:https'
 import { connect } from 'node:net'
 import type { AddressInfo, Socket } from 'node:net'
-import { tmpdir } from 'node:os'
-import { join } from 'node:path'
 import { connect as tlsConnect } from 'node:tls'
 import type { TLSSocket } from 'node:tls'
-import { promisify } from 'node:util'
 import * as latchModule from '../server.ts'
 import { MemoryStore, buildMetadata, createHandler, loadConfig } from '../server.ts'
 import type { ClientFetchOptions } from '../server.ts'
 import { START, startLatch } from './harness.ts'
+import { makeCertificate } from './tls.ts'
 import type { TestServer } from './harness.ts'
 
 // Read from the module at call time, so that a server without them fails those tests only.
@@ -487,35 +484,6 @@ function fetchesOf(url: string): number {
   return siteRequests.filter((key) => key === `${host}${pathname}`).length
 }
 
-/** Makes a self-signed certificate for app.example; returns its directory, key and certificate. */
-async function makeCertificate(): Promise<{ dir: string; key: Buffer; cert: Buffer }> {
-  const dir = await mkdtemp(join(tmpdir(), 'latch-oauth-'))
-  await promisify(execFile)(
-    'openssl',
-    [
-      'req',
-      '-x509',
-      '-newkey',
-      'ec',
-      '-pkeyopt',
-      'ec_paramgen_curve:prime256v1',
-      '-nodes',
-      '-subj',
-      '/CN=app.example',
-      '-addext',
-      'subjectAltName=DNS:app.example',
-      '-days',
-      '2',
-      '-keyout',
-      join(dir, 'key.pem'),
-      '-out',
-      join(dir, 'cert.pem'),
-    ],
-    { timeout: 10_000 },
-  )
-  return { dir, key: await readFile(join(dir, 'key.pem')), cert: await readFile(join(dir, 'cert.pem')) }
-}
-
 /** Carries every TLS connection to the local https site; the certificate is still checked against `ca`. */
 class TlsSiteAgent extends HttpsAgent {
   sitePort = 0
@@ -584,7 +552,7 @@ describe('Loopback redirects and Client ID Metadata Documents', () => {
   let plainLatch: FetchingLatch // fetches http sites
 
   before(async () => {
-    certificate = await makeCertificate()
+    certificate = await makeCertificate('app.example')
     tlsSite = createHttpsServer({ key: certificate.key, cert: certificate.cert }, site)
     plainSite = createServer(site)
     tlsAgent = new TlsSiteAgent({ ca: certificate.cert })

@@ -14,14 +14,14 @@ import assert from 'node:assert/strict'
 import { spawn, spawnSync } from 'node:child_process'
 import type { ChildProcess, ChildProcessWithoutNullStreams } from 'node:child_process'
 import { existsSync } from 'node:fs'
-import { mkdtemp, readFile, rm, writeFile } from 'node:fs/promises'
+import { readFile, rm, writeFile } from 'node:fs/promises'
 import type { IncomingHttpHeaders } from 'node:http'
 import { request } from 'node:https'
 import { connect, createServer } from 'node:net'
 import type { AddressInfo } from 'node:net'
-import { tmpdir } from 'node:os'
 import { join } from 'node:path'
 import { escapeHtml, hashPassword } from '../server.ts'
+import { makeCertificate } from './tls.ts'
 
 const NGINX = '/usr/sbin/nginx'
 const PASSWORD = 'correct horse battery staple'
@@ -316,32 +316,9 @@ describe('Latch behind nginx with TLS (docs/deploy.md)', () => {
       if (SKIP !== false) return
       throw new Error(`${MISSING} (CI is set, so the proxy test must run)`)
     }
-    dir = await mkdtemp(join(tmpdir(), 'latch-proxy-'))
-    const openssl = spawnSync(
-      'openssl',
-      [
-        'req',
-        '-x509',
-        '-newkey',
-        'ec',
-        '-pkeyopt',
-        'ec_paramgen_curve:prime256v1',
-        '-nodes',
-        '-subj',
-        '/CN=localhost',
-        '-addext',
-        'subjectAltName=DNS:localhost',
-        '-days',
-        '2',
-        '-keyout',
-        join(dir, 'key.pem'),
-        '-out',
-        join(dir, 'cert.pem'),
-      ],
-      { encoding: 'utf8', timeout: TIMEOUT },
-    )
-    assert.equal(openssl.status, 0, `openssl could not make a certificate: ${openssl.stderr}`)
-    ca = await readFile(join(dir, 'cert.pem'), 'utf8')
+    const certificate = await makeCertificate('localhost')
+    dir = certificate.dir
+    ca = certificate.cert.toString('utf8')
 
     port = await freePort()
     openPort = await freePort()
