@@ -1937,7 +1937,8 @@ function renderScriptTokenForm(config: Config, csrfField: string): string {
 ${csrfField}
 <p><label>Name <input name="name" required maxlength="${MAX_TOKEN_NAME_LENGTH}" placeholder="Deploy notes"></label></p>
 <p><label>Scopes <input name="scope" required value="create" autocapitalize="none" spellcheck="false"></label></p>
-<p><label>For the service at (optional) <input name="resource" type="url" placeholder="https://example.com/mcp"></label></p>
+<p><label>For the service at (optional)
+<input name="resource" type="url" placeholder="https://example.com/mcp"></label></p>
 ${renderLifetimeChoice(config)}
 <div class="actions"><button class="primary">Make a token</button></div>
 </form>
@@ -4803,7 +4804,8 @@ function parseTrustProxy(value: string): string[] {
       (prefix !== undefined && !(/^\d{1,3}$/.test(prefix) && Number(prefix) <= bits))
     )
       throw new ConfigError(
-        `TRUST_PROXY ${entry} is not an IP address or range: list your proxy's address, such as 127.0.0.1 or 10.0.0.0/8`,
+        `TRUST_PROXY ${entry} is not an IP address or range: ` +
+          "list your proxy's address, such as 127.0.0.1 or 10.0.0.0/8",
       )
   }
   return entries
@@ -4906,6 +4908,11 @@ function parseEmail(value: string): string {
 }
 
 /** Start-up warnings for settings that work but are not right for real use. */
+/** True when `ME` is the default: the issuer's own home page. */
+function hasDefaultMe(config: Config): boolean {
+  return config.me === `${config.issuer}/`
+}
+
 export function configWarnings(config: Config): string[] {
   const warnings: string[] = []
   const issuer = new URL(config.issuer)
@@ -4917,7 +4924,7 @@ export function configWarnings(config: Config): string[] {
   }
   const me = new URL(config.me)
   // the default, the issuer's home page, is said in the start-up block instead
-  if (config.me !== `${config.issuer}/` && (me.port !== '' || isIpAddress(me.hostname))) {
+  if (!hasDefaultMe(config) && (me.port !== '' || isIpAddress(me.hostname))) {
     warnings.push(
       `ME ${config.me} has a port or an IP address, which IndieAuth forbids for profile URLs; ` +
         "fine for trying Latch, but set ME to your site's URL for real use",
@@ -5078,6 +5085,7 @@ function printStartup(config: Config, listeningUrl: string, store: MemoryStore |
       ? 'in memory only: codes and tokens are lost when the server stops'
       : `${config.dataFile}: ${loaded} loaded`
   const password = config.passwordHash === undefined ? NO_PASSWORD : 'set'
+  const isDefaultMe = hasDefaultMe(config)
   if (config.logFormat === 'json') {
     const time = new Date().toISOString()
     for (const warning of configWarnings(config))
@@ -5091,7 +5099,7 @@ function printStartup(config: Config, listeningUrl: string, store: MemoryStore |
     [
       `Latch is listening on ${listeningUrl}`,
       `  issuer    ${config.issuer}`,
-      `  me        ${config.me}${config.me === `${config.issuer}/` ? ' (the default, this page: set ME to your site)' : ''}`,
+      `  me        ${config.me}${isDefaultMe ? ' (the default, this page: set ME to your site)' : ''}`,
       `  password  ${password}`,
       `  data      ${data}`,
       `  metadata  ${config.issuer}/.well-known/oauth-authorization-server`,
@@ -5142,7 +5150,8 @@ async function main(argv: string[], env: Record<string, string | undefined>): Pr
   setInterval(() => store.sweep(Date.now()), 100).unref()
   for (const signal of ['SIGINT', 'SIGTERM'] as const) {
     process.once(signal, () => {
-      logMessage(`${signal}: finishing requests in flight, then stopping`) // after the lines of requests already answered
+      // after the lines of requests already answered
+      logMessage(`${signal}: finishing requests in flight, then stopping`)
       server.close(async () => {
         if (store instanceof FileStore) await store.close()
         process.exit(0)
