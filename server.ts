@@ -949,7 +949,9 @@ const MAX_RESOURCES = 10
  * @see https://www.rfc-editor.org/rfc/rfc8707#section-2
  */
 function requireResources(params: Params): string[] {
-  const resources = [...new Set(params.get('resource') ?? [])].filter((resource) => resource !== '')
+  const sent = params.get('resource')
+  if (sent === undefined) return [] // an IndieAuth request
+  const resources = [...new Set(sent)].filter((resource) => resource !== '')
   if (resources.length > MAX_RESOURCES)
     throw new OAuthError('invalid_target', `The request names more than ${MAX_RESOURCES} resources`)
   for (const resource of resources) {
@@ -1118,7 +1120,7 @@ async function handleConsent(req: IncomingMessage, res: ServerResponse, ctx: Con
   const lifetime = requireLifetime(getParam(form, 'lifetime'), ctx.config)
   const headers: Record<string, string> = {}
   if (decision === 'approve' && !visitor.signedIn) {
-    const refused = await refusePassword(getParam(form, 'password'), req, res, ctx)
+    const refused = await checkPassword(getParam(form, 'password'), req, res, ctx)
     if (refused !== undefined) {
       const info = ctx.clients.get(request.client_id)?.info
       return sendPage(
@@ -1327,6 +1329,7 @@ async function handleTokenRequest(req: IncomingMessage, res: ServerResponse, ctx
  * @see https://www.rfc-editor.org/rfc/rfc6749#section-2.3.1
  */
 function readPublicClient(req: IncomingMessage, form: Params, config: Config): void {
+  if (req.headers.authorization === undefined) return // the usual case
   const match = /^Basic +([A-Za-z0-9+/]*={0,2}) *$/i.exec(req.headers.authorization ?? '')
   if (match === null) {
     if (/^Basic\b/i.test(req.headers.authorization ?? ''))
@@ -1743,7 +1746,7 @@ async function handleSignIn(req: IncomingMessage, res: ServerResponse, ctx: Cont
   const visitor = await requireFormToken(form, req, ctx)
   const headers: Record<string, string> = {}
   if (!visitor.signedIn) {
-    const refused = await refusePassword(getParam(form, 'password'), req, res, ctx)
+    const refused = await checkPassword(getParam(form, 'password'), req, res, ctx)
     if (refused !== undefined) {
       const page = renderSignInPage({ csrf: formToken(visitor), config: ctx.config, message: refused.message })
       return sendPage(res, refused.status, page, refused.headers)
@@ -1832,8 +1835,10 @@ async function handleScriptToken(req: IncomingMessage, res: ServerResponse, ctx:
     expiresAt,
   }
   const token = createSecret()
-  await ctx.store.saveGrant(grantId, grant, now)
   const access = { kind: 'access', grantId, scope, resource, issuedAt: now, expiresAt, usedAt: undefined } as const
+  // The grant first: a snapshot of the journal keeps a token only with its grant. A write that
+  // fails between the two (a full disk, a kill) leaves a grant without a token on /apps, to revoke.
+  await ctx.store.saveGrant(grantId, grant, now)
   await ctx.store.saveToken(hashSecret(token), access, now)
   logEvent(ctx, 'security', `the owner made a token for scripts named ${JSON.stringify(name)}`, req)
   sendPage(res, 200, renderScriptTokenPage(name, token, ctx.config))
@@ -2811,38 +2816,27 @@ function trustedProxiesOf(config: Config): BlockList | undefined {
   return list
 }
 
-/**
- * Why the password is refused, as the form shown again says it: 401 when it is wrong or missing,
- * 429 with `Retry-After` and the time to wait when too many were wrong. Undefined when it is right.
- */
-async function refusePassword(
+/** Why a password is refused, for the form shown again: wrong or missing (401), or too many wrong ones (429). */
+type PasswordRefusal = { status: 401 | 429; message: string; headers: Record<string, string> }
+
+/** Checks the owner's password: undefined when it is right, else why it is refused. */
+async function checkPassword(
   password: string | undefined,
   req: IncomingMessage,
   res: ServerResponse,
   ctx: Context,
-): Promise<{ status: number; message: string; headers: Record<string, string> } | undefined> {
-  try {
-    const message = await checkPassword(password, clientAddress(req, ctx.trustedProxies), ctx)
-    return message === undefined ? undefined : { status: 401, message, headers: {} }
-  } catch (err) {
-    if (!(err instanceof OAuthError) || err.status !== 429) throw err
-    noteError(res, err.error)
-    return { status: 429, message: err.message, headers: err.headers }
-  }
-}
-
-/** Checks the owner's password; returns a message for the page when it is wrong, or throws 429. */
-async function checkPassword(password: string | undefined, address: string, ctx: Context): Promise<string | undefined> {
+): Promise<PasswordRefusal | undefined> {
+  const address = clientAddress(req, ctx.trustedProxies)
   const now = ctx.now()
   const attempts = ctx.passwordAttempts
   const lockedUntil = Math.max(attempts.byAddress.get(address)?.lockedUntil ?? 0, attempts.total.lockedUntil)
   if (lockedUntil > now) {
     const retryAfter = String(Math.ceil((lockedUntil - now) / 1000))
-    throw new OAuthError('too_many_requests', `Too many wrong passwords: try again in ${retryAfter} seconds`, {
-      headers: { 'Retry-After': retryAfter },
-    })
+    noteError(res, 'too_many_requests')
+    const message = `Too many wrong passwords: try again in ${retryAfter} seconds`
+    return { status: 429, message, headers: { 'Retry-After': retryAfter } }
   }
-  if (password === undefined) return 'Enter your password'
+  if (password === undefined) return { status: 401, message: 'Enter your password', headers: {} }
   const previous = attempts.byAddress.get(address)
   attempts.byAddress.delete(address) // re-inserted last, so the map stays ordered oldest first
   if (attempts.byAddress.size >= MAX_TRACKED_ADDRESSES)
@@ -2861,7 +2855,7 @@ async function checkPassword(password: string | undefined, address: string, ctx:
         address,
       )
     }
-    return 'Wrong password'
+    return { status: 401, message: 'Wrong password', headers: {} }
   }
   attempts.byAddress.delete(address)
   attempts.total = NO_ATTEMPTS
