@@ -7,6 +7,7 @@
 import { after, before, describe, it } from 'node:test'
 import assert from 'node:assert/strict'
 import * as oauth from 'oauth4webapi'
+import { unescapeHtml } from './html.ts'
 import { START, startLatch } from './harness.ts'
 import type { TestServer } from './harness.ts'
 
@@ -28,10 +29,6 @@ async function discover(issuer: string): Promise<oauth.AuthorizationServer> {
   const issuerUrl = new URL(issuer)
   const response = await oauth.discoveryRequest(issuerUrl, { algorithm: 'oauth2', ...insecure })
   return oauth.processDiscoveryResponse(issuerUrl, response)
-}
-
-function unescapeHtml(text: string): string {
-  return text.replace(/&#(\d+);/g, (_, code: string) => String.fromCharCode(Number(code)))
 }
 
 type Authorization = { state: string; codeVerifier: string; location: URL }

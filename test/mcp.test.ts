@@ -48,6 +48,7 @@ import type { FetchLike } from '@modelcontextprotocol/sdk/shared/transport.js'
 import { LATEST_PROTOCOL_VERSION } from '@modelcontextprotocol/sdk/types.js'
 import * as z from 'zod'
 import { createHandler, loadConfig } from '../server.ts'
+import { pageError, unescapeHtml } from './html.ts'
 import { makeCertificate } from './tls.ts'
 import type { ClientFetchOptions } from '../server.ts'
 
@@ -230,21 +231,6 @@ async function startMcpServer(latch: Latch): Promise<McpSite> {
 }
 
 // --- The browser and the owner -------------------------------------------------------------
-
-function unescapeHtml(text: string): string {
-  return text
-    .replace(/&#(\d+);/g, (_, code: string) => String.fromCharCode(Number(code)))
-    .replace(/&quot;/g, '"')
-    .replace(/&lt;/g, '<')
-    .replace(/&gt;/g, '>')
-    .replace(/&amp;/g, '&')
-}
-
-/** What an error page says, without the page around it. */
-function pageError(html: string): string {
-  const error = /<p class="error">([\s\S]*?)<\/p>/.exec(html)?.[1]
-  return error === undefined ? html.slice(0, 300) : unescapeHtml(error)
-}
 
 /**
  * Opens an authorization URL, approves the consent page as it stands (every offered scope box

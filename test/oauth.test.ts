@@ -19,6 +19,7 @@ import * as latchModule from '../server.ts'
 import { MemoryStore, buildMetadata, createHandler, loadConfig } from '../server.ts'
 import type { ClientFetchOptions } from '../server.ts'
 import { START, startLatch } from './harness.ts'
+import { pageError, unescapeHtml } from './html.ts'
 import { makeCertificate } from './tls.ts'
 import type { TestServer } from './harness.ts'
 
@@ -160,21 +161,6 @@ function assertErrorRedirect(response: Response, issuer: string, error: string):
 
 function basic(user: string, password = ''): string {
   return `Basic ${Buffer.from(`${encodeURIComponent(user)}:${password}`).toString('base64')}`
-}
-
-function unescapeHtml(text: string): string {
-  return text
-    .replace(/&#(\d+);/g, (_, code: string) => String.fromCharCode(Number(code)))
-    .replace(/&quot;/g, '"')
-    .replace(/&lt;/g, '<')
-    .replace(/&gt;/g, '>')
-    .replace(/&amp;/g, '&')
-}
-
-/** What an error page says, without the page around it. */
-function pageError(html: string): string {
-  const error = /<p class="error">([\s\S]*?)<\/p>/.exec(html)?.[1]
-  return error === undefined ? html.slice(0, 300) : unescapeHtml(error)
 }
 
 function listen(server: Server): Promise<number> {
