@@ -1878,9 +1878,18 @@ describe('Sign-in sessions and connected apps', () => {
     const revoked = await post(`${latch.base}/apps/revoke`, form({ csrf: token, grant }), {
       Cookie: `latch_csrf=${csrf}; ${session}`,
     })
-    assert.equal(revoked.status, 303)
-    assert.equal(revoked.headers.get('location'), `${latch.issuer}/apps`)
+    assert.equal(revoked.status, 200)
+    const confirmed = await revoked.text()
+    assert.match(
+      confirmed,
+      /<p class="notice" role="status">Revoked <bdi>http:\/\/127\.0\.0\.1:8080\/<\/bdi>: its tokens/,
+    )
+    assert.doesNotMatch(confirmed, new RegExp(`value="${grant}"`))
     assert.deepEqual(await introspect(latch, tokens.access_token), { active: false })
+    const again = await post(`${latch.base}/apps/revoke`, form({ csrf: token, grant }), {
+      Cookie: `latch_csrf=${csrf}; ${session}`,
+    })
+    assert.match(await again.text(), /class="notice" role="status">That app had no access any more/)
     const refreshed = await post(
       `${latch.base}/token`,
       form({ grant_type: 'refresh_token', refresh_token: tokens.refresh_token, client_id: CLIENT_ID }),
@@ -1893,10 +1902,19 @@ describe('Sign-in sessions and connected apps', () => {
     const session = await signIn(csrf)
     const tokens = [await obtainToken(latch, { password }), await obtainToken(latch, { password })]
     const token = await formTokenOf(`latch_csrf=${csrf}; ${session}`)
-    const response = await post(`${latch.base}/apps/revoke-all`, form({ csrf: token }), {
+    const asked = await post(`${latch.base}/apps/revoke-all`, form({ csrf: token }), {
       Cookie: `latch_csrf=${csrf}; ${session}`,
     })
-    assert.equal(response.status, 303)
+    assert.equal(asked.status, 200)
+    const question = await asked.text()
+    assert.match(question, /<h1>Revoke all apps\?<\/h1>/)
+    assert.match(question, /name="confirm" value="yes"/)
+    for (const token of tokens) assert.equal((await introspect(latch, token)).active, true, 'nothing ends before yes')
+    const response = await post(`${latch.base}/apps/revoke-all`, form({ csrf: token, confirm: 'yes' }), {
+      Cookie: `latch_csrf=${csrf}; ${session}`,
+    })
+    assert.equal(response.status, 200)
+    assert.match(await response.text(), /class="notice" role="status">Revoked \d+ apps: their tokens stopped working/)
     for (const token of tokens) assert.deepEqual(await introspect(latch, token), { active: false })
     assert.match(await appsPage(`latch_csrf=${csrf}; ${session}`), /No app holds a token/)
   })
@@ -1905,11 +1923,13 @@ describe('Sign-in sessions and connected apps', () => {
     const csrf = createSecret()
     const session = await signIn(csrf)
     const token = await obtainToken(latch, { password })
-    const forged = await post(`${latch.base}/apps/revoke-all`, form({ csrf: createSecret() }), {
+    const forged = await post(`${latch.base}/apps/revoke-all`, form({ csrf: createSecret(), confirm: 'yes' }), {
       Cookie: `latch_csrf=${csrf}; ${session}`,
     })
     assert.equal(forged.status, 403)
-    const anonymous = await post(`${latch.base}/apps/revoke-all`, form({ csrf }), { Cookie: `latch_csrf=${csrf}` })
+    const anonymous = await post(`${latch.base}/apps/revoke-all`, form({ csrf, confirm: 'yes' }), {
+      Cookie: `latch_csrf=${csrf}`,
+    })
     assert.equal(anonymous.status, 401)
     assert.equal((await introspect(latch, token)).active, true)
   })
@@ -1999,7 +2019,7 @@ describe('Sign-in sessions and connected apps', () => {
     const revoked = await post(`${latch.base}/apps/revoke`, form({ csrf: await formTokenOf(cookie), grant }), {
       Cookie: cookie,
     })
-    assert.equal(revoked.status, 303)
+    assert.match(await revoked.text(), /Revoked <bdi>Deploy notes<\/bdi>/)
     assert.deepEqual(await introspect(latch, token), { active: false })
     assert.ok(
       latch.logs.some((line) => / security: the owner made a token for scripts named "Deploy notes"/.test(line)),

@@ -1734,7 +1734,20 @@ async function handleAppsPage(req: IncomingMessage, res: ServerResponse, ctx: Co
   const headers = { 'Set-Cookie': buildCookie(csrfCookieName(ctx.config), visitor.csrf, undefined, ctx.config) }
   const page = { csrf: formToken(visitor), config: ctx.config }
   if (!visitor.signedIn) return sendPage(res, 200, renderSignInPage(page), headers)
-  sendPage(res, 200, renderAppsPage(await ctx.store.listGrants(ctx.now()), page), headers)
+  await sendAppsPage(res, ctx, visitor, undefined, headers)
+}
+
+/** The apps page, with the logos client discovery still holds: the journal keeps no images. */
+async function sendAppsPage(
+  res: ServerResponse,
+  ctx: Context,
+  visitor: Visitor,
+  notice?: string,
+  headers?: Record<string, string>,
+): Promise<void> {
+  const grants = await ctx.store.listGrants(ctx.now())
+  const logoOf = (clientId: string): string | undefined => ctx.clients.get(clientId)?.info.logo
+  sendPage(res, 200, renderAppsPage(grants, { csrf: formToken(visitor), config: ctx.config, notice, logoOf }), headers)
 }
 
 /**
@@ -1787,19 +1800,30 @@ async function handleSignOutEverywhere(req: IncomingMessage, res: ServerResponse
  */
 async function handleAppRevocation(req: IncomingMessage, res: ServerResponse, ctx: Context): Promise<void> {
   const form = await readForm(req)
-  await requireOwner(form, req, ctx)
-  await ctx.store.revokeGrant(requireParam(form, 'grant'), ctx.now())
-  redirect(res, 303, endpointUrl(ctx.config, '/apps'))
+  const visitor = await requireOwner(form, req, ctx)
+  const id = requireParam(form, 'grant')
+  const grant = await ctx.store.findGrant(id, ctx.now())
+  if (grant !== undefined) await ctx.store.revokeGrant(id, ctx.now())
+  const notice =
+    grant === undefined
+      ? 'That app had no access any more: nothing was revoked.'
+      : `Revoked ${appName(grant)}: its tokens stopped working.`
+  await sendAppsPage(res, ctx, visitor, notice)
 }
 
 /**
- * Revokes every grant.
+ * Revokes every grant, once the owner has said yes a second time: the first press shows what
+ * would end, with one button that carries `confirm=yes`.
  * @see https://www.rfc-editor.org/rfc/rfc7009#section-1 RFC 7009 §1 (revocation by the end user)
  */
 async function handleAllAppsRevocation(req: IncomingMessage, res: ServerResponse, ctx: Context): Promise<void> {
-  await requireOwner(await readForm(req), req, ctx)
-  for (const [id] of await ctx.store.listGrants(ctx.now())) await ctx.store.revokeGrant(id, ctx.now())
-  redirect(res, 303, endpointUrl(ctx.config, '/apps'))
+  const form = await readForm(req)
+  const visitor = await requireOwner(form, req, ctx)
+  const grants = await ctx.store.listGrants(ctx.now())
+  if (getParam(form, 'confirm') !== 'yes')
+    return sendPage(res, 200, renderRevokeAllPage(grants, { csrf: formToken(visitor), config: ctx.config }))
+  for (const [id] of grants) await ctx.store.revokeGrant(id, ctx.now())
+  await sendAppsPage(res, ctx, visitor, `Revoked ${countApps(grants.length)}: their tokens stopped working.`)
 }
 
 /**
@@ -1864,9 +1888,10 @@ longer needed.</p>
   )
 }
 
-async function requireOwner(form: Params, req: IncomingMessage, ctx: Context): Promise<void> {
-  if (!(await requireFormToken(form, req, ctx)).signedIn)
-    throw new OAuthError('access_denied', 'Sign in first: your session has ended', { status: 401 })
+async function requireOwner(form: Params, req: IncomingMessage, ctx: Context): Promise<Visitor> {
+  const visitor = await requireFormToken(form, req, ctx)
+  if (!visitor.signedIn) throw new OAuthError('access_denied', 'Sign in first: your session has ended', { status: 401 })
+  return visitor
 }
 
 function renderSignInPage(page: { csrf: string; config: Config; message?: string }): string {
@@ -1883,13 +1908,19 @@ ${renderPasswordField(page.message)}
   )
 }
 
-function renderAppsPage(grants: [string, Grant][], page: { csrf: string; config: Config }): string {
+/** What the apps page shows: the grants, a logo per client_id, and what was just revoked. */
+type AppsPage = { csrf: string; config: Config; notice?: string; logoOf: (clientId: string) => string | undefined }
+
+function renderAppsPage(grants: [string, Grant][], page: AppsPage): string {
   const { config } = page
   const csrfField = `<input type="hidden" name="csrf" value="${escapeHtml(page.csrf)}">`
   const apps = grants
-    .map(
-      ([id, grant]) => `<section class="app">
-<h2>${isolate(grant.client_name ?? grant.client_id)}</h2>
+    .map(([id, grant]) => {
+      const logo = page.logoOf(grant.client_id)
+      const image =
+        logo === undefined ? '' : `<img class="logo" src="${escapeHtml(logo)}" alt="" width="32" height="32"> `
+      return `<section class="app">
+<h2>${image}${appName(grant)}</h2>
 <dl>
 ${
   grant.client_id === scriptClientId(config)
@@ -1904,12 +1935,13 @@ ${
 <dt>Access ends</dt><dd>${grant.endsAt === undefined ? untilRevoked(config) : formatTime(grant.endsAt)}</dd>
 </dl>
 ${renderButton(config, '/apps/revoke', `${csrfField}${grantField(id)}`, 'danger', 'Revoke')}
-</section>`,
-    )
+</section>`
+    })
     .join('\n')
   const signOut = config.passwordHash === undefined ? '' : renderButton(config, '/sign-out', csrfField, '', 'Sign out')
-  const revokeAll = renderButton(config, '/apps/revoke-all', csrfField, 'danger', 'Revoke all')
+  const revokeAll = renderButton(config, '/apps/revoke-all', csrfField, 'danger', 'Revoke all…')
   const actions = `<div class="actions">${revokeAll}</div>`
+  const notice = page.notice === undefined ? '' : `<p class="notice" role="status">${page.notice}</p>\n`
   const everywhere =
     config.passwordHash === undefined
       ? ''
@@ -1919,12 +1951,43 @@ ${renderButton(config, '/apps/revoke', `${csrfField}${grantField(id)}`, 'danger'
     'Connected apps',
     `<div class="bar"><span class="muted">${escapeHtml(config.me)}</span>${signOut}</div>
 <h1>Connected apps</h1>
-<p>These apps can act as you. Revoking one ends its access at once; otherwise it ends when
+${notice}<p>These apps can act as you. Revoking one ends its access at once; otherwise it ends when
 you chose on the consent page.</p>
 ${apps === '' ? '<p class="muted">No app holds a token right now.</p>' : `${apps}\n${actions}`}
 ${renderScriptTokenForm(config, csrfField)}
 ${everywhere}`,
   )
+}
+
+/** The second question before "Revoke all": which apps would lose their access. */
+function renderRevokeAllPage(grants: [string, Grant][], page: { csrf: string; config: Config }): string {
+  const { config } = page
+  const back = `<p><a href="${escapeHtml(endpointUrl(config, '/apps'))}">Back to your apps</a></p>`
+  if (grants.length === 0)
+    return renderPage('Revoke all apps', `<h1>Revoke all apps</h1>\n<p>No app holds a token right now.</p>\n${back}`)
+  const csrfField = `<input type="hidden" name="csrf" value="${escapeHtml(page.csrf)}">`
+  const confirm = `${csrfField}<input type="hidden" name="confirm" value="yes">`
+  const names = grants.map(([, grant]) => `<li>${appName(grant)}</li>`).join('\n')
+  return renderPage(
+    'Revoke all apps?',
+    `<h1>Revoke all apps?</h1>
+<p>${grants.length === 1 ? 'This app loses its' : `These ${grants.length} apps lose their`} access at once,
+tokens for scripts included. An app that still needs access will have to ask you again.</p>
+<ul>
+${names}
+</ul>
+<div class="actions">${renderButton(config, '/apps/revoke-all', confirm, 'danger', 'Yes, revoke all')}</div>
+${back}`,
+  )
+}
+
+/** An app as the owner's pages name it, escaped: its name, or its client_id. */
+function appName(grant: Grant): string {
+  return isolate(grant.client_name ?? grant.client_id)
+}
+
+function countApps(count: number): string {
+  return count === 1 ? '1 app' : `${count} apps`
 }
 
 /** What "until you revoke it" means on /apps: a refresh token also ends when it goes unused for long. */
@@ -2498,7 +2561,8 @@ pre {
 .muted { color: var(--muted); }
 .error { border-left: 4px solid #d93025; padding: .25rem .75rem; }
 .warning { border-left: 4px solid #f29900; padding: .25rem .75rem; }
-h1 .logo { vertical-align: middle; margin-right: .5rem; }
+.notice { border-left: 4px solid var(--accent); padding: .25rem .75rem; }
+h1 .logo, h2 .logo { vertical-align: middle; margin-right: .5rem; }
 fieldset { border: 1px solid var(--line); border-radius: .5rem; padding: .75rem 1rem; background: var(--panel); }
 legend { padding: 0 .25rem; font-weight: 600; }
 label { display: block; padding: .5rem 0; }

@@ -214,7 +214,8 @@ describe('A person signs in with a browser (issue 6)', () => {
 
   it('revokes the app, and its token becomes inactive at once', { skip: SKIP }, async () => {
     await page.getByRole('button', { name: 'Revoke', exact: true }).click()
-    await page.waitForURL((url) => url.pathname === '/apps')
+    await page.waitForURL((url) => url.pathname === '/apps/revoke')
+    assert.match(await page.getByRole('status').innerText(), /^Revoked .+: its tokens stopped working\.$/)
     await page.getByText('No app holds a token right now.').waitFor()
     assert.deepEqual(await introspect(latch, client.tokens[0]), { active: false })
   })

@@ -99,7 +99,7 @@ async function startSite(latch: TestServer): Promise<Site> {
           ['decision', 'approve'],
         ]),
       '/sign-out': () => forge('/sign-out', []),
-      '/revoke-all': () => forge('/apps/revoke-all', []),
+      '/revoke-all': () => forge('/apps/revoke-all', [['confirm', 'yes']]),
     }
     Promise.resolve((routes[url.pathname] ?? (() => html(404, '<h1>Not found</h1>')))()).catch((err: unknown) =>
       html(500, `<pre>${String(err)}</pre>`),

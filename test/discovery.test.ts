@@ -305,6 +305,41 @@ describe('Client discovery (IndieAuth §4.2)', () => {
     assert.doesNotMatch(html, /src="http/) // the page loads nothing from elsewhere
   })
 
+  it('shows the logo it fetched beside the app on /apps, once the owner has approved', async () => {
+    const consent = await authorize(latch, 'http://json.example/', 'https://other.example/callback')
+    const html = await consent.text()
+    const cookie = (consent.headers.get('set-cookie') ?? '').split(';')[0]
+    const field = (name: string) => new RegExp(`name="${name}" value="([^"]+)"`).exec(html)?.[1] ?? ''
+    const approved = await fetch(`${latch.base}/auth/consent`, {
+      method: 'POST',
+      headers: { 'Content-Type': 'application/x-www-form-urlencoded', Cookie: cookie },
+      body: new URLSearchParams({
+        request: field('request'),
+        csrf: field('csrf'),
+        scope: 'create',
+        decision: 'approve',
+      }),
+      redirect: 'manual',
+    })
+    assert.equal(approved.status, 303)
+    const code = new URL(approved.headers.get('location') ?? '').searchParams.get('code') ?? ''
+    const exchanged = await fetch(`${latch.base}/token`, {
+      method: 'POST',
+      headers: { 'Content-Type': 'application/x-www-form-urlencoded' },
+      body: new URLSearchParams({
+        grant_type: 'authorization_code',
+        code,
+        client_id: 'http://json.example/',
+        redirect_uri: 'https://other.example/callback',
+        code_verifier: 'dBjftJeZ4CVP-mB92K27uhbUJU1p1r_wW1gFWFOEjXk', // RFC 7636 Appendix B
+      }),
+    })
+    assert.equal(exchanged.status, 200)
+    const apps = await (await fetch(`${latch.base}/apps`)).text()
+    const logo = `<img class="logo" src="data:image/png;base64,${PNG.toString('base64')}" alt="" width="32" height="32">`
+    assert.ok(apps.includes(`<h2>${logo} <bdi>Jot &#60;Notes&#62;</bdi></h2>`), apps)
+  })
+
   it('accepts a custom-scheme redirect_uri listed in metadata, and redirects there with the code', async () => {
     const response = await authorize(latch, 'http://json.example/', 'com.example.jot:/callback')
     const html = await response.text()
