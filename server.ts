@@ -2568,7 +2568,9 @@ legend { padding: 0 .25rem; font-weight: 600; }
 label { display: block; padding: .5rem 0; }
 .bar { display: flex; justify-content: space-between; align-items: center; gap: 1rem; margin: 0 0 1rem; }
 .bar button { width: auto; padding: .4rem .8rem; font-weight: 400; }
-input[type=password] {
+input[type=password],
+input[type=url],
+input:not([type]) {
   display: block;
   width: 100%;
   margin-top: .25rem;
@@ -2579,7 +2581,7 @@ input[type=password] {
   border: 1px solid var(--line);
   border-radius: .4rem;
 }
-.actions { display: flex; gap: .75rem; margin-top: 1.25rem; }
+.actions { display: flex; gap: .75rem; margin: 1.25rem 0 1rem; }
 .actions > * { flex: 1; }
 button {
   width: 100%;

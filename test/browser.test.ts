@@ -4,11 +4,10 @@
 // /token. Then /apps lists the app, Revoke ends its token, and a second sign-in needs no password.
 //
 // Without /usr/bin/chromium the tests are skipped with the reason printed; with CI set they fail.
-// UPDATE_SCREENSHOTS=1 writes the consent and apps pages to docs/ for the README.
+// The screenshots in docs/screenshots are taken by test/pages.test.ts.
 
 import { after, before, describe, it } from 'node:test'
 import assert from 'node:assert/strict'
-import { mkdir, writeFile } from 'node:fs/promises'
 import { createServer } from 'node:http'
 import type { IncomingMessage, Server, ServerResponse } from 'node:http'
 import type { AddressInfo } from 'node:net'
@@ -17,9 +16,6 @@ import type { Browser, BrowserContext, Locator, Page } from 'playwright-core'
 import { computeCodeChallenge, createHandler, createSecret, escapeHtml, hashPassword, loadConfig } from '../server.ts'
 
 // --- Harness ----------------------------------------------------------------------
-
-const DOCS = new URL('../docs/', import.meta.url)
-const WRITE_SCREENSHOTS = process.env.UPDATE_SCREENSHOTS === '1'
 
 const PASSWORD = 'correct horse battery staple'
 const ME = 'https://example.com/'
@@ -124,23 +120,6 @@ async function introspect(latch: { base: string }, token: string): Promise<Recor
   return (await response.json()) as Record<string, unknown>
 }
 
-/** Takes a screenshot of the page's content, in light and dark, and keeps it under docs/ when asked to. */
-async function screenshot(page: Page, name: string): Promise<void> {
-  for (const [colorScheme, suffix] of [
-    ['light', ''],
-    ['dark', '-dark'],
-  ] as const) {
-    await page.emulateMedia({ colorScheme })
-    const png = await page.locator('main').screenshot()
-    assert.ok(png.subarray(1, 4).toString() === 'PNG' && png.length > 1000, `screenshot ${name}${suffix} is a PNG`)
-    if (WRITE_SCREENSHOTS) {
-      await mkdir(DOCS, { recursive: true })
-      await writeFile(new URL(`${name}${suffix}.png`, DOCS), png)
-    }
-  }
-  await page.emulateMedia({ colorScheme: 'light' })
-}
-
 /** Opens the client's page and follows its sign-in link to Latch's consent page. */
 async function startSignIn(page: Page, client: ClientApp): Promise<void> {
   await page.goto(client.base)
@@ -179,7 +158,6 @@ describe('A person signs in with a browser (issue 6)', () => {
     await assertVisibleText(page.locator('main'), ME)
     assert.equal(await page.getByLabel('Password').count(), 1)
     assert.equal(await page.getByRole('checkbox').count(), 2)
-    await screenshot(page, 'consent')
   })
 
   it('says a wrong password is wrong and keeps the page usable', { skip: SKIP }, async () => {
@@ -209,7 +187,6 @@ describe('A person signs in with a browser (issue 6)', () => {
     assert.equal(await app.count(), 1)
     assert.equal(await app.getByRole('heading').innerText(), client.clientId)
     await assertVisibleText(app, 'profile create')
-    await screenshot(page, 'apps')
   })
 
   it('revokes the app, and its token becomes inactive at once', { skip: SKIP }, async () => {
