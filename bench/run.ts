@@ -1,46 +1,65 @@
-// npm run bench: how close Latch comes to the node:http limit, and how it holds up.
+// npm run bench: what Latch costs in the three states a person's server is in, beside the
+// node:http limit and a real peer.
 //
-// Three processes share the two cores: the server under test, the load generator (autocannon,
-// bench/load.ts) and this one, which only steers and is idle while a figure is timed. Latch runs
-// as a child process through its real command line (`server.ts`, DATA_FILE=memory), with
-// its one log line per request going to a file, exactly as a user runs it: that gives honest
-// numbers, where an in-process server would share an event loop with the bench. The bare
-// node:http server (bench/bare.ts) answers the same requests with the same headers and as many
-// bytes as Latch, and does nothing else: the limit.
+// Four processes share the two cores: the servers under test, the load generator (autocannon,
+// bench/load.ts) and this one, which steers, and sends the paced requests itself. Latch runs as a
+// child process through its real command line (`server.ts`, DATA_FILE=memory), with its one log
+// line per request going to a file, exactly as a user runs it. The bare node:http server
+// (bench/bare.ts) answers the same requests with the same headers and as many bytes as Latch, and
+// does nothing else: the limit. The peer is node-oidc-provider in memory (bench/peer.ts).
 //
-//   (a) POST /introspect of a live token              target: ≥ 80% of bare
-//   (b) POST /token, one fresh code per request          target: ≥ 50% of bare
-//       (the codes are minted through GET /auth and POST /auth/consent before the timed part)
+// Warm (as a load generator sees it: 10 connections as fast as they go, after a warm-up)
+//   (a) POST /introspect of a live token         targets: ≥ 80% of bare; the peer ≥ 8× Latch's CPU
+//   (b) POST /token, one fresh code per request  targets: ≥ 50% of bare, ≤ 1.3× its CPU; the peer ≥ 5×
+//   (g) POST /revoke of a token the server does not hold
 //   (c) GET /auth, the consent page
+// Paced (as a person's clients send them; servers warm)
+//   (i) each kind one request at a time, then at a fixed 200 a second
+// Cold (a process just started, with its data file on disk)
+//   (h) start to first answer with `tsx server.ts`, with an empty data file (target ≤ 1 s) and
+//       with 100,000 live tokens in it (≤ 1.5 s); CPU of the first 100 and 1,000 requests of each
+//       kind, one at a time      target: first 100 exchanges ≤ 2× the same process's, once warm
+// Memory
 //   (d) heap bytes per live token, 1,000,000 in a MemoryStore    target: ≤ 300
 //   (e) longest event-loop stall while they all expire            target: ≤ 20 ms
 //   (f) soak: SOAK_SECONDS (60) of mixed traffic, memory at start and end
 //
-// (a) to (c) measure the two servers in turn, round after round, and keep each one's best run:
-// on two shared cores a neighbour's load can halve a run.
+// The warm figures measure the servers in turn, round after round, and print each one's best and
+// median round; the summary uses the medians: on two shared cores a neighbour's load can halve a
+// run, and the best alone flatters the faster server most.
 //
 // Settings: SOAK_SECONDS (60), BENCH_SECONDS per timed run (6), BENCH_ROUNDS (5),
 // BENCH_EXCHANGE_BATCHES (4: batches of 9,000 fresh codes a round for (b)),
-// BENCH_CONNECTIONS (10), BENCH_FIGURES (abcdef: the letters of the figures to measure).
+// BENCH_CONNECTIONS (10), BENCH_FIGURES (abgcihfde: the letters of the figures to measure).
 // The bench never fails: it prints what it measured, and which targets were missed.
 
 import { fork, spawn } from 'node:child_process'
 import type { ChildProcess } from 'node:child_process'
-import { closeSync, mkdtempSync, openSync, readFileSync, rmSync } from 'node:fs'
+import { closeSync, copyFileSync, mkdtempSync, openSync, readFileSync, rmSync } from 'node:fs'
 import { Agent, request } from 'node:http'
 import type { IncomingHttpHeaders } from 'node:http'
 import { cpus, tmpdir } from 'node:os'
 import { join } from 'node:path'
 import { fileURLToPath } from 'node:url'
+import { createSecret } from '../server.ts'
 import type { BareAnswers } from './bare.ts'
+import type { PeerAnswer } from './peer.ts'
 import type { LoadJob, LoadResult, SoakJob } from './load.ts'
+import { atRate, oneAtATime, startToFirstAnswer } from './paced.ts'
+import { fillDataFile } from './tokens.ts'
 
 const SOAK_SECONDS = Number(process.env.SOAK_SECONDS ?? 60)
 const MEASURE_SECONDS = Number(process.env.BENCH_SECONDS ?? 6)
 const WARMUP_SECONDS = 2
 const CONNECTIONS = Number(process.env.BENCH_CONNECTIONS ?? 10)
 /** Which figures to measure, by letter: all by default; `BENCH_FIGURES=ab` for introspection and exchange only. */
-const FIGURES = process.env.BENCH_FIGURES ?? 'abcdef'
+const FIGURES = process.env.BENCH_FIGURES ?? 'abgcihfde'
+/** Requests of each paced run, and the fixed rate of the second. */
+const PACED_REQUESTS = 1000
+const PACED_RATE = 200
+/** Fresh processes the cold figures start, for each kind and each data file. */
+const COLD_STARTS = 3
+const LIVE_TOKENS_AT_START = 100_000
 /** Codes for one batch of timed token exchanges: under the 10,000 unredeemed codes Latch keeps. */
 const TIMED_CODES = 9000
 /** Batches of token exchanges a round times at Latch, one after the other. */
@@ -192,8 +211,23 @@ function shapeOf(answer: Answer): BareAnswers[string] {
 /** A timed run, with the CPU time the server spent per request: a figure the load generator's own limits do not blur. */
 type Measured = LoadResult & { cpuMicrosPerRequest: number }
 
-/** Each server's best run of the rounds, and every round's ratio. */
-type Pair = { bare: Measured; latch: Measured; roundRatios: number[] }
+/** One server's rounds: the best (most requests per second) and the median, by the same measure. */
+type Rounds = { best: Measured; median: Measured; all: Measured[] }
+
+/**
+ * A server the bench compares, and how to ask it for each kind of request: the same forms, at
+ * its own paths. `codes` makes fresh authorization codes for the verifier the bench sends,
+ * outside the timed part; `tokenBody`, `introspectionBody` and `revocationBody` make the bodies.
+ */
+type Contender = {
+  name: string
+  server: Server
+  paths: { token: string; introspection: string; revocation: string }
+  codes: (count: number) => Promise<string[]>
+  tokenBody: (code: string) => string
+  introspectionBody: string
+  revocationBody: (token: string) => string
+}
 
 const loadJob = (url: string, fields: Partial<LoadJob>): LoadJob => ({
   kind: 'load',
@@ -211,61 +245,72 @@ async function measure(load: ChildProcess, server: Server, job: LoadJob): Promis
   return { ...result, cpuMicrosPerRequest: (after.cpuMicros - before.cpuMicros) / result.requests }
 }
 
+function roundsOf(runs: Measured[]): Rounds {
+  const byRate = [...runs].sort((a, b) => a.rps - b.rps)
+  return { best: byRate[byRate.length - 1], median: byRate[Math.floor((byRate.length - 1) / 2)], all: runs }
+}
+
 /**
- * Warms both servers up, then measures them in turn, bare first, for ROUNDS rounds with the same
- * request, and keeps each server's best run: a neighbour's load on two shared cores can halve a
- * run, and alternating keeps a slow spell from falling on one server only.
+ * Warms every server up, then measures them in turn, round after round, with the same request
+ * shape: a neighbour's load on two shared cores can halve a run, and alternating keeps a slow
+ * spell from falling on one server only. `job` makes one timed run's job for a server.
  */
-async function measurePair(load: ChildProcess, bare: Server, latch: Server, fields: Partial<LoadJob>): Promise<Pair> {
-  await ask(load, loadJob(bare.url, { ...fields, seconds: WARMUP_SECONDS }))
-  await ask(load, loadJob(latch.url, { ...fields, seconds: WARMUP_SECONDS }))
-  const rounds: { bare: Measured; latch: Measured }[] = []
+async function measureRounds(
+  load: ChildProcess,
+  contenders: Contender[],
+  job: (contender: Contender, seconds: number) => Batches,
+): Promise<Map<string, Rounds>> {
+  for (const contender of contenders)
+    for (const warmup of job(contender, WARMUP_SECONDS)) await ask(load, await warmup())
+  const runs = new Map<string, Measured[]>(contenders.map((contender) => [contender.name, []]))
   for (let round = 0; round < ROUNDS; round++) {
-    const bareResult = await measure(load, bare, loadJob(bare.url, { ...fields, seconds: MEASURE_SECONDS }))
-    rounds.push({
-      bare: bareResult,
-      latch: await measure(load, latch, loadJob(latch.url, { ...fields, seconds: MEASURE_SECONDS })),
+    for (const contender of contenders) {
+      const batches: Measured[] = []
+      for (const batch of job(contender, MEASURE_SECONDS))
+        batches.push(await measure(load, contender.server, await batch()))
+      runs.get(contender.name)?.push(addUp(batches))
+    }
+  }
+  return new Map([...runs].map(([name, measured]) => [name, roundsOf(measured)]))
+}
+
+/**
+ * Token exchange: every request redeems its own code, made before the clock starts. Latch keeps
+ * at most 10,000 unredeemed codes, so a round makes and redeems EXCHANGE_BATCHES batches of
+ * 9,000 in turn, and only the redeeming is timed; the round's run is the batches added up. The
+ * peer, several times slower, gets batches of 2,000. The bare server does not read the codes, so
+ * it gets such bodies for MEASURE_SECONDS, as in the other figures.
+ */
+function exchangeJobs(contender: Contender, seconds: number): Batches {
+  const { server, paths } = contender
+  if (contender.name === 'bare') {
+    const bodies = Array.from({ length: 1000 }, (_, i) => contender.tokenBody(`code-${i}`))
+    return [async () => loadJob(server.url, { method: 'POST', path: paths.token, bodies, seconds })]
+  }
+  const warmup = seconds === WARMUP_SECONDS
+  const size = warmup ? WARMUP_CODES : contender.name === 'peer' ? 2000 : TIMED_CODES
+  const batches = warmup ? 1 : contender.name === 'peer' ? 2 : EXCHANGE_BATCHES
+  // each batch's codes are made just before it is timed: at most 10,000 wait at once
+  return Array.from({ length: batches }, () => async () => {
+    const codes = await contender.codes(size)
+    return loadJob(server.url, {
+      method: 'POST',
+      path: paths.token,
+      bodies: codes.map(contender.tokenBody),
+      amount: codes.length - CONNECTIONS - 1,
     })
-  }
-  return bestOf(rounds)
+  })
 }
 
-function bestOf(rounds: { bare: Measured; latch: Measured }[]): Pair {
-  const best = (runs: Measured[]) => runs.reduce((a, b) => (b.rps > a.rps ? b : a))
-  return {
-    bare: best(rounds.map((round) => round.bare)),
-    latch: best(rounds.map((round) => round.latch)),
-    roundRatios: rounds.map((round) => round.latch.rps / round.bare.rps),
-  }
-}
+/** The timed runs of one round at one server, each made when its turn comes. */
+type Batches = (() => Promise<LoadJob>)[]
 
-/**
- * Token exchange: every Latch request redeems its own code, minted before the clock starts.
- * Latch keeps at most 10,000 unredeemed codes, so a round mints and redeems EXCHANGE_BATCHES
- * batches of 9,000 in turn, and only the redeeming is timed; the round's run is the batches
- * added up. One batch alone lasts half a second: too short a window to measure a server by, and
- * the best of a few such windows flatters the faster server most. The bare server does not
- * read the codes, so it gets such bodies for MEASURE_SECONDS, as in the other figures. Each
- * server's best round counts, as above.
- */
-async function measureTokenExchange(load: ChildProcess, bare: Server, latch: Server): Promise<Pair> {
-  const bodies = (codes: string[]) => codes.map((code) => TOKEN_BODY.replace('CODE', code))
-  const exchange = (url: string, codes: string[]): LoadJob =>
-    loadJob(url, { method: 'POST', path: '/token', bodies: bodies(codes), amount: codes.length - CONNECTIONS - 1 })
-  const warmup = await mintCodes(latch.url, WARMUP_CODES)
-  await ask(load, exchange(latch.url, warmup))
-  const bareJob = (seconds: number) =>
-    loadJob(bare.url, { method: 'POST', path: '/token', bodies: bodies(warmup), seconds })
-  await ask(load, bareJob(WARMUP_SECONDS))
-  const rounds: { bare: Measured; latch: Measured }[] = []
-  for (let round = 0; round < ROUNDS; round++) {
-    const bareResult = await measure(load, bare, bareJob(MEASURE_SECONDS))
-    const batches: Measured[] = []
-    for (let batch = 0; batch < EXCHANGE_BATCHES; batch++)
-      batches.push(await measure(load, latch, exchange(latch.url, await mintCodes(latch.url, TIMED_CODES))))
-    rounds.push({ bare: bareResult, latch: addUp(batches) })
-  }
-  return bestOf(rounds)
+/** Runs of one fixed request shape for as long as asked: introspection, revocation. */
+function steadyJobs(path: (contender: Contender) => string, bodies: (contender: Contender) => string[]) {
+  return (contender: Contender, seconds: number): Batches => [
+    async () =>
+      loadJob(contender.server.url, { method: 'POST', path: path(contender), bodies: bodies(contender), seconds }),
+  ]
 }
 
 /** Timed runs taken as one: totals, and the worst batch's p50 and p99 (a latency histogram cannot be added up from percentiles). */
@@ -321,6 +366,102 @@ function measureTokenMemory(): Promise<TokenMemory> {
   })
 }
 
+/** Latch's revocation body for a token: a public client names itself. */
+const revocationBody = (token: string) => `token=${token}&${new URLSearchParams({ client_id: CLIENT_ID })}`
+
+const medianOf = (values: number[]) => [...values].sort((a, b) => a - b)[Math.floor((values.length - 1) / 2)]
+
+/** The counts at which the cold figures read the server's CPU: the first 100, up to 1,000, and the last 1,000 of 5,000. */
+const COLD_CHECKPOINTS = [100, 1000, 4000, 5000]
+
+type ColdRun = { first100: number; first1000: number; warm: number }
+
+type Cold = { requests: Map<string, ColdRun[]>; startEmpty: number[]; startFull: number[] }
+
+/**
+ * (h) A data file is written as a server that had issued them would leave it: 5,000 codes and
+ * 10,000 tokens; and another with 100,000 live tokens. For each kind, COLD_STARTS fresh
+ * processes, each with its own copy of the file, answer 5,000 requests one at a time; their CPU
+ * is read after the first 100, the first 1,000, and for the last 1,000, by when the process is
+ * warm: the same server, store and client, so the ratio shows what being cold costs and nothing
+ * else. Then the start itself: `tsx server.ts`, the command the README gives less npx's own
+ * start, timed to the first answer.
+ */
+async function measureCold(probe: string, dir: string): Promise<Cold> {
+  const small = join(dir, 'cold-small.journal')
+  const { codes, tokens } = await fillDataFile(small, { codes: 5000, tokens: 10_000 }, Date.now())
+  const requests: Cold['requests'] = new Map()
+  const kinds = [
+    ['exchange', '/token', codes.map((code) => TOKEN_BODY.replace('CODE', code))],
+    ['introspection', '/introspect', tokens.slice(0, 5000).map((token) => `token=${token}`)],
+    ['revocation', '/revoke', tokens.slice(5000).map(revocationBody)],
+  ] as const
+  for (const [kind, path, bodies] of kinds) {
+    const runs: ColdRun[] = []
+    for (let start = 0; start < COLD_STARTS; start++) {
+      const copy = join(dir, `cold-${kind}-${start}.journal`)
+      copyFileSync(small, copy)
+      const server = await startServer(
+        `cold-${kind}-${start}`,
+        ['--import', 'tsx', '--import', probe, 'server.ts'],
+        { PORT: '0', DATA_FILE: copy },
+        /listening on (http:\/\/\S+)/,
+        dir,
+      )
+      const cpu = async () => (await ask<Usage>(server.child, 'usage')).cpuMicros
+      const { stretches } = await oneAtATime(server.url, path, [...bodies], cpu, COLD_CHECKPOINTS)
+      const [first, rest, , last] = stretches.map((stretch) => stretch.cpuMicrosPerRequest)
+      runs.push({ first100: first, first1000: (first * 100 + rest * 900) / 1000, warm: last })
+      await stop(server.child)
+      rmSync(copy, { force: true })
+    }
+    requests.set(kind, runs)
+  }
+  const full = join(dir, 'cold-full.journal')
+  await fillDataFile(full, { codes: 0, tokens: LIVE_TOKENS_AT_START }, Date.now())
+  const tsx = join(ROOT, 'node_modules/.bin/tsx')
+  const startTimes = async (file: string) => {
+    const times: number[] = []
+    for (let start = 0; start < COLD_STARTS; start++) {
+      const copy = join(dir, `start-${start}.journal`)
+      rmSync(copy, { force: true })
+      if (file !== '') copyFileSync(file, copy)
+      const env = { ...cleanEnv(), DATA_FILE: copy }
+      times.push(await startToFirstAnswer(tsx, ['server.ts'], env, '/.well-known/oauth-authorization-server', ROOT))
+    }
+    return times
+  }
+  return { requests, startEmpty: await startTimes(''), startFull: await startTimes(full) }
+}
+
+/**
+ * The peer, node-oidc-provider (bench/peer.ts), with its own paths. It wants every caller of its
+ * introspection endpoint to name a client: the bench's public client names itself, as Latch's
+ * revocation requests do. Its codes and tokens are made in its process, outside the timed part.
+ */
+async function startPeer(probe: string, dir: string): Promise<Contender> {
+  const server = await startServer(
+    'peer',
+    ['--import', 'tsx', '--import', probe, 'bench/peer.ts'],
+    {},
+    /listening (\d+)/,
+    dir,
+  )
+  const ready = /token=(\S+) introspection=(\S+) revocation=(\S+)/.exec(readFileSync(server.logFile, 'utf8'))
+  if (ready === null) throw new Error('the peer did not name its endpoints')
+  const client = new URLSearchParams({ client_id: CLIENT_ID })
+  const [token] = (await ask<PeerAnswer & { tokens: string[] }>(server.child, { kind: 'tokens', count: 1 })).tokens
+  return {
+    name: 'peer',
+    server,
+    paths: { token: ready[1], introspection: ready[2], revocation: ready[3] },
+    codes: async (count) => (await ask<PeerAnswer & { codes: string[] }>(server.child, { kind: 'codes', count })).codes,
+    tokenBody: (code) => TOKEN_BODY.replace('CODE', code),
+    introspectionBody: `token=${token}&${client}`,
+    revocationBody: (value) => `token=${value}&${client}`,
+  }
+}
+
 // --- Printing ---------------------------------------------------------------------------
 
 const format = (value: number, digits = 0) =>
@@ -328,28 +469,50 @@ const format = (value: number, digits = 0) =>
 const mib = (bytes: number) => `${format(bytes / 2 ** 20, 1)} MiB`
 const percent = (ratio: number) => `${format(ratio * 100)}%`
 
-function describeRun(name: string, result: LoadResult & { cpuMicrosPerRequest?: number }): string {
+/** A run of either client: autocannon's (whole milliseconds, status counts) or the paced one's (failures). */
+type Run = Pick<LoadResult, 'rps' | 'p50Ms' | 'p99Ms' | 'requests' | 'seconds'> & {
+  cpuMicrosPerRequest?: number
+  status4xx?: number
+  status5xx?: number
+  errors?: number
+  failures?: number
+}
+
+function describeRun(name: string, result: Run): string {
   const problems = [
-    result.status4xx > 0 ? `${result.status4xx} 4xx` : '',
-    result.status5xx > 0 ? `${result.status5xx} 5xx` : '',
-    result.errors > 0 ? `${result.errors} errors` : '',
+    (result.status4xx ?? 0) > 0 ? `${result.status4xx} 4xx` : '',
+    (result.status5xx ?? 0) > 0 ? `${result.status5xx} 5xx` : '',
+    (result.errors ?? 0) > 0 ? `${result.errors} errors` : '',
+    (result.failures ?? 0) > 0 ? `${result.failures} not 200` : '',
   ]
   const note = problems.filter(Boolean).join(', ')
   const cpu =
     result.cpuMicrosPerRequest === undefined
       ? ''
-      : `   CPU ${format(result.cpuMicrosPerRequest).padStart(3)} µs/request`
-  return `  ${name.padEnd(6)} ${format(result.rps).padStart(8)} req/s   p50 ${format(result.p50Ms).padStart(3)} ms   p99 ${format(result.p99Ms).padStart(3)} ms${cpu}   (${format(result.requests)} requests in ${format(result.seconds, 1)} s${note === '' ? '' : `; ${note}`})`
+      : `   CPU ${format(result.cpuMicrosPerRequest).padStart(4)} µs/request`
+  const ms = (value: number) => format(value, Number.isInteger(value) ? 0 : 1).padStart(5)
+  return `  ${name.padEnd(24)} ${format(result.rps).padStart(8)} req/s   p50 ${ms(result.p50Ms)} ms   p99 ${ms(result.p99Ms)} ms${cpu}   (${format(result.requests)} requests in ${format(result.seconds, 1)} s${note === '' ? '' : `; ${note}`})`
 }
 
-function printPair(title: string, pair: Pair): void {
+/** Prints each server's best and median round, and how Latch compares by the median. */
+function printRounds(title: string, rounds: Map<string, Rounds>): void {
   console.log(`\n${title}`)
-  console.log(describeRun('bare', pair.bare))
-  console.log(describeRun('Latch', pair.latch))
-  console.log(
-    `  Latch/bare: ${percent(pair.latch.rps / pair.bare.rps)} of the requests per second; ${format(pair.latch.cpuMicrosPerRequest / pair.bare.cpuMicrosPerRequest, 1)}× the server CPU time per request`,
-  )
-  console.log(`  round by round: ${pair.roundRatios.map(percent).join(', ')}`)
+  for (const [name, { best, median }] of rounds) {
+    console.log(describeRun(`${name} best`, best))
+    console.log(describeRun(`${name} median`, median))
+  }
+  const latch = rounds.get('Latch')?.median
+  const bare = rounds.get('bare')?.median
+  const peer = rounds.get('peer')?.median
+  if (latch === undefined) return
+  if (bare !== undefined)
+    console.log(
+      `  Latch/bare, medians: ${percent(latch.rps / bare.rps)} of the requests per second; ${format(latch.cpuMicrosPerRequest / bare.cpuMicrosPerRequest, 2)}× the server CPU time per request`,
+    )
+  if (peer !== undefined)
+    console.log(
+      `  peer/Latch, medians: the peer spends ${format(peer.cpuMicrosPerRequest / latch.cpuMicrosPerRequest, 1)}× Latch's CPU time per request; Latch answers ${format(latch.rps / peer.rps, 1)}× as many per second`,
+    )
 }
 
 type Row = [figure: string, measured: string, target: string, verdict: string]
@@ -369,12 +532,14 @@ const verdict = (ok: boolean) => (ok ? 'ok' : 'MISSED')
 async function main(): Promise<void> {
   const began = performance.now()
   console.log(
-    `Latch bench: Node ${process.version}, ${cpus().length} cores, 127.0.0.1 only, ${CONNECTIONS} connections, ${MEASURE_SECONDS} s per timed run after ${WARMUP_SECONDS} s of warm-up`,
+    `Latch bench: Node ${process.version}, ${cpus().length} cores, 127.0.0.1 only, ${CONNECTIONS} connections, ${MEASURE_SECONDS} s per timed run after ${WARMUP_SECONDS} s of warm-up, ${ROUNDS} rounds`,
   )
   console.log(
     'Latch runs as `node --import tsx server.ts` with DATA_FILE=memory in a child process; autocannon runs in another.',
   )
-  console.log('Latencies are whole milliseconds, as autocannon records them; p99 figures below read Latch / bare.')
+  console.log(
+    "Each server is shown by its best round and its median round; the summary uses the medians. CPU is the server's, all threads.",
+  )
   const dir = mkdtempSync(join(tmpdir(), 'latch-bench-'))
   const probe = new URL('probe.ts', import.meta.url).href
   const latch = await startServer(
@@ -392,10 +557,12 @@ async function main(): Promise<void> {
   const token = /"access_token":"([^"]+)"/.exec(exchanged.text)?.[1]
   if (token === undefined) throw new Error(`/token answered ${exchanged.status} ${exchanged.text}`)
   const introspected = await send(latch.url, 'POST', '/introspect', { body: `token=${token}` })
+  const revoked = await send(latch.url, 'POST', '/revoke', { body: revocationBody(createSecret()) })
   const answers: BareAnswers = {
     '/auth': shapeOf(consentPage),
     '/token': shapeOf(exchanged),
     '/introspect': shapeOf(introspected),
+    '/revoke': shapeOf(revoked),
   }
   const bare = await startServer(
     'bare',
@@ -404,46 +571,165 @@ async function main(): Promise<void> {
     /listening (\d+)/,
     dir,
   )
+  const peer = await startPeer(probe, dir)
   const load = fork(join(ROOT, 'bench/load.ts'), { cwd: ROOT, execArgv: ['--import', 'tsx'], stdio: 'inherit' })
+  const latchPaths = { token: '/token', introspection: '/introspect', revocation: '/revoke' }
+  const contenders: Contender[] = [
+    {
+      name: 'bare',
+      server: bare,
+      paths: latchPaths,
+      codes: async (count) => Array.from({ length: count }, (_, i) => `code-${i}`),
+      tokenBody: (code) => TOKEN_BODY.replace('CODE', code),
+      introspectionBody: `token=${token}`,
+      revocationBody,
+    },
+    {
+      name: 'Latch',
+      server: latch,
+      paths: latchPaths,
+      codes: (count) => mintCodes(latch.url, count),
+      tokenBody: (code) => TOKEN_BODY.replace('CODE', code),
+      introspectionBody: `token=${token}`,
+      revocationBody,
+    },
+    peer,
+  ]
   try {
-    const rows: Row[] = [['figure', 'measured', 'target', 'verdict']]
-    const ratio = (pair: Pair) => pair.latch.rps / pair.bare.rps
-    const describePair = (pair: Pair) =>
-      `${percent(ratio(pair))} (${format(pair.latch.rps)} / ${format(pair.bare.rps)}), p99 ${format(pair.latch.p99Ms)} / ${format(pair.bare.p99Ms)} ms`
+    const rows: Row[] = [['figure (medians)', 'measured', 'target', 'verdict']]
+    const median = (rounds: Map<string, Rounds>, name: string) => rounds.get(name)?.median
+    /** Latch's CPU per request as a multiple of bare's, and the peer's as a multiple of Latch's. */
+    const compare = (
+      title: string,
+      rounds: Map<string, Rounds>,
+      targets: { rps: number; latchToBare: number; peerToLatch: number },
+    ) => {
+      const { latchToBare, peerToLatch } = targets
+      const [bareRun, latchRun, peerRun] = ['bare', 'Latch', 'peer'].map((name) => median(rounds, name))
+      if (bareRun === undefined || latchRun === undefined || peerRun === undefined) return
+      const overBare = latchRun.cpuMicrosPerRequest / bareRun.cpuMicrosPerRequest
+      const underPeer = peerRun.cpuMicrosPerRequest / latchRun.cpuMicrosPerRequest
+      rows.push([
+        `${title}, req/s Latch/bare`,
+        `${percent(latchRun.rps / bareRun.rps)} (${format(latchRun.rps)} / ${format(bareRun.rps)})`,
+        targets.rps > 0 ? `≥ ${percent(targets.rps)}` : '-',
+        targets.rps > 0 ? verdict(latchRun.rps / bareRun.rps >= targets.rps) : '-',
+      ])
+      rows.push([
+        `${title}, CPU/request Latch/bare`,
+        `${format(overBare, 2)}× (${format(latchRun.cpuMicrosPerRequest)} / ${format(bareRun.cpuMicrosPerRequest)} µs)`,
+        latchToBare > 0 ? `≤ ${format(latchToBare, 1)}×` : '-',
+        latchToBare > 0 ? verdict(overBare <= latchToBare) : '-',
+      ])
+      rows.push([
+        `${title}, CPU/request peer/Latch`,
+        `${format(underPeer, 1)}× (${format(peerRun.cpuMicrosPerRequest)} / ${format(latchRun.cpuMicrosPerRequest)} µs)`,
+        peerToLatch > 0 ? `≥ ${format(peerToLatch)}×` : '-',
+        peerToLatch > 0 ? verdict(underPeer >= peerToLatch) : '-',
+      ])
+    }
 
     if (FIGURES.includes('a')) {
-      const introspection = await measurePair(load, bare, latch, {
-        method: 'POST',
-        path: '/introspect',
-        body: `token=${token}`,
-      })
-      printPair('(a) POST /introspect, a live token', introspection)
-      rows.push([
-        '(a) introspection, Latch/bare req/s',
-        describePair(introspection),
-        '≥ 80%',
-        verdict(ratio(introspection) >= 0.8),
-      ])
+      const introspection = await measureRounds(
+        load,
+        contenders,
+        steadyJobs(
+          (contender) => contender.paths.introspection,
+          (contender) => [contender.introspectionBody],
+        ),
+      )
+      printRounds('(a) warm: introspection of a live token, 10 connections', introspection)
+      compare('(a) warm introspection', introspection, { rps: 0.8, latchToBare: 0, peerToLatch: 8 })
     }
 
     if (FIGURES.includes('b')) {
-      const exchange = await measureTokenExchange(load, bare, latch)
-      printPair(
-        `(b) POST /token, each request with its own fresh code (at Latch, ${EXCHANGE_BATCHES} batches of ${format(TIMED_CODES)} a round, each minted through GET /auth and POST /auth/consent first)`,
+      const exchange = await measureRounds(load, contenders, exchangeJobs)
+      printRounds(
+        `(b) warm: token exchange, each request with its own fresh code (at Latch, ${EXCHANGE_BATCHES} batches of ${format(TIMED_CODES)} a round, each made through GET /auth and POST /auth/consent first; at the peer, 2 batches of 2,000 made in its process)`,
         exchange,
       )
-      rows.push([
-        '(b) token exchange, Latch/bare req/s',
-        describePair(exchange),
-        '≥ 50%',
-        verdict(ratio(exchange) >= 0.5),
-      ])
+      compare('(b) warm token exchange', exchange, { rps: 0.5, latchToBare: 1.3, peerToLatch: 5 })
+    }
+
+    if (FIGURES.includes('g')) {
+      const unknown = Array.from({ length: 1000 }, () => createSecret())
+      const revocation = await measureRounds(
+        load,
+        contenders,
+        steadyJobs(
+          (contender) => contender.paths.revocation,
+          (contender) => unknown.map(contender.revocationBody),
+        ),
+      )
+      printRounds('(g) warm: revocation of a token the server does not hold (RFC 7009 §2.2: 200)', revocation)
+      compare('(g) warm revocation', revocation, { rps: 0, latchToBare: 0, peerToLatch: 0 })
     }
 
     if (FIGURES.includes('c')) {
-      const consent = await measurePair(load, bare, latch, { method: 'GET', path: AUTHORIZATION_PATH })
-      printPair(`(c) GET /auth, the consent page (${format(Buffer.byteLength(consentPage.text))} bytes)`, consent)
-      rows.push(['(c) consent page, Latch/bare req/s', describePair(consent), '-', '-'])
+      const consent = await measureRounds(load, contenders.slice(0, 2), (contender, seconds) => [
+        async () => loadJob(contender.server.url, { method: 'GET', path: AUTHORIZATION_PATH, seconds }),
+      ])
+      printRounds(
+        `(c) warm: GET /auth, the consent page (${format(Buffer.byteLength(consentPage.text))} bytes)`,
+        consent,
+      )
+    }
+
+    if (FIGURES.includes('i')) {
+      console.log(
+        `\n(i) paced: ${format(PACED_REQUESTS)} requests one at a time over one connection, then ${format(PACED_REQUESTS)} at ${PACED_RATE} a second (servers warm)`,
+      )
+      for (const kind of ['exchange', 'introspection', 'revocation'] as const) {
+        for (const contender of contenders) {
+          const cpu = async () => (await ask<Usage>(contender.server.child, 'usage')).cpuMicros
+          const bodies = async (): Promise<string[]> =>
+            kind === 'exchange'
+              ? (await contender.codes(PACED_REQUESTS)).map(contender.tokenBody)
+              : kind === 'introspection'
+                ? Array.from({ length: PACED_REQUESTS }, () => contender.introspectionBody)
+                : Array.from({ length: PACED_REQUESTS }, () => contender.revocationBody(createSecret()))
+          const path = contender.paths[kind === 'exchange' ? 'token' : kind]
+          const single = await oneAtATime(contender.server.url, path, await bodies(), cpu)
+          const rated = await atRate(contender.server.url, path, await bodies(), PACED_RATE, cpu)
+          console.log(describeRun(`${kind} ${contender.name} 1×`, single.whole))
+          console.log(describeRun(`${kind} ${contender.name} ${PACED_RATE}/s`, rated))
+        }
+      }
+    }
+
+    if (FIGURES.includes('h')) {
+      console.log(
+        '\n(h) cold: a fresh Latch process, each request one at a time, as a client that just found it sends them',
+      )
+      const cold = await measureCold(probe, dir)
+      for (const [kind, runs] of cold.requests) {
+        const [first100, first1000, warm] = (['first100', 'first1000', 'warm'] as const).map((field) =>
+          medianOf(runs.map((run) => run[field])),
+        )
+        console.log(
+          `  ${kind.padEnd(13)} CPU per request: first 100 ${format(first100)} µs, first 1,000 ${format(first1000)} µs, requests 4,001 to 5,000 (warm) ${format(warm)} µs (medians of ${runs.length} starts, data file on disk)`,
+        )
+        rows.push([
+          `(h) cold first-100 ${kind} / warm`,
+          `${format(first100 / warm, 2)}× (${format(first100)} / ${format(warm)} µs)`,
+          kind === 'exchange' ? '≤ 2×' : '-',
+          kind === 'exchange' ? verdict(first100 / warm <= 2) : '-',
+        ])
+      }
+      for (const [label, times, target] of [
+        ['empty data file', cold.startEmpty, 1000],
+        [`${format(LIVE_TOKENS_AT_START)} live tokens`, cold.startFull, 1500],
+      ] as const) {
+        console.log(
+          `  start to first answer, ${label}: median ${format(medianOf(times))} ms, best ${format(Math.min(...times))} ms (\`tsx server.ts\`, ${times.length} starts)`,
+        )
+        rows.push([
+          `(h) start to first answer, ${label}`,
+          `${format(medianOf(times))} ms`,
+          `≤ ${format(target)} ms`,
+          verdict(medianOf(times) <= target),
+        ])
+      }
     }
 
     if (FIGURES.includes('f')) {
@@ -480,7 +766,7 @@ async function main(): Promise<void> {
         outcome,
       ])
     }
-    await Promise.all([stop(latch.child), stop(bare.child), stop(load)])
+    await Promise.all([stop(latch.child), stop(bare.child), stop(peer.server.child), stop(load)])
 
     if (FIGURES.includes('d') || FIGURES.includes('e')) {
       console.log('\n(d) and (e): 1,000,000 live tokens in a MemoryStore, in a process of their own (node --expose-gc)')
@@ -513,7 +799,7 @@ async function main(): Promise<void> {
     console.log(`\nThe bench took ${format((performance.now() - began) / 1000)} s.`)
   } finally {
     agent.destroy()
-    await Promise.all([stop(latch.child), stop(bare.child), stop(load)])
+    await Promise.all([stop(latch.child), stop(bare.child), stop(peer.server.child), stop(load)])
     rmSync(dir, { recursive: true, force: true })
   }
 }
