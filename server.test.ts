@@ -536,16 +536,38 @@ describe('MemoryStore', () => {
     assert.equal(await store.markCodeUsed('h', 1000), false)
   })
 
-  it('sweeps expired entries on later writes without touching live ones', async () => {
+  it('leaves expired entries to the sweep: a write walks nothing, sweep(now) takes the expired only', async () => {
     const store = new MemoryStore()
     await store.saveToken('late', token(5000), 0)
     await store.saveToken('early', token(1000), 0)
     await store.saveToken('middle', token(3000), 0)
-    for (let i = 0; i < 50; i++) await store.saveToken(`fresh${i}`, token(9000), 3500) // each write walks a few steps
-    assert.equal(store.tokens.has('early'), false)
-    assert.equal(store.tokens.has('middle'), false)
-    assert.equal(store.tokens.has('late'), true)
+    for (let i = 0; i < 50; i++) await store.saveToken(`fresh${i}`, token(9000), 3500)
+    assert.equal(store.tokens.size, 53, 'no write swept')
+    assert.equal(await store.findToken('early', 3500), undefined, 'an expired entry is never read')
+    store.sweep(3500)
+    assert.deepEqual(
+      [store.tokens.has('early'), store.tokens.has('middle'), store.tokens.has('late')],
+      [false, false, true],
+    )
     assert.equal(store.tokens.size, 51)
+  })
+
+  it('sweeps at least twice as many grants and tokens as were saved since the last sweep, so it keeps pace', async () => {
+    const store = new MemoryStore()
+    for (let i = 0; i < 10_000; i++) await store.saveToken(`t${i}`, token(1000), 0)
+    store.sweep(5000) // 20,000 steps: every entry, and the 64 shards
+    assert.equal(store.tokens.size, 0)
+  })
+
+  it('sweeps the store of a handler every 100 ms on the handler clock, with no server around it', async (t) => {
+    t.mock.timers.enable({ apis: ['setInterval'] })
+    const store = new MemoryStore()
+    await store.saveToken('expired', token(1000), 0)
+    await store.saveToken('live', token(9000), 0)
+    createHandler({ config: loadConfig({ DATA_FILE: 'memory' }), store, now: () => 5000, log: () => {} })
+    assert.equal(store.tokens.size, 2)
+    t.mock.timers.tick(100)
+    assert.deepEqual([...store.tokens.keys()], ['live'])
   })
 
   it('keeps times to the second: expiries rounded up, so nothing dies before its expires_in', async () => {

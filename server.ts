@@ -1486,17 +1486,14 @@ async function issueTokens(
     expiresAt: Math.min(now + ctx.config.refreshTokenTtlSeconds * 1000, endsAt),
     usedAt: undefined,
   }
-  const expiresAt = Math.max(grant.expiresAt, access.expiresAt, refresh.expiresAt)
+  // the caller's own copy, made for this request: updated in place, not copied again
+  grant.lastUsedAt = now
+  grant.expiresAt = Math.max(grant.expiresAt, access.expiresAt, refresh.expiresAt)
   const tokens: TokenIssue['tokens'] = [
     [hashSecret(accessToken), access],
     [hashSecret(refreshToken), refresh],
   ]
-  if (
-    !(await ctx.store.redeemForTokens(
-      { redeemed, grantId, grant: { ...grant, lastUsedAt: now, expiresAt }, tokens },
-      now,
-    ))
-  ) {
+  if (!(await ctx.store.redeemForTokens({ redeemed, grantId, grant, tokens }, now))) {
     await (redeemed.kind === 'code'
       ? revokeReplayedCode(grantId, grant.client_id, ctx)
       : revokeReusedRefreshToken(grantId, grant.client_id, ctx))
@@ -2182,6 +2179,9 @@ export function createHandler(options: HandlerOptions): (req: IncomingMessage, r
     clientFetchSlots: { running: 0, waiting: [] },
     trustedProxies: trustedProxiesOf(options.config),
   }
+  // expired entries go even while no one writes, without costing a request anything
+  const { store } = ctx
+  if (store instanceof MemoryStore || store instanceof FileStore) setInterval(() => store.sweep(ctx.now()), 100).unref()
   const ownHosts = ownHostsOf(ctx.config)
   let lastOwnHost: string | undefined // the Host header that passed last time: nearly every request repeats it
   return (req, res) => {
@@ -2243,7 +2243,8 @@ function ownHostsOf(config: Config): Set<string> | undefined {
 /**
  * Logs a request once its connection is done with it. It counts as `answered` only once the whole
  * answer went to the socket: node:http may have closed it first, after bytes it could not parse,
- * and the client may have gone away.
+ * and the client may have gone away. That takes the 'finish' event: when 'close' comes, the
+ * response's own flags (`writableFinished`) can claim an answer that never left.
  */
 function logRequest(
   req: IncomingMessage,
@@ -2465,22 +2466,20 @@ function sendJson(res: ServerResponse, status: number, body: unknown, headers?: 
     'Cache-Control': 'no-store',
     Pragma: 'no-cache',
   })
-  setImmediate(writeAnswer, res, status, headers === undefined ? head : Object.assign(head, headers), json)
+  writeAnswer(res, status, headers === undefined ? head : Object.assign(head, headers), json)
 }
 
 /** Answers 200 with no body, as revocation does. */
 function sendEmptyOk(res: ServerResponse): void {
   // a length, not an empty chunked body
-  setImmediate(writeAnswer, res, 200, withCors(res, { 'Content-Length': 0, ...NO_STORE }), '')
+  writeAnswer(res, 200, withCors(res, { 'Content-Length': 0, ...NO_STORE }), '')
 }
 
 /**
- * Writes an answer of the endpoints that programs call (JSON, and revocation's empty 200). It
- * runs in `setImmediate`, once node:http has read every request that was ready in this turn of
- * the event loop, so that the answers to many connections leave together. A client on the same
- * machine, such as a resource server introspecting tokens over a pool of connections, is then
- * woken once for a batch of answers rather than once for each. Under load those wake-ups were a
- * sixth of the CPU time of a token exchange (`npm run bench`).
+ * Writes an answer of the endpoints that programs call (JSON, and revocation's empty 200), at
+ * once. Deferring it to `setImmediate`, so that the answers to many connections leave together,
+ * saved CPU only for a load generator on the same machine; a client one request at a time, or
+ * across a network, pays for the extra turn of the event loop instead (`npm run bench`, paced).
  */
 function writeAnswer(res: ServerResponse, status: number, headers: OutgoingHttpHeaders, body: string): void {
   if (res.headersSent || res.destroyed) return // answered meanwhile, or the connection is gone
@@ -3590,10 +3589,11 @@ async function fetchLogo(
 
 // --- Storage --------------------------------------------------------------------
 // A `Store` keeps pending requests, codes, grants and tokens under the hashes of their ids.
-// This one keeps them in Maps. Every read checks expiry, and every write sweeps a few expired
-// entries, so no request ever scans every entry. Pending requests, codes and sessions all live
-// equally long, so a Map's insertion order is already their order of expiry: the sweep takes
-// them from the front. Grants and tokens need not; the sweep walks them in turn, a few at a time.
+// This one keeps them in Maps. Every read checks expiry, and a timer sweeps expired entries away
+// a few thousand at a time, between requests, so no request ever scans every entry. Pending
+// requests, codes and sessions all live equally long, so a Map's insertion order is already
+// their order of expiry: the sweep takes them from the front. Grants and tokens need not; the
+// sweep walks them in turn, a few thousand steps a time.
 // To put SQLite or Redis behind Latch, implement `Store`: eighteen small methods.
 
 export type MemoryStoreOptions = {
@@ -3602,7 +3602,6 @@ export type MemoryStoreOptions = {
   log?: (line: string) => void
 }
 
-const SWEEP_BATCH = 100
 const REVOKED_GRANT_MEMORY_SECONDS = 86_400
 
 /** The in-memory `Store`: Maps with expiry timestamps, bounded where a stranger could fill them. */
@@ -3622,6 +3621,7 @@ export class MemoryStore implements Store {
   #lastScope: string[] | undefined
   #lastResource: string[] | undefined
   #dropped = 0
+  #savedSinceSweep = 0
 
   constructor(options: MemoryStoreOptions = {}) {
     this.#maxPendingRequests = options.maxPendingRequests ?? 1_000
@@ -3629,8 +3629,7 @@ export class MemoryStore implements Store {
     this.#log = options.log ?? console.log
   }
 
-  async savePending(id: string, request: PendingRequest, now: number): Promise<void> {
-    sweepOldest(this.pending, now, SWEEP_BATCH)
+  async savePending(id: string, request: PendingRequest, _now: number): Promise<void> {
     this.#makeRoom(this.pending, this.#maxPendingRequests, 'pending authorization requests')
     this.pending.set(id, request)
   }
@@ -3645,8 +3644,7 @@ export class MemoryStore implements Store {
     return request
   }
 
-  async saveCode(hash: string, code: AuthorizationCode, now: number): Promise<void> {
-    sweepOldest(this.codes, now, SWEEP_BATCH)
+  async saveCode(hash: string, code: AuthorizationCode, _now: number): Promise<void> {
     if (!this.codes.has(hash)) this.#makeRoom(this.codes, this.#maxCodes, 'authorization codes')
     this.codes.set(hash, code)
   }
@@ -3659,8 +3657,8 @@ export class MemoryStore implements Store {
     return this.redeem({ kind: 'code', hash }, now) !== undefined
   }
 
-  async saveGrant(id: string, grant: Grant, now: number): Promise<void> {
-    this.#putGrant(id, grant, now)
+  async saveGrant(id: string, grant: Grant, _now: number): Promise<void> {
+    this.#putGrant(id, grant)
   }
 
   async findGrant(id: string, now: number): Promise<Grant | undefined> {
@@ -3676,7 +3674,6 @@ export class MemoryStore implements Store {
 
   async revokeGrant(id: string, now: number): Promise<void> {
     const expiresAt = Math.max(this.grants.get(id)?.expiresAt ?? 0, toSeconds(now) + REVOKED_GRANT_MEMORY_SECONDS)
-    this.revokedGrants.sweep(now, SWEEP_BATCH_WALKED)
     this.revokedGrants.set(id, { expiresAt })
     this.grants.delete(id) // its tokens die with it: every lookup checks the grant, and the sweep removes them
   }
@@ -3686,8 +3683,8 @@ export class MemoryStore implements Store {
     if (stored !== undefined) stored.lastUsedAt = toSeconds(now)
   }
 
-  async saveToken(hash: string, token: Token, now: number): Promise<void> {
-    this.#putToken(hash, token, now)
+  async saveToken(hash: string, token: Token, _now: number): Promise<void> {
+    this.#putToken(hash, token)
   }
 
   async findToken(hash: string, now: number): Promise<Token | undefined> {
@@ -3697,14 +3694,14 @@ export class MemoryStore implements Store {
 
   async redeemForTokens(issue: TokenIssue, now: number): Promise<boolean> {
     if (this.redeem(issue.redeemed, now) === undefined) return false
-    this.keepIssued(issue, now)
+    this.keepIssued(issue)
     return true
   }
 
   /** Saves the grant and the tokens of an issue already redeemed. */
-  keepIssued(issue: TokenIssue, now: number): void {
-    this.#putGrant(issue.grantId, issue.grant, now)
-    for (const [hash, token] of issue.tokens) this.#putToken(hash, token, now)
+  keepIssued(issue: TokenIssue): void {
+    this.#putGrant(issue.grantId, issue.grant)
+    for (const [hash, token] of issue.tokens) this.#putToken(hash, token)
   }
 
   /**
@@ -3739,8 +3736,7 @@ export class MemoryStore implements Store {
     this.tokens.delete(hash)
   }
 
-  async saveSession(hash: string, session: Session, now: number): Promise<void> {
-    sweepOldest(this.sessions, now, SWEEP_BATCH)
+  async saveSession(hash: string, session: Session, _now: number): Promise<void> {
     this.sessions.set(hash, session)
   }
 
@@ -3756,8 +3752,14 @@ export class MemoryStore implements Store {
     this.sessions.clear()
   }
 
-  /** Deletes up to `budget` expired entries of each kind; a timer may call it between requests. */
-  sweep(now: number, budget = 2_000): void {
+  /**
+   * Deletes expired entries, up to `budget` of each kind: the one way they go. `createHandler`
+   * calls it every 100 ms, between requests, and no write does, so the token path never pays for
+   * it. By default a call walks at least 2,000 entries, and twice as many grants and tokens as
+   * were saved since the last call: the walk keeps pace with any rate of writes.
+   */
+  sweep(now: number, budget = Math.max(MIN_SWEEP_BUDGET, 2 * this.#savedSinceSweep)): void {
+    this.#savedSinceSweep = 0
     sweepOldest(this.pending, now, budget)
     sweepOldest(this.codes, now, budget)
     sweepOldest(this.sessions, now, budget)
@@ -3791,14 +3793,14 @@ export class MemoryStore implements Store {
     for (const [key, value] of this.sessions) if (value.expiresAt > now) yield { set: 'session', key, value }
   }
 
-  #putGrant(id: string, grant: Grant, now: number): void {
-    this.grants.sweep(now, SWEEP_BATCH_WALKED)
+  #putGrant(id: string, grant: Grant): void {
     if (this.revokedGrants.has(id)) return // revoked while the request that saves it was under way
+    this.#savedSinceSweep++
     this.grants.set(id, new StoredGrant(grant, this.#shareApp(grant)))
   }
 
-  #putToken(hash: string, token: Token, now: number): void {
-    this.tokens.sweep(now, SWEEP_BATCH_WALKED)
+  #putToken(hash: string, token: Token): void {
+    this.#savedSinceSweep++
     this.tokens.set(hash, new StoredToken(token, this.#shareScope(token.scope), this.#shareResource(token.resource)))
   }
 
@@ -3862,8 +3864,8 @@ export class MemoryStore implements Store {
 /** The audience of every IndieAuth token: none. */
 const NO_RESOURCES: string[] = []
 
-/** How many entries a write walks in the grants or tokens: more than it adds, so expired ones cannot pile up. */
-const SWEEP_BATCH_WALKED = 4
+/** The least a sweep walks of each kind: every 100 ms, 20,000 entries a second. */
+const MIN_SWEEP_BUDGET = 2_000
 
 /** Deletes up to `budget` expired entries from a map whose insertion order is its expiry order. */
 function sweepOldest(map: Map<string, { expiresAt: number }>, now: number, budget: number): void {
@@ -4206,7 +4208,7 @@ export class FileStore implements Store {
     const records: JournalRecord[] = [{ set: 'grant', key: grantId, value: grant }]
     for (const [key, value] of tokens) records.push({ set: 'token', key, value })
     if (!(await this.#redeemAndStore(redeemed, now, records))) return false
-    this.memory.keepIssued(issue, now)
+    this.memory.keepIssued(issue)
     return true
   }
 
@@ -4394,28 +4396,39 @@ function journalRecordProblem(record: unknown): string | undefined {
   if (typeof record.set !== 'string' || !Object.hasOwn(JOURNAL_FIELDS, record.set))
     return 'a change neither sets nor deletes a known kind of entry'
   if (!isObject(record.value)) return `a ${record.set} has no value`
-  for (const [field, kind] of Object.entries(JOURNAL_FIELDS[record.set as keyof typeof JOURNAL_FIELDS])) {
+  for (const [field, kind, valid] of JOURNAL_CHECKS[record.set as keyof typeof JOURNAL_FIELDS]) {
     const value = record.value[field]
-    const valid =
-      kind === 'string'
-        ? typeof value === 'string'
-        : kind === 'string?'
-          ? value === undefined || typeof value === 'string'
-          : kind === 'number'
-            ? Number.isFinite(value)
-            : kind === 'number?'
-              ? value === undefined || Number.isFinite(value)
-              : kind === 'strings' || kind === 'strings?'
-                ? (kind === 'strings?' && value === undefined) ||
-                  (Array.isArray(value) && value.every((item) => typeof item === 'string'))
-                : kind === 'key'
-                  ? isJournalKey(value)
-                  : value === 'access' || value === 'refresh'
-    if (!valid)
+    if (!valid(value))
       return `a ${record.set}'s ${field} is ${value === undefined ? 'missing' : `not a valid ${kind.replace('?', '')}`}`
   }
   return undefined
 }
+
+type FieldKind = 'string' | 'string?' | 'number' | 'number?' | 'strings' | 'strings?' | 'key' | 'kind'
+
+/** How each kind of field is checked. */
+const FIELD_CHECKS: Record<FieldKind, (value: unknown) => boolean> = {
+  string: (value) => typeof value === 'string',
+  'string?': (value) => value === undefined || typeof value === 'string',
+  number: (value) => Number.isFinite(value),
+  'number?': (value) => value === undefined || Number.isFinite(value),
+  strings: (value) => Array.isArray(value) && value.every((item) => typeof item === 'string'),
+  'strings?': (value) =>
+    value === undefined || (Array.isArray(value) && value.every((item) => typeof item === 'string')),
+  key: isJournalKey,
+  kind: (value) => value === 'access' || value === 'refresh',
+}
+
+/**
+ * `JOURNAL_FIELDS` as a list of checks per kind, made once: a start replays a line per entry,
+ * and 100,000 live tokens should not cost a second.
+ */
+const JOURNAL_CHECKS = Object.fromEntries(
+  Object.entries(JOURNAL_FIELDS).map(([set, fields]) => [
+    set,
+    Object.entries(fields).map(([field, kind]: [string, FieldKind]) => [field, kind, FIELD_CHECKS[kind]] as const),
+  ]),
+) as Record<keyof typeof JOURNAL_FIELDS, (readonly [string, FieldKind, (value: unknown) => boolean])[]>
 
 /** A key: what `hashSecret` made, or a whole SHA-256 as Latch 0.1 kept it, or a store's own id. */
 function isJournalKey(key: unknown): key is string {
@@ -5206,8 +5219,6 @@ async function main(argv: string[], env: Record<string, string | undefined>): Pr
   if (config.port === 0) config = loadConfig(env, argv, { boundPort: port })
   const log = write
   server.on('request', createHandler({ config, store, log }))
-  // expired entries go even while no one writes: 20,000 a second of each kind
-  setInterval(() => store.sweep(Date.now()), 100).unref()
   for (const signal of ['SIGINT', 'SIGTERM'] as const) {
     process.once(signal, () => {
       // after the lines of requests already answered

@@ -80,7 +80,6 @@ await new Promise<void>((resolve) => server.listen(0, '127.0.0.1', resolve))
 const config = loadConfig({ PORT: '0', DATA_FILE: 'memory' }, [], { boundPort: (server.address() as AddressInfo).port })
 const store = new MemoryStore({ log })
 server.on('request', createHandler({ config, store, log, clientFetch }))
-setInterval(() => store.sweep(Date.now()), 100).unref() // as the command line does
 
 function usage(gc: boolean): AttackUsage {
   if (gc) {
