@@ -8,10 +8,10 @@
 
 import { after, before, describe, it } from 'node:test'
 import assert from 'node:assert/strict'
-import { createServer } from 'node:http'
-import type { IncomingMessage, Server, ServerResponse } from 'node:http'
-import type { AddressInfo } from 'node:net'
+import type { IncomingMessage, ServerResponse } from 'node:http'
 import { SKIP, launchChromium } from './chromium.ts'
+import { close, listen } from './harness.ts'
+import type { Listening } from './harness.ts'
 import type { Browser, BrowserContext, Locator, Page } from 'playwright-core'
 import { computeCodeChallenge, createHandler, createSecret, escapeHtml, hashPassword, loadConfig } from '../server.ts'
 
@@ -20,19 +20,6 @@ import { computeCodeChallenge, createHandler, createSecret, escapeHtml, hashPass
 const PASSWORD = 'correct horse battery staple'
 const ME = 'https://example.com/'
 const VIEWPORT = { width: 420, height: 900 }
-
-type Listening = { server: Server; base: string }
-
-async function listen(handler: (req: IncomingMessage, res: ServerResponse) => void): Promise<Listening> {
-  const server = createServer(handler)
-  await new Promise<void>((resolve) => server.listen(0, '127.0.0.1', resolve))
-  return { server, base: `http://127.0.0.1:${(server.address() as AddressInfo).port}` }
-}
-
-function close({ server }: Listening): Promise<void> {
-  server.closeAllConnections()
-  return new Promise((resolve) => server.close(() => resolve()))
-}
 
 /** Starts Latch on 127.0.0.1 and a free port, with the owner's password set. */
 async function startLatch(): Promise<Listening & { issuer: string }> {

@@ -2,6 +2,7 @@
 // moves by hand and the log kept in memory, where assertions can read it.
 
 import { createServer } from 'node:http'
+import type { IncomingMessage, Server, ServerResponse } from 'node:http'
 import type { AddressInfo } from 'node:net'
 import { createHandler, loadConfig } from '../server.ts'
 import type { Store } from '../server.ts'
@@ -44,4 +45,18 @@ export async function startLatch(
       return new Promise((resolve) => server.close(() => resolve()))
     },
   }
+}
+
+/** A server of a test's own (a client app, a site), listening on 127.0.0.1 and a free port. */
+export type Listening = { server: Server; base: string }
+
+export async function listen(handler: (req: IncomingMessage, res: ServerResponse) => void): Promise<Listening> {
+  const server = createServer(handler)
+  await new Promise<void>((resolve) => server.listen(0, '127.0.0.1', resolve))
+  return { server, base: `http://127.0.0.1:${(server.address() as AddressInfo).port}` }
+}
+
+export function close({ server }: Listening): Promise<void> {
+  server.closeAllConnections()
+  return new Promise((resolve) => server.close(() => resolve()))
 }

@@ -12,12 +12,14 @@
 import { after, before, describe, it } from 'node:test'
 import assert from 'node:assert/strict'
 import { mkdir, writeFile } from 'node:fs/promises'
-import { Agent, createServer } from 'node:http'
-import type { IncomingMessage, Server, ServerResponse } from 'node:http'
+import { Agent } from 'node:http'
+import type { IncomingMessage, ServerResponse } from 'node:http'
 import { connect } from 'node:net'
-import type { AddressInfo, Socket } from 'node:net'
+import type { Socket } from 'node:net'
 import { deflateSync } from 'node:zlib'
 import { SKIP, launchChromium } from './chromium.ts'
+import { close, listen } from './harness.ts'
+import type { Listening } from './harness.ts'
 import type { Browser, BrowserContext, Locator, Page } from 'playwright-core'
 import { createHandler, hashPassword, loadConfig } from '../server.ts'
 import type { ClientFetchOptions } from '../server.ts'
@@ -41,19 +43,6 @@ const WIDTHS = [
   ['desktop', { width: 1280, height: 800 }],
 ] as const
 const SCHEMES = ['light', 'dark'] as const
-
-type Listening = { server: Server; base: string }
-
-async function listen(handler: (req: IncomingMessage, res: ServerResponse) => void): Promise<Listening> {
-  const server = createServer(handler)
-  await new Promise<void>((resolve) => server.listen(0, '127.0.0.1', resolve))
-  return { server, base: `http://127.0.0.1:${(server.address() as AddressInfo).port}` }
-}
-
-function close({ server }: Listening): Promise<void> {
-  server.closeAllConnections()
-  return new Promise((resolve) => server.close(() => resolve()))
-}
 
 /** The CRC-32 of PNG chunks (ISO 3309: the reflected polynomial 0xedb88320). */
 function crc32(bytes: Buffer): number {
