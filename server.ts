@@ -208,6 +208,7 @@ export interface Store {
   /** Marks an unexpired code used, in one step: true only for the first caller. */
   markCodeUsed(hash: string, now: number): Promise<boolean>
   saveGrant(id: string, grant: Grant, now: number): Promise<void>
+  /** Returns a copy the caller owns: a token exchange updates it before saving it back. */
   findGrant(id: string, now: number): Promise<Grant | undefined>
   /** Every unexpired grant, oldest first. */
   listGrants(now: number): Promise<[string, Grant][]>
