@@ -48,7 +48,8 @@ import { request as httpsRequest } from 'node:https'
 import { lookup } from 'node:dns/promises'
 import type { LookupAddress } from 'node:dns'
 import { BlockList, isIP, isIPv6 } from 'node:net'
-import { hash, randomBytes, randomFillSync, scrypt, timingSafeEqual } from 'node:crypto'
+import { createPublicKey, hash, randomBytes, randomFillSync, scrypt, timingSafeEqual, verify } from 'node:crypto'
+import type { JsonWebKey, KeyObject } from 'node:crypto'
 import { realpathSync } from 'node:fs'
 import { mkdir, open, readFile, rename, rm, truncate } from 'node:fs/promises'
 import type { FileHandle } from 'node:fs/promises'
@@ -70,6 +71,8 @@ export type Config = {
   me: string
   /** scrypt hash of the owner's password, or undefined when consent needs no password. */
   passwordHash: string | undefined
+  /** False once the owner signs in with passkeys only: the password is then refused. */
+  passwordSignIn: boolean
   /** The journal file codes, grants and tokens survive restarts in, or `memory`. */
   dataFile: string
   codeTtlSeconds: number
@@ -188,6 +191,20 @@ export type TokenIssue = {
  */
 export type Session = { createdAt: number; expiresAt: number; passwordTag: string }
 
+/** A passkey of the owner, as stored under its credential id (base64url). */
+export type Passkey = {
+  /** What the owner called it: "Phone", "Laptop". */
+  name: string
+  /** The public key, as SubjectPublicKeyInfo DER in base64url. */
+  publicKey: string
+  /** Its COSE algorithm: -7 ES256, -8 EdDSA (Ed25519), -257 RS256. */
+  algorithm: number
+  /** The signature counter the device sent last; 0 for devices that keep none, as synced passkeys do. */
+  counter: number
+  addedAt: number
+  lastUsedAt: number | undefined
+}
+
 /**
  * Where codes and tokens live. Keys are hashes (`hashSecret`); raw secrets never reach a store.
  * Single use is a store operation: `markCodeUsed` and `redeemForTokens` must be atomic. On SQL,
@@ -234,6 +251,12 @@ export interface Store {
   deleteSession(hash: string): Promise<void>
   /** Deletes every session: the owner signed out everywhere. */
   deleteAllSessions(): Promise<void>
+  /** Saves a passkey, new or with its counter and last use updated; passkeys never expire. */
+  savePasskey(id: string, passkey: Passkey, now: number): Promise<void>
+  findPasskey(id: string): Promise<Passkey | undefined>
+  /** Every passkey, oldest first. */
+  listPasskeys(): Promise<[string, Passkey][]>
+  deletePasskey(id: string): Promise<void>
 }
 
 /** What `createHandler` takes. Only `config` is needed; the rest have defaults. */
@@ -267,6 +290,8 @@ type Context = {
   clientFetchSlots: Slots
   /** The proxies of `TRUST_PROXY`, whose forwarding headers are believed. */
   trustedProxies: BlockList | undefined
+  /** The passkey challenges made and not yet used, by hash. */
+  passkeyChallenges: Map<string, PasskeyChallenge>
 }
 
 /** Password attempts from one address, or from all: how many, the last, and until when the next must wait. */
@@ -816,6 +841,7 @@ async function handleAuthorizationRequest(req: IncomingMessage, res: ServerRespo
   request.csrfHash = hashSecret(visitor.csrf) // the request is answered from this browser only
   const id = createSecret()
   if (req.method !== 'HEAD') await ctx.store.savePending(hashSecret(id), request, ctx.now())
+  const passkeys = !visitor.signedIn && (await offersPasskeys(ctx))
   const page = renderConsentPage(request, {
     id,
     csrf: formToken(visitor),
@@ -823,8 +849,10 @@ async function handleAuthorizationRequest(req: IncomingMessage, res: ServerRespo
     signedIn: visitor.signedIn,
     logo: client.info?.logo,
     clientUri: client.info?.url,
+    passkeys,
   })
   sendPage(res, 200, page, {
+    ...passkeyPageHeaders(ctx.config, passkeys),
     'Set-Cookie': buildCookie(csrfCookieName(ctx.config), visitor.csrf, undefined, ctx.config),
   })
 }
@@ -979,6 +1007,8 @@ function renderConsentPage(
     logo?: string
     clientUri?: string
     message?: string
+    /** Whether to offer "Sign in with a passkey" to an owner not signed in. */
+    passkeys: boolean
   },
 ): string {
   const { config } = form
@@ -1027,7 +1057,14 @@ function renderConsentPage(
     config.passwordHash === undefined
       ? `<p class="muted">See ${apps}.</p>`
       : `<p class="muted">You are signed in. See ${apps}.</p>`
-  const password = form.signedIn ? signedIn : renderPasswordField(form.message)
+  const byPassword = form.signedIn || config.passwordSignIn
+  const password = form.signedIn
+    ? signedIn
+    : config.passwordSignIn
+      ? renderPasswordField(form.message)
+      : renderPasskeysOnly(form.message, '')
+  const passkey = form.passkeys ? renderPasskeyButton(config, 'Sign in with a passkey', 'sign-in', true) : ''
+  const approve = byPassword ? '<button class="primary" name="decision" value="approve">Approve</button>\n' : ''
   const hint =
     request.meHint !== undefined && request.meHint !== config.me
       ? `<p class="muted">The app expected <code>${isolate(request.meHint)}</code>.</p>`
@@ -1048,10 +1085,10 @@ ${open}
 ${access}
 ${password}
 <div class="actions">
-<button class="primary" name="decision" value="approve">Approve</button>
-<button name="decision" value="deny" formnovalidate>Deny</button>
+${approve}${passkey}<button name="decision" value="deny" formnovalidate>Deny</button>
 </div>
 </form>`,
+    form.passkeys ? renderPasskeyScript(config) : '',
   )
 }
 
@@ -1121,9 +1158,10 @@ async function handleConsent(req: IncomingMessage, res: ServerResponse, ctx: Con
   const lifetime = requireLifetime(getParam(form, 'lifetime'), ctx.config)
   const headers: Record<string, string> = {}
   if (decision === 'approve' && !visitor.signedIn) {
-    const refused = await checkPassword(getParam(form, 'password'), req, res, ctx)
+    const refused = await checkSignIn(form, { visitor, request: hashSecret(id) }, req, res, ctx)
     if (refused !== undefined) {
       const info = ctx.clients.get(request.client_id)?.info
+      const passkeys = await offersPasskeys(ctx)
       return sendPage(
         res,
         refused.status,
@@ -1135,8 +1173,9 @@ async function handleConsent(req: IncomingMessage, res: ServerResponse, ctx: Con
           logo: info?.logo,
           clientUri: info?.url,
           message: refused.message,
+          passkeys,
         }),
-        refused.headers,
+        { ...passkeyPageHeaders(ctx.config, passkeys), ...refused.headers },
       )
     }
     headers['Set-Cookie'] = await startSession(ctx)
@@ -1730,22 +1769,39 @@ export async function checkAccessToken(
 async function handleAppsPage(req: IncomingMessage, res: ServerResponse, ctx: Context): Promise<void> {
   const visitor = await readVisitor(req, ctx)
   const headers = { 'Set-Cookie': buildCookie(csrfCookieName(ctx.config), visitor.csrf, undefined, ctx.config) }
-  const page = { csrf: formToken(visitor), config: ctx.config }
-  if (!visitor.signedIn) return sendPage(res, 200, renderSignInPage(page), headers)
-  await sendAppsPage(res, ctx, visitor, undefined, headers)
+  if (!visitor.signedIn) return sendSignInPage(res, 200, { visitor, headers }, ctx)
+  await sendAppsPage(res, ctx, visitor, { headers })
 }
 
-/** The apps page, with the logos client discovery still holds: the journal keeps no images. */
+/**
+ * The apps page, with the logos client discovery still holds (the journal keeps no images), and
+ * the owner's passkeys.
+ */
 async function sendAppsPage(
   res: ServerResponse,
   ctx: Context,
   visitor: Visitor,
-  notice?: string,
-  headers?: Record<string, string>,
+  options: { notice?: string; status?: number; headers?: Record<string, string> } = {},
 ): Promise<void> {
   const grants = await ctx.store.listGrants(ctx.now())
+  const passkeys = await ctx.store.listPasskeys()
   const logoOf = (clientId: string): string | undefined => ctx.clients.get(clientId)?.info.logo
-  sendPage(res, 200, renderAppsPage(grants, { csrf: formToken(visitor), config: ctx.config, notice, logoOf }), headers)
+  const page = { csrf: formToken(visitor), config: ctx.config, notice: options.notice, logoOf, passkeys }
+  const scripted = relyingParty(ctx.config) !== undefined
+  const headers = { ...passkeyPageHeaders(ctx.config, scripted), ...options.headers }
+  sendPage(res, options.status ?? 200, renderAppsPage(grants, page), headers)
+}
+
+/** The sign-in page, with a passkey button once the owner has a passkey. */
+async function sendSignInPage(
+  res: ServerResponse,
+  status: number,
+  page: { visitor: Visitor; message?: string; headers?: Record<string, string> },
+  ctx: Context,
+): Promise<void> {
+  const passkeys = await offersPasskeys(ctx)
+  const html = renderSignInPage({ csrf: formToken(page.visitor), config: ctx.config, message: page.message, passkeys })
+  sendPage(res, status, html, { ...passkeyPageHeaders(ctx.config, passkeys), ...page.headers })
 }
 
 /**
@@ -1757,11 +1813,9 @@ async function handleSignIn(req: IncomingMessage, res: ServerResponse, ctx: Cont
   const visitor = await requireFormToken(form, req, ctx)
   const headers: Record<string, string> = {}
   if (!visitor.signedIn) {
-    const refused = await checkPassword(getParam(form, 'password'), req, res, ctx)
-    if (refused !== undefined) {
-      const page = renderSignInPage({ csrf: formToken(visitor), config: ctx.config, message: refused.message })
-      return sendPage(res, refused.status, page, refused.headers)
-    }
+    const refused = await checkSignIn(form, { visitor }, req, res, ctx)
+    if (refused !== undefined)
+      return sendSignInPage(res, refused.status, { visitor, message: refused.message, headers: refused.headers }, ctx)
     headers['Set-Cookie'] = await startSession(ctx)
   }
   redirect(res, 303, endpointUrl(ctx.config, '/apps'), headers)
@@ -1806,7 +1860,7 @@ async function handleAppRevocation(req: IncomingMessage, res: ServerResponse, ct
     grant === undefined
       ? 'That app had no access any more: nothing was revoked.'
       : `Revoked ${appName(grant)}: its tokens stopped working.`
-  await sendAppsPage(res, ctx, visitor, notice)
+  await sendAppsPage(res, ctx, visitor, { notice })
 }
 
 /**
@@ -1821,7 +1875,8 @@ async function handleAllAppsRevocation(req: IncomingMessage, res: ServerResponse
   if (getParam(form, 'confirm') !== 'yes')
     return sendPage(res, 200, renderRevokeAllPage(grants, { csrf: formToken(visitor), config: ctx.config }))
   for (const [id] of grants) await ctx.store.revokeGrant(id, ctx.now())
-  await sendAppsPage(res, ctx, visitor, `Revoked ${countApps(grants.length)}: their tokens stopped working.`)
+  const notice = `Revoked ${countApps(grants.length)}: their tokens stopped working.`
+  await sendAppsPage(res, ctx, visitor, { notice })
 }
 
 /**
@@ -1886,28 +1941,163 @@ longer needed.</p>
   )
 }
 
+// Passkeys: the owner adds them on /apps and signs in with them on the sign-in and consent pages.
+// `/passkey.js`, the one script Latch serves, asks `/passkeys/challenge` for a challenge, lets the
+// browser make or use a passkey, and posts the answer with the page's own form: to
+// `/passkeys/add`, or as the sign-in of `/sign-in` and `/auth/consent` (see `checkSignIn`).
+
+/**
+ * Makes a challenge for a passkey button, bound to this browser and, on a consent page, to its
+ * pending request, and answers with the options `navigator.credentials` takes, binary values in
+ * base64url.
+ * @see https://www.w3.org/TR/webauthn-3/#dictionary-makecredentialoptions WebAuthn §5.4
+ * @see https://www.w3.org/TR/webauthn-3/#dictionary-assertion-options WebAuthn §5.5
+ */
+async function handlePasskeyChallenge(req: IncomingMessage, res: ServerResponse, ctx: Context): Promise<void> {
+  const form = await readForm(req)
+  const visitor = await requireFormToken(form, req, ctx)
+  const rp = relyingParty(ctx.config)
+  if (rp === undefined) throw new OAuthError('invalid_request', PASSKEYS_NEED_A_NAME)
+  const purpose = getParam(form, 'purpose')
+  if (purpose !== 'register' && purpose !== 'sign-in')
+    throw new OAuthError('invalid_request', 'purpose must be register or sign-in')
+  if (purpose === 'register' && !visitor.signedIn)
+    throw new OAuthError('access_denied', 'Sign in first: your session has ended', { status: 401 })
+  const id = getParam(form, 'request')
+  const request = id === undefined ? undefined : await ctx.store.findPending(hashSecret(id), ctx.now())
+  if (id !== undefined && (request === undefined || !safeEqual(request.csrfHash, hashSecret(visitor.csrf))))
+    throw new OAuthError('invalid_request', 'This sign-in request is unknown or has expired: start again from the app')
+  const challenge = makeChallenge(ctx, {
+    purpose,
+    browser: browserOf(visitor),
+    request: id === undefined ? undefined : hashSecret(id),
+  })
+  const timeout = PASSKEY_CHALLENGE_SECONDS * 1000
+  if (purpose === 'sign-in') {
+    // no allowCredentials: the device offers the passkeys it holds for this site, and no stranger learns their ids
+    return sendJson(res, 200, { challenge, rpId: rp.id, timeout, userVerification: 'required', allowCredentials: [] })
+  }
+  const passkeys = await ctx.store.listPasskeys()
+  sendJson(res, 200, {
+    challenge,
+    rp: { id: rp.id, name: `Latch for ${new URL(ctx.config.me).host}` },
+    user: { id: userHandleOf(ctx.config), name: ctx.config.me, displayName: ctx.config.profile.name ?? ctx.config.me },
+    pubKeyCredParams: SUPPORTED_ALGORITHMS.map((alg) => ({ type: 'public-key', alg })),
+    timeout,
+    attestation: 'none',
+    authenticatorSelection: { residentKey: 'required', requireResidentKey: true, userVerification: 'required' },
+    excludeCredentials: passkeys.map(([credential]) => ({ type: 'public-key', id: credential })),
+  })
+}
+
+/**
+ * Adds the passkey the browser made: the registration ceremony's checks (`verifyRegistration`),
+ * then the name the owner gave it.
+ * @see https://www.w3.org/TR/webauthn-3/#sctn-registering-a-new-credential WebAuthn §7.1
+ */
+async function handlePasskeyAddition(req: IncomingMessage, res: ServerResponse, ctx: Context): Promise<void> {
+  const form = await readForm(req)
+  const visitor = await requireOwner(form, req, ctx)
+  const given = getParam(form, 'name') ?? ''
+  const name = (given.length > MAX_TOKEN_NAME_LENGTH ? undefined : cleanName(given)) ?? 'Passkey'
+  const now = ctx.now()
+  try {
+    const rp = relyingParty(ctx.config)
+    if (rp === undefined) throw new PasskeyError(PASSKEYS_NEED_A_NAME)
+    const sent = readPasskeyFields(form, ['client_data', 'attestation'])
+    const challenge = takeChallenge(ctx, sent.client_data, { purpose: 'register', browser: browserOf(visitor) })
+    const response = { clientDataJSON: sent.client_data, attestationObject: sent.attestation }
+    const made = verifyRegistration(response, { challenge, origin: rp.origin, rpId: rp.id })
+    if ((await ctx.store.findPasskey(made.id)) !== undefined) throw new PasskeyError('this passkey was added before')
+    if ((await ctx.store.listPasskeys()).length >= MAX_PASSKEYS)
+      throw new PasskeyError(`there are ${MAX_PASSKEYS} passkeys already: remove one first`)
+    const passkey = { name, publicKey: made.publicKey, algorithm: made.algorithm, counter: made.counter }
+    await ctx.store.savePasskey(made.id, { ...passkey, addedAt: now, lastUsedAt: undefined }, now)
+  } catch (err) {
+    if (!(err instanceof PasskeyError)) throw err
+    logEvent(ctx, 'security', `a passkey was not added: ${err.message}`, req)
+    return sendAppsPage(res, ctx, visitor, {
+      notice: `The passkey was not added: ${escapeHtml(err.message)}.`,
+      status: 400,
+    })
+  }
+  logEvent(ctx, 'security', `the owner added a passkey named ${JSON.stringify(name)}`, req)
+  await sendAppsPage(res, ctx, visitor, { notice: `Added the passkey ${isolate(name)}.` })
+}
+
+/** Removes a passkey; not the last one while password sign-in is off, which would lock the owner out. */
+async function handlePasskeyRemoval(req: IncomingMessage, res: ServerResponse, ctx: Context): Promise<void> {
+  const form = await readForm(req)
+  const visitor = await requireOwner(form, req, ctx)
+  const id = requireParam(form, 'credential')
+  const passkey = await ctx.store.findPasskey(id)
+  if (passkey === undefined) return sendAppsPage(res, ctx, visitor, { notice: 'That passkey was removed before.' })
+  if (!ctx.config.passwordSignIn && (await ctx.store.listPasskeys()).length === 1) {
+    const notice = 'This is your last passkey, and password sign-in is off: add another passkey before you remove it.'
+    return sendAppsPage(res, ctx, visitor, { notice, status: 409 })
+  }
+  await ctx.store.deletePasskey(id)
+  logEvent(ctx, 'security', `the owner removed the passkey named ${JSON.stringify(passkey.name)}`, req)
+  const notice =
+    `Removed the passkey ${isolate(passkey.name)}: it no longer signs in. If it was lost, ` +
+    'sign out everywhere too, to end the sessions it started.'
+  await sendAppsPage(res, ctx, visitor, { notice })
+}
+
+/** The one script, for the passkey buttons; the pages that have one allow exactly it. */
+async function handlePasskeyScript(_req: IncomingMessage, res: ServerResponse): Promise<void> {
+  res.writeHead(200, {
+    'Content-Type': 'text/javascript; charset=utf-8',
+    'Content-Length': String(Buffer.byteLength(PASSKEY_SCRIPT)),
+    'Cache-Control': 'no-cache',
+    'X-Content-Type-Options': 'nosniff',
+  })
+  res.end(PASSKEY_SCRIPT)
+}
+
+const MAX_PASSKEYS = 20
+const PASSKEYS_NEED_A_NAME =
+  'Passkeys need this server to be reached by a host name, not an IP address: set ISSUER to one, ' +
+  'such as http://localhost:3000'
+
+/** Whether the sign-in and consent pages offer a passkey: when passkeys work here and the owner has one. */
+async function offersPasskeys(ctx: Context): Promise<boolean> {
+  return relyingParty(ctx.config) !== undefined && (await ctx.store.listPasskeys()).length > 0
+}
+
 async function requireOwner(form: Params, req: IncomingMessage, ctx: Context): Promise<Visitor> {
   const visitor = await requireFormToken(form, req, ctx)
   if (!visitor.signedIn) throw new OAuthError('access_denied', 'Sign in first: your session has ended', { status: 401 })
   return visitor
 }
 
-function renderSignInPage(page: { csrf: string; config: Config; message?: string }): string {
+function renderSignInPage(page: { csrf: string; config: Config; message?: string; passkeys: boolean }): string {
   const { config } = page
+  const passkey = page.passkeys ? renderPasskeyButton(config, 'Sign in with a passkey', 'sign-in') : ''
+  const password = config.passwordSignIn
+    ? `${renderPasswordField(page.message)}
+<div class="actions"><button class="primary">Sign in</button>${passkey}</div>`
+    : renderPasskeysOnly(page.message, passkey)
   return renderPage(
     'Sign in',
     `<h1>Sign in</h1>
 <p>Sign in as <code>${escapeHtml(config.me)}</code> to see the apps you have connected.</p>
 <form method="post" action="${escapeHtml(endpointUrl(config, '/sign-in'))}">
 <input type="hidden" name="csrf" value="${escapeHtml(page.csrf)}">
-${renderPasswordField(page.message)}
-<div class="actions"><button class="primary">Sign in</button></div>
+${password}
 </form>`,
+    page.passkeys ? renderPasskeyScript(config) : '',
   )
 }
 
 /** What the apps page shows: the grants, a logo per client_id, and what was just revoked. */
-type AppsPage = { csrf: string; config: Config; notice?: string; logoOf: (clientId: string) => string | undefined }
+type AppsPage = {
+  csrf: string
+  config: Config
+  notice?: string
+  logoOf: (clientId: string) => string | undefined
+  passkeys: [string, Passkey][]
+}
 
 function renderAppsPage(grants: [string, Grant][], page: AppsPage): string {
   const { config } = page
@@ -1953,8 +2143,61 @@ ${notice}<p>These apps can act as you. Revoking one ends its access at once; oth
 you chose on the consent page.</p>
 ${apps === '' ? '<p class="muted">No app holds a token right now.</p>' : `${apps}\n${actions}`}
 ${renderScriptTokenForm(config, csrfField)}
+${renderPasskeys(page.passkeys, config, csrfField)}
 ${everywhere}`,
+    relyingParty(config) === undefined ? '' : renderPasskeyScript(config),
   )
+}
+
+/** The owner's passkeys, each with a Remove button, and the form that adds one. */
+function renderPasskeys(passkeys: [string, Passkey][], config: Config, csrfField: string): string {
+  if (config.passwordHash === undefined) return '' // nothing to sign in to
+  const list = passkeys
+    .map(([id, passkey]) => {
+      const field = `${csrfField}<input type="hidden" name="credential" value="${escapeHtml(id)}">`
+      const lastUsed = passkey.lastUsedAt === undefined ? 'Never' : formatTime(passkey.lastUsedAt)
+      return `<div class="passkey">
+<h3>${isolate(passkey.name)}</h3>
+<dl><dt>Added</dt><dd>${formatTime(passkey.addedAt)}</dd><dt>Last used</dt><dd>${lastUsed}</dd></dl>
+${renderButton(config, '/passkeys/remove', field, 'danger', 'Remove')}
+</div>`
+    })
+    .join('\n')
+  const add =
+    relyingParty(config) === undefined
+      ? `<p class="muted">${escapeHtml(PASSKEYS_NEED_A_NAME)}.</p>`
+      : `<form method="post" action="${escapeHtml(endpointUrl(config, '/passkeys/add'))}">
+${csrfField}
+<p><label>Name <input name="name" required maxlength="${MAX_TOKEN_NAME_LENGTH}" placeholder="Phone"></label></p>
+<p class="muted" data-passkey-missing>To add one, open this page in a browser that makes passkeys.</p>
+<div class="actions">${renderPasskeyButton(config, 'Add a passkey', 'register')}</div>
+</form>`
+  return `<section class="maker">
+<h2>Passkeys</h2>
+<p class="muted">Sign in with your device's screen lock instead of the password.</p>
+${list === '' ? '<p class="muted">No passkey yet.</p>' : list}
+${add}
+</section>`
+}
+
+/** A button the passkey script shows and runs; hidden in a browser without WebAuthn or scripts. */
+function renderPasskeyButton(config: Config, label: string, purpose: 'register' | 'sign-in', approve = false): string {
+  const challenge = escapeHtml(endpointUrl(config, '/passkeys/challenge'))
+  const decision = approve ? ' name="decision" value="approve"' : ''
+  const data = `data-passkey="${purpose}" data-challenge="${challenge}"`
+  return `<button type="button" ${data}${decision} hidden>${label}</button>`
+}
+
+/** In place of the password field once password sign-in is off. */
+function renderPasskeysOnly(message: string | undefined, button: string): string {
+  const error = message === undefined ? '' : `<p class="error" role="alert">${escapeHtml(message)}</p>\n`
+  const actions = button === '' ? '' : `\n<div class="actions">${button}</div>`
+  const missing = 'Sign in with a passkey: open this page in a browser that has one.'
+  return `${error}<p class="muted" data-passkey-missing>${missing}</p>${actions}`
+}
+
+function renderPasskeyScript(config: Config): string {
+  return `<script src="${escapeHtml(endpointUrl(config, '/passkey.js'))}" defer></script>`
 }
 
 /** The second question before "Revoke all": which apps would lose their access. */
@@ -2100,6 +2343,10 @@ const ROUTES: Route[] = [
   route('/sign-in',             'POST',     handleSignIn,               'page', '',     ''),
   route('/sign-out',            'POST',     handleSignOut,              'page', '',     ''),
   route('/sign-out-everywhere', 'POST',     handleSignOutEverywhere,    'page', '',     ''),
+  route('/passkeys/challenge',  'POST',     handlePasskeyChallenge,     'json', '',     'WebAuthn §5.4, §5.5'),
+  route('/passkeys/add',        'POST',     handlePasskeyAddition,      'page', '',     'WebAuthn §7.1'),
+  route('/passkeys/remove',     'POST',     handlePasskeyRemoval,       'page', '',     ''),
+  route('/passkey.js',          'GET HEAD', handlePasskeyScript,        'page', '',     ''),
   route('/',                    'GET HEAD', handleHomePage,             'page', '',     'IndieAuth §4.1'),
 ]
 
@@ -2179,6 +2426,7 @@ export function createHandler(options: HandlerOptions): (req: IncomingMessage, r
     clientLookups: new Map(),
     clientFetchSlots: { running: 0, waiting: [] },
     trustedProxies: trustedProxiesOf(options.config),
+    passkeyChallenges: new Map(),
   }
   // expired entries go even while no one writes, without costing a request anything
   const { store } = ctx
@@ -2582,6 +2830,9 @@ input:not([type]) {
   border-radius: .4rem;
 }
 .actions { display: flex; gap: .75rem; margin: 1.25rem 0 1rem; }
+[hidden] { display: none !important; }
+.passkey { border-top: 1px solid var(--line); padding-top: .5rem; }
+.passkey h3 { font-size: 1rem; margin: 0 0 .25rem; overflow-wrap: anywhere; }
 .actions > * { flex: 1; }
 button {
   width: 100%;
@@ -2621,19 +2872,101 @@ a { color: var(--accent); }
 :focus-visible { outline: 3px solid var(--accent); outline-offset: 2px; }
 `
 
+/**
+ * The one script Latch serves, for the passkey buttons of the sign-in, consent and apps pages. A
+ * button shows only where the browser has WebAuthn; pressed, it asks Latch for a challenge, lets
+ * the browser make or use a passkey, puts the answer in hidden fields of the button's own form,
+ * and sends that form. Binary values travel in base64url, both ways.
+ */
+const PASSKEY_SCRIPT = `'use strict'
+const encode = (buffer) =>
+  btoa(String.fromCharCode(...new Uint8Array(buffer))).replaceAll('+', '-').replaceAll('/', '_').replaceAll('=', '')
+const decode = (text) => Uint8Array.from(atob(text.replaceAll('-', '+').replaceAll('_', '/')), (c) => c.charCodeAt(0))
+
+async function usePasskey(button) {
+  const form = button.form
+  const name = form.elements.namedItem('name')
+  if (name !== null && !name.reportValidity()) return
+  const body = new URLSearchParams({ csrf: form.elements.namedItem('csrf').value, purpose: button.dataset.passkey })
+  const request = form.elements.namedItem('request')
+  if (request !== null) body.set('request', request.value)
+  const answer = await fetch(button.dataset.challenge, { method: 'POST', body })
+  const options = await answer.json()
+  if (!answer.ok) throw new Error(options.error_description)
+  options.challenge = decode(options.challenge)
+  const fields = {}
+  if (button.dataset.passkey === 'register') {
+    options.user.id = decode(options.user.id)
+    for (const credential of options.excludeCredentials) credential.id = decode(credential.id)
+    const { rawId, response } = await navigator.credentials.create({ publicKey: options })
+    fields.credential = encode(rawId)
+    fields.client_data = encode(response.clientDataJSON)
+    fields.attestation = encode(response.attestationObject)
+  } else {
+    const { rawId, response } = await navigator.credentials.get({ publicKey: options })
+    fields.credential = encode(rawId)
+    fields.client_data = encode(response.clientDataJSON)
+    fields.authenticator_data = encode(response.authenticatorData)
+    fields.signature = encode(response.signature)
+    if (response.userHandle) fields.user_handle = encode(response.userHandle)
+  }
+  if (button.name) fields[button.name] = button.value
+  for (const [name, value] of Object.entries(fields)) {
+    const input = document.createElement('input')
+    Object.assign(input, { type: 'hidden', name, value })
+    form.append(input)
+  }
+  form.noValidate = true // the password field may stay empty
+  form.requestSubmit()
+}
+
+if (window.PublicKeyCredential) {
+  for (const note of document.querySelectorAll('[data-passkey-missing]')) note.hidden = true
+  for (const button of document.querySelectorAll('button[data-passkey]')) {
+    const status = document.createElement('p')
+    Object.assign(status, { className: 'error', role: 'alert', hidden: true })
+    button.closest('.actions').before(status)
+    button.hidden = false
+    button.addEventListener('click', () => {
+      button.disabled = true
+      status.hidden = true
+      usePasskey(button)
+        .catch((err) => {
+          status.textContent = 'The passkey did not work: ' + err.message
+          status.hidden = false
+        })
+        .finally(() => (button.disabled = false))
+    })
+  }
+}
+`
+
+const PAGE_POLICY = [
+  "default-src 'none'",
+  `style-src 'sha256-${hash('sha256', STYLESHEET, 'base64')}'`,
+  'img-src data:',
+  "frame-ancestors 'none'",
+  "base-uri 'none'",
+].join('; ')
+
 const PAGE_HEADERS = {
   'Content-Type': 'text/html; charset=utf-8',
-  'Content-Security-Policy': [
-    "default-src 'none'",
-    `style-src 'sha256-${hash('sha256', STYLESHEET, 'base64')}'`,
-    'img-src data:',
-    "frame-ancestors 'none'",
-    "base-uri 'none'",
-  ].join('; '),
+  'Content-Security-Policy': PAGE_POLICY,
   'X-Frame-Options': 'DENY',
   'Referrer-Policy': 'no-referrer',
   'X-Content-Type-Options': 'nosniff',
   ...NO_STORE,
+}
+
+/**
+ * The policy of a page with a passkey button: it may run `/passkey.js`, by its full URL, and that
+ * script may fetch `/passkeys/challenge`; nothing else. Other pages keep the policy above.
+ */
+function passkeyPageHeaders(config: Config, scripted: boolean): Record<string, string> {
+  if (!scripted) return {}
+  const script = endpointUrl(config, '/passkey.js')
+  const challenge = endpointUrl(config, '/passkeys/challenge')
+  return { 'Content-Security-Policy': `${PAGE_POLICY}; script-src ${script}; connect-src ${challenge}` }
 }
 
 /** Escapes text for HTML element content and double-quoted attributes. */
@@ -2882,27 +3215,36 @@ function trustedProxiesOf(config: Config): BlockList | undefined {
   return list
 }
 
-/** Why a password is refused, for the form shown again: wrong or missing (401), or too many wrong ones (429). */
-type PasswordRefusal = { status: 401 | 429; message: string; headers: Record<string, string> }
+/** Why a sign-in is refused, for the form shown again: wrong or missing (401), or too many wrong ones (429). */
+type SignInRefusal = { status: 401 | 429; message: string; headers: Record<string, string> }
 
-/** Checks the owner's password: undefined when it is right, else why it is refused. */
-async function checkPassword(
-  password: string | undefined,
+/**
+ * Checks the owner's sign-in on a form: the password, or a passkey's answer to a challenge made
+ * for this browser (and for this pending request, on a consent page). Both count as attempts
+ * alike. Returns undefined when it is right, else why it is refused.
+ */
+async function checkSignIn(
+  form: Params,
+  on: { visitor: Visitor; request?: string },
   req: IncomingMessage,
   res: ServerResponse,
   ctx: Context,
-): Promise<PasswordRefusal | undefined> {
+): Promise<SignInRefusal | undefined> {
   const address = clientAddress(req, ctx.trustedProxies)
   const now = ctx.now()
   const attempts = ctx.passwordAttempts
+  const byPasskey = getParam(form, 'credential') !== undefined
+  const password = getParam(form, 'password')
   const lockedUntil = Math.max(attempts.byAddress.get(address)?.lockedUntil ?? 0, attempts.total.lockedUntil)
   if (lockedUntil > now) {
     const retryAfter = String(Math.ceil((lockedUntil - now) / 1000))
     noteError(res, 'too_many_requests')
-    const message = `Too many wrong passwords: try again in ${retryAfter} seconds`
+    const message = `Too many ${byPasskey ? 'failed sign-ins' : 'wrong passwords'}: try again in ${retryAfter} seconds`
     return { status: 429, message, headers: { 'Retry-After': retryAfter } }
   }
-  if (password === undefined) return { status: 401, message: 'Enter your password', headers: {} }
+  if (!byPasskey && !ctx.config.passwordSignIn)
+    return { status: 401, message: 'Password sign-in is off: sign in with a passkey', headers: {} }
+  if (!byPasskey && password === undefined) return { status: 401, message: 'Enter your password', headers: {} }
   const previous = attempts.byAddress.get(address)
   attempts.byAddress.delete(address) // re-inserted last, so the map stays ordered oldest first
   if (attempts.byAddress.size >= MAX_TRACKED_ADDRESSES)
@@ -2910,18 +3252,24 @@ async function checkPassword(
   attempts.byAddress.set(address, countAttempt(previous, now, FREE_ATTEMPTS_PER_ADDRESS))
   attempts.total = countAttempt(attempts.total, now, FREE_ATTEMPTS_IN_TOTAL)
   const passwordHash = ctx.config.passwordHash ?? ''
-  if (!(await withPasswordSlot(ctx.passwordSlots, () => verifyPassword(password, passwordHash)))) {
+  const refused = byPasskey
+    ? await checkPasskeySignIn(form, on, address, ctx)
+    : (await withPasswordSlot(ctx.passwordSlots, () => verifyPassword(password ?? '', passwordHash)))
+      ? undefined
+      : 'Wrong password'
+  if (refused !== undefined) {
     const wait = Math.max(attempts.byAddress.get(address)?.lockedUntil ?? 0, attempts.total.lockedUntil) - now
     if (wait > 0) {
       const from = attempts.total.lockedUntil - now === wait ? 'in total' : `from ${address}`
       logEvent(
         ctx,
         'security',
-        `too many wrong passwords ${from}: the next attempt must wait ${wait / 1000} seconds`,
+        `too many ${byPasskey ? 'failed passkey sign-ins' : 'wrong passwords'} ${from}: ` +
+          `the next attempt must wait ${wait / 1000} seconds`,
         address,
       )
     }
-    return { status: 401, message: 'Wrong password', headers: {} }
+    return { status: 401, message: refused, headers: {} }
   }
   attempts.byAddress.delete(address)
   attempts.total = NO_ATTEMPTS
@@ -3025,6 +3373,421 @@ function runScrypt(password: string, params: { ln: number; r: number; p: number;
       },
     )
   })
+}
+
+// --- Passkeys (WebAuthn) --------------------------------------------------------
+// WebAuthn Level 3  https://www.w3.org/TR/webauthn-3/
+// A passkey is a key pair made by the owner's device: Latch keeps the public key, and signing in
+// is the device signing a challenge Latch made. What arrives is three byte strings a browser hands
+// over: `clientDataJSON` (what the browser saw: the challenge and the page's origin),
+// `authenticatorData` (what the device says: which site, whether the person was there, a counter)
+// and a signature over both. Registration sends an `attestationObject` instead, a CBOR map that
+// carries the authenticator data with the new public key in it, as a COSE key. So WebAuthn needs
+// no library: a small CBOR reader, COSE keys turned into JWKs for `createPublicKey`, and the checks
+// of the spec's two ceremonies (§7.1 and §7.2), each of which throws a `PasskeyError` that says
+// which check failed. Latch trusts the owner, not the device's maker: an attestation statement,
+// if the device sends one, is ignored.
+
+/** A WebAuthn check that failed; its message says which, for the log and the page. */
+export class PasskeyError extends Error {}
+
+const COSE_ALGORITHMS = { ES256: -7, EdDSA: -8, RS256: -257 } as const
+const SUPPORTED_ALGORITHMS: number[] = Object.values(COSE_ALGORITHMS)
+const MAX_CBOR_DEPTH = 16
+const MAX_CREDENTIAL_ID_BYTES = 1_023
+const MIN_RSA_BITS = 2_048
+
+/**
+ * Reads one CBOR data item (RFC 8949 §3) at `offset`: its value and where it ends. Enough CBOR for
+ * WebAuthn, whose authenticators must send the core deterministic encoding: integers, byte and
+ * text strings, arrays, maps, `true`, `false`, `null`. Indefinite lengths, tags and floats never
+ * occur there, and are refused, as is anything that claims more bytes than there are.
+ * @see https://www.rfc-editor.org/rfc/rfc8949#section-3
+ */
+export function readCbor(bytes: Buffer, offset = 0, depth = 0): { value: unknown; end: number } {
+  if (depth > MAX_CBOR_DEPTH) throw new PasskeyError(`CBOR nests deeper than ${MAX_CBOR_DEPTH}`)
+  if (offset >= bytes.length) throw new PasskeyError('CBOR ends before its data item')
+  const initial = bytes[offset]
+  const major = initial >> 5
+  const { argument, end: start } = readCborArgument(bytes, offset)
+  switch (major) {
+    case 0: // unsigned integer
+      return { value: argument, end: start }
+    case 1: // negative integer: -1 - argument
+      return { value: -1 - argument, end: start }
+    case 2: // byte string
+    case 3: {
+      // text string
+      if (argument > bytes.length - start) throw new PasskeyError('a CBOR string runs past the end')
+      const slice = bytes.subarray(start, start + argument)
+      if (major === 2) return { value: Buffer.from(slice), end: start + argument }
+      try {
+        return { value: utf8.decode(slice), end: start + argument }
+      } catch {
+        throw new PasskeyError('a CBOR text string is not UTF-8')
+      }
+    }
+    case 4: {
+      // array: at least one byte per item, so a length past the end is caught before any work
+      if (argument > bytes.length - start) throw new PasskeyError('a CBOR array runs past the end')
+      const items: unknown[] = []
+      let end = start
+      for (let i = 0; i < argument; i++) {
+        const item = readCbor(bytes, end, depth + 1)
+        items.push(item.value)
+        end = item.end
+      }
+      return { value: items, end }
+    }
+    case 5: {
+      // map: keys and values in turn
+      if (argument > (bytes.length - start) / 2) throw new PasskeyError('a CBOR map runs past the end')
+      const map = new Map<unknown, unknown>()
+      let end = start
+      for (let i = 0; i < argument; i++) {
+        const key = readCbor(bytes, end, depth + 1)
+        if (typeof key.value !== 'number' && typeof key.value !== 'string')
+          throw new PasskeyError('a CBOR map key is neither an integer nor a text string')
+        if (map.has(key.value)) throw new PasskeyError('a CBOR map has a key twice')
+        const value = readCbor(bytes, key.end, depth + 1)
+        map.set(key.value, value.value)
+        end = value.end
+      }
+      return { value: map, end }
+    }
+    case 6:
+      throw new PasskeyError('CBOR tags are not used by WebAuthn')
+    default: {
+      // major type 7: simple values
+      const simple = initial & 0x1f
+      if (simple === 20) return { value: false, end: offset + 1 }
+      if (simple === 21) return { value: true, end: offset + 1 }
+      if (simple === 22) return { value: null, end: offset + 1 }
+      throw new PasskeyError('CBOR floats and other simple values are not used by WebAuthn')
+    }
+  }
+}
+
+/** A data item's argument: a length, a count or an integer, in the low 5 bits or the 1 to 8 bytes after them. */
+function readCborArgument(bytes: Buffer, offset: number): { argument: number; end: number } {
+  const low = bytes[offset] & 0x1f
+  const major = bytes[offset] >> 5
+  if (major === 7) return { argument: 0, end: offset + 1 }
+  if (low < 24) return { argument: low, end: offset + 1 }
+  if (low > 27) throw new PasskeyError('CBOR indefinite lengths are not used by WebAuthn')
+  const size = 2 ** (low - 24) // 1, 2, 4 or 8 bytes
+  if (offset + 1 + size > bytes.length) throw new PasskeyError('CBOR ends inside a length')
+  const big = size === 8 ? bytes.readBigUInt64BE(offset + 1) : BigInt(bytes.readUIntBE(offset + 1, size))
+  if (big > BigInt(Number.MAX_SAFE_INTEGER)) throw new PasskeyError('a CBOR integer is too large')
+  return { argument: Number(big), end: offset + 1 + size }
+}
+
+/**
+ * A COSE key (RFC 9052 §7, as a map `readCbor` made) as a node:crypto public key: each of the
+ * three kinds Latch accepts becomes the JWK it is (RFC 9053 §2, §7; RFC 8812 §2).
+ * @see https://www.w3.org/TR/webauthn-3/#sctn-encoded-credPubKey-examples
+ */
+export function readCoseKey(cose: unknown): { key: KeyObject; algorithm: number } {
+  if (!(cose instanceof Map)) throw new PasskeyError('the public key is not a COSE key')
+  const bytesAt = (label: number): string => {
+    const value = cose.get(label)
+    if (!Buffer.isBuffer(value) || value.length === 0) throw new PasskeyError(`the COSE key lacks parameter ${label}`)
+    return base64url(value)
+  }
+  const kty = cose.get(1)
+  const algorithm = cose.get(3)
+  let jwk: JsonWebKey
+  if (kty === 2 && algorithm === COSE_ALGORITHMS.ES256 && cose.get(-1) === 1) {
+    jwk = { kty: 'EC', crv: 'P-256', x: bytesAt(-2), y: bytesAt(-3) }
+  } else if (kty === 1 && algorithm === COSE_ALGORITHMS.EdDSA && cose.get(-1) === 6) {
+    jwk = { kty: 'OKP', crv: 'Ed25519', x: bytesAt(-2) }
+  } else if (kty === 3 && algorithm === COSE_ALGORITHMS.RS256) {
+    jwk = { kty: 'RSA', n: bytesAt(-1), e: bytesAt(-2) }
+  } else {
+    throw new PasskeyError('the key is not ES256 on P-256, EdDSA on Ed25519 or RS256')
+  }
+  let key: KeyObject
+  try {
+    key = createPublicKey({ key: jwk, format: 'jwk' })
+  } catch {
+    throw new PasskeyError('the COSE key is not a valid public key')
+  }
+  if (kty === 3 && (key.asymmetricKeyDetails?.modulusLength ?? 0) < MIN_RSA_BITS)
+    throw new PasskeyError(`the RSA key is shorter than ${MIN_RSA_BITS} bits`)
+  return { key, algorithm }
+}
+
+/** What the device says, in the byte layout of WebAuthn §6.1. */
+export type AuthenticatorData = {
+  /** SHA-256 of the RP ID the device signed for: Latch's host name. */
+  rpIdHash: Buffer
+  flags: { userPresent: boolean; userVerified: boolean; backupEligible: boolean; backedUp: boolean }
+  counter: number
+  /** At registration: the new credential, with its public key as a COSE map. */
+  credential?: { aaguid: Buffer; id: Buffer; publicKey: unknown }
+}
+
+/**
+ * Reads authenticator data: 32 bytes of RP ID hash, a byte of flags, a 4-byte counter, then, when
+ * flag AT is set, the attested credential (16 bytes AAGUID, 2 bytes length, the id, a COSE key),
+ * and when flag ED is set, a CBOR map of extensions. Nothing may follow.
+ * @see https://www.w3.org/TR/webauthn-3/#sctn-authenticator-data
+ */
+export function readAuthenticatorData(bytes: Buffer): AuthenticatorData {
+  if (bytes.length < 37) throw new PasskeyError('the authenticator data is shorter than 37 bytes')
+  const flags = bytes[32]
+  let end = 37
+  let credential: AuthenticatorData['credential']
+  if (flags & 0x40) {
+    if (bytes.length < end + 18) throw new PasskeyError('the attested credential data is cut short')
+    const aaguid = Buffer.from(bytes.subarray(end, end + 16))
+    const length = bytes.readUInt16BE(end + 16)
+    if (length > MAX_CREDENTIAL_ID_BYTES) throw new PasskeyError('the credential id is longer than 1,023 bytes')
+    if (bytes.length < end + 18 + length) throw new PasskeyError('the credential id is cut short')
+    const id = Buffer.from(bytes.subarray(end + 18, end + 18 + length))
+    const publicKey = readCbor(bytes, end + 18 + length)
+    credential = { aaguid, id, publicKey: publicKey.value }
+    end = publicKey.end
+  }
+  if (flags & 0x80) end = readCbor(bytes, end).end
+  if (end !== bytes.length) throw new PasskeyError('the authenticator data has bytes past its end')
+  return {
+    rpIdHash: Buffer.from(bytes.subarray(0, 32)),
+    flags: {
+      userPresent: (flags & 0x01) !== 0,
+      userVerified: (flags & 0x04) !== 0,
+      backupEligible: (flags & 0x08) !== 0,
+      backedUp: (flags & 0x10) !== 0,
+    },
+    counter: bytes.readUInt32BE(33),
+    credential,
+  }
+}
+
+/** What a ceremony is checked against: the challenge Latch made, its origin and its RP ID. */
+type CeremonyExpectations = { challenge: string; origin: string; rpId: string }
+
+/**
+ * Registration, WebAuthn §7.1: the checks of steps 7 to 21 that concern a relying party that
+ * accepts any attestation (steps 19 to 21 verify a statement Latch ignores). Returns the new
+ * credential; saving it, once its id is known not to be registered, is the caller's step 26.
+ * @see https://www.w3.org/TR/webauthn-3/#sctn-registering-a-new-credential
+ */
+export function verifyRegistration(
+  response: { clientDataJSON: Buffer; attestationObject: Buffer },
+  expected: CeremonyExpectations,
+): { id: string; publicKey: string; algorithm: number; counter: number } {
+  checkClientData(response.clientDataJSON, 'webauthn.create', expected) // steps 7 to 11
+  const attestation = readCbor(response.attestationObject)
+  if (!(attestation.value instanceof Map) || attestation.end !== response.attestationObject.length)
+    throw new PasskeyError('the attestation object is not one CBOR map')
+  const authData = attestation.value.get('authData')
+  if (typeof attestation.value.get('fmt') !== 'string' || !Buffer.isBuffer(authData))
+    throw new PasskeyError('the attestation object lacks fmt or authData')
+  const data = readAuthenticatorData(authData) // step 13
+  checkAuthenticatorData(data, expected.rpId) // steps 14 to 17
+  if (data.credential === undefined) throw new PasskeyError('the authenticator data carries no new credential')
+  const { key, algorithm } = readCoseKey(data.credential.publicKey) // step 18: one of the algorithms offered
+  return {
+    id: base64url(data.credential.id),
+    publicKey: base64url(key.export({ type: 'spki', format: 'der' })),
+    algorithm,
+    counter: data.counter,
+  }
+}
+
+/**
+ * Authentication, WebAuthn §7.2, steps 10 to 22: the caller has found the passkey by the id the
+ * browser sent (steps 5 and 6). Returns the new signature counter, for the caller to store.
+ * @see https://www.w3.org/TR/webauthn-3/#sctn-verifying-assertion
+ */
+export function verifyAuthentication(
+  response: { clientDataJSON: Buffer; authenticatorData: Buffer; signature: Buffer },
+  expected: CeremonyExpectations & { publicKey: string; algorithm: number; counter: number },
+): { counter: number } {
+  checkClientData(response.clientDataJSON, 'webauthn.get', expected) // steps 10 to 14
+  const data = readAuthenticatorData(response.authenticatorData)
+  if (data.credential !== undefined) throw new PasskeyError('a sign-in carries a new credential')
+  checkAuthenticatorData(data, expected.rpId) // steps 15 to 18
+  // steps 20 and 21: the signature covers the authenticator data and the hash of the client data
+  const signed = Buffer.concat([response.authenticatorData, hash('sha256', response.clientDataJSON, 'buffer')])
+  const key = createPublicKey({ key: Buffer.from(expected.publicKey, 'base64url'), format: 'der', type: 'spki' })
+  const digest = expected.algorithm === COSE_ALGORITHMS.EdDSA ? null : 'sha256'
+  if (!SUPPORTED_ALGORITHMS.includes(expected.algorithm) || !verifies(digest, signed, key, response.signature))
+    throw new PasskeyError('the signature does not verify with the stored public key')
+  // step 22: a counter that does not grow means two devices hold the key: a clone
+  if ((data.counter !== 0 || expected.counter !== 0) && data.counter <= expected.counter)
+    throw new PasskeyError(
+      `the signature counter went from ${expected.counter} to ${data.counter}, not up: ` +
+        'the passkey may have been cloned',
+    )
+  return { counter: data.counter }
+}
+
+/** Whether a signature verifies; a signature that is not even well-formed does not. */
+function verifies(digest: string | null, data: Buffer, key: KeyObject, signature: Buffer): boolean {
+  try {
+    return verify(digest, data, key, signature)
+  } catch {
+    return false
+  }
+}
+
+/** The client data checks both ceremonies share: its type, the challenge, the origin, no cross-origin frame. */
+function checkClientData(json: Buffer, type: string, expected: CeremonyExpectations): void {
+  let clientData: unknown
+  try {
+    clientData = JSON.parse(utf8.decode(json))
+  } catch {
+    throw new PasskeyError('the client data is not JSON')
+  }
+  if (!isObject(clientData)) throw new PasskeyError('the client data is not a JSON object')
+  if (clientData.type !== type) throw new PasskeyError(`the client data's type is not ${type}`)
+  if (typeof clientData.challenge !== 'string' || !safeEqual(clientData.challenge, expected.challenge))
+    throw new PasskeyError('the challenge is not the one this server made')
+  if (clientData.origin !== expected.origin) throw new PasskeyError(`the page was not on ${expected.origin}`)
+  if (clientData.crossOrigin === true) throw new PasskeyError('the ceremony ran in a frame of another origin')
+}
+
+/** The authenticator data checks both ceremonies share: the RP ID, a person present and verified, the backup flags. */
+function checkAuthenticatorData(data: AuthenticatorData, rpId: string): void {
+  if (!data.rpIdHash.equals(hash('sha256', rpId, 'buffer')))
+    throw new PasskeyError(`the passkey was made for another site than ${rpId}`)
+  if (!data.flags.userPresent) throw new PasskeyError('the device did not see a person present')
+  if (!data.flags.userVerified) throw new PasskeyError('the device did not verify the person (PIN or biometrics)')
+  if (data.flags.backedUp && !data.flags.backupEligible)
+    throw new PasskeyError('the device says a passkey that cannot be backed up was backed up')
+}
+
+// Where passkeys work, and the challenges: each is made for one browser (its session when the
+// owner is signed in, else its CSRF cookie), for one purpose, and on a consent page for one
+// pending request; it is used once, right or wrong, within five minutes. A stranger may ask for
+// many, so only the newest thousand are kept: a flood costs the owner a second try, no memory.
+
+/** A challenge Latch made, kept under its hash until it is used or expires. */
+export type PasskeyChallenge = {
+  purpose: 'register' | 'sign-in'
+  /** The hash of the session or CSRF cookie of the browser it was made for. */
+  browser: string
+  /** On a consent page: the hash of the pending request's id. */
+  request: string | undefined
+  expiresAt: number
+}
+
+const PASSKEY_CHALLENGE_SECONDS = 300
+const MAX_PASSKEY_CHALLENGES = 1_000
+
+/**
+ * The relying party a passkey is made for: the issuer's host name (its RP ID) and origin. None
+ * without a password, where no one signs in, nor on an IP address, which WebAuthn refuses.
+ * @see https://www.w3.org/TR/webauthn-3/#rp-id
+ */
+function relyingParty(config: Config): { id: string; origin: string } | undefined {
+  const issuer = new URL(config.issuer)
+  if (config.passwordHash === undefined || isIpAddress(issuer.hostname)) return undefined
+  return { id: issuer.hostname, origin: issuer.origin }
+}
+
+/** The owner's WebAuthn user handle: opaque, the same on every device, and no secret. */
+function userHandleOf(config: Config): string {
+  return base64url(hash('sha256', `latch user ${config.me}`, 'buffer').subarray(0, 16))
+}
+
+/** What binds a challenge to a browser: its session when signed in, else its CSRF cookie. */
+function browserOf(visitor: Visitor): string {
+  return hashSecret(visitor.session ?? visitor.csrf)
+}
+
+function makeChallenge(ctx: Context, made: Omit<PasskeyChallenge, 'expiresAt'>): string {
+  const challenge = createSecret()
+  const challenges = ctx.passkeyChallenges
+  if (challenges.size >= MAX_PASSKEY_CHALLENGES) challenges.delete(challenges.keys().next().value ?? '')
+  challenges.set(hashSecret(challenge), { ...made, expiresAt: ctx.now() + PASSKEY_CHALLENGE_SECONDS * 1000 })
+  return challenge
+}
+
+/**
+ * Takes the challenge the client data names, if Latch made it for this purpose, browser and
+ * request and it has not expired: the expected challenge of the ceremony's checks. It is gone
+ * afterwards, whatever the outcome, so an answer can never be replayed.
+ */
+function takeChallenge(
+  ctx: Context,
+  clientDataJSON: Buffer,
+  wanted: { purpose: PasskeyChallenge['purpose']; browser: string; request?: string },
+): string {
+  let challenge: unknown
+  try {
+    challenge = JSON.parse(utf8.decode(clientDataJSON))?.challenge
+  } catch {
+    throw new PasskeyError('the client data is not JSON')
+  }
+  if (typeof challenge !== 'string' || !/^[A-Za-z0-9_-]{43}$/.test(challenge))
+    throw new PasskeyError('the client data names no challenge of this server')
+  const key = hashSecret(challenge)
+  const made = ctx.passkeyChallenges.get(key)
+  ctx.passkeyChallenges.delete(key)
+  if (made === undefined || made.expiresAt <= ctx.now())
+    throw new PasskeyError('the challenge was used before or has expired: try again')
+  if (made.purpose !== wanted.purpose || made.browser !== wanted.browser || made.request !== wanted.request)
+    throw new PasskeyError('the challenge was made for another page or browser: try again')
+  return challenge
+}
+
+/** The byte strings a passkey form carries, each in base64url; a missing or malformed one is refused. */
+function readPasskeyFields<Name extends string>(form: Params, names: Name[]): Record<Name, Buffer> {
+  const fields = {} as Record<Name, Buffer>
+  for (const name of names) {
+    const value = getParam(form, name)
+    if (value === undefined || !/^[A-Za-z0-9_-]+$/.test(value))
+      throw new PasskeyError(`the form's ${name} is missing or not base64url`)
+    fields[name] = Buffer.from(value, 'base64url')
+  }
+  return fields
+}
+
+/**
+ * A passkey sign-in from a form (see `checkSignIn`): the challenge, the passkey by its id, the
+ * user handle, the authentication ceremony's checks; then the new counter and the time of use are
+ * stored. Returns why it is refused, after logging it, or undefined.
+ */
+async function checkPasskeySignIn(
+  form: Params,
+  on: { visitor: Visitor; request?: string },
+  address: string,
+  ctx: Context,
+): Promise<string | undefined> {
+  try {
+    const rp = relyingParty(ctx.config)
+    if (rp === undefined) throw new PasskeyError(PASSKEYS_NEED_A_NAME)
+    const sent = readPasskeyFields(form, ['client_data', 'authenticator_data', 'signature'])
+    const browser = browserOf(on.visitor)
+    const challenge = takeChallenge(ctx, sent.client_data, { purpose: 'sign-in', browser, request: on.request })
+    const id = getParam(form, 'credential') ?? ''
+    const passkey = await ctx.store.findPasskey(id)
+    if (passkey === undefined) throw new PasskeyError('it is not a passkey of this server, or it was removed')
+    const userHandle = getParam(form, 'user_handle')
+    if (userHandle !== undefined && userHandle !== '' && userHandle !== userHandleOf(ctx.config))
+      throw new PasskeyError('the passkey is not the owner of this server')
+    const response = {
+      clientDataJSON: sent.client_data,
+      authenticatorData: sent.authenticator_data,
+      signature: sent.signature,
+    }
+    const { publicKey, algorithm, counter } = passkey
+    const expected = { challenge, origin: rp.origin, rpId: rp.id, publicKey, algorithm, counter }
+    const now = ctx.now()
+    await ctx.store.savePasskey(
+      id,
+      { ...passkey, counter: verifyAuthentication(response, expected).counter, lastUsedAt: now },
+      now,
+    )
+    return undefined
+  } catch (err) {
+    if (!(err instanceof PasskeyError)) throw err
+    logEvent(ctx, 'security', `a passkey sign-in was refused: ${err.message}`, address)
+    return `The passkey was refused: ${err.message}`
+  }
 }
 
 // --- Client information discovery -----------------------------------------------
@@ -3614,6 +4377,8 @@ export class MemoryStore implements Store {
   /** Grants revoked, kept until their tokens would have expired, so that no late save revives them. */
   readonly revokedGrants = new ExpiringMap<{ expiresAt: number }>()
   readonly sessions = new Map<string, Session>()
+  /** The owner's passkeys by credential id, in the order they were added. */
+  readonly passkeys = new Map<string, Passkey>()
   readonly #maxPendingRequests: number
   readonly #maxCodes: number
   readonly #log: (line: string) => void
@@ -3753,6 +4518,23 @@ export class MemoryStore implements Store {
     this.sessions.clear()
   }
 
+  async savePasskey(id: string, passkey: Passkey, _now: number): Promise<void> {
+    this.passkeys.set(id, { ...passkey })
+  }
+
+  async findPasskey(id: string): Promise<Passkey | undefined> {
+    const passkey = this.passkeys.get(id)
+    return passkey === undefined ? undefined : { ...passkey }
+  }
+
+  async listPasskeys(): Promise<[string, Passkey][]> {
+    return [...this.passkeys].map(([id, passkey]) => [id, { ...passkey }])
+  }
+
+  async deletePasskey(id: string): Promise<void> {
+    this.passkeys.delete(id)
+  }
+
   /**
    * Deletes expired entries, up to `budget` of each kind: the one way they go. `createHandler`
    * calls it every 100 ms, between requests, and no write does, so the token path never pays for
@@ -3770,7 +4552,7 @@ export class MemoryStore implements Store {
   }
 
   /**
-   * The records that rebuild this store's unexpired codes, grants, tokens and sessions: a
+   * The records that rebuild this store's unexpired codes, grants, tokens and sessions, and its passkeys: a
    * snapshot for the journal. Codes and refresh tokens in `unsaved` were marked used by a
    * redemption whose write has not yet succeeded, and are written as unused: the redemption's
    * own line follows the snapshot if it succeeds.
@@ -3792,6 +4574,7 @@ export class MemoryStore implements Store {
       }
     }
     for (const [key, value] of this.sessions) if (value.expiresAt > now) yield { set: 'session', key, value }
+    for (const [key, value] of this.passkeys) yield { set: 'passkey', key, value }
   }
 
   #putGrant(id: string, grant: Grant): void {
@@ -3888,8 +4671,8 @@ function live<T extends { expiresAt: number }>(entry: T | undefined, now: number
 }
 
 // --- Durable storage ------------------------------------------------------------
-// `DATA_FILE` is an append-only journal: one JSON line per change to a code, grant, token or
-// session (a token exchange's changes share one line), replayed into a `MemoryStore` at start-up.
+// `DATA_FILE` is an append-only journal: one JSON line per change to a code, grant, token,
+// session or passkey (a token exchange's changes share one line), replayed into a `MemoryStore` at start-up.
 // A change sets or deletes one entry, so replaying it twice changes nothing; that is what lets
 // compaction run while writes go on. A change is on disk (fsync'd) before the response that
 // depends on it is sent, and the changes made in one turn of the event loop share one fsync.
@@ -3902,7 +4685,8 @@ type JournalRecord =
   | { set: 'grant'; key: string; value: Grant }
   | { set: 'token'; key: string; value: Token }
   | { set: 'session'; key: string; value: Session }
-  | { delete: 'grant' | 'token' | 'session'; key: string }
+  | { set: 'passkey'; key: string; value: Passkey }
+  | { delete: 'grant' | 'token' | 'session' | 'passkey'; key: string }
 
 /**
  * A line of the journal: one change, or `{"all": [...]}`, changes that count together or not
@@ -4296,6 +5080,24 @@ export class FileStore implements Store {
     await this.memory.deleteAllSessions()
   }
 
+  async savePasskey(id: string, passkey: Passkey, now: number): Promise<void> {
+    await this.#append([{ set: 'passkey', key: id, value: passkey }])
+    await this.memory.savePasskey(id, passkey, now)
+  }
+
+  findPasskey(id: string): Promise<Passkey | undefined> {
+    return this.memory.findPasskey(id)
+  }
+
+  listPasskeys(): Promise<[string, Passkey][]> {
+    return this.memory.listPasskeys()
+  }
+
+  async deletePasskey(id: string): Promise<void> {
+    await this.#append([{ delete: 'passkey', key: id }])
+    await this.memory.deletePasskey(id)
+  }
+
   sweep(now: number, budget?: number): void {
     this.memory.sweep(now, budget)
   }
@@ -4309,7 +5111,8 @@ export class FileStore implements Store {
   /** Appends changes, then compacts once the file holds far more lines than live entries. */
   async #append(records: JournalRecord[]): Promise<void> {
     await this.#journal.append(records)
-    const live = this.memory.codes.size + this.memory.grants.size + this.memory.tokens.size + this.memory.sessions.size
+    const { codes, grants, tokens, sessions, passkeys } = this.memory
+    const live = codes.size + grants.size + tokens.size + sessions.size + passkeys.size
     const threshold = Math.max(COMPACT_MIN_LINES, COMPACT_FACTOR * live, this.#compactAfterLines)
     if (this.compaction === undefined && this.#journal.lines > threshold) {
       this.compaction = this.#journal
@@ -4383,6 +5186,14 @@ const JOURNAL_FIELDS = {
     usedAt: 'number?',
   },
   session: { createdAt: 'number', expiresAt: 'number', passwordTag: 'string?' },
+  passkey: {
+    name: 'string',
+    publicKey: 'string',
+    algorithm: 'number',
+    counter: 'number',
+    addedAt: 'number',
+    lastUsedAt: 'number?',
+  },
 } as const
 
 /** Why a record is not one Latch writes, or undefined when it is. */
@@ -4390,7 +5201,7 @@ function journalRecordProblem(record: unknown): string | undefined {
   if (!isObject(record)) return 'a change is not a JSON object'
   if (!isJournalKey(record.key)) return 'a change has no valid key'
   if (record.delete !== undefined) {
-    return record.delete === 'grant' || record.delete === 'token' || record.delete === 'session'
+    return ['grant', 'token', 'session', 'passkey'].includes(record.delete as string)
       ? undefined
       : `it deletes an unknown kind ${String(record.delete)}`
   }
@@ -4445,9 +5256,11 @@ async function applyRecord(memory: MemoryStore, record: JournalRecord, now: numb
   if ('delete' in record) {
     if (record.delete === 'grant') await memory.revokeGrant(key, now)
     else if (record.delete === 'token') await memory.deleteToken(key)
-    else await memory.deleteSession(key)
+    else if (record.delete === 'session') await memory.deleteSession(key)
+    else await memory.deletePasskey(record.key) // a credential id, not a hash
     return
   }
+  if (record.set === 'passkey') return memory.savePasskey(record.key, record.value, now)
   if (record.value.expiresAt <= now) return
   // before 0.3, nothing had a resource
   if (record.set === 'code') await memory.saveCode(key, { ...record.value, resource: record.value.resource ?? [] }, now)
@@ -4707,6 +5520,11 @@ export const SETTINGS = [
     help: 'Owner password hash from `npx tsx server.ts hash-password`. Unset: no password, loopback only.',
   },
   {
+    name: 'PASSWORD_SIGN_IN',
+    default: 'on',
+    help: '`off`: sign in with a passkey only (start is refused while none is added). Needs PASSWORD_HASH.',
+  },
+  {
     name: 'DATA_FILE',
     default: 'latch-data.jsonl',
     help: 'File where codes, grants and tokens survive restarts; `memory` keeps them in memory only.',
@@ -4802,6 +5620,19 @@ export function loadConfig(
         'create a hash with `npx tsx server.ts hash-password` and set PASSWORD_HASH',
     )
   }
+  const passwordSignIn = (raw.PASSWORD_SIGN_IN ?? defaultOf('PASSWORD_SIGN_IN')) !== 'off'
+  if (raw.PASSWORD_SIGN_IN !== undefined && raw.PASSWORD_SIGN_IN !== 'off' && raw.PASSWORD_SIGN_IN !== 'on')
+    throw new ConfigError(`PASSWORD_SIGN_IN ${raw.PASSWORD_SIGN_IN} is not a choice: set it to off or on`)
+  if (!passwordSignIn && passwordHash === undefined)
+    throw new ConfigError(
+      'PASSWORD_SIGN_IN=off turns off a password that is not set: set PASSWORD_HASH (sessions are tied to it), ' +
+        'or leave PASSWORD_SIGN_IN unset',
+    )
+  if (!passwordSignIn && isIpAddress(new URL(issuer).hostname))
+    throw new ConfigError(
+      `PASSWORD_SIGN_IN=off leaves only passkeys, which cannot work on ISSUER ${issuer}: ` +
+        'WebAuthn needs a host name, such as http://localhost:3000',
+    )
   const dataFile = raw.DATA_FILE ?? defaultOf('DATA_FILE')
   const codeTtlSeconds = parseDuration('CODE_TTL', raw.CODE_TTL ?? defaultOf('CODE_TTL'))
   if (codeTtlSeconds > MAX_CODE_TTL_SECONDS) {
@@ -4851,6 +5682,7 @@ export function loadConfig(
     issuer,
     me,
     passwordHash,
+    passwordSignIn,
     dataFile,
     codeTtlSeconds,
     accessTokenTtlSeconds,
@@ -5146,7 +5978,7 @@ const NO_PASSWORD = 'not set: anyone who can reach this loopback address can app
 function printStartup(config: Config, listeningUrl: string, store: MemoryStore | FileStore): void {
   const memory = store instanceof FileStore ? store.memory : store
   const now = Date.now()
-  const live = { code: 0, grant: 0, token: 0, session: 0 }
+  const live = { code: 0, grant: 0, token: 0, session: 0, passkey: 0 }
   for (const record of memory.records(now)) {
     // a redeemed code is kept only to recognise a replay
     if ('set' in record && !(record.set === 'code' && record.value.usedAt !== undefined)) live[record.set]++
@@ -5158,7 +5990,13 @@ function printStartup(config: Config, listeningUrl: string, store: MemoryStore |
     config.dataFile === 'memory'
       ? 'in memory only: codes and tokens are lost when the server stops'
       : `${config.dataFile}: ${loaded} loaded`
-  const password = config.passwordHash === undefined ? NO_PASSWORD : 'set'
+  const passkeys = count(live.passkey, 'passkey')
+  const password =
+    config.passwordHash === undefined
+      ? NO_PASSWORD
+      : config.passwordSignIn
+        ? `set, and ${passkeys}`
+        : `off: ${passkeys}`
   const isDefaultMe = hasDefaultMe(config)
   if (config.logFormat === 'json') {
     const time = new Date().toISOString()
@@ -5195,6 +6033,11 @@ async function main(argv: string[], env: Record<string, string | undefined>): Pr
   const store = await openStore(config, { log: logMessage }).catch((err: NodeJS.ErrnoException) => {
     throw dataFileProblem(err, config.dataFile) ?? err
   })
+  if (!config.passwordSignIn && (await store.listPasskeys()).length === 0)
+    throw new ConfigError(
+      `PASSWORD_SIGN_IN=off, and ${config.dataFile} holds no passkey, so no one could sign in: ` +
+        'unset PASSWORD_SIGN_IN, sign in with the password and add a passkey on /apps first',
+    )
   const server = createLatchServer()
   await new Promise<void>((resolve, reject) => {
     server.once('error', reject)
