@@ -2172,7 +2172,7 @@ ${csrfField}
 <p class="muted" data-passkey-missing>To add one, open this page in a browser that makes passkeys.</p>
 <div class="actions">${renderPasskeyButton(config, 'Add a passkey', 'register')}</div>
 </form>`
-  return `<section class="maker">
+  return `<section class="passkeys">
 <h2>Passkeys</h2>
 <p class="muted">Sign in with your device's screen lock instead of the password.</p>
 ${list === '' ? '<p class="muted">No passkey yet.</p>' : list}
@@ -2856,14 +2856,14 @@ select {
   padding: .4rem;
   margin-left: .25rem;
 }
-.app, .maker {
+.app, .maker, .passkeys {
   border: 1px solid var(--line);
   border-radius: .5rem;
   padding: .75rem 1rem;
   margin: 0 0 1rem;
   background: var(--panel);
 }
-.app h2, .maker h2 { font-size: 1.1rem; margin: 0 0 .5rem; overflow-wrap: anywhere; }
+.app h2, .maker h2, .passkeys h2 { font-size: 1.1rem; margin: 0 0 .5rem; overflow-wrap: anywhere; }
 .logo { border-radius: .5rem; }
 dl { display: grid; grid-template-columns: max-content 1fr; gap: .2rem .75rem; margin: 0 0 .75rem; }
 dt { color: var(--muted); }

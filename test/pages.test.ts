@@ -3,8 +3,10 @@
 // consent page and /apps show its name and logo: `notes.example` resolves, through an injected
 // resolver, to a public-looking address, and an injected agent carries the connection to a local
 // site server, as in discovery.test.ts. The walk: the consent page, an approval and a code
-// exchanged with PKCE, a token for scripts, /apps, one Revoke, "Revoke all…", an error page, a
+// exchanged with PKCE, a token for scripts, /apps, one Revoke, "Revoke all…", a passkey added with
+// Chromium's virtual authenticator, the sign-in and consent pages that offer it, an error page, a
 // sign-in locked after too many wrong passwords, and a 404. Each page is checked by what it says.
+// Latch is loaded as http://localhost:PORT: WebAuthn refuses an IP address as the site's name.
 //
 // Without /usr/bin/chromium the tests are skipped with the reason printed; with CI set they fail.
 // UPDATE_SCREENSHOTS=1 writes docs/screenshots/<page>-<phone|desktop>-<light|dark>.png.
@@ -127,10 +129,11 @@ function clientFetchTo(site: Listening): ClientFetchOptions {
   }
 }
 
-/** Starts Latch on 127.0.0.1 and a free port, with the owner's password set and a fixed clock. */
+/** Starts Latch on 127.0.0.1 and a free port, named localhost, with the owner's password set and a fixed clock. */
 async function startLatch(clientFetch: ClientFetchOptions): Promise<Listening & { issuer: string }> {
   const env = {
     PORT: '0',
+    HOST: 'localhost', // the name of the issuer: Latch itself listens on 127.0.0.1 here
     ME,
     DATA_FILE: 'memory',
     PASSWORD_HASH: await hashPassword(PASSWORD, { ln: 10, r: 8, p: 1 }),
@@ -139,7 +142,7 @@ async function startLatch(clientFetch: ClientFetchOptions): Promise<Listening & 
   const latch = await listen((req, res) => handler(req, res))
   const config = loadConfig(env, [], { boundPort: Number(new URL(latch.base).port) })
   handler = createHandler({ config, log: () => {}, now: () => NOW, clientFetch })
-  return { ...latch, issuer: config.issuer }
+  return { ...latch, base: config.issuer, issuer: config.issuer }
 }
 
 /** The authorization request of Jot Notes, with the challenge of RFC 7636 Appendix B. */
@@ -240,6 +243,19 @@ describe("The owner's pages, at a phone's width and a desktop's, in light and da
     context = await browser.newContext({ viewport: WIDTHS[0][1], deviceScaleFactor: 1 })
     context.setDefaultTimeout(5000)
     page = await context.newPage()
+    // a device with a screen lock, as a phone is: it makes passkeys and verifies the person
+    const cdp = await context.newCDPSession(page)
+    await cdp.send('WebAuthn.enable')
+    await cdp.send('WebAuthn.addVirtualAuthenticator', {
+      options: {
+        protocol: 'ctap2',
+        transport: 'internal',
+        hasResidentKey: true,
+        hasUserVerification: true,
+        isUserVerified: true,
+        automaticPresenceSimulation: true,
+      },
+    })
   })
 
   after(async () => {
@@ -361,6 +377,31 @@ describe("The owner's pages, at a phone's width and a desktop's, in light and da
     await capture(page, 'apps-revoked')
   })
 
+  it('passkeys: adds a passkey named Phone, listed with when it was added', { skip: SKIP }, async () => {
+    await page.goto(`${latch.base}/apps`)
+    const section = page.locator('section.passkeys')
+    await assertVisibleText(section, 'No passkey yet.')
+    await section.getByLabel('Name').fill('Phone')
+    assert.equal(await press(page, section.getByRole('button', { name: 'Add a passkey' })), 200)
+    assert.equal(await page.getByRole('status').innerText(), 'Added the passkey Phone.')
+    const phone = page.locator('div.passkey').filter({ has: page.getByRole('heading', { name: 'Phone' }) })
+    await assertVisibleText(phone, 'Added\n2027-01-01 09:30 UTC')
+    await assertVisibleText(phone, 'Last used\nNever')
+    await phone.getByRole('button', { name: 'Remove' }).waitFor()
+    await capture(page, 'passkeys')
+  })
+
+  it('sign-in-passkey: signed out, the sign-in page offers the passkey, which signs in', { skip: SKIP }, async () => {
+    assert.equal(await press(page, page.locator('.bar').getByRole('button', { name: 'Sign out' })), 200)
+    assert.equal(await page.getByRole('heading', { level: 1 }).innerText(), 'Sign in')
+    const passkey = page.getByRole('button', { name: 'Sign in with a passkey' })
+    assert.ok(await passkey.isVisible())
+    await capture(page, 'sign-in-passkey')
+    assert.equal(await press(page, passkey), 200)
+    assert.equal(await page.getByRole('heading', { level: 1 }).innerText(), 'Connected apps')
+    await assertVisibleText(page.locator('div.passkey'), 'Last used\n2027-01-01 09:30 UTC')
+  })
+
   it('revoke-all: asks once more, naming the apps; yes revokes them all', { skip: SKIP }, async () => {
     assert.equal(await press(page, page.getByRole('button', { name: 'Revoke all…' })), 200)
     assert.equal(new URL(page.url()).pathname, '/apps/revoke-all')
@@ -378,6 +419,24 @@ describe("The owner's pages, at a phone's width and a desktop's, in light and da
     assert.deepEqual(await introspect(latch, appToken), { active: false })
     assert.deepEqual(await introspect(latch, scriptTokens[1]), { active: false })
   })
+
+  it(
+    'consent-passkey: signed out, the consent page offers the passkey beside the password',
+    { skip: SKIP },
+    async () => {
+      const stranger = await browser.newContext({ viewport: WIDTHS[0][1], deviceScaleFactor: 1 })
+      stranger.setDefaultTimeout(5000)
+      try {
+        const visitor = await stranger.newPage()
+        assert.equal((await visitor.goto(authUrl(latch)))?.status(), 200)
+        assert.ok(await visitor.getByLabel('Password').isVisible())
+        assert.ok(await visitor.getByRole('button', { name: 'Sign in with a passkey' }).isVisible())
+        await capture(visitor, 'consent-passkey')
+      } finally {
+        await stranger.close()
+      }
+    },
+  )
 
   it('error: a redirect_uri the app does not publish gets a page that says what to do', { skip: SKIP }, async () => {
     const response = await page.goto(authUrl(latch, 'https://elsewhere.example/callback'))
@@ -402,11 +461,15 @@ describe("The owner's pages, at a phone's width and a desktop's, in light and da
       assert.equal(await guesser.getByRole('heading', { level: 1 }).innerText(), 'Sign in')
       for (let attempt = 1; attempt <= 6; attempt++) {
         await guesser.getByLabel('Password').fill(`not the password ${attempt}`)
-        assert.equal(await press(guesser, guesser.getByRole('button', { name: 'Sign in' })), 401, `attempt ${attempt}`)
+        assert.equal(
+          await press(guesser, guesser.getByRole('button', { name: 'Sign in', exact: true })),
+          401,
+          `attempt ${attempt}`,
+        )
         assert.equal(await guesser.getByRole('alert').innerText(), 'Wrong password')
       }
       await guesser.getByLabel('Password').fill(PASSWORD) // even the right one waits its turn
-      assert.equal(await press(guesser, guesser.getByRole('button', { name: 'Sign in' })), 429)
+      assert.equal(await press(guesser, guesser.getByRole('button', { name: 'Sign in', exact: true })), 429)
       // the sixth wrong password was one past the five free: the next waits 2 seconds, on a clock that stands still
       assert.equal(await guesser.getByRole('alert').innerText(), 'Too many wrong passwords: try again in 2 seconds')
       assert.equal(await guesser.getByRole('heading', { level: 1 }).innerText(), 'Sign in')
