@@ -44,7 +44,7 @@ import {
   verifyPassword,
   withPasswordSlot,
 } from './server.ts'
-import type { AuthorizationCode, Grant, PasswordAttempts, PasswordSlots, Token } from './server.ts'
+import type { AuthorizationCode, Grant, Passkey, PasswordAttempts, PasswordSlots, Token } from './server.ts'
 import { START, startLatch } from './test/harness.ts'
 import type { TestServer } from './test/harness.ts'
 
@@ -2114,6 +2114,102 @@ describe('A new PASSWORD_HASH', () => {
     const changed = await serve(newHash)
     assert.match(await apps(changed.latch, cookie), /type="password"/)
     await changed.stop()
+  })
+})
+
+describe('Passkeys only (PASSWORD_SIGN_IN=off), and passkeys in the journal', () => {
+  const PHONE: Passkey = {
+    name: 'Phone',
+    publicKey: 'MCowBQYDK2VwAyEA', // never checked here: no signature is
+    algorithm: -8,
+    counter: 0,
+    addedAt: START,
+    lastUsedAt: undefined,
+  }
+  const onLocalhost = { PASSWORD_HASH, ISSUER: 'http://localhost:3000' }
+
+  it('is a setting that needs a password, a host name, and on or off', () => {
+    assert.equal(loadConfig(onLocalhost).passwordSignIn, true)
+    assert.equal(loadConfig({ ...onLocalhost, PASSWORD_SIGN_IN: 'off' }).passwordSignIn, false)
+    assert.throws(
+      () => loadConfig({ PASSWORD_SIGN_IN: 'off', ISSUER: 'http://localhost:3000' }),
+      (err: Error) => err instanceof ConfigError && /needs|not set: set PASSWORD_HASH/.test(err.message),
+    )
+    assert.throws(
+      () => loadConfig({ PASSWORD_HASH, PASSWORD_SIGN_IN: 'off' }),
+      (err: Error) => err instanceof ConfigError && /WebAuthn needs a host name/.test(err.message),
+    )
+    assert.throws(
+      () => loadConfig({ ...onLocalhost, PASSWORD_SIGN_IN: 'no' }),
+      (err: Error) => err instanceof ConfigError && /PASSWORD_SIGN_IN no is not a choice/.test(err.message),
+    )
+  })
+
+  it('offers only the passkey on the sign-in and consent pages, and refuses the password', async () => {
+    const store = new MemoryStore()
+    await store.savePasskey('credential-1', PHONE, START)
+    const latch = await startLatch({ ...onLocalhost, PASSWORD_SIGN_IN: 'off' }, { store })
+    try {
+      const page = await fetch(`${latch.base}/apps`)
+      const html = await page.text()
+      assert.doesNotMatch(html, /type="password"/)
+      assert.match(html, />Sign in with a passkey</)
+      assert.match(page.headers.get('content-security-policy') ?? '', /script-src http:\/\/localhost:3000\/passkey\.js/)
+      const csrf = /name="csrf" value="([^"]+)"/.exec(html)?.[1] ?? ''
+      const cookie = (page.headers.get('set-cookie') ?? '').split(';')[0]
+      const refused = await post(`${latch.base}/sign-in`, form({ csrf, password: 'correct horse' }), { Cookie: cookie })
+      assert.equal(refused.status, 401)
+      assert.match(await refused.text(), /Password sign-in is off: sign in with a passkey/)
+      assert.equal(refused.headers.get('set-cookie'), null)
+      const consent = await openConsent(latch)
+      assert.doesNotMatch(consent.html, /type="password"|value="approve">Approve</)
+      assert.match(consent.html, /name="decision" value="approve" hidden>Sign in with a passkey</)
+      assert.equal((await submitConsent(latch, consent, { password: 'correct horse' })).status, 401)
+    } finally {
+      await latch.close()
+    }
+  })
+
+  it('keeps the last passkey while password sign-in is off', async () => {
+    const store = new MemoryStore()
+    await store.savePasskey('credential-1', PHONE, START)
+    const session = createSecret()
+    const passwordTag = hashSecret(`latch session ${PASSWORD_HASH}`)
+    await store.saveSession(hashSecret(session), { createdAt: START, expiresAt: START + 3_600_000, passwordTag }, START)
+    const latch = await startLatch({ ...onLocalhost, PASSWORD_SIGN_IN: 'off' }, { store })
+    try {
+      const cookie = `latch_session=${session}`
+      const apps = await (await fetch(`${latch.base}/apps`, { headers: { Cookie: cookie } })).text()
+      assert.match(apps, /<h3><bdi>Phone<\/bdi><\/h3>/)
+      const csrf = /name="csrf" value="([^"]+)"/.exec(apps)?.[1] ?? ''
+      const removal = form({ csrf, credential: 'credential-1' })
+      const refused = await post(`${latch.base}/passkeys/remove`, removal, { Cookie: cookie })
+      assert.equal(refused.status, 409)
+      assert.match(await refused.text(), /This is your last passkey, and password sign-in is off/)
+      assert.equal((await store.findPasskey('credential-1'))?.name, 'Phone')
+    } finally {
+      await latch.close()
+    }
+  })
+
+  it('keeps passkeys in the journal across restarts and compaction, and forgets a removed one', async () => {
+    const file = join(await mkdtemp(join(tmpdir(), 'latch-passkeys-')), 'data.jsonl')
+    const first = await FileStore.open(file, { log: () => {} })
+    await first.savePasskey('credential-1', PHONE, START)
+    await first.savePasskey('credential-2', { ...PHONE, name: 'Laptop' }, START)
+    await first.savePasskey('credential-1', { ...PHONE, counter: 7, lastUsedAt: START + 1000 }, START)
+    await first.deletePasskey('credential-2')
+    await first.close()
+    const second = await FileStore.open(file, { log: () => {} })
+    assert.deepEqual(await second.listPasskeys(), [
+      ['credential-1', { ...PHONE, counter: 7, lastUsedAt: START + 1000 }],
+    ])
+    const snapshot = [...second.memory.records(START)]
+    assert.deepEqual(
+      snapshot.filter((record) => 'set' in record && record.set === 'passkey').map((record) => record.key),
+      ['credential-1'],
+    )
+    await second.close()
   })
 })
 

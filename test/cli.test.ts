@@ -240,6 +240,20 @@ describe('A start-up failure is one line naming the setting and the fix, and exi
     const result = await runLatch([], { TRUST_PROXY: 'not-an-ip', DATA_FILE: 'memory', PORT: '0' })
     assertOneLineFailure(result, /TRUST_PROXY not-an-ip is not an IP address or range: .*127\.0\.0\.1/)
   })
+
+  it('PASSWORD_SIGN_IN=off while the data file holds no passkey', async () => {
+    const settings = { PASSWORD_SIGN_IN: 'off', PASSWORD_HASH, ISSUER: 'http://localhost:3000', PORT: '0' }
+    const result = await runLatch([], { ...settings, DATA_FILE: join(directory, 'no-passkeys.jsonl') })
+    assertOneLineFailure(
+      result,
+      /PASSWORD_SIGN_IN=off, and .*no-passkeys\.jsonl holds no passkey, so no one could sign in: unset PASSWORD_SIGN_IN/,
+    )
+  })
+
+  it('PASSWORD_SIGN_IN=off on an IP address, where passkeys cannot work', async () => {
+    const result = await runLatch([], { PASSWORD_SIGN_IN: 'off', PASSWORD_HASH, DATA_FILE: 'memory', PORT: '0' })
+    assertOneLineFailure(result, /PASSWORD_SIGN_IN=off leaves only passkeys, which cannot work on ISSUER http:\/\/127/)
+  })
 })
 
 // --- --help and hash-password --------------------------------------------------------------
@@ -270,6 +284,20 @@ describe('hash-password', () => {
 const isMetadataLine = (line: string) => /^ {2}metadata /.test(line)
 
 describe('The start-up block', () => {
+  it('starts with PASSWORD_SIGN_IN=off once the data file holds a passkey, and says so', async () => {
+    const file = join(directory, 'passkey.jsonl')
+    const passkey = { name: 'Phone', publicKey: 'MCowBQYDK2VwAyEA', algorithm: -8, counter: 0, addedAt: Date.now() }
+    await writeFile(file, `${JSON.stringify({ set: 'passkey', key: 'credential-1', value: passkey })}\n`)
+    const settings = { PASSWORD_SIGN_IN: 'off', PASSWORD_HASH, ISSUER: 'http://localhost:3000', PORT: '0' }
+    const latch = serve({ ...settings, DATA_FILE: file })
+    try {
+      await latch.waitForLine(isMetadataLine, 'start-up block')
+      assert.match(latch.lines.join('\n'), /^ {2}password +off: 1 passkey$/m)
+    } finally {
+      await latch.stop()
+    }
+  })
+
   it('warns of nothing with no settings, and says that ME is the default', async () => {
     const latch = serve({ DATA_FILE: 'memory', PORT: '0' })
     try {
