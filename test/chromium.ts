@@ -3,7 +3,7 @@
 
 import { existsSync } from 'node:fs'
 import { chromium } from 'playwright-core'
-import type { Browser } from 'playwright-core'
+import type { Browser, BrowserContext, CDPSession, Page } from 'playwright-core'
 
 const CHROMIUM = '/usr/bin/chromium'
 
@@ -33,4 +33,27 @@ export function launchChromium(options: { timeout?: number } = {}): Promise<Brow
       '--disable-sync',
     ],
   })
+}
+
+/** A virtual authenticator of the DevTools protocol, standing in for a phone or a laptop's screen lock. */
+export type Authenticator = { cdp: CDPSession; authenticatorId: string }
+
+/**
+ * Gives a page a virtual platform authenticator (ctap2, internal): it keeps passkeys on the device
+ * (resident keys), verifies the person, and finds them present at once.
+ */
+export async function addAuthenticator(context: BrowserContext, page: Page): Promise<Authenticator> {
+  const cdp = await context.newCDPSession(page)
+  await cdp.send('WebAuthn.enable')
+  const { authenticatorId } = await cdp.send('WebAuthn.addVirtualAuthenticator', {
+    options: {
+      protocol: 'ctap2',
+      transport: 'internal',
+      hasResidentKey: true,
+      hasUserVerification: true,
+      isUserVerified: true,
+      automaticPresenceSimulation: true,
+    },
+  })
+  return { cdp, authenticatorId }
 }

@@ -19,7 +19,7 @@ import type { IncomingMessage, ServerResponse } from 'node:http'
 import { connect } from 'node:net'
 import type { Socket } from 'node:net'
 import { deflateSync } from 'node:zlib'
-import { SKIP, launchChromium } from './chromium.ts'
+import { SKIP, addAuthenticator, launchChromium } from './chromium.ts'
 import { close, listen } from './harness.ts'
 import type { Listening } from './harness.ts'
 import type { Browser, BrowserContext, Locator, Page } from 'playwright-core'
@@ -243,19 +243,7 @@ describe("The owner's pages, at a phone's width and a desktop's, in light and da
     context = await browser.newContext({ viewport: WIDTHS[0][1], deviceScaleFactor: 1 })
     context.setDefaultTimeout(5000)
     page = await context.newPage()
-    // a device with a screen lock, as a phone is: it makes passkeys and verifies the person
-    const cdp = await context.newCDPSession(page)
-    await cdp.send('WebAuthn.enable')
-    await cdp.send('WebAuthn.addVirtualAuthenticator', {
-      options: {
-        protocol: 'ctap2',
-        transport: 'internal',
-        hasResidentKey: true,
-        hasUserVerification: true,
-        isUserVerified: true,
-        automaticPresenceSimulation: true,
-      },
-    })
+    await addAuthenticator(context, page) // a device with a screen lock, as a phone is
   })
 
   after(async () => {

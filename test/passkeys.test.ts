@@ -14,11 +14,14 @@ import { after, before, describe, it } from 'node:test'
 import assert from 'node:assert/strict'
 import { createHash } from 'node:crypto'
 import type { IncomingMessage, ServerResponse } from 'node:http'
-import { SKIP, launchChromium } from './chromium.ts'
+import { SKIP, addAuthenticator, launchChromium } from './chromium.ts'
+import type { Authenticator } from './chromium.ts'
+import { startClient } from './client-app.ts'
+import type { ClientApp } from './client-app.ts'
 import { close, listen } from './harness.ts'
 import type { Listening } from './harness.ts'
-import type { Browser, BrowserContext, CDPSession, Locator, Page, Response } from 'playwright-core'
-import { computeCodeChallenge, createHandler, createSecret, escapeHtml, hashPassword, loadConfig } from '../server.ts'
+import type { Browser, BrowserContext, Locator, Page, Response } from 'playwright-core'
+import { createHandler, hashPassword, loadConfig } from '../server.ts'
 
 // --- Harness ----------------------------------------------------------------------
 
@@ -54,76 +57,6 @@ async function startLatch(): Promise<Latch> {
   return { ...latch, issuer: config.issuer, logs }
 }
 
-type ClientApp = Listening & { clientId: string; tokens: string[] }
-
-/**
- * The app a person signs in to: `/` links to Latch's issuer with a fresh state and PKCE verifier,
- * which it keeps; `/callback` checks state and iss, exchanges the code at /token and keeps the token.
- */
-async function startClient(latch: Latch): Promise<ClientApp> {
-  const pending = new Map<string, string>() // state → code_verifier
-  const tokens: string[] = []
-  let clientId = ''
-  const page = (res: ServerResponse, status: number, title: string, body: string) => {
-    res.writeHead(status, { 'Content-Type': 'text/html; charset=utf-8' })
-    res.end(`<!doctype html><html lang="en"><meta charset="utf-8"><title>${title}</title><h1>${title}</h1>${body}`)
-  }
-  const app = await listen((req, res) => {
-    const url = new URL(req.url ?? '/', clientId)
-    if (url.pathname === '/') {
-      const state = createSecret()
-      const verifier = createSecret()
-      pending.set(state, verifier)
-      const query = new URLSearchParams({
-        response_type: 'code',
-        client_id: clientId,
-        redirect_uri: `${clientId}callback`,
-        state,
-        code_challenge: computeCodeChallenge(verifier),
-        code_challenge_method: 'S256',
-        scope: 'profile create',
-        me: ME,
-      })
-      return page(
-        res,
-        200,
-        'Example app',
-        `<a href="${escapeHtml(`${latch.issuer}/auth?${query}`)}">Sign in with your website</a>`,
-      )
-    }
-    if (url.pathname === '/callback') {
-      const state = url.searchParams.get('state') ?? ''
-      const verifier = pending.get(state)
-      pending.delete(state)
-      if (verifier === undefined) return page(res, 400, 'Unknown state', '')
-      if (url.searchParams.get('iss') !== latch.issuer) return page(res, 400, 'Wrong issuer', '')
-      const code = url.searchParams.get('code')
-      if (code === null)
-        return page(res, 400, 'Not signed in', `<p>${escapeHtml(url.searchParams.get('error') ?? '')}</p>`)
-      const body = new URLSearchParams({
-        grant_type: 'authorization_code',
-        code,
-        client_id: clientId,
-        redirect_uri: `${clientId}callback`,
-        code_verifier: verifier,
-      })
-      fetch(`${latch.base}/token`, { method: 'POST', body })
-        .then(async (response) => {
-          const json = (await response.json()) as { access_token?: string; me?: string }
-          if (response.status !== 200 || json.access_token === undefined)
-            return page(res, 502, 'Token exchange failed', `<pre>${escapeHtml(JSON.stringify(json))}</pre>`)
-          tokens.push(json.access_token)
-          page(res, 200, 'Signed in', `<p>You are signed in as <span id="me">${escapeHtml(json.me ?? '')}</span>.</p>`)
-        })
-        .catch((err: unknown) => page(res, 502, 'Token exchange failed', `<pre>${escapeHtml(String(err))}</pre>`))
-      return
-    }
-    page(res, 404, 'Not found', '')
-  })
-  clientId = `${app.base}/`
-  return { ...app, clientId, tokens }
-}
-
 async function introspect(latch: Latch, token: string): Promise<Record<string, unknown>> {
   const response = await fetch(`${latch.base}/introspect`, { method: 'POST', body: new URLSearchParams({ token }) })
   assert.equal(response.status, 200)
@@ -141,25 +74,6 @@ function watch(page: Page, name: string, seen: Watched): void {
     if (message.text().includes('Content Security Policy')) seen.csp.push(line)
   })
   page.on('pageerror', (err) => seen.errors.push(`${name} ${page.url()}: uncaught ${err.message}`))
-}
-
-type Authenticator = { cdp: CDPSession; authenticatorId: string }
-
-/** A virtual platform authenticator for one page: resident keys, user verification, presence given at once. */
-async function addAuthenticator(context: BrowserContext, page: Page): Promise<Authenticator> {
-  const cdp = await context.newCDPSession(page)
-  await cdp.send('WebAuthn.enable')
-  const { authenticatorId } = await cdp.send('WebAuthn.addVirtualAuthenticator', {
-    options: {
-      protocol: 'ctap2',
-      transport: 'internal',
-      hasResidentKey: true,
-      hasUserVerification: true,
-      isUserVerified: true,
-      automaticPresenceSimulation: true,
-    },
-  })
-  return { cdp, authenticatorId }
 }
 
 async function credentialsOf({ cdp, authenticatorId }: Authenticator) {
@@ -258,7 +172,7 @@ describe('The owner signs in with a passkey (WebAuthn) in a browser', () => {
     if (SKIP !== false) return
     latch = await startLatch()
     seen.logs = latch.logs
-    client = await startClient(latch)
+    client = await startClient({ ...latch, link: latch.issuer }, ME)
     browser = await launchChromium({ timeout: 15_000 })
     context = await browser.newContext({ viewport: VIEWPORT })
     context.setDefaultTimeout(WAIT)

@@ -8,13 +8,9 @@
 import { after, before, describe, it } from 'node:test'
 import assert from 'node:assert/strict'
 import { createHash, createPublicKey, generateKeyPairSync, randomBytes, sign, verify } from 'node:crypto'
-import { createServer } from 'node:http'
-import type { AddressInfo } from 'node:net'
 import {
   PasskeyError,
-  createHandler,
   hashPassword,
-  loadConfig,
   readAuthenticatorData,
   readCbor,
   readCoseKey,
@@ -35,7 +31,8 @@ import {
   signWith,
 } from './authenticator.ts'
 import type { CborValue, Credential } from './authenticator.ts'
-import { START } from './harness.ts'
+import { startLatch as startTestLatch } from './harness.ts'
+import type { TestServer } from './harness.ts'
 
 // --- Helpers ----------------------------------------------------------------------------
 
@@ -889,44 +886,12 @@ for (const [name, algorithm] of [
 const PASSWORD = 'correct horse'
 const ME = 'https://example.com/'
 
-type Latch = {
-  base: string
-  /** http://localhost:PORT: the origin of its pages, and localhost its RP ID. */
-  issuer: string
-  logs: string[]
-  advance: (seconds: number) => void
-  close: () => Promise<void>
-}
+/** Latch with a password, on an issuer with a host name (WebAuthn takes no IP address as an RP ID): http://localhost:PORT. */
+type Latch = TestServer
 
-/** Starts Latch with a password, on an issuer with a host name (WebAuthn takes no IP address as an RP ID). */
 async function startLatch(): Promise<Latch> {
-  const server = createServer()
-  await new Promise<void>((resolve) => server.listen(0, '127.0.0.1', resolve))
-  const port = (server.address() as AddressInfo).port
-  const issuer = `http://localhost:${port}`
-  const env = {
-    PORT: '0',
-    ISSUER: issuer,
-    ME,
-    PASSWORD_HASH: await hashPassword(PASSWORD, { ln: 10, r: 8, p: 1 }),
-    DATA_FILE: 'memory',
-  }
-  const config = loadConfig(env, [], { boundPort: port })
-  let time = START
-  const logs: string[] = []
-  server.on('request', createHandler({ config, now: () => time, log: (line) => logs.push(line) }))
-  return {
-    base: `http://127.0.0.1:${port}`,
-    issuer,
-    logs,
-    advance: (seconds) => {
-      time += seconds * 1000
-    },
-    close: () => {
-      server.closeAllConnections()
-      return new Promise((resolve) => server.close(() => resolve()))
-    },
-  }
+  const passwordHash = await hashPassword(PASSWORD, { ln: 10, r: 8, p: 1 })
+  return startTestLatch({ HOST: 'localhost', ME, PASSWORD_HASH: passwordHash, DATA_FILE: 'memory' })
 }
 
 /** A browser: it keeps the cookies Latch sets, and sends them back. */
