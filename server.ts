@@ -48,7 +48,16 @@ import { request as httpsRequest } from 'node:https'
 import { lookup } from 'node:dns/promises'
 import type { LookupAddress } from 'node:dns'
 import { BlockList, isIP, isIPv6 } from 'node:net'
-import { createPublicKey, hash, randomBytes, randomFillSync, scrypt, timingSafeEqual, verify } from 'node:crypto'
+import {
+  createHmac,
+  createPublicKey,
+  hash,
+  randomBytes,
+  randomFillSync,
+  scrypt,
+  timingSafeEqual,
+  verify,
+} from 'node:crypto'
 import type { JsonWebKey, KeyObject } from 'node:crypto'
 import { realpathSync } from 'node:fs'
 import { mkdir, open, readFile, rename, rm, truncate } from 'node:fs/promises'
@@ -290,8 +299,11 @@ type Context = {
   clientFetchSlots: Slots
   /** The proxies of `TRUST_PROXY`, whose forwarding headers are believed. */
   trustedProxies: BlockList | undefined
-  /** The passkey challenges made and not yet used, by hash. */
-  passkeyChallenges: Map<string, PasskeyChallenge>
+  /**
+   * The key of the passkey challenges' HMAC, the challenges used and when each expires, and the
+   * passkey changes under way, which run one at a time.
+   */
+  passkeys: { key: Buffer; used: Map<string, number>; changes: Promise<unknown> }
 }
 
 /** Password attempts from one address, or from all: how many, the last, and until when the next must wait. */
@@ -2008,11 +2020,13 @@ async function handlePasskeyAddition(req: IncomingMessage, res: ServerResponse, 
     const challenge = takeChallenge(ctx, sent.client_data, { purpose: 'register', browser: browserOf(visitor) })
     const response = { clientDataJSON: sent.client_data, attestationObject: sent.attestation }
     const made = verifyRegistration(response, { challenge, origin: rp.origin, rpId: rp.id })
-    if ((await ctx.store.findPasskey(made.id)) !== undefined) throw new PasskeyError('this passkey was added before')
-    if ((await ctx.store.listPasskeys()).length >= MAX_PASSKEYS)
-      throw new PasskeyError(`there are ${MAX_PASSKEYS} passkeys already: remove one first`)
-    const passkey = { name, publicKey: made.publicKey, algorithm: made.algorithm, counter: made.counter }
-    await ctx.store.savePasskey(made.id, { ...passkey, addedAt: now, lastUsedAt: undefined }, now)
+    await changePasskeys(ctx, async () => {
+      if ((await ctx.store.findPasskey(made.id)) !== undefined) throw new PasskeyError('this passkey was added before')
+      if ((await ctx.store.listPasskeys()).length >= MAX_PASSKEYS)
+        throw new PasskeyError(`there are ${MAX_PASSKEYS} passkeys already: remove one first`)
+      const passkey = { name, publicKey: made.publicKey, algorithm: made.algorithm, counter: made.counter }
+      await ctx.store.savePasskey(made.id, { ...passkey, addedAt: now, lastUsedAt: undefined }, now)
+    })
   } catch (err) {
     if (!(err instanceof PasskeyError)) throw err
     logEvent(ctx, 'security', `a passkey was not added: ${err.message}`, req)
@@ -2030,18 +2044,33 @@ async function handlePasskeyRemoval(req: IncomingMessage, res: ServerResponse, c
   const form = await readForm(req)
   const visitor = await requireOwner(form, req, ctx)
   const id = requireParam(form, 'credential')
-  const passkey = await ctx.store.findPasskey(id)
-  if (passkey === undefined) return sendAppsPage(res, ctx, visitor, { notice: 'That passkey was removed before.' })
-  if (!ctx.config.passwordSignIn && (await ctx.store.listPasskeys()).length === 1) {
+  const removed = await changePasskeys(ctx, async () => {
+    const passkey = await ctx.store.findPasskey(id)
+    if (passkey === undefined) return 'gone'
+    if (!ctx.config.passwordSignIn && (await ctx.store.listPasskeys()).length === 1) return 'last'
+    await ctx.store.deletePasskey(id)
+    return passkey
+  })
+  if (removed === 'gone') return sendAppsPage(res, ctx, visitor, { notice: 'That passkey was removed before.' })
+  if (removed === 'last') {
     const notice = 'This is your last passkey, and password sign-in is off: add another passkey before you remove it.'
     return sendAppsPage(res, ctx, visitor, { notice, status: 409 })
   }
-  await ctx.store.deletePasskey(id)
-  logEvent(ctx, 'security', `the owner removed the passkey named ${JSON.stringify(passkey.name)}`, req)
+  logEvent(ctx, 'security', `the owner removed the passkey named ${JSON.stringify(removed.name)}`, req)
   const notice =
-    `Removed the passkey ${isolate(passkey.name)}: it no longer signs in. If it was lost, ` +
+    `Removed the passkey ${isolate(removed.name)}: it no longer signs in. If it was lost, ` +
     'sign out everywhere too, to end the sessions it started.'
   await sendAppsPage(res, ctx, visitor, { notice })
+}
+
+/**
+ * Runs a change to the passkeys once those before it have ended: a check (is this the last one?
+ * does the counter grow?) and the write it allows cannot interleave with another change's.
+ */
+function changePasskeys<T>(ctx: Context, change: () => Promise<T>): Promise<T> {
+  const done = ctx.passkeys.changes.then(change)
+  ctx.passkeys.changes = done.catch(() => undefined)
+  return done
 }
 
 /** The one script, for the passkey buttons; the pages that have one allow exactly it. */
@@ -2426,7 +2455,7 @@ export function createHandler(options: HandlerOptions): (req: IncomingMessage, r
     clientLookups: new Map(),
     clientFetchSlots: { running: 0, waiting: [] },
     trustedProxies: trustedProxiesOf(options.config),
-    passkeyChallenges: new Map(),
+    passkeys: { key: randomBytes(32), used: new Map(), changes: Promise.resolve() },
   }
   // expired entries go even while no one writes, without costing a request anything
   const { store } = ctx
@@ -3396,6 +3425,7 @@ const SUPPORTED_ALGORITHMS: number[] = Object.values(COSE_ALGORITHMS)
 const MAX_CBOR_DEPTH = 16
 const MAX_CREDENTIAL_ID_BYTES = 1_023
 const MIN_RSA_BITS = 2_048
+const MAX_RSA_BITS = 4_096
 
 /**
  * Reads one CBOR data item (RFC 8949 §3) at `offset`: its value and where it ends. Enough CBOR for
@@ -3512,8 +3542,10 @@ export function readCoseKey(cose: unknown): { key: KeyObject; algorithm: number 
   } catch {
     throw new PasskeyError('the COSE key is not a valid public key')
   }
-  if (kty === 3 && (key.asymmetricKeyDetails?.modulusLength ?? 0) < MIN_RSA_BITS)
-    throw new PasskeyError(`the RSA key is shorter than ${MIN_RSA_BITS} bits`)
+  const details = key.asymmetricKeyDetails
+  const bits = details?.modulusLength ?? 0
+  if (kty === 3 && (bits < MIN_RSA_BITS || bits > MAX_RSA_BITS || details?.publicExponent !== 65537n))
+    throw new PasskeyError(`the RSA key is not of ${MIN_RSA_BITS} to ${MAX_RSA_BITS} bits with the exponent 65537`)
   return { key, algorithm }
 }
 
@@ -3542,14 +3574,19 @@ export function readAuthenticatorData(bytes: Buffer): AuthenticatorData {
     if (bytes.length < end + 18) throw new PasskeyError('the attested credential data is cut short')
     const aaguid = Buffer.from(bytes.subarray(end, end + 16))
     const length = bytes.readUInt16BE(end + 16)
-    if (length > MAX_CREDENTIAL_ID_BYTES) throw new PasskeyError('the credential id is longer than 1,023 bytes')
+    if (length === 0 || length > MAX_CREDENTIAL_ID_BYTES)
+      throw new PasskeyError('the credential id is empty or longer than 1,023 bytes')
     if (bytes.length < end + 18 + length) throw new PasskeyError('the credential id is cut short')
     const id = Buffer.from(bytes.subarray(end + 18, end + 18 + length))
     const publicKey = readCbor(bytes, end + 18 + length)
     credential = { aaguid, id, publicKey: publicKey.value }
     end = publicKey.end
   }
-  if (flags & 0x80) end = readCbor(bytes, end).end
+  if (flags & 0x80) {
+    const extensions = readCbor(bytes, end)
+    if (!(extensions.value instanceof Map)) throw new PasskeyError('the extensions are not a CBOR map')
+    end = extensions.end
+  }
   if (end !== bytes.length) throw new PasskeyError('the authenticator data has bytes past its end')
   return {
     rpIdHash: Buffer.from(bytes.subarray(0, 32)),
@@ -3646,7 +3683,8 @@ function checkClientData(json: Buffer, type: string, expected: CeremonyExpectati
   if (typeof clientData.challenge !== 'string' || !safeEqual(clientData.challenge, expected.challenge))
     throw new PasskeyError('the challenge is not the one this server made')
   if (clientData.origin !== expected.origin) throw new PasskeyError(`the page was not on ${expected.origin}`)
-  if (clientData.crossOrigin === true) throw new PasskeyError('the ceremony ran in a frame of another origin')
+  if ((clientData.crossOrigin !== undefined && clientData.crossOrigin !== false) || clientData.topOrigin !== undefined)
+    throw new PasskeyError('the ceremony ran in a frame of another origin')
 }
 
 /** The authenticator data checks both ceremonies share: the RP ID, a person present and verified, the backup flags. */
@@ -3661,21 +3699,23 @@ function checkAuthenticatorData(data: AuthenticatorData, rpId: string): void {
 
 // Where passkeys work, and the challenges: each is made for one browser (its session when the
 // owner is signed in, else its CSRF cookie), for one purpose, and on a consent page for one
-// pending request; it is used once, right or wrong, within five minutes. A stranger may ask for
-// many, so only the newest thousand are kept: a flood costs the owner a second try, no memory.
+// pending request; it is used once, right or wrong, within five minutes. Anyone may ask for a
+// challenge, so making one stores nothing: a challenge is 16 random bytes, its expiry, and an
+// HMAC of both and of what it is bound to, under a key this process drew at start. Only a used
+// challenge is remembered, until it expires, and using one takes a sign-in attempt (counted and
+// limited as a password is) or the owner's session.
 
-/** A challenge Latch made, kept under its hash until it is used or expires. */
+/** What a challenge is made for: checked by its HMAC when an answer comes back. */
 export type PasskeyChallenge = {
   purpose: 'register' | 'sign-in'
   /** The hash of the session or CSRF cookie of the browser it was made for. */
   browser: string
   /** On a consent page: the hash of the pending request's id. */
   request: string | undefined
-  expiresAt: number
 }
 
 const PASSKEY_CHALLENGE_SECONDS = 300
-const MAX_PASSKEY_CHALLENGES = 1_000
+const MAX_USED_CHALLENGES = 10_000
 
 /**
  * The relying party a passkey is made for: the issuer's host name (its RP ID) and origin. None
@@ -3698,12 +3738,17 @@ function browserOf(visitor: Visitor): string {
   return hashSecret(visitor.session ?? visitor.csrf)
 }
 
-function makeChallenge(ctx: Context, made: Omit<PasskeyChallenge, 'expiresAt'>): string {
-  const challenge = createSecret()
-  const challenges = ctx.passkeyChallenges
-  if (challenges.size >= MAX_PASSKEY_CHALLENGES) challenges.delete(challenges.keys().next().value ?? '')
-  challenges.set(hashSecret(challenge), { ...made, expiresAt: ctx.now() + PASSKEY_CHALLENGE_SECONDS * 1000 })
-  return challenge
+/** A new challenge for what it is made for, in base64url: 16 random bytes, 4 of expiry, 16 of HMAC. */
+function makeChallenge(ctx: Context, made: PasskeyChallenge): string {
+  const body = Buffer.alloc(20)
+  randomFillSync(body, 0, 16)
+  body.writeUInt32BE(Math.ceil(ctx.now() / 1000) + PASSKEY_CHALLENGE_SECONDS, 16)
+  return base64url(Buffer.concat([body, challengeMac(ctx, body, made)]))
+}
+
+function challengeMac(ctx: Context, body: Buffer, made: PasskeyChallenge): Buffer {
+  const binding = `latch passkey ${made.purpose} ${made.browser} ${made.request ?? '-'} `
+  return createHmac('sha256', ctx.passkeys.key).update(binding).update(body).digest().subarray(0, 16)
 }
 
 /**
@@ -3722,15 +3767,24 @@ function takeChallenge(
   } catch {
     throw new PasskeyError('the client data is not JSON')
   }
-  if (typeof challenge !== 'string' || !/^[A-Za-z0-9_-]{43}$/.test(challenge))
+  if (typeof challenge !== 'string' || !/^[A-Za-z0-9_-]{48}$/.test(challenge))
     throw new PasskeyError('the client data names no challenge of this server')
-  const key = hashSecret(challenge)
-  const made = ctx.passkeyChallenges.get(key)
-  ctx.passkeyChallenges.delete(key)
-  if (made === undefined || made.expiresAt <= ctx.now())
+  const bytes = Buffer.from(challenge, 'base64url')
+  const body = bytes.subarray(0, 20)
+  const made = { purpose: wanted.purpose, browser: wanted.browser, request: wanted.request }
+  if (!timingSafeEqual(bytes.subarray(20), challengeMac(ctx, body, made)))
+    throw new PasskeyError('the challenge was not made by this server for this page and browser: try again')
+  const expiresAt = body.readUInt32BE(16) * 1000
+  const { used } = ctx.passkeys
+  for (const [key, until] of used) {
+    if (until > ctx.now()) break // used in about the order they expire; one left behind goes later
+    used.delete(key)
+  }
+  if (expiresAt <= ctx.now() || used.has(challenge))
     throw new PasskeyError('the challenge was used before or has expired: try again')
-  if (made.purpose !== wanted.purpose || made.browser !== wanted.browser || made.request !== wanted.request)
-    throw new PasskeyError('the challenge was made for another page or browser: try again')
+  if (used.size >= MAX_USED_CHALLENGES)
+    throw new PasskeyError('too many passkey answers came in the last five minutes: try again later')
+  used.set(challenge, expiresAt)
   return challenge
 }
 
@@ -3764,24 +3818,23 @@ async function checkPasskeySignIn(
     const browser = browserOf(on.visitor)
     const challenge = takeChallenge(ctx, sent.client_data, { purpose: 'sign-in', browser, request: on.request })
     const id = getParam(form, 'credential') ?? ''
-    const passkey = await ctx.store.findPasskey(id)
-    if (passkey === undefined) throw new PasskeyError('it is not a passkey of this server, or it was removed')
-    const userHandle = getParam(form, 'user_handle')
-    if (userHandle !== undefined && userHandle !== '' && userHandle !== userHandleOf(ctx.config))
+    // §7.2 step 6: the owner was not named before the ceremony, so the device must say whose passkey it is
+    if (getParam(form, 'user_handle') !== userHandleOf(ctx.config))
       throw new PasskeyError('the passkey is not the owner of this server')
     const response = {
       clientDataJSON: sent.client_data,
       authenticatorData: sent.authenticator_data,
       signature: sent.signature,
     }
-    const { publicKey, algorithm, counter } = passkey
-    const expected = { challenge, origin: rp.origin, rpId: rp.id, publicKey, algorithm, counter }
-    const now = ctx.now()
-    await ctx.store.savePasskey(
-      id,
-      { ...passkey, counter: verifyAuthentication(response, expected).counter, lastUsedAt: now },
-      now,
-    )
+    await changePasskeys(ctx, async () => {
+      const passkey = await ctx.store.findPasskey(id) // as the last change left it
+      if (passkey === undefined) throw new PasskeyError('it is not a passkey of this server, or it was removed')
+      const { publicKey, algorithm, counter } = passkey
+      const expected = { challenge, origin: rp.origin, rpId: rp.id, publicKey, algorithm, counter }
+      const now = ctx.now()
+      const verified = verifyAuthentication(response, expected)
+      await ctx.store.savePasskey(id, { ...passkey, counter: verified.counter, lastUsedAt: now }, now)
+    })
     return undefined
   } catch (err) {
     if (!(err instanceof PasskeyError)) throw err

@@ -9,8 +9,10 @@ import { after, before, describe, it } from 'node:test'
 import assert from 'node:assert/strict'
 import { createHash, createPublicKey, generateKeyPairSync, randomBytes, sign, verify } from 'node:crypto'
 import {
+  FileStore,
   PasskeyError,
   hashPassword,
+  hashSecret,
   readAuthenticatorData,
   readCbor,
   readCoseKey,
@@ -32,6 +34,9 @@ import {
 } from './authenticator.ts'
 import type { CborValue, Credential } from './authenticator.ts'
 import { startLatch as startTestLatch } from './harness.ts'
+import { mkdtemp } from 'node:fs/promises'
+import { tmpdir } from 'node:os'
+import { join } from 'node:path'
 import type { TestServer } from './harness.ts'
 
 // --- Helpers ----------------------------------------------------------------------------
@@ -1246,5 +1251,142 @@ describe('Passkeys over HTTP', () => {
     assert.ok(!(await (await browser.get('/apps')).text()).includes(base64url(owner.id)))
     await signOut(browser)
     assert.equal((await signInWithPasskey(latch, browser, owner)).status, 401)
+  })
+})
+
+describe('Passkeys under attack', () => {
+  it('keeps the owner’s challenge good through a flood of challenges asked by strangers', async () => {
+    const latch = await startLatch()
+    try {
+      const owner = createCredential(ES256)
+      const browser = openBrowser(latch)
+      await signInWithPassword(browser)
+      assert.equal((await addPasskey(latch, browser, owner, 'Phone')).status, 200)
+      await signOut(browser)
+      const fields = await passkeyFields(latch, browser, owner) // the owner's challenge, not yet answered
+      const stranger = openBrowser(latch)
+      const csrf = await formToken(stranger)
+      for (let round = 0; round < 11; round++) {
+        const asked = Array.from({ length: 100 }, () =>
+          stranger.post('/passkeys/challenge', { csrf, purpose: 'sign-in' }),
+        )
+        for (const response of await Promise.all(asked)) assert.equal(response.status, 200)
+      }
+      const signedIn = await browser.post('/sign-in', fields)
+      assert.equal(signedIn.status, 303, await signedIn.text())
+    } finally {
+      await latch.close()
+    }
+  })
+
+  it('refuses a credential with an empty id, which could never be named again', async () => {
+    const latch = await startLatch()
+    try {
+      const browser = openBrowser(latch)
+      await signInWithPassword(browser)
+      const refused = await addPasskey(latch, browser, createCredential(ES256, Buffer.alloc(0)), 'Empty')
+      assert.equal(refused.status, 400)
+      assert.match(await refused.text(), /The passkey was not added: the credential id is empty/)
+      assert.match(await (await browser.get('/apps')).text(), /No passkey yet/)
+    } finally {
+      await latch.close()
+    }
+  })
+
+  it('keeps the last passkey when two removals race while password sign-in is off', async () => {
+    const file = join(await mkdtemp(join(tmpdir(), 'latch-passkey-race-')), 'data.jsonl')
+    const store = await FileStore.open(file, { log: () => {} })
+    const passwordHash = await hashPassword(PASSWORD, { ln: 10, r: 8, p: 1 })
+    const passkey = { name: 'Phone', publicKey: 'MCowBQYDK2VwAyEA', algorithm: EDDSA, counter: 0, addedAt: 0 }
+    await store.savePasskey('credential-1', { ...passkey, lastUsedAt: undefined }, 0)
+    await store.savePasskey('credential-2', { ...passkey, name: 'Laptop', lastUsedAt: undefined }, 0)
+    const env = { HOST: 'localhost', ME, PASSWORD_HASH: passwordHash, PASSWORD_SIGN_IN: 'off' }
+    const latch = await startTestLatch(env, { store })
+    try {
+      const session = randomBytes(32).toString('base64url')
+      const passwordTag = hashSecret(`latch session ${passwordHash}`)
+      const now = Date.UTC(2027, 0, 1)
+      await store.saveSession(hashSecret(session), { createdAt: now, expiresAt: now + 3_600_000, passwordTag }, now)
+      const browser = openBrowser(latch)
+      browser.cookies.set('latch_session', session)
+      const csrf = await formToken(browser)
+      const [first, second] = await Promise.all([
+        browser.post('/passkeys/remove', { csrf, credential: 'credential-1' }),
+        browser.post('/passkeys/remove', { csrf, credential: 'credential-2' }),
+      ])
+      assert.deepEqual([first.status, second.status].sort(), [200, 409])
+      assert.equal((await store.listPasskeys()).length, 1)
+    } finally {
+      await latch.close()
+      await store.close()
+    }
+  })
+
+  it('refuses a sign-in without the user handle, and one that says it ran under another top origin', async () => {
+    const latch = await startLatch()
+    try {
+      const owner = createCredential(ES256)
+      const browser = openBrowser(latch)
+      await signInWithPassword(browser)
+      assert.equal((await addPasskey(latch, browser, owner, 'Phone')).status, 200)
+      await signOut(browser)
+      const { user_handle: _, ...withoutHandle } = await passkeyFields(latch, browser, owner)
+      const refused = await browser.post('/sign-in', withoutHandle)
+      assert.equal(refused.status, 401)
+      assert.match(await refused.text(), /the passkey is not the owner of this server/)
+      const options = await askChallenge(browser, 'sign-in')
+      const framed = Buffer.from(
+        JSON.stringify({
+          type: 'webauthn.get',
+          challenge: options.challenge,
+          origin: latch.issuer,
+          topOrigin: 'https://evil.example',
+        }),
+      )
+      assert.throws(
+        () =>
+          verifyAuthentication(
+            { clientDataJSON: framed, authenticatorData: Buffer.alloc(37), signature: Buffer.alloc(0) },
+            {
+              challenge: options.challenge,
+              origin: latch.issuer,
+              rpId: 'localhost',
+              publicKey: '',
+              algorithm: ES256,
+              counter: 0,
+            },
+          ),
+        /the ceremony ran in a frame of another origin/,
+      )
+    } finally {
+      await latch.close()
+    }
+  })
+})
+
+describe('Keys and data that only a forger would send', () => {
+  it('refuses an RSA key whose exponent is not 65537, or longer than 4,096 bits', () => {
+    const rsaCose = (bits: number, publicExponent: number) => {
+      const { publicKey } = generateKeyPairSync('rsa', { modulusLength: bits, publicExponent })
+      const jwk = publicKey.export({ format: 'jwk' })
+      return new Map<number, unknown>([
+        [1, 3],
+        [3, RS256],
+        [-1, Buffer.from(jwk.n ?? '', 'base64url')],
+        [-2, Buffer.from(jwk.e ?? '', 'base64url')],
+      ])
+    }
+    assert.equal(readCoseKey(rsaCose(2048, 65537)).algorithm, RS256)
+    assert.throws(() => readCoseKey(rsaCose(2048, 3)), /exponent 65537/)
+    assert.throws(() => readCoseKey(rsaCose(4160, 65537)), /2048 to 4096 bits/)
+  })
+
+  it('refuses extensions that are not a CBOR map', () => {
+    const head = Buffer.concat([createHash('sha256').update('localhost').digest(), Buffer.from([0x85, 0, 0, 0, 1])])
+    assert.equal(readAuthenticatorData(Buffer.concat([head, Buffer.from([0xa0])])).counter, 1)
+    assert.throws(
+      () => readAuthenticatorData(Buffer.concat([head, Buffer.from([0x01])])),
+      /extensions are not a CBOR map/,
+    )
   })
 })
