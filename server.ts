@@ -3447,7 +3447,7 @@ export function readCbor(bytes: Buffer, offset = 0, depth = 0): { value: unknown
       return { value: -1 - argument, end: start }
     case 2: // byte string
     case 3: {
-      // text string
+      // or text string: a length, then that many bytes
       if (argument > bytes.length - start) throw new PasskeyError('a CBOR string runs past the end')
       const slice = bytes.subarray(start, start + argument)
       if (major === 2) return { value: Buffer.from(slice), end: start + argument }
