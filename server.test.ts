@@ -554,17 +554,17 @@ describe('MemoryStore', () => {
 
   it('sweeps at least twice as many grants and tokens as were saved since the last sweep, so it keeps pace', async () => {
     const store = new MemoryStore()
-    for (let i = 0; i < 4_000; i++) await store.saveToken(`t${i}`, token(1000), 0)
-    store.sweep(5000) // 8,000 steps: every entry, and the 64 shards
+    for (let i = 0; i < 2_500; i++) await store.saveToken(`t${i}`, token(1000), 0)
+    store.sweep(5000) // 5,000 steps: every entry, and the 64 shards
     assert.equal(store.tokens.size, 0)
   })
 
-  it('walks at most 10,000 entries of a kind a sweep after a burst of saves, catching up over the next', async () => {
+  it('walks at most 6,000 entries of a kind a sweep after a burst of saves, catching up over the next', async () => {
     const store = new MemoryStore()
     for (let i = 0; i < 30_000; i++) await store.saveToken(`t${i}`, token(1000), 0)
     store.sweep(5000) // not 60,000 steps at once: a replayed journal must not stall the server
-    assert.ok(store.tokens.size >= 20_000, `${store.tokens.size} tokens left`)
-    for (let i = 0; i < 3; i++) store.sweep(5000)
+    assert.ok(store.tokens.size >= 24_000, `${store.tokens.size} tokens left`)
+    for (let i = 0; i < 5; i++) store.sweep(5000)
     assert.equal(store.tokens.size, 0)
   })
 
