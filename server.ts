@@ -24,12 +24,14 @@
  * `Store` contract, errors, parameters, PKCE and identifiers, then the endpoints in the order a
  * client meets them (metadata, authorization, consent, redemption, token, introspection,
  * revocation), then the route table and `createHandler`. To learn IndieAuth, read to the end of
- * Part 1. Part 2, "What it leans on", is the machinery: HTTP and pages, sessions and password
- * throttling, client fetching, the stores and the journal, performance, configuration, `main()`.
+ * Part 1. Part 2, "What it leans on", is the machinery: HTTP and pages, sessions and sign-in
+ * throttling, the owner's password and passkeys (WebAuthn), client fetching, the stores and the
+ * journal, performance, configuration, `main()`.
  *
  * @see https://indieauth.spec.indieweb.org/ IndieAuth Living Standard (2024-07-11)
  * @see https://www.rfc-editor.org/rfc/rfc6749 OAuth 2.0
  * @see https://www.rfc-editor.org/rfc/rfc7636 PKCE
+ * @see https://www.w3.org/TR/webauthn-3/ WebAuthn Level 3 (passkeys)
  */
 
 // --- Imports ------------------------------------------------------------------
@@ -3168,12 +3170,13 @@ async function startSession(ctx: Context): Promise<string> {
   return buildCookie(sessionCookieName(ctx.config), value, ttl, ctx.config)
 }
 
-// --- Password checks ------------------------------------------------------------
-// Attempts are counted before the hash is checked, so guesses sent in parallel count too: per
-// client address, where five are free, and in total, where twenty are. Past that, each attempt
-// must wait twice as long as the last, up to 15 minutes (429 with Retry-After); a success
-// clears the counts, and a day of quiet forgets them. At most two scrypt checks run at once,
-// so a flood cannot pin the CPU.
+// --- Sign-in checks -------------------------------------------------------------
+// A sign-in is the password or a passkey, and both are attempts alike. Attempts are counted
+// before the password's hash or the passkey's signature is checked, so guesses sent in parallel
+// count too: per client address, where five are free, and in total, where twenty are. Past that,
+// each attempt must wait twice as long as the last, up to 15 minutes (429 with Retry-After); a
+// success clears the counts, and a day of quiet forgets them. At most two scrypt checks run at
+// once, so a flood cannot pin the CPU.
 
 const FREE_ATTEMPTS_PER_ADDRESS = 5
 const FREE_ATTEMPTS_IN_TOTAL = 20
