@@ -579,6 +579,18 @@ describe('MemoryStore', () => {
     assert.deepEqual([...store.tokens.keys()], ['live'])
   })
 
+  it('stops sweeping once the signal given to the handler is aborted', async (t) => {
+    t.mock.timers.enable({ apis: ['setInterval'] })
+    const store = new MemoryStore()
+    await store.saveToken('expired', token(1000), 0)
+    const stopped = new AbortController()
+    const config = loadConfig({ DATA_FILE: 'memory' })
+    createHandler({ config, store, now: () => 5000, log: () => {}, signal: stopped.signal })
+    stopped.abort()
+    t.mock.timers.tick(1000)
+    assert.equal(store.tokens.size, 1)
+  })
+
   it('keeps times to the second: expiries rounded up, so nothing dies before its expires_in', async () => {
     const store = new MemoryStore()
     await store.saveToken('t', { ...token(2001), issuedAt: 1500 }, 0)

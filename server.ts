@@ -281,6 +281,8 @@ export type HandlerOptions = {
   log?: (line: string) => void
   /** How client information is fetched; tests point it at local servers. */
   clientFetch?: ClientFetchOptions
+  /** Aborting it stops the handler's timer, which sweeps expired entries from the store every 100 ms. */
+  signal?: AbortSignal
 }
 
 /** What every endpoint handler receives besides the request and the response. */
@@ -2461,7 +2463,10 @@ export function createHandler(options: HandlerOptions): (req: IncomingMessage, r
   }
   // expired entries go even while no one writes, without costing a request anything
   const { store } = ctx
-  if (store instanceof MemoryStore || store instanceof FileStore) setInterval(() => store.sweep(ctx.now()), 100).unref()
+  if (store instanceof MemoryStore || store instanceof FileStore) {
+    const sweeping = setInterval(() => store.sweep(ctx.now()), 100).unref()
+    options.signal?.addEventListener('abort', () => clearInterval(sweeping), { once: true })
+  }
   const ownHosts = ownHostsOf(ctx.config)
   let lastOwnHost: string | undefined // the Host header that passed last time: nearly every request repeats it
   return (req, res) => {
