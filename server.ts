@@ -84,7 +84,7 @@ export type Config = {
   passwordHash: string | undefined
   /** False once the owner signs in with passkeys only: the password is then refused. */
   passwordSignIn: boolean
-  /** The journal file codes, grants and tokens survive restarts in, or `memory`. */
+  /** The journal file codes, grants, tokens, sessions and passkeys survive restarts in, or `memory`. */
   dataFile: string
   codeTtlSeconds: number
   accessTokenTtlSeconds: number
@@ -1971,14 +1971,13 @@ longer needed.</p>
  */
 async function handlePasskeyChallenge(req: IncomingMessage, res: ServerResponse, ctx: Context): Promise<void> {
   const form = await readForm(req)
-  const visitor = await requireFormToken(form, req, ctx)
-  const rp = relyingParty(ctx.config)
-  if (rp === undefined) throw new OAuthError('invalid_request', PASSKEYS_NEED_A_NAME)
   const purpose = getParam(form, 'purpose')
   if (purpose !== 'register' && purpose !== 'sign-in')
     throw new OAuthError('invalid_request', 'purpose must be register or sign-in')
-  if (purpose === 'register' && !visitor.signedIn)
-    throw new OAuthError('access_denied', 'Sign in first: your session has ended', { status: 401 })
+  // only the owner adds a passkey; anyone may try to sign in
+  const visitor = purpose === 'register' ? await requireOwner(form, req, ctx) : await requireFormToken(form, req, ctx)
+  const rp = relyingParty(ctx.config)
+  if (rp === undefined) throw new OAuthError('invalid_request', PASSKEYS_NEED_A_NAME)
   const id = getParam(form, 'request')
   const request = id === undefined ? undefined : await ctx.store.findPending(hashSecret(id), ctx.now())
   if (id !== undefined && (request === undefined || !safeEqual(request.csrfHash, hashSecret(visitor.csrf))))
