@@ -5403,6 +5403,8 @@ const NOTHING_TO_WALK: IterableIterator<[never, never]> = new Map<never, never>(
  */
 export class ExpiringMap<V extends { expiresAt: number }> {
   readonly #shards = Array.from({ length: 64 }, () => new Map<string, V>())
+  /** Entries in all shards, kept as they come and go: a journal write asks for it every time. */
+  #size = 0
   /** Where the sweep goes on from: a Map iterator survives deletes and inserts. */
   #walkShard = 0
   #walkEntries: IterableIterator<[string, V]> = NOTHING_TO_WALK
@@ -5412,9 +5414,7 @@ export class ExpiringMap<V extends { expiresAt: number }> {
   }
 
   get size(): number {
-    let size = 0
-    for (const shard of this.#shards) size += shard.size
-    return size
+    return this.#size
   }
 
   get(key: string): V | undefined {
@@ -5426,12 +5426,17 @@ export class ExpiringMap<V extends { expiresAt: number }> {
   }
 
   set(key: string, value: V): this {
-    this.#shard(key).set(key, value)
+    const shard = this.#shard(key)
+    const before = shard.size
+    shard.set(key, value)
+    this.#size += shard.size - before // 0 when the key was there already
     return this
   }
 
   delete(key: string): boolean {
-    return this.#shard(key).delete(key)
+    if (!this.#shard(key).delete(key)) return false
+    this.#size--
+    return true
   }
 
   /**
@@ -5449,7 +5454,7 @@ export class ExpiringMap<V extends { expiresAt: number }> {
       // `for…of` goes on where the walk stopped last time: a Map iterator has no `return`, so
       // leaving the loop early does not close it. Unlike `next()` by hand, V8 allocates nothing.
       for (const [key, entry] of this.#walkEntries) {
-        if (entry.expiresAt <= nowSeconds) shard.delete(key)
+        if (entry.expiresAt <= nowSeconds && shard.delete(key)) this.#size--
         if (++steps === budget) return
       }
       if (shardsLeft === 0) return
