@@ -26,7 +26,8 @@
 //
 // The warm figures measure the servers in turn, round after round, and print each one's best and
 // median round; the summary uses the medians: on two shared cores a neighbour's load can halve a
-// run, and the best alone flatters the faster server most.
+// run, and the best alone flatters the faster server most. Beside each peer target the summary
+// prints the peer's ratio to bare: no server on node:http can beat the peer by more than that.
 //
 // Settings: SOAK_SECONDS (60), BENCH_SECONDS per timed run (6), BENCH_ROUNDS (5),
 // BENCH_EXCHANGE_BATCHES (4: batches of 9,000 fresh codes a round for (b)),
@@ -626,6 +627,14 @@ async function main(): Promise<void> {
         `${format(underPeer, 1)}× (${format(peerRun.cpuMicrosPerRequest)} / ${format(latchRun.cpuMicrosPerRequest)} µs)`,
         peerToLatch > 0 ? `≥ ${format(peerToLatch)}×` : '-',
         peerToLatch > 0 ? verdict(underPeer >= peerToLatch) : '-',
+      ])
+      // The most any server on node:http could show against the peer in this run: bare's ratio.
+      const ceiling = peerRun.cpuMicrosPerRequest / bareRun.cpuMicrosPerRequest
+      rows.push([
+        `${title}, CPU/request peer/bare (ceiling)`,
+        `${format(ceiling, 1)}× (${format(peerRun.cpuMicrosPerRequest)} / ${format(bareRun.cpuMicrosPerRequest)} µs)`,
+        peerToLatch > 0 ? `≥ ${format(peerToLatch)}× reachable` : '-',
+        peerToLatch > 0 ? (ceiling >= peerToLatch ? 'yes' : 'NO') : '-',
       ])
     }
 
