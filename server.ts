@@ -5403,8 +5403,6 @@ const NOTHING_TO_WALK: IterableIterator<[never, never]> = new Map<never, never>(
  */
 export class ExpiringMap<V extends { expiresAt: number }> {
   readonly #shards = Array.from({ length: 64 }, () => new Map<string, V>())
-  /** Entries in all shards, kept as they come and go: a journal write asks for it every time. */
-  #size = 0
   /** Where the sweep goes on from: a Map iterator survives deletes and inserts. */
   #walkShard = 0
   #walkEntries: IterableIterator<[string, V]> = NOTHING_TO_WALK
@@ -5414,7 +5412,9 @@ export class ExpiringMap<V extends { expiresAt: number }> {
   }
 
   get size(): number {
-    return this.#size
+    let size = 0
+    for (const shard of this.#shards) size += shard.size
+    return size
   }
 
   get(key: string): V | undefined {
@@ -5426,17 +5426,12 @@ export class ExpiringMap<V extends { expiresAt: number }> {
   }
 
   set(key: string, value: V): this {
-    const shard = this.#shard(key)
-    const before = shard.size
-    shard.set(key, value)
-    this.#size += shard.size - before // 0 when the key was there already
+    this.#shard(key).set(key, value)
     return this
   }
 
   delete(key: string): boolean {
-    if (!this.#shard(key).delete(key)) return false
-    this.#size--
-    return true
+    return this.#shard(key).delete(key)
   }
 
   /**
@@ -5454,7 +5449,7 @@ export class ExpiringMap<V extends { expiresAt: number }> {
       // `for…of` goes on where the walk stopped last time: a Map iterator has no `return`, so
       // leaving the loop early does not close it. Unlike `next()` by hand, V8 allocates nothing.
       for (const [key, entry] of this.#walkEntries) {
-        if (entry.expiresAt <= nowSeconds && shard.delete(key)) this.#size--
+        if (entry.expiresAt <= nowSeconds) shard.delete(key)
         if (++steps === budget) return
       }
       if (shardsLeft === 0) return
