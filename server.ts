@@ -5180,10 +5180,11 @@ export class FileStore implements Store {
   /** Appends changes, then compacts once the file holds far more lines than live entries. */
   async #append(records: JournalRecord[]): Promise<void> {
     await this.#journal.append(records)
+    const lines = this.#journal.lines
+    // the cheap tests first: counting live entries walks the 64 shards of each map
+    if (this.compaction !== undefined || lines <= Math.max(COMPACT_MIN_LINES, this.#compactAfterLines)) return
     const { codes, grants, tokens, sessions, passkeys } = this.memory
-    const live = codes.size + grants.size + tokens.size + sessions.size + passkeys.size
-    const threshold = Math.max(COMPACT_MIN_LINES, COMPACT_FACTOR * live, this.#compactAfterLines)
-    if (this.compaction === undefined && this.#journal.lines > threshold) {
+    if (lines > COMPACT_FACTOR * (codes.size + grants.size + tokens.size + sessions.size + passkeys.size)) {
       this.compaction = this.#journal
         .compact(() => this.memory.records(this.#now(), this.#unsaved))
         .catch((err: unknown) => {
