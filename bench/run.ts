@@ -633,7 +633,9 @@ async function main(): Promise<void> {
       rows.push([
         `${title}, CPU/request peer/bare (ceiling)`,
         `${format(ceiling, 1)}× (${format(peerRun.cpuMicrosPerRequest)} / ${format(bareRun.cpuMicrosPerRequest)} µs)`,
-        peerToLatch > 0 ? `≥ ${format(peerToLatch)}× reachable` : '-',
+        peerToLatch > 0
+          ? `≥ ${format(peerToLatch)}× needs Latch ≤ ${format(peerRun.cpuMicrosPerRequest / peerToLatch, 1)} µs`
+          : '-',
         peerToLatch > 0 ? (ceiling >= peerToLatch ? 'yes' : 'NO') : '-',
       ])
     }
