@@ -2539,7 +2539,7 @@ function logRequest(
   ctx.log(
     formatLogEntry(
       {
-        time: new Date(ctx.now()).toISOString(),
+        time: logTime(ctx.now()),
         address,
         method: req.method ?? 'GET',
         path,
@@ -2551,6 +2551,15 @@ function logRequest(
       ctx.config.logFormat,
     ),
   )
+}
+
+/** The last time a log line was stamped with: the requests answered in one millisecond share it. */
+let lastLogTime = { ms: NaN, text: '' }
+
+/** A log line's time, in ISO 8601. Formatting a `Date` was the costliest part of a request's log line. */
+function logTime(now: number): string {
+  if (now !== lastLogTime.ms) lastLogTime = { ms: now, text: new Date(now).toISOString() }
+  return lastLogTime.text
 }
 
 /** The path as logged: an unknown path is not, since a client may have put anything in it. */
