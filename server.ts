@@ -3664,7 +3664,12 @@ export function verifyAuthentication(
   checkAuthenticatorData(data, expected.rpId) // steps 15 to 18
   // steps 20 and 21: the signature covers the authenticator data and the hash of the client data
   const signed = Buffer.concat([response.authenticatorData, hash('sha256', response.clientDataJSON, 'buffer')])
-  const key = createPublicKey({ key: Buffer.from(expected.publicKey, 'base64url'), format: 'der', type: 'spki' })
+  let key: KeyObject
+  try {
+    key = createPublicKey({ key: Buffer.from(expected.publicKey, 'base64url'), format: 'der', type: 'spki' })
+  } catch {
+    throw new PasskeyError('the stored public key is not a valid key: remove this passkey and add it again')
+  }
   const digest = expected.algorithm === COSE_ALGORITHMS.EdDSA ? null : 'sha256'
   if (!SUPPORTED_ALGORITHMS.includes(expected.algorithm) || !verifies(digest, signed, key, response.signature))
     throw new PasskeyError('the signature does not verify with the stored public key')

@@ -798,6 +798,10 @@ for (const [name, algorithm] of [
       assert.deepEqual(verifyAuthentication(assertion({ counter: 6 }), { ...expected, counter: 5 }), { counter: 6 })
     })
 
+    it('refuses, rather than throwing something else, when the stored public key is not a key', () => {
+      refuses(() => verifyAuthentication(assertion(), { ...expected, publicKey: 'bm90IGEga2V5' }), /stored public key/)
+    })
+
     it('accepts a counter that stays 0 when it was 0: authenticators that keep no counter send 0', () => {
       assert.deepEqual(verifyAuthentication(assertion({ counter: 0 }), expected), { counter: 0 })
     })
