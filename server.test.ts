@@ -10,7 +10,7 @@ import { Agent, createServer, request } from 'node:http'
 import { connect } from 'node:net'
 import type { AddressInfo } from 'node:net'
 import { fileURLToPath } from 'node:url'
-import { mkdtemp } from 'node:fs/promises'
+import { mkdtemp, rm } from 'node:fs/promises'
 import { tmpdir } from 'node:os'
 import { join } from 'node:path'
 import {
@@ -524,6 +524,7 @@ describe('MemoryStore', () => {
     lastUsedAt: 0,
     endsAt: undefined,
     expiresAt,
+    lastRotated: undefined,
   })
 
   it('marks a code used once, atomically, and hides it once expired', async () => {
@@ -1592,6 +1593,35 @@ describe('POST /token with grant_type=refresh_token (IndieAuth ยง5.5, RFC 6749 ย
     await assertError(await rotate(original.refresh_token), 400, 'invalid_grant')
     assert.deepEqual(await introspect(strict, rotated.access_token), { active: false })
     await strict.close()
+  })
+
+  it('serves a retry only of the refresh token rotated last: an older one revokes the grant, even within the grace', async () => {
+    const first = await firstTokens()
+    const second = (await (await refresh(first.refresh_token)).json()) as Tokens
+    const third = (await (await refresh(second.refresh_token)).json()) as Tokens
+    latch.advance(5)
+    // the client used what the first refresh answered, so its answer was not lost: this is not its retry
+    await assertError(await refresh(first.refresh_token), 400, 'invalid_grant')
+    assert.deepEqual(await introspect(latch, third.access_token), { active: false })
+    await assertError(await refresh(third.refresh_token), 400, 'invalid_grant')
+    assert.match(latch.logs.join('\n'), /security: a refresh token of .* was used again/)
+  })
+
+  it('keeps, across a restart, which refresh token was rotated last', async () => {
+    const dir = await mkdtemp(join(tmpdir(), 'latch-rotated-'))
+    const open = () => FileStore.open(join(dir, 'data.jsonl'), { log: () => {} })
+    let server = await startLatch({}, { store: await open() })
+    const rotate = async (token: string) =>
+      post(`${server.base}/token`, form({ grant_type: 'refresh_token', refresh_token: token, client_id: CLIENT_ID }))
+    const first = (await (await exchange(server, await obtainCode(server))).json()) as Tokens
+    const second = (await (await rotate(first.refresh_token)).json()) as Tokens
+    await rotate(second.refresh_token)
+    await server.close()
+    server = await startLatch({}, { store: await open() })
+    assert.equal((await rotate(second.refresh_token)).status, 200) // rotated last: a retry
+    await assertError(await rotate(first.refresh_token), 400, 'invalid_grant')
+    await server.close()
+    await rm(dir, { recursive: true })
   })
 
   it('revokes refreshed tokens too when their code is replayed', async () => {

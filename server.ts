@@ -168,6 +168,11 @@ export type Grant = {
   endsAt?: number
   /** The latest expiry of its tokens: a grant lives as long as one of them may. */
   expiresAt: number
+  /**
+   * The hash of its refresh token rotated last: the only one that may come again, as a retry
+   * within `REFRESH_TOKEN_GRACE`. One rotated before it is a reuse, since the client went on.
+   */
+  lastRotated?: string
 }
 
 /** An access or refresh token as stored: under the hash (`hashSecret`) of its value. */
@@ -1442,9 +1447,10 @@ async function exchangeCode(form: Params, ctx: Context) {
 
 /**
  * Rotates a refresh token: the old one stops working, and presenting it again revokes the
- * whole grant, since one of the two presenters must have stolen it. Within
- * `REFRESH_TOKEN_GRACE` of its rotation, though, it is a retry (the answer was lost on the way,
- * or the client refreshed twice at once) and gets fresh tokens too: RFC 9700 §4.14.2 allows it.
+ * whole grant, since one of the two presenters must have stolen it (RFC 9700 §4.14.2). Within
+ * `REFRESH_TOKEN_GRACE` of its rotation, though, the token rotated last is a retry (the answer
+ * was lost on the way, or the client refreshed twice at once) and gets fresh tokens too, as the
+ * FAPI 2.0 Security Profile asks of rotation. An older one is not: the client went on from it.
  * @see https://www.rfc-editor.org/rfc/rfc6749#section-6
  * @see https://www.rfc-editor.org/rfc/rfc9700#section-4.14.2 RFC 9700 §4.14.2
  */
@@ -1544,6 +1550,7 @@ async function issueTokens(
   }
   // the caller's own copy, made for this request: updated in place, not copied again
   grant.lastUsedAt = now
+  if (redeemed.kind === 'refresh') grant.lastRotated = redeemed.hash
   grant.expiresAt = Math.max(grant.expiresAt, access.expiresAt, refresh.expiresAt)
   const tokens: TokenIssue['tokens'] = [
     [hashSecret(accessToken), access],
@@ -4558,13 +4565,16 @@ export class MemoryStore implements Store {
     }
     const stored = this.tokens.get(redeemed.hash)
     if (stored === undefined || stored.expiresAt * 1000 <= now) return undefined
+    const grant = this.grants.get(stored.grantId)
     if (stored.usedAt === undefined) {
       stored.usedAt = toSeconds(now)
+      if (grant !== undefined) grant.lastRotated = redeemed.hash // now: a retry may come before the grant is saved
       return 'first'
     }
     const since = redeemed.retriedSince
-    // kept in whole seconds, rounded down
-    return since !== undefined && (stored.usedAt + 1) * 1000 > since ? 'again' : undefined
+    // a retry of the token rotated last, within the grace period (`usedAt` is in whole seconds, rounded down)
+    const retry = since !== undefined && (stored.usedAt + 1) * 1000 > since && grant?.lastRotated === redeemed.hash
+    return retry ? 'again' : undefined
   }
 
   /** Takes back a first `redeem`, for a durable store that could not write it down. */
@@ -4673,7 +4683,7 @@ export class MemoryStore implements Store {
   // then hold a few copies. Values are never changed once stored. The one shared last is
   // compared first, field by field: most saves repeat it, and that spares making a key.
 
-  #shareApp({ client_id, client_name, me, scope, resource }: Grant): GrantedApp {
+  #shareApp({ client_id, client_name, me, scope, resource, accessTokenTtlSeconds }: Grant): GrantedApp {
     const last = this.#lastApp
     if (
       last !== undefined &&
@@ -4681,18 +4691,20 @@ export class MemoryStore implements Store {
       last.client_name === client_name &&
       last.me === me &&
       sameList(last.scope, scope) &&
-      sameList(last.resource, resource)
+      sameList(last.resource, resource) &&
+      last.accessTokenTtlSeconds === accessTokenTtlSeconds
     )
       return last
     // Neither URLs nor scopes hold a space or a line break, so only the name, last, could: the key is unambiguous.
     const name = client_name === undefined ? '-' : `+${client_name}`
-    const key = `app ${client_id}\n${me}\n${scope.join(' ')}\n${resource.join(' ')}\n${name}`
+    const key = `app ${client_id}\n${me}\n${scope.join(' ')}\n${resource.join(' ')}\n${accessTokenTtlSeconds}\n${name}`
     return (this.#lastApp = this.#share(key, () => ({
       client_id,
       client_name,
       me,
       scope: this.#shareScope(scope),
       resource: this.#shareResource(resource),
+      accessTokenTtlSeconds,
     })))
   }
 
@@ -5259,6 +5271,7 @@ const JOURNAL_FIELDS = {
     lastUsedAt: 'number',
     endsAt: 'number?',
     expiresAt: 'number',
+    lastRotated: 'key?',
   },
   token: {
     kind: 'kind',
@@ -5300,7 +5313,7 @@ function journalRecordProblem(record: unknown): string | undefined {
   return undefined
 }
 
-type FieldKind = 'string' | 'string?' | 'number' | 'number?' | 'strings' | 'strings?' | 'key' | 'kind'
+type FieldKind = 'string' | 'string?' | 'number' | 'number?' | 'strings' | 'strings?' | 'key' | 'key?' | 'kind'
 
 /** How each kind of field is checked. */
 const FIELD_CHECKS: Record<FieldKind, (value: unknown) => boolean> = {
@@ -5312,6 +5325,7 @@ const FIELD_CHECKS: Record<FieldKind, (value: unknown) => boolean> = {
   'strings?': (value) =>
     value === undefined || (Array.isArray(value) && value.every((item) => typeof item === 'string')),
   key: isJournalKey,
+  'key?': (value) => value === undefined || isJournalKey(value),
   kind: (value) => value === 'access' || value === 'refresh',
 }
 
@@ -5489,11 +5503,11 @@ export class ExpiringMap<V extends { expiresAt: number }> {
 // - Times are whole seconds since 1970, rounded down, as the `exp` a token is introspected with
 //   is. V8 keeps an integer up to 2^31 (until 2038) inside the field; milliseconds since 1970
 //   would each take a box of 16 bytes of their own.
-// - The parts most grants share (client, name, `me`, scope) are one object, kept once.
+// - The parts most grants share (client, name, `me`, scope, token lifetime) are one object, kept once.
 // - Scope lists too are kept once, however many tokens hold them.
 // A read returns a fresh record in the usual shape.
 
-type GrantedApp = Pick<Grant, 'client_id' | 'client_name' | 'me' | 'scope' | 'resource'>
+type GrantedApp = Pick<Grant, 'client_id' | 'client_name' | 'me' | 'scope' | 'resource' | 'accessTokenTtlSeconds'>
 
 // Classes, not object literals, so that V8 gives them shapes of their own: literals with the
 // same fields as a `Token` would share its shape, in which the times are boxed.
@@ -5501,34 +5515,35 @@ type GrantedApp = Pick<Grant, 'client_id' | 'client_name' | 'me' | 'scope' | 're
 /** A grant as the store keeps it: times in seconds, and the parts that many grants share in `app`. */
 class StoredGrant {
   readonly app: GrantedApp
-  readonly accessTokenTtlSeconds: number
   readonly approvedAt: number
   lastUsedAt: number
   readonly endsAt: number | undefined
   readonly expiresAt: number
+  lastRotated: string | undefined
 
   constructor(grant: Grant, app: GrantedApp) {
     this.app = app
-    this.accessTokenTtlSeconds = grant.accessTokenTtlSeconds
     this.approvedAt = toSeconds(grant.approvedAt)
     this.lastUsedAt = toSeconds(grant.lastUsedAt)
     this.endsAt = grant.endsAt === undefined ? undefined : toSeconds(grant.endsAt, 'up')
     this.expiresAt = toSeconds(grant.expiresAt, 'up')
+    this.lastRotated = grant.lastRotated
   }
 
   toGrant(): Grant {
-    const { client_id, client_name, me, scope, resource } = this.app
+    const { client_id, client_name, me, scope, resource, accessTokenTtlSeconds } = this.app
     return {
       client_id,
       client_name,
       me,
       scope,
       resource,
-      accessTokenTtlSeconds: this.accessTokenTtlSeconds,
+      accessTokenTtlSeconds,
       approvedAt: this.approvedAt * 1000,
       lastUsedAt: this.lastUsedAt * 1000,
       endsAt: this.endsAt === undefined ? undefined : this.endsAt * 1000,
       expiresAt: this.expiresAt * 1000,
+      lastRotated: this.lastRotated,
     }
   }
 }
@@ -5621,7 +5636,7 @@ export const SETTINGS = [
   {
     name: 'REFRESH_TOKEN_GRACE',
     default: '30',
-    help: 'A rotated refresh token sent again this soon is a retry, not a theft (0 turns it off; at most 600).',
+    help: 'The refresh token rotated last, sent again this soon, is a retry (0 turns it off; at most 600).',
   },
   {
     name: 'SESSION_TTL',
