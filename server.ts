@@ -61,8 +61,8 @@ import {
   verify,
 } from 'node:crypto'
 import type { JsonWebKey, KeyObject } from 'node:crypto'
-import { realpathSync } from 'node:fs'
-import { mkdir, open, readFile, rename, rm, truncate } from 'node:fs/promises'
+import { realpathSync, rmSync } from 'node:fs'
+import { mkdir, open, readFile, realpath, rename, rm, stat, truncate, writeFile } from 'node:fs/promises'
 import type { FileHandle } from 'node:fs/promises'
 import { dirname } from 'node:path'
 import { fileURLToPath } from 'node:url'
@@ -1677,7 +1677,8 @@ async function handleLegacyRevocation(form: Params, res: ServerResponse, ctx: Co
 async function revokeToken(value: string, ctx: Context): Promise<void> {
   const hash = hashSecret(value)
   const token = await ctx.store.findToken(hash, ctx.now())
-  if (token?.kind === 'refresh') await ctx.store.revokeGrant(token.grantId, ctx.now())
+  if (token === undefined) return // unknown or expired: anyone may send one, and it costs no write
+  if (token.kind === 'refresh') await ctx.store.revokeGrant(token.grantId, ctx.now())
   await ctx.store.deleteToken(hash)
 }
 
@@ -4982,6 +4983,64 @@ async function writeAll(file: FileHandle, bytes: Buffer): Promise<void> {
   }
 }
 
+/** A journal's bytes; none when it does not exist yet. Anything but a file is refused. */
+async function readJournalFile(path: string): Promise<Buffer> {
+  const found = await stat(path).catch((err: NodeJS.ErrnoException) =>
+    err.code === 'ENOENT' ? undefined : Promise.reject(err),
+  )
+  if (found === undefined) return Buffer.alloc(0)
+  if (!found.isFile() && !found.isDirectory())
+    // a directory goes on to readFile's EISDIR, which `dataFileProblem` explains
+    throw new ConfigError(`DATA_FILE ${path} is not a file: name a file, or a path where one can be made`)
+  return readFile(path)
+}
+
+/**
+ * Makes `<DATA_FILE>.lock`, holding this process's id, before the journal is read. Two processes
+ * appending to one journal would each lose the other's changes: a compaction renames a new
+ * file over the one the other appends to. A lock whose process no longer runs (it was killed,
+ * or the machine restarted) is taken over; one that this process made is shared with it.
+ */
+async function lockDataFile(path: string): Promise<string> {
+  const lock = `${path}.lock`
+  for (let tries = 0; ; tries++) {
+    try {
+      await writeFile(lock, `${process.pid}\n`, { flag: 'wx', mode: 0o600 })
+      heldLocks.add(lock)
+      return lock
+    } catch (err) {
+      if ((err as NodeJS.ErrnoException).code !== 'EEXIST' || tries === 2) throw err
+    }
+    const holder = Number.parseInt(await readFile(lock, 'utf8').catch(() => ''), 10)
+    if (holder === process.pid) return lock
+    if (holder > 0 && isRunning(holder))
+      throw new ConfigError(
+        `DATA_FILE ${path} is in use by process ${holder}: stop that server, or give this one another DATA_FILE ` +
+          `(if no Latch is running, remove ${lock})`,
+      )
+    await rm(lock, { force: true })
+  }
+}
+
+/** The locks this process made, removed however it exits. */
+const heldLocks = new Set<string>()
+process.once('exit', () => {
+  for (const lock of heldLocks) rmSync(lock, { force: true })
+})
+
+async function unlockDataFile(lock: string): Promise<void> {
+  if (heldLocks.delete(lock)) await rm(lock, { force: true })
+}
+
+function isRunning(pid: number): boolean {
+  try {
+    process.kill(pid, 0) // no signal: only whether it could be sent
+    return true
+  } catch (err) {
+    return (err as NodeJS.ErrnoException).code === 'EPERM' // it runs, as another user
+  }
+}
+
 async function syncDirectory(path: string): Promise<void> {
   const directory = await open(path, 'r')
   try {
@@ -5012,12 +5071,14 @@ export class FileStore implements Store {
   /** After a failed compaction, how long the journal must grow before the next try. */
   #compactAfterLines = 0
   readonly #journal: Journal
+  readonly #lock: string
   readonly #now: () => number
   readonly #log: (line: string) => void
 
-  private constructor(memory: MemoryStore, journal: Journal, options: FileStoreOptions) {
+  private constructor(memory: MemoryStore, journal: Journal, lock: string, options: FileStoreOptions) {
     this.memory = memory
     this.#journal = journal
+    this.#lock = lock
     this.#now = options.now ?? Date.now
     this.#log = options.log ?? console.log
   }
@@ -5025,35 +5086,55 @@ export class FileStore implements Store {
   /**
    * Opens (or creates, with mode 0600) a data file and replays it. A torn last line, left by a
    * crash mid-write, is dropped with a warning; any other unreadable line stops with its number.
+   * The file is this process's alone until `close` (see `lockDataFile`). A symlink is followed
+   * to its file, which compaction then replaces, not the link.
    */
-  static async open(path: string, options: FileStoreOptions = {}): Promise<FileStore> {
+  static async open(dataFile: string, options: FileStoreOptions = {}): Promise<FileStore> {
     const log = options.log ?? console.log
     const memory = new MemoryStore(options)
-    await mkdir(dirname(path), { recursive: true, mode: 0o700 })
-    const text = await readFile(path, 'utf8').catch((err: NodeJS.ErrnoException) =>
-      err.code === 'ENOENT' ? '' : Promise.reject(err),
+    await mkdir(dirname(dataFile), { recursive: true, mode: 0o700 })
+    const path = await realpath(dataFile).catch((err: NodeJS.ErrnoException) =>
+      err.code === 'ENOENT' ? dataFile : Promise.reject(err),
     )
-    const lines = text.split('\n')
-    const torn = lines.pop() ?? '' // the text after the last newline: empty unless a write was cut short
-    const now = (options.now ?? Date.now)()
-    for (let i = 0; i < lines.length; i++) {
-      const records = readJournalLine(lines[i])
-      if (typeof records === 'string') {
-        throw new ConfigError(
-          `${path} line ${i + 1} is not a Latch journal record (${records}): ` +
-            'restore the file from a backup, or move it away to start empty',
-        )
+    const lock = await lockDataFile(path)
+    try {
+      await rm(`${path}.compacting`, { force: true }) // left by a process stopped mid-compaction
+      const bytes = await readJournalFile(path)
+      // Lines are cut at newline bytes and decoded one by one: a file may hold more than a
+      // string can, and a stray byte that is not UTF-8 must not move the cut below.
+      const end = bytes.lastIndexOf(0x0a) + 1 // what follows the last newline is a write cut short, if anything
+      const now = (options.now ?? Date.now)()
+      let lines = 0
+      for (let start = 0; start < end; lines++) {
+        const stop = bytes.indexOf(0x0a, start)
+        const records = readJournalLine(bytes.toString('utf8', start, stop))
+        if (typeof records === 'string') {
+          throw new ConfigError(
+            `${path} line ${lines + 1} is not a Latch journal record (${records}): ` +
+              'restore the file from a backup, or move it away to start empty',
+          )
+        }
+        for (const record of records) await applyRecord(memory, record, now)
+        start = stop + 1
       }
-      for (const record of records) await applyRecord(memory, record, now)
+      if (end < bytes.length) {
+        // every line Latch writes begins so: anything else is not a journal that a crash cut short
+        if (bytes.toString('latin1', end, end + 2) !== '{"')
+          throw new ConfigError(
+            `${path} does not end as a Latch journal does: ` +
+              'restore the file from a backup, or move it away to start empty',
+          )
+        log(`warning: ${path} ends with an incomplete line, as a crash mid-write leaves it; dropping it`)
+        await truncate(path, end)
+      }
+      const file = await open(path, 'a', 0o600)
+      await syncDirectory(dirname(path))
+      const { size } = await file.stat()
+      return new FileStore(memory, new Journal(path, file, size, lines, log), lock, options)
+    } catch (err) {
+      await unlockDataFile(lock)
+      throw err
     }
-    if (torn !== '') {
-      log(`warning: ${path} ends with an incomplete line, as a crash mid-write leaves it; dropping it`)
-      await truncate(path, Buffer.byteLength(text.slice(0, text.length - torn.length)))
-    }
-    const file = await open(path, 'a', 0o600)
-    await syncDirectory(dirname(path))
-    const { size } = await file.stat()
-    return new FileStore(memory, new Journal(path, file, size, lines.length, log), options)
   }
 
   savePending(id: string, request: PendingRequest, now: number): Promise<void> {
@@ -5169,10 +5250,12 @@ export class FileStore implements Store {
     await this.memory.deleteSession(hash)
   }
 
+  /** Deletes the sessions there are now: one whose save is still being written is not among them, on disk or here. */
   async deleteAllSessions(): Promise<void> {
-    const records: JournalRecord[] = [...this.memory.sessions.keys()].map((key) => ({ delete: 'session', key }))
-    if (records.length > 0) await this.#append(records)
-    await this.memory.deleteAllSessions()
+    const keys = [...this.memory.sessions.keys()]
+    if (keys.length === 0) return
+    await this.#append(keys.map((key) => ({ delete: 'session', key })))
+    for (const key of keys) await this.memory.deleteSession(key)
   }
 
   async savePasskey(id: string, passkey: Passkey, now: number): Promise<void> {
@@ -5201,6 +5284,7 @@ export class FileStore implements Store {
   async close(): Promise<void> {
     await this.compaction
     await this.#journal.close()
+    await unlockDataFile(this.#lock)
   }
 
   /** Appends changes, then compacts once the file holds far more lines than live entries. */
@@ -6187,6 +6271,8 @@ function dataFileProblem(err: NodeJS.ErrnoException, dataFile: string): ConfigEr
     EROFS: 'is on a read-only file system: choose a writable path, such as a state directory',
     ENOSPC: 'cannot be written: the disk is full. Free some space, or choose another disk',
     ENOENT: 'has a folder that cannot be created: create it, or choose another path',
+    ELOOP: 'is a symbolic link that leads back to itself: point it at a file',
+    ERR_FS_FILE_TOO_LARGE: 'is larger than 2 GiB, which Latch cannot read: move it away and start empty',
   }
   const reason = err.code === undefined ? undefined : because[err.code]
   return reason === undefined ? undefined : new ConfigError(`DATA_FILE ${dataFile} ${reason}`)

@@ -7,7 +7,7 @@ import assert from 'node:assert/strict'
 import { spawn, spawnSync } from 'node:child_process'
 import { createHash } from 'node:crypto'
 import type { ChildProcessWithoutNullStreams } from 'node:child_process'
-import { mkdir, mkdtemp, readFile, rm, stat, writeFile } from 'node:fs/promises'
+import { lstat, mkdir, mkdtemp, readFile, rm, stat, symlink, writeFile } from 'node:fs/promises'
 import { writeFileSync } from 'node:fs'
 import { createServer } from 'node:http'
 import type { AddressInfo } from 'node:net'
@@ -237,16 +237,18 @@ describe('DATA_FILE: restarts', () => {
   })
 })
 
+/** A live access token, for tests that write the journal by hand. */
+const token: Token = {
+  kind: 'access',
+  grantId: 'g',
+  scope: ['create'],
+  resource: [],
+  issuedAt: START,
+  expiresAt: START + 86400_000,
+  usedAt: undefined,
+}
+
 describe('DATA_FILE: damaged files', () => {
-  const token: Token = {
-    kind: 'access',
-    grantId: 'g',
-    scope: ['create'],
-    resource: [],
-    issuedAt: START,
-    expiresAt: START + 86400_000,
-    usedAt: undefined,
-  }
   const line = (key: string) => `${JSON.stringify({ set: 'token', key, value: token })}\n`
   const grant = `${JSON.stringify({ set: 'grant', key: 'g', value: { client_id: CLIENT_ID, me: 'https://example.com/', scope: ['create'], accessTokenTtlSeconds: 3600, approvedAt: START, lastUsedAt: START, expiresAt: START + 86400_000 } })}\n`
 
@@ -344,6 +346,137 @@ describe('DATA_FILE: damaged files', () => {
     assert.equal(result.status, 1)
     assert.match(result.stderr, /^latch: .*line 1 is not a Latch journal record \(a token's scope/)
     assert.doesNotMatch(result.stderr, /TypeError|\n\s+at /)
+  })
+
+  it('refuses a file whose end is not a journal line cut short, and leaves it as it was', async () => {
+    const file = join(directory, 'not-journal.jsonl')
+    const original = Buffer.from('PK\x03\x04 a zip, or any file that is not a journal, without a newline')
+    await writeFile(file, original)
+    await assert.rejects(
+      FileStore.open(file, { log: () => {} }),
+      (err: unknown) => err instanceof ConfigError && /does not end as a Latch journal does/.test(err.message),
+    )
+    assert.deepEqual(await readFile(file), original)
+  })
+
+  it('cuts a torn line at its byte, even after a line whose bytes are not UTF-8', async () => {
+    const file = join(directory, 'not-utf8.jsonl')
+    const session = Buffer.from(
+      `{"set":"session","key":"s","value":{"createdAt":${START},"expiresAt":${START + 3600_000},"passwordTag":"?"}}\n`,
+    )
+    session[session.indexOf('"?"') + 1] = 0xff // a byte no UTF-8 text holds
+    await writeFile(file, Buffer.concat([session, Buffer.from('{"sess')]))
+    const store = await FileStore.open(file, { now: () => START, log: () => {} })
+    await store.saveToken('after', token, START)
+    await store.close()
+    const reopened = await FileStore.open(file, { now: () => START, log: () => {} })
+    assert.ok(reopened.memory.tokens.has('after')) // the line after the cut stands alone
+    assert.ok(reopened.memory.sessions.has('s'))
+    await reopened.close()
+  })
+
+  it('refuses a DATA_FILE that is not a file, such as a pipe, instead of waiting on it', async (t) => {
+    const fifo = join(directory, 'pipe.jsonl')
+    if (spawnSync('mkfifo', [fifo]).status !== 0) return t.skip('mkfifo is not available to make a named pipe')
+    await assert.rejects(
+      FileStore.open(fifo, { log: () => {} }),
+      (err: unknown) => err instanceof ConfigError && /is not a file/.test(err.message),
+    )
+  })
+})
+
+describe('DATA_FILE: one process, one file', () => {
+  it('refuses a file another running process has open, and takes over the lock of one that died', async () => {
+    const file = join(directory, 'locked.jsonl')
+    const other = spawn('sleep', ['30'])
+    await writeFile(`${file}.lock`, `${other.pid}\n`)
+    await assert.rejects(
+      FileStore.open(file, { log: () => {} }),
+      (err: unknown) =>
+        err instanceof ConfigError &&
+        err.message.includes(`is in use by process ${other.pid}`) &&
+        err.message.includes(`remove ${file}.lock`),
+    )
+    other.kill('SIGKILL')
+    await new Promise((resolve) => other.once('exit', resolve))
+    const store = await FileStore.open(file, { log: () => {} }) // killed, as a crash leaves it: the lock is stale
+    assert.equal(await readFile(`${file}.lock`, 'utf8'), `${process.pid}\n`)
+    await store.close()
+    await assert.rejects(stat(`${file}.lock`), /ENOENT/)
+  })
+
+  it('stops a second server on the same DATA_FILE with one line, and lets the first go on', async () => {
+    const file = join(directory, 'two-servers.jsonl')
+    const first = await spawnServer(file)
+    const second = spawnSync(process.execPath, ['--import', 'tsx', 'server.ts'], {
+      env: { ...process.env, DATA_FILE: file, PORT: '0' },
+      encoding: 'utf8',
+      timeout: 20_000,
+    })
+    assert.equal(second.status, 1)
+    assert.match(
+      second.stderr,
+      new RegExp(`^latch: DATA_FILE .* is in use by process ${first.child.pid}: stop that server`),
+    )
+    assert.equal((await obtainTokens(first.base)).access_token.length, 43)
+    first.child.kill('SIGKILL')
+    await first.closed
+    const after = await spawnServer(file) // the lock of a killed server does not hold the next one back
+    after.child.kill('SIGTERM')
+    await after.closed
+    await assert.rejects(stat(`${file}.lock`), /ENOENT/) // a server that stops removes it
+  })
+
+  it('compacts the file a symlink points to, and keeps the link', async () => {
+    await mkdir(join(directory, 'real'), { recursive: true })
+    const target = join(directory, 'real', 'data.jsonl')
+    const link = join(directory, 'link.jsonl')
+    await writeFile(target, `${JSON.stringify({ delete: 'session', key: 'old' })}\n`.repeat(10_001))
+    await symlink(target, link)
+    const store = await FileStore.open(link, { now: () => START, log: () => {} })
+    const session = { createdAt: START, expiresAt: START + 3600_000, passwordTag: 't' }
+    await store.saveSession('kept', session, START) // past 10,000 lines: this write starts a compaction
+    assert.ok(store.compaction !== undefined, 'no compaction started')
+    await store.close()
+    assert.ok((await lstat(link)).isSymbolicLink())
+    assert.ok((await readFile(target, 'utf8')).split('\n').length < 10, 'the target was not compacted')
+    const reopened = await FileStore.open(link, { now: () => START, log: () => {} })
+    assert.ok(reopened.memory.sessions.has('kept'))
+    await reopened.close()
+  })
+
+  it('removes a snapshot left by a process killed while compacting', async () => {
+    const file = join(directory, 'left-snapshot.jsonl')
+    await writeFile(`${file}.compacting`, 'x'.repeat(1000))
+    const store = await FileStore.open(file, { log: () => {} })
+    await assert.rejects(stat(`${file}.compacting`), /ENOENT/)
+    await store.close()
+  })
+
+  it('writes nothing for the revocation of a token it does not hold', async () => {
+    const file = join(directory, 'made-up-revocations.jsonl')
+    const running = await startOn(file)
+    const before = (await stat(file)).size
+    for (let i = 0; i < 20; i++) {
+      const response = await post(`${running.base}/revoke`, form({ token: `made-up-${i}`.padEnd(43, 'x') }))
+      assert.equal(response.status, 200)
+    }
+    assert.equal((await stat(file)).size, before)
+    await running.stop()
+  })
+
+  it('signs out everywhere the sessions there are, and keeps one being saved meanwhile on disk and in memory alike', async () => {
+    const file = join(directory, 'sessions-race.jsonl')
+    const store = await FileStore.open(file, { now: () => START, log: () => {} })
+    const session = { createdAt: START, expiresAt: START + 3600_000, passwordTag: 't' }
+    await store.saveSession('a', session, START)
+    await Promise.all([store.saveSession('b', session, START), store.deleteAllSessions()])
+    const inMemory = [...store.memory.sessions.keys()]
+    await store.close()
+    const reopened = await FileStore.open(file, { now: () => START, log: () => {} })
+    assert.deepEqual([...reopened.memory.sessions.keys()], inMemory)
+    assert.ok(!inMemory.includes('a'))
+    await reopened.close()
   })
 })
 
