@@ -1928,6 +1928,15 @@ describe('Sign-in sessions and connected apps', () => {
     assert.match(html, /type="password"/)
   })
 
+  it('finds the session among cookies of the same name that a page on another port of this host set', async () => {
+    const csrf = createSecret()
+    const session = await signIn(csrf)
+    // cookies do not keep ports apart, and the browser sends the one set for the longer path first
+    const html = await appsPage(`latch_session=${createSecret()}; latch_csrf=${csrf}; ${session}`)
+    assert.match(html, /action="[^"]*\/sign-out"/)
+    assert.doesNotMatch(html, /type="password"/)
+  })
+
   it('answers a wrong password at sign-in with 401 and the form again', async () => {
     const csrf = createSecret()
     const response = await post(`${latch.base}/sign-in`, form({ csrf, password: 'wrong' }), {

@@ -1398,7 +1398,8 @@ function readPublicClient(req: IncomingMessage, form: Params, config: Config): v
     return
   }
   const credentials = Buffer.from(match[1], 'base64').toString('utf8')
-  const colon = credentials.indexOf(':')
+  // the last colon: a client_id should be form-encoded, but many libraries send a URL as it is
+  const colon = credentials.lastIndexOf(':')
   if (colon === -1) throw basicRefused('The Basic credentials are malformed', config)
   if (colon !== credentials.length - 1)
     throw basicRefused('This server issues no client secrets: send the client_id with an empty password', config)
@@ -2732,11 +2733,22 @@ function queryOf(target: string): Params {
 }
 
 function readCookie(req: IncomingMessage, name: string): string | undefined {
+  return readCookies(req, name, 1)[0]
+}
+
+/**
+ * Up to `max` values of the cookies of one name, in the order the browser sent them. A page on
+ * another port of this host can set a cookie of the same name (browsers do not keep ports
+ * apart) for a longer path, and the browser then sends that one first.
+ */
+function readCookies(req: IncomingMessage, name: string, max: number): string[] {
+  const values: string[] = []
   for (const pair of (req.headers.cookie ?? '').split(';')) {
     const equals = pair.indexOf('=')
-    if (equals !== -1 && pair.slice(0, equals).trim() === name) return pair.slice(equals + 1).trim()
+    if (equals !== -1 && pair.slice(0, equals).trim() === name && values.push(pair.slice(equals + 1).trim()) === max)
+      break
   }
-  return undefined
+  return values
 }
 
 const NO_STORE = { 'Cache-Control': 'no-store', Pragma: 'no-cache' }
@@ -3165,12 +3177,18 @@ async function requireFormToken(form: Params, req: IncomingMessage, ctx: Context
  * current password: a new `PASSWORD_HASH` ends every session made with the old one.
  */
 async function findOwnerSession(req: IncomingMessage, ctx: Context): Promise<string | undefined> {
-  const value = readCookie(req, sessionCookieName(ctx.config))
-  if (value === undefined || ctx.config.passwordHash === undefined) return undefined
-  const session = await ctx.store.findSession(hashSecret(value), ctx.now())
-  // a session of an old password is ignored, not deleted here: a read writes nothing, and it expires
-  return session !== undefined && session.passwordTag === passwordTag(ctx.config.passwordHash) ? value : undefined
+  if (ctx.config.passwordHash === undefined) return undefined
+  // any of a few cookies of the name: one planted by another page on this host must not sign the owner out
+  for (const value of readCookies(req, sessionCookieName(ctx.config), MAX_SESSION_COOKIES)) {
+    const session = await ctx.store.findSession(hashSecret(value), ctx.now())
+    // a session of an old password is ignored, not deleted here: a read writes nothing, and it expires
+    if (session !== undefined && session.passwordTag === passwordTag(ctx.config.passwordHash)) return value
+  }
+  return undefined
 }
+
+/** The most session cookies read from one request: a browser holds one, and a planted one or two besides. */
+const MAX_SESSION_COOKIES = 4
 
 /** What a session keeps of the password it was started with: enough to tell a new one, nothing to guess it by. */
 function passwordTag(passwordHash: string): string {
