@@ -275,6 +275,15 @@ describe('HTTP Basic with an empty password, for public clients (RFC 6749 §2.3.
     await tokensOf(await exchange(latch.base, code))
   })
 
+  it('takes a client_id that was not form-encoded: a URL whose own colons come before the empty password', async () => {
+    const code = await obtainCode(latch.base, { scope: 'create' })
+    const raw = { Authorization: `Basic ${Buffer.from(`${CLIENT_ID}:`).toString('base64')}` }
+    const tokens = await tokensOf(await exchange(latch.base, code, { client_id: undefined }, raw))
+    assert.equal((await introspect(latch.base, tokens.access_token)).client_id, CLIENT_ID)
+    const secret = { Authorization: `Basic ${Buffer.from(`${CLIENT_ID}:a-secret`).toString('base64')}` }
+    await assertError(await exchange(latch.base, await obtainCode(latch.base), {}, secret), 401, 'invalid_client')
+  })
+
   it('refuses malformed Basic credentials with 401 invalid_client', async () => {
     const code = await obtainCode(latch.base, { scope: 'create' })
     for (const authorization of ['Basic !!!', `Basic ${Buffer.from('no-colon').toString('base64')}`, 'Basic a b c']) {
