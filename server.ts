@@ -905,13 +905,12 @@ async function findClient(clientId: string, ctx: Context): Promise<ClientLookup>
 }
 
 async function fetchClient(clientId: string, ctx: Context): Promise<ClientLookup> {
-  const busy = new Error('too many apps are being looked up at once')
   try {
     const options = { allowPrivate: ctx.config.clientFetchPrivate, fetch: ctx.clientFetch }
     const { info, maxAgeSeconds } = await withSlot(
       ctx.clientFetchSlots,
       CLIENT_FETCH_SLOTS,
-      () => busy,
+      () => new DiscoveryBusy('too many apps are being looked up at once'),
       () => discoverClient(clientId, options),
     )
     ctx.clients.delete(clientId)
@@ -926,7 +925,7 @@ async function fetchClient(clientId: string, ctx: Context): Promise<ClientLookup
     // author may fix it and try again at once (draft-ietf-oauth-client-id-metadata-document §5.2).
     if (err instanceof InvalidClientDocument) return { refused: failure }
     logEvent(ctx, 'discovery', `${clientId} could not be fetched: ${failure}`)
-    if (err !== busy) {
+    if (!(err instanceof DiscoveryBusy)) {
       ctx.failedClients.delete(clientId)
       if (ctx.failedClients.size >= MAX_REMEMBERED_FAILURES)
         ctx.failedClients.delete(ctx.failedClients.keys().next().value ?? '')
@@ -935,6 +934,9 @@ async function fetchClient(clientId: string, ctx: Context): Promise<ClientLookup
     return {}
   }
 }
+
+/** Discovery refused for the server's own load, not the client's fault: not remembered as a failure. */
+class DiscoveryBusy extends Error {}
 
 const MAX_CACHED_CLIENTS = 100
 const MAX_REMEMBERED_FAILURES = 1_000
@@ -4032,6 +4034,25 @@ function lookupAll(hostname: string): Promise<LookupAddress[]> {
   return lookup(hostname, { all: true, verbatim: true })
 }
 
+/**
+ * Host names being resolved. `dns.lookup` cannot be cancelled, and holds one of the few threads
+ * libuv gives it until the system's resolver gives up, which may be long after a fetch gave up
+ * on it: made-up names on a resolver that never answers would queue every later lookup behind
+ * them. So a lookup counts until it settles, and past `MAX_LOOKUPS_UNDERWAY` a fetch is refused.
+ */
+const lookups = { underway: 0 }
+const MAX_LOOKUPS_UNDERWAY = 8
+
+function resolveHost(hostname: string, fetch: ClientFetchOptions, deadline: AbortSignal, timeoutMs: number) {
+  if (lookups.underway >= MAX_LOOKUPS_UNDERWAY)
+    return Promise.reject(new DiscoveryBusy('too many host names are being resolved at once'))
+  lookups.underway++
+  const resolving = (fetch.lookup ?? lookupAll)(hostname)
+  const settled = () => void lookups.underway--
+  resolving.then(settled, settled)
+  return withDeadline(resolving, deadline, timeoutMs)
+}
+
 type Fetched = { type: string; link: string; headers: IncomingHttpHeaders; body: Buffer }
 
 /**
@@ -4050,7 +4071,7 @@ async function fetchSafely(
   const addresses =
     isIP(hostname) !== 0
       ? [{ address: hostname, family: isIP(hostname) }]
-      : await withDeadline((options.fetch.lookup ?? lookupAll)(hostname), deadline, timeoutMs)
+      : await resolveHost(hostname, options.fetch, deadline, timeoutMs)
   if (addresses.length === 0) throw new Error(`its host ${hostname} has no address`)
   for (const { address } of addresses) {
     const problem = addressProblem(address, options.allowPrivate)

@@ -9,6 +9,7 @@ import { Agent, createServer } from 'node:http'
 import type { IncomingMessage, Server, ServerResponse } from 'node:http'
 import { connect } from 'node:net'
 import type { AddressInfo, Socket } from 'node:net'
+import type { LookupAddress } from 'node:dns'
 import { performance } from 'node:perf_hooks'
 import { setTimeout as delay } from 'node:timers/promises'
 import * as latchModule from '../server.ts'
@@ -545,6 +546,45 @@ describe('Discovery under load', () => {
       assert.equal([...statuses.values()].filter((status) => status === 200).length, 16)
     } finally {
       releaseHeld()
+      await latch.close()
+    }
+  })
+})
+
+describe('Discovery while host names do not resolve', () => {
+  it('counts a lookup until it settles, past the fetch that gave up on it, and refuses a ninth without remembering', async () => {
+    // A resolver that never answers: dns.lookup holds one of libuv's few threads until it gives up.
+    const stuck: (() => void)[] = []
+    const lookup = (hostname: string) =>
+      hostname.startsWith('stuck')
+        ? new Promise<LookupAddress[]>((_resolve, reject) => stuck.push(() => reject(new Error('timed out'))))
+        : (clientFetch.lookup ?? (() => Promise.resolve([])))(hostname)
+    const latch = await startLatch({}, { ...clientFetch, lookup })
+    try {
+      const stalled = await Promise.all(
+        Array.from({ length: 8 }, (_, i) =>
+          authorize(latch, `http://stuck${i}.example/`, `http://stuck${i}.example/cb`),
+        ),
+      )
+      assert.deepEqual(
+        stalled.map((response) => response.status),
+        new Array(8).fill(200), // each gave up at its deadline, and its redirect_uri is on its own host
+      )
+      assert.equal(stuck.length, 8)
+      const before = fetchesOf('json.example')
+      await assertNotFetched(
+        latch,
+        await authorize(latch, 'http://json.example/', 'https://other.example/callback'),
+        'http://json.example/',
+        /too many host names are being resolved at once/,
+      )
+      assert.equal(fetchesOf('json.example'), before)
+      for (const settle of stuck.splice(0)) settle()
+      await delay(10)
+      assert.equal((await authorize(latch, 'http://json.example/', 'https://other.example/callback')).status, 200) // not remembered
+      assert.equal(fetchesOf('json.example'), before + 1)
+    } finally {
+      for (const settle of stuck.splice(0)) settle()
       await latch.close()
     }
   })
