@@ -4388,8 +4388,10 @@ function findTagEnd(html: string, from: number): number {
 }
 
 /** The text of an element, tags taken out, entities decoded, white space folded; at most 2,000 characters are read. */
+/** The text of an element, from its first 2,000 characters: a tag cut in two there is dropped, not shown. */
 function elementText(html: string, element: HtmlElement): string {
-  return htmlText(html.slice(element.textStart, Math.min(element.textEnd, element.textStart + 2_000)))
+  const start = html.slice(element.textStart, Math.min(element.textEnd, element.textStart + 2_000))
+  return htmlText(start.replace(/<[^<>]*$/, ''))
 }
 
 function readAttributes(text: string): Record<string, string> {

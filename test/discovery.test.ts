@@ -637,6 +637,14 @@ describe('Discovery parsers and address rules', () => {
     assert.ok(ratio < 5, `the crafted page took ${ratio.toFixed(1)} times as long as a plain one`)
   })
 
+  it('never shows half a tag as a name, where the text it reads of an element ends inside one', () => {
+    const page = readClientPage(
+      `<div class="h-app p-name">${'<span class="xy">'.repeat(200)}Notes</div>`,
+      'https://a.example/',
+    )
+    assert.equal(page.name, undefined) // the first 2,000 characters hold tags only
+  })
+
   it('cleans a name to one line of plain text, at most 100 characters, never half a character', () => {
     assert.equal(latchModule.cleanName('\u202egnp.exe'), 'gnp.exe')
     assert.equal(latchModule.cleanName('  Two\n\tlines\u2028here '), 'Two lines here')
