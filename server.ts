@@ -4387,19 +4387,25 @@ function findTagEnd(html: string, from: number): number {
   return -1
 }
 
-/** The text of an element, tags taken out, entities decoded, white space folded; at most 2,000 characters are read. */
-/** The text of an element, from its first 2,000 characters: a tag cut in two there is dropped, not shown. */
+/**
+ * The text of an element, tags taken out, entities decoded, white space folded. At most 2,000
+ * characters are read, and a tag that limit cuts in two is dropped, not shown.
+ */
 function elementText(html: string, element: HtmlElement): string {
   const start = html.slice(element.textStart, Math.min(element.textEnd, element.textStart + 2_000))
   return htmlText(start.replace(/<[^<>]*$/, ''))
 }
+
+/** The attributes discovery reads; the rest are passed over, so a tag of many costs little. */
+const READ_ATTRIBUTES = new Set(['class', 'rel', 'href', 'src'])
 
 function readAttributes(text: string): Record<string, string> {
   const attributes: Record<string, string> = {}
   const attribute = /([^\s"'=<>\/]+)(?:\s*=\s*(?:"([^"]*)"|'([^']*)'|([^\s"'>]+)))?/g
   for (let match = attribute.exec(text); match !== null; match = attribute.exec(text)) {
     const name = match[1].toLowerCase()
-    if (!Object.hasOwn(attributes, name)) attributes[name] = decodeEntities(match[2] ?? match[3] ?? match[4] ?? '')
+    if (READ_ATTRIBUTES.has(name) && !Object.hasOwn(attributes, name))
+      attributes[name] = decodeEntities(match[2] ?? match[3] ?? match[4] ?? '')
   }
   return attributes
 }

@@ -610,6 +610,11 @@ describe('Discovery parsers and address rules', () => {
     assert.equal(readClientPage(`<div class="h-app">${'<span>'.repeat(300)}Name`, 'https://a.example/').name, 'Name')
   })
 
+  it('keeps only the attributes discovery reads, so that a tag of hundreds costs little', () => {
+    const [element] = scanHtml(`<a ${'data-x=1 '.repeat(300)}CLASS="h-app" rel=me href='/' src=x title="t">`)
+    assert.deepEqual(element.attributes, { class: 'h-app', rel: 'me', href: '/', src: 'x' })
+  })
+
   it('stops at 10,000 closing tags', () => {
     const names = (html: string) => scanHtml(html).map((element) => element.name)
     assert.deepEqual(names(`${'</x>'.repeat(9_999)}<a class="h-app">`), ['a'])
