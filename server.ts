@@ -5053,10 +5053,12 @@ async function lockDataFile(path: string): Promise<string> {
   for (let tries = 0; ; tries++) {
     try {
       await writeFile(lock, `${process.pid}\n`, { flag: 'wx', mode: 0o600 })
+      if (!process.listeners('exit').includes(removeHeldLocks)) process.once('exit', removeHeldLocks)
       heldLocks.add(lock)
       return lock
     } catch (err) {
-      if ((err as NodeJS.ErrnoException).code !== 'EEXIST' || tries === 2) throw err
+      if ((err as NodeJS.ErrnoException).code !== 'EEXIST') throw err
+      if (tries === 2) throw new ConfigError(`DATA_FILE ${path} is being opened by another process: try again`)
     }
     const holder = Number.parseInt(await readFile(lock, 'utf8').catch(() => ''), 10)
     if (holder === process.pid) return lock
@@ -5071,9 +5073,10 @@ async function lockDataFile(path: string): Promise<string> {
 
 /** The locks this process made, removed however it exits. */
 const heldLocks = new Set<string>()
-process.once('exit', () => {
+
+function removeHeldLocks(): void {
   for (const lock of heldLocks) rmSync(lock, { force: true })
-})
+}
 
 async function unlockDataFile(lock: string): Promise<void> {
   if (heldLocks.delete(lock)) await rm(lock, { force: true })
