@@ -5043,26 +5043,40 @@ async function readJournalFile(path: string): Promise<Buffer> {
 }
 
 /**
- * Makes `<DATA_FILE>.lock`, holding this process's id, before the journal is read. Two processes
- * appending to one journal would each lose the other's changes: a compaction renames a new
- * file over the one the other appends to. A lock whose process no longer runs (it was killed,
- * or the machine restarted) is taken over; one that this process made is shared with it.
+ * Makes `<DATA_FILE>.lock` before the journal is read, holding this process's id and, on Linux,
+ * the id of this boot. Two processes appending to one journal would each lose the other's
+ * changes: a compaction renames a new file over the one the other appends to. A lock whose
+ * process no longer runs, or that was made before the machine last started (process ids start
+ * over), is taken over; one that this process made is shared with it. On a full disk there is
+ * no room for the lock: the store opens without one, with a warning, and serves what it holds.
  */
-async function lockDataFile(path: string): Promise<string> {
+async function lockDataFile(path: string, log: (line: string) => void): Promise<string | undefined> {
   const lock = `${path}.lock`
+  const boot = await readFile('/proc/sys/kernel/random/boot_id', 'utf8').then(
+    (text) => text.trim(),
+    () => '', // not Linux: the process id alone
+  )
   for (let tries = 0; ; tries++) {
     try {
-      await writeFile(lock, `${process.pid}\n`, { flag: 'wx', mode: 0o600 })
+      await writeFile(lock, `${process.pid} ${boot}\n`, { flag: 'wx', mode: 0o600 })
       if (!process.listeners('exit').includes(removeHeldLocks)) process.once('exit', removeHeldLocks)
       heldLocks.add(lock)
       return lock
     } catch (err) {
-      if ((err as NodeJS.ErrnoException).code !== 'EEXIST') throw err
+      const { code } = err as NodeJS.ErrnoException
+      if (code === 'ENOSPC' || code === 'EDQUOT') {
+        await rm(lock, { force: true }).catch(() => {}) // made, but empty
+        log(`warning: the disk is full, so ${lock} could not be made; opening ${path} without it`)
+        return undefined
+      }
+      if (code !== 'EEXIST') throw err
       if (tries === 2) throw new ConfigError(`DATA_FILE ${path} is being opened by another process: try again`)
     }
-    const holder = Number.parseInt(await readFile(lock, 'utf8').catch(() => ''), 10)
-    if (holder === process.pid) return lock
-    if (holder > 0 && isRunning(holder))
+    const [pid, madeInBoot = ''] = (await readFile(lock, 'utf8').catch(() => '')).trim().split(' ')
+    const holder = Number.parseInt(pid, 10)
+    const sameBoot = madeInBoot === boot
+    if (holder === process.pid && sameBoot) return lock
+    if (holder > 0 && sameBoot && isRunning(holder))
       throw new ConfigError(
         `DATA_FILE ${path} is in use by process ${holder}: stop that server, or give this one another DATA_FILE ` +
           `(if no Latch is running, remove ${lock})`,
@@ -5078,8 +5092,8 @@ function removeHeldLocks(): void {
   for (const lock of heldLocks) rmSync(lock, { force: true })
 }
 
-async function unlockDataFile(lock: string): Promise<void> {
-  if (heldLocks.delete(lock)) await rm(lock, { force: true })
+async function unlockDataFile(lock: string | undefined): Promise<void> {
+  if (lock !== undefined && heldLocks.delete(lock)) await rm(lock, { force: true })
 }
 
 function isRunning(pid: number): boolean {
@@ -5121,11 +5135,11 @@ export class FileStore implements Store {
   /** After a failed compaction, how long the journal must grow before the next try. */
   #compactAfterLines = 0
   readonly #journal: Journal
-  readonly #lock: string
+  readonly #lock: string | undefined
   readonly #now: () => number
   readonly #log: (line: string) => void
 
-  private constructor(memory: MemoryStore, journal: Journal, lock: string, options: FileStoreOptions) {
+  private constructor(memory: MemoryStore, journal: Journal, lock: string | undefined, options: FileStoreOptions) {
     this.memory = memory
     this.#journal = journal
     this.#lock = lock
@@ -5146,7 +5160,7 @@ export class FileStore implements Store {
     const path = await realpath(dataFile).catch((err: NodeJS.ErrnoException) =>
       err.code === 'ENOENT' ? dataFile : Promise.reject(err),
     )
-    const lock = await lockDataFile(path)
+    const lock = await lockDataFile(path, log)
     try {
       await rm(`${path}.compacting`, { force: true }) // left by a process stopped mid-compaction
       const bytes = await readJournalFile(path)

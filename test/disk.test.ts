@@ -197,6 +197,27 @@ describe('DATA_FILE: a full disk', () => {
     }
   })
 
+  it('starts on a disk with no room for its lock, says so, and serves the tokens it holds', async (t) => {
+    if (!haveDisk(t)) return
+    const file = join(disk, 'start-full', 'data.jsonl')
+    const filler = join(disk, 'start-full-filler')
+    t.after(() => rm(filler, { force: true }))
+    const first = await startOn(file)
+    const { access_token } = (await (await exchange(first.base, await obtainCode(first.base))).json()) as {
+      access_token: string
+    }
+    await first.stop()
+    fillDisk(filler, 0)
+    const restarted = await startOn(file)
+    try {
+      assert.ok(restarted.logs.some((line) => /^warning: the disk is full, so .*\.lock could not be made/.test(line)))
+      assert.equal(await isActive(restarted.base, access_token), true)
+      assert.deepEqual(await readdir(join(disk, 'start-full')), ['data.jsonl'])
+    } finally {
+      await restarted.stop()
+    }
+  })
+
   it('keeps the journal as it was, and logs the failure, when a compaction runs out of space', async (t) => {
     if (!haveDisk(t)) return
     const file = join(disk, 'compact', 'data.jsonl')

@@ -237,6 +237,12 @@ describe('DATA_FILE: restarts', () => {
   })
 })
 
+/** The id of this boot of the machine, as a lock names it; empty where the system tells none. */
+const BOOT = await readFile('/proc/sys/kernel/random/boot_id', 'utf8').then(
+  (text) => text.trim(),
+  () => '',
+)
+
 /** A live access token, for tests that write the journal by hand. */
 const token: Token = {
   kind: 'access',
@@ -389,7 +395,7 @@ describe('DATA_FILE: one process, one file', () => {
   it('refuses a file another running process has open, and takes over the lock of one that died', async () => {
     const file = join(directory, 'locked.jsonl')
     const other = spawn('sleep', ['30'])
-    await writeFile(`${file}.lock`, `${other.pid}\n`)
+    await writeFile(`${file}.lock`, `${other.pid} ${BOOT}\n`)
     await assert.rejects(
       FileStore.open(file, { log: () => {} }),
       (err: unknown) =>
@@ -400,9 +406,23 @@ describe('DATA_FILE: one process, one file', () => {
     other.kill('SIGKILL')
     await new Promise((resolve) => other.once('exit', resolve))
     const store = await FileStore.open(file, { log: () => {} }) // killed, as a crash leaves it: the lock is stale
-    assert.equal(await readFile(`${file}.lock`, 'utf8'), `${process.pid}\n`)
+    assert.equal(await readFile(`${file}.lock`, 'utf8'), `${process.pid} ${BOOT}\n`)
     await store.close()
     await assert.rejects(stat(`${file}.lock`), /ENOENT/)
+  })
+
+  it('takes over a lock made before the machine last started, whatever runs under its process id now', async (t) => {
+    if (BOOT === '') return t.skip('this system tells no boot id (/proc/sys/kernel/random/boot_id)')
+    const file = join(directory, 'locked-last-boot.jsonl')
+    const other = spawn('sleep', ['30']) // a process that happens to have the id the lock names
+    try {
+      await writeFile(`${file}.lock`, `${other.pid} 00000000-0000-0000-0000-000000000000\n`)
+      const store = await FileStore.open(file, { log: () => {} })
+      assert.equal(await readFile(`${file}.lock`, 'utf8'), `${process.pid} ${BOOT}\n`)
+      await store.close()
+    } finally {
+      other.kill('SIGKILL')
+    }
   })
 
   it('stops a second server on the same DATA_FILE with one line, and lets the first go on', async () => {
