@@ -1817,6 +1817,16 @@ describe('CORS for browser clients', () => {
     )
   })
 
+  it('lets a browser app read the Bearer and Basic challenges of a 401', async () => {
+    const userinfo = await fetch(`${latch.base}/userinfo`, { headers: { Origin: 'https://app.example' } })
+    assert.equal(userinfo.status, 401)
+    assert.equal(userinfo.headers.get('access-control-expose-headers'), 'WWW-Authenticate')
+    const basic = await post(`${latch.base}/token`, form({}), { Authorization: 'Basic eDp5' })
+    assert.equal(basic.status, 401)
+    assert.equal(basic.headers.get('access-control-expose-headers'), 'WWW-Authenticate')
+    assert.equal((await post(`${latch.base}/token`, form({}))).headers.get('access-control-expose-headers'), null)
+  })
+
   it('never allows other origins on the authorization request or the consent form', async () => {
     const page = await fetch(authorizationUrl(latch), { headers: { Origin: 'https://app.example' } })
     assert.equal(page.headers.get('access-control-allow-origin'), null)

@@ -2809,7 +2809,10 @@ function writeAnswer(res: ServerResponse, status: number, headers: OutgoingHttpH
 /** Sends an OAuth error as JSON. */
 function sendJsonError(res: ServerResponse, err: OAuthError): void {
   const error = err.error === NO_ERROR_CODE ? undefined : err.error
-  sendJson(res, err.status, { error, error_description: err.message }, err.headers)
+  // a browser app may read a challenge only once told it may
+  const challenged = err.headers?.['WWW-Authenticate'] !== undefined && (res as MarkedResponse)[CORS] === true
+  const headers = challenged ? { ...err.headers, 'Access-Control-Expose-Headers': 'WWW-Authenticate' } : err.headers
+  sendJson(res, err.status, { error, error_description: err.message }, headers)
 }
 
 /** Redirects with the given status (302 from `GET /auth`, 303 after a form). */
