@@ -630,6 +630,38 @@ describe('MemoryStore', () => {
     assert.ok(store.grants.has('g'))
   })
 
+  it('keeps the refresh token rotated last, whatever order the grant copies of two rotations are saved in', async () => {
+    const store = new MemoryStore()
+    await store.saveGrant('g', grant(99_000), 0)
+    await store.saveToken('r1', { ...token(99_000), kind: 'refresh' }, 0)
+    await store.saveToken('r2', { ...token(99_000), kind: 'refresh' }, 0)
+    const grace = (hash: string) => ({ kind: 'refresh' as const, hash, retriedSince: 0 })
+    // r1's rotation is redeemed first, but its grant is saved after r2's rotation: as a slow write does
+    assert.equal(store.redeem(grace('r1'), 1000), 'first')
+    assert.equal(store.redeem(grace('r2'), 2000), 'first')
+    store.keepIssued({
+      redeemed: grace('r2'),
+      grantId: 'g',
+      grant: { ...grant(99_000), lastRotated: 'r2' },
+      tokens: [],
+    })
+    store.keepIssued({
+      redeemed: grace('r1'),
+      grantId: 'g',
+      grant: { ...grant(99_000), lastRotated: 'r1' },
+      tokens: [],
+    })
+    assert.equal(store.redeem(grace('r2'), 3000), 'again')
+    assert.equal(store.redeem(grace('r1'), 3000), undefined)
+  })
+
+  it('serves a retry within the grace of a grant saved before Latch kept which token it rotated last', async () => {
+    const store = new MemoryStore()
+    await store.saveGrant('g', grant(99_000), 0) // no lastRotated, as a journal of an earlier Latch has it
+    await store.saveToken('r', { ...token(99_000), kind: 'refresh', usedAt: 1000 }, 0)
+    assert.equal(store.redeem({ kind: 'refresh', hash: 'r', retriedSince: 0 }, 2000), 'again')
+  })
+
   it('redeems a code once for a grant and its tokens, and never an expired code', async () => {
     const store = new MemoryStore()
     await store.saveCode('c', code(5000), 0)

@@ -49,7 +49,8 @@ import type {
 import { request as httpsRequest } from 'node:https'
 import { lookup } from 'node:dns/promises'
 import type { LookupAddress } from 'node:dns'
-import { BlockList, isIP, isIPv6 } from 'node:net'
+import { BlockList, connect, createServer as createNetServer, isIP, isIPv6 } from 'node:net'
+import type { Server as NetServer } from 'node:net'
 import {
   createHmac,
   createPublicKey,
@@ -61,8 +62,8 @@ import {
   verify,
 } from 'node:crypto'
 import type { JsonWebKey, KeyObject } from 'node:crypto'
-import { realpathSync, rmSync } from 'node:fs'
-import { mkdir, open, readFile, realpath, rename, rm, stat, truncate, writeFile } from 'node:fs/promises'
+import { realpathSync } from 'node:fs'
+import { mkdir, open, readFile, realpath, rename, rm, stat, truncate } from 'node:fs/promises'
 import type { FileHandle } from 'node:fs/promises'
 import { dirname } from 'node:path'
 import { fileURLToPath } from 'node:url'
@@ -3192,8 +3193,12 @@ async function findOwnerSession(req: IncomingMessage, ctx: Context): Promise<str
   return undefined
 }
 
-/** The most session cookies read from one request: a browser holds one, and a planted one or two besides. */
-const MAX_SESSION_COOKIES = 4
+/**
+ * The most session cookies read from one request: the browser's own, and what other pages of
+ * this host or its parent domains could plant for each path and domain that matches, each read
+ * for a hash and a lookup.
+ */
+const MAX_SESSION_COOKIES = 16
 
 /** What a session keeps of the password it was started with: enough to tell a new one, nothing to guess it by. */
 function passwordTag(passwordHash: string): string {
@@ -4395,8 +4400,9 @@ function findTagEnd(html: string, from: number): number {
  * characters are read, and a tag that limit cuts in two is dropped, not shown.
  */
 function elementText(html: string, element: HtmlElement): string {
-  const start = html.slice(element.textStart, Math.min(element.textEnd, element.textStart + 2_000))
-  return htmlText(start.replace(/<[^<>]*$/, ''))
+  const end = Math.min(element.textEnd, element.textStart + 2_000)
+  const text = html.slice(element.textStart, end)
+  return htmlText(end < element.textEnd ? text.replace(/<[^<>]*$/, '') : text) // a bare `<` is text, as in `I <3 it`
 }
 
 /** The attributes discovery reads; the rest are passed over, so a tag of many costs little. */
@@ -4599,7 +4605,8 @@ export class MemoryStore implements Store {
 
   /** Saves the grant and the tokens of an issue already redeemed. */
   keepIssued(issue: TokenIssue): void {
-    this.#putGrant(issue.grantId, issue.grant)
+    // which token was rotated last is as `redeem` left it: a copy saved after a later rotation must not undo it
+    this.#putGrant(issue.grantId, issue.grant, this.grants.get(issue.grantId)?.lastRotated ?? issue.grant.lastRotated)
     for (const [hash, token] of issue.tokens) this.#putToken(hash, token)
   }
 
@@ -4623,8 +4630,10 @@ export class MemoryStore implements Store {
       return 'first'
     }
     const since = redeemed.retriedSince
-    // a retry of the token rotated last, within the grace period (`usedAt` is in whole seconds, rounded down)
-    const retry = since !== undefined && (stored.usedAt + 1) * 1000 > since && grant?.lastRotated === redeemed.hash
+    // a retry of the token rotated last (any, for a grant saved before Latch kept which), within
+    // the grace period; `usedAt` is in whole seconds, rounded down
+    const last = grant?.lastRotated
+    const retry = since !== undefined && (stored.usedAt + 1) * 1000 > since && (last ?? redeemed.hash) === redeemed.hash
     return retry ? 'again' : undefined
   }
 
@@ -4719,10 +4728,10 @@ export class MemoryStore implements Store {
     return Math.min(MAX_SWEEP_BUDGET, Math.max(MIN_SWEEP_BUDGET, 2 * this.#savedSinceSweep))
   }
 
-  #putGrant(id: string, grant: Grant): void {
+  #putGrant(id: string, grant: Grant, lastRotated = grant.lastRotated): void {
     if (this.revokedGrants.has(id)) return // revoked while the request that saves it was under way
     this.#savedSinceSweep++
-    this.grants.set(id, new StoredGrant(grant, this.#shareApp(grant)))
+    this.grants.set(id, new StoredGrant(grant, this.#shareApp(grant), lastRotated))
   }
 
   #putToken(hash: string, token: Token): void {
@@ -5033,79 +5042,72 @@ async function writeAll(file: FileHandle, bytes: Buffer): Promise<void> {
   }
 }
 
-/** A journal's bytes; none when it does not exist yet. Anything but a file is refused. */
-async function readJournalFile(path: string): Promise<Buffer> {
-  const found = await stat(path).catch((err: NodeJS.ErrnoException) =>
-    err.code === 'ENOENT' ? undefined : Promise.reject(err),
-  )
-  if (found === undefined) return Buffer.alloc(0)
-  if (!found.isFile() && !found.isDirectory())
-    // a directory goes on to readFile's EISDIR, which `dataFileProblem` explains
-    throw new ConfigError(`DATA_FILE ${path} is not a file: name a file, or a path where one can be made`)
-  return readFile(path)
+/**
+ * Whether the bytes after a journal's last newline can be a write that a crash cut short: the
+ * start of a line as Latch writes them (`{"`, or its first byte alone), or zeros, which some file
+ * systems leave where data a power cut kept from the disk was to go.
+ */
+function isTornLine(tail: Buffer): boolean {
+  return '{"'.startsWith(tail.toString('latin1', 0, 2)) || tail.every((byte) => byte === 0)
 }
 
 /**
- * Makes `<DATA_FILE>.lock` before the journal is read, holding this process's id and, on Linux,
- * the id of this boot. Two processes appending to one journal would each lose the other's
- * changes: a compaction renames a new file over the one the other appends to. A lock whose
- * process no longer runs, or that was made before the machine last started (process ids start
- * over), is taken over; one that this process made is shared with it. On a full disk there is
- * no room for the lock: the store opens without one, with a warning, and serves what it holds.
+ * Holds a journal for this process, before it is read: two processes appending to one journal
+ * would each lose the other's changes, as a compaction renames a new file over the one the other
+ * appends to. The hold is a socket listening in Linux's abstract namespace under a name made from
+ * the file's real path: binding it is atomic, so of two servers started at once one wins, and the
+ * kernel lets go of it when the process ends, however it ends, so nothing is left to clean up.
+ * The holder answers a connection with its process id, for the other's message. A process that
+ * opens a journal it holds already (a test, an app that embeds Latch) shares the hold. Elsewhere
+ * than Linux, and between containers that do not share a network namespace, nothing is held.
  */
-async function lockDataFile(path: string, log: (line: string) => void): Promise<string | undefined> {
-  const lock = `${path}.lock`
-  const boot = await readFile('/proc/sys/kernel/random/boot_id', 'utf8').then(
-    (text) => text.trim(),
-    () => '', // not Linux: the process id alone
-  )
-  for (let tries = 0; ; tries++) {
-    try {
-      await writeFile(lock, `${process.pid} ${boot}\n`, { flag: 'wx', mode: 0o600 })
-      if (!process.listeners('exit').includes(removeHeldLocks)) process.once('exit', removeHeldLocks)
-      heldLocks.add(lock)
-      return lock
-    } catch (err) {
-      const { code } = err as NodeJS.ErrnoException
-      if (code === 'ENOSPC' || code === 'EDQUOT') {
-        await rm(lock, { force: true }).catch(() => {}) // made, but empty
-        log(`warning: the disk is full, so ${lock} could not be made; opening ${path} without it`)
-        return undefined
-      }
-      if (code !== 'EEXIST') throw err
-      if (tries === 2) throw new ConfigError(`DATA_FILE ${path} is being opened by another process: try again`)
-    }
-    const [pid, madeInBoot = ''] = (await readFile(lock, 'utf8').catch(() => '')).trim().split(' ')
-    const holder = Number.parseInt(pid, 10)
-    const sameBoot = madeInBoot === boot
-    if (holder === process.pid && sameBoot) return lock
-    if (holder > 0 && sameBoot && isRunning(holder))
-      throw new ConfigError(
-        `DATA_FILE ${path} is in use by process ${holder}: stop that server, or give this one another DATA_FILE ` +
-          `(if no Latch is running, remove ${lock})`,
-      )
-    await rm(lock, { force: true })
+async function holdJournal(path: string): Promise<string | undefined> {
+  if (process.platform !== 'linux') return undefined
+  const name = `\0latch-journal-${hash('sha256', path, 'base64url')}`
+  const held = heldJournals.get(name)
+  if (held !== undefined) {
+    held.users++
+    return name
   }
-}
-
-/** The locks this process made, removed however it exits. */
-const heldLocks = new Set<string>()
-
-function removeHeldLocks(): void {
-  for (const lock of heldLocks) rmSync(lock, { force: true })
-}
-
-async function unlockDataFile(lock: string | undefined): Promise<void> {
-  if (lock !== undefined && heldLocks.delete(lock)) await rm(lock, { force: true })
-}
-
-function isRunning(pid: number): boolean {
-  try {
-    process.kill(pid, 0) // no signal: only whether it could be sent
-    return true
-  } catch (err) {
-    return (err as NodeJS.ErrnoException).code === 'EPERM' // it runs, as another user
+  const server = createNetServer((socket) => socket.end(`${process.pid}\n`))
+  const bound = await new Promise<NodeJS.ErrnoException | undefined>((resolve) => {
+    server.once('error', resolve)
+    server.listen({ path: name }, () => resolve(undefined))
+  })
+  if (bound?.code === 'EADDRINUSE') {
+    const holder = await askHolder(name)
+    throw new ConfigError(
+      `DATA_FILE ${path} is in use by ${holder === undefined ? 'another process' : `process ${holder}`}: ` +
+        'stop that server, or give this one another DATA_FILE',
+    )
   }
+  if (bound !== undefined) return undefined // no socket to hold it with here: go on, as elsewhere than Linux
+  server.unref()
+  heldJournals.set(name, { server, users: 1 })
+  return name
+}
+
+/** The journals this process holds, by the name of the socket that holds each, and how many stores use it. */
+const heldJournals = new Map<string, { server: NetServer; users: number }>()
+
+function releaseJournal(name: string | undefined): void {
+  const held = name === undefined ? undefined : heldJournals.get(name)
+  if (held === undefined || --held.users > 0) return
+  heldJournals.delete(name as string)
+  held.server.close()
+}
+
+/** The process id that the holder of a journal answers with, or undefined after a second. */
+function askHolder(name: string): Promise<string | undefined> {
+  return new Promise((resolve) => {
+    let text = ''
+    const socket = connect({ path: name })
+    socket.setEncoding('utf8')
+    socket.setTimeout(1_000, () => socket.destroy())
+    socket.on('data', (chunk: string) => (text += chunk).length > 20 && socket.destroy())
+    socket.on('error', () => {})
+    socket.on('close', () => resolve(/^\d+\n$/.test(text) ? text.trim() : undefined))
+  })
 }
 
 async function syncDirectory(path: string): Promise<void> {
@@ -5138,14 +5140,14 @@ export class FileStore implements Store {
   /** After a failed compaction, how long the journal must grow before the next try. */
   #compactAfterLines = 0
   readonly #journal: Journal
-  readonly #lock: string | undefined
+  readonly #hold: string | undefined
   readonly #now: () => number
   readonly #log: (line: string) => void
 
-  private constructor(memory: MemoryStore, journal: Journal, lock: string | undefined, options: FileStoreOptions) {
+  private constructor(memory: MemoryStore, journal: Journal, hold: string | undefined, options: FileStoreOptions) {
     this.memory = memory
     this.#journal = journal
-    this.#lock = lock
+    this.#hold = hold
     this.#now = options.now ?? Date.now
     this.#log = options.log ?? console.log
   }
@@ -5153,20 +5155,26 @@ export class FileStore implements Store {
   /**
    * Opens (or creates, with mode 0600) a data file and replays it. A torn last line, left by a
    * crash mid-write, is dropped with a warning; any other unreadable line stops with its number.
-   * The file is this process's alone until `close` (see `lockDataFile`). A symlink is followed
+   * The file is this process's alone until `close` (see `holdJournal`). A symlink is followed
    * to its file, which compaction then replaces, not the link.
    */
   static async open(dataFile: string, options: FileStoreOptions = {}): Promise<FileStore> {
     const log = options.log ?? console.log
     const memory = new MemoryStore(options)
     await mkdir(dirname(dataFile), { recursive: true, mode: 0o700 })
-    const path = await realpath(dataFile).catch((err: NodeJS.ErrnoException) =>
-      err.code === 'ENOENT' ? dataFile : Promise.reject(err),
+    const found = await stat(dataFile).catch((err: NodeJS.ErrnoException) =>
+      err.code === 'ENOENT' ? undefined : Promise.reject(err),
     )
-    const lock = await lockDataFile(path, log)
+    // a directory goes on to open's EISDIR, which `dataFileProblem` explains; a pipe would never open
+    if (found !== undefined && !found.isFile() && !found.isDirectory())
+      throw new ConfigError(`DATA_FILE ${dataFile} is not a file: name a file, or a path where one can be made`)
+    const file = await open(dataFile, 'a', 0o600) // made now if need be, through a symlink too
+    let hold: string | undefined
     try {
+      const path = await realpath(dataFile) // compaction replaces the file a symlink points to, not the link
+      hold = await holdJournal(path)
       await rm(`${path}.compacting`, { force: true }) // left by a process stopped mid-compaction
-      const bytes = await readJournalFile(path)
+      const bytes = await readFile(path)
       // Lines are cut at newline bytes and decoded one by one: a file may hold more than a
       // string can, and a stray byte that is not UTF-8 must not move the cut below.
       const end = bytes.lastIndexOf(0x0a) + 1 // what follows the last newline is a write cut short, if anything
@@ -5185,8 +5193,7 @@ export class FileStore implements Store {
         start = stop + 1
       }
       if (end < bytes.length) {
-        // every line Latch writes begins so: anything else is not a journal that a crash cut short
-        if (bytes.toString('latin1', end, end + 2) !== '{"')
+        if (!isTornLine(bytes.subarray(end)))
           throw new ConfigError(
             `${path} does not end as a Latch journal does: ` +
               'restore the file from a backup, or move it away to start empty',
@@ -5194,12 +5201,12 @@ export class FileStore implements Store {
         log(`warning: ${path} ends with an incomplete line, as a crash mid-write leaves it; dropping it`)
         await truncate(path, end)
       }
-      const file = await open(path, 'a', 0o600)
       await syncDirectory(dirname(path))
       const { size } = await file.stat()
-      return new FileStore(memory, new Journal(path, file, size, lines, log), lock, options)
+      return new FileStore(memory, new Journal(path, file, size, lines, log), hold, options)
     } catch (err) {
-      await unlockDataFile(lock)
+      releaseJournal(hold)
+      await file.close()
       throw err
     }
   }
@@ -5351,7 +5358,7 @@ export class FileStore implements Store {
   async close(): Promise<void> {
     await this.compaction
     await this.#journal.close()
-    await unlockDataFile(this.#lock)
+    releaseJournal(this.#hold)
   }
 
   /** Appends changes, then compacts once the file holds far more lines than live entries. */
@@ -5672,13 +5679,13 @@ class StoredGrant {
   readonly expiresAt: number
   lastRotated: string | undefined
 
-  constructor(grant: Grant, app: GrantedApp) {
+  constructor(grant: Grant, app: GrantedApp, lastRotated: string | undefined) {
     this.app = app
     this.approvedAt = toSeconds(grant.approvedAt)
     this.lastUsedAt = toSeconds(grant.lastUsedAt)
     this.endsAt = grant.endsAt === undefined ? undefined : toSeconds(grant.endsAt, 'up')
     this.expiresAt = toSeconds(grant.expiresAt, 'up')
-    this.lastRotated = grant.lastRotated
+    this.lastRotated = lastRotated
   }
 
   toGrant(): Grant {

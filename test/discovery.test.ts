@@ -648,6 +648,11 @@ describe('Discovery parsers and address rules', () => {
       'https://a.example/',
     )
     assert.equal(page.name, undefined) // the first 2,000 characters hold tags only
+    const hearts = readClientPage(
+      '<div class="h-app"><span class="p-name">I <3 Latch</span></div>',
+      'https://a.example/',
+    )
+    assert.equal(hearts.name, 'I <3 Latch') // nothing was cut: a bare < is text
   })
 
   it('cleans a name to one line of plain text, at most 100 characters, never half a character', () => {
