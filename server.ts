@@ -4605,8 +4605,10 @@ export class MemoryStore implements Store {
 
   /** Saves the grant and the tokens of an issue already redeemed. */
   keepIssued(issue: TokenIssue): void {
+    const { redeemed, grantId, grant } = issue
     // which token was rotated last is as `redeem` left it: a copy saved after a later rotation must not undo it
-    this.#putGrant(issue.grantId, issue.grant, this.grants.get(issue.grantId)?.lastRotated ?? issue.grant.lastRotated)
+    const lastRotated = redeemed.kind === 'refresh' ? this.grants.get(grantId)?.lastRotated : undefined
+    this.#putGrant(grantId, grant, lastRotated ?? grant.lastRotated)
     for (const [hash, token] of issue.tokens) this.#putToken(hash, token)
   }
 
