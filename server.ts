@@ -4834,7 +4834,8 @@ function live<T extends { expiresAt: number }>(entry: T | undefined, now: number
 // compaction run while writes go on. A change is on disk (fsync'd) before the response that
 // depends on it is sent, and the changes made in one turn of the event loop share one fsync.
 // Pending authorization requests are not kept: they live ten minutes, and a person who meets a
-// restart simply starts again.
+// restart simply starts again. One process at a time holds a journal (`holdJournal`): two
+// appending to one file would each lose what the other wrote.
 
 /** One change to one entry. */
 type JournalRecord =
