@@ -63,7 +63,7 @@ import {
 } from 'node:crypto'
 import type { JsonWebKey, KeyObject } from 'node:crypto'
 import { realpathSync } from 'node:fs'
-import { mkdir, open, readFile, realpath, rename, rm, stat, truncate } from 'node:fs/promises'
+import { mkdir, open, readFile, readdir, readlink, realpath, rename, rm, stat, truncate } from 'node:fs/promises'
 import type { FileHandle } from 'node:fs/promises'
 import { dirname } from 'node:path'
 import { fileURLToPath } from 'node:url'
@@ -5060,11 +5060,14 @@ function isTornLine(tail: Buffer): boolean {
  * appends to. The hold is a socket listening in Linux's abstract namespace under a name made from
  * the file's real path: binding it is atomic, so of two servers started at once one wins, and the
  * kernel lets go of it when the process ends, however it ends, so nothing is left to clean up.
- * The holder answers a connection with its process id, for the other's message. A process that
- * opens a journal it holds already (a test, an app that embeds Latch) shares the hold. Elsewhere
- * than Linux, and between containers that do not share a network namespace, nothing is held.
+ * The holder answers a connection with its process id, for the other's message. Any local user
+ * may bind such a name, so a holder counts only if that process has the file open, which only
+ * its owner can see: a name taken by a stranger is passed over with a warning, not obeyed. A
+ * process that opens a journal it holds already (a test, an app that embeds Latch) shares the
+ * hold. Elsewhere than Linux, and between containers that do not share a network namespace,
+ * nothing is held.
  */
-async function holdJournal(path: string): Promise<string | undefined> {
+async function holdJournal(path: string, log: (line: string) => void): Promise<string | undefined> {
   if (process.platform !== 'linux') return undefined
   const name = `\0latch-journal-${hash('sha256', path, 'base64url')}`
   const held = heldJournals.get(name)
@@ -5079,10 +5082,12 @@ async function holdJournal(path: string): Promise<string | undefined> {
   })
   if (bound?.code === 'EADDRINUSE') {
     const holder = await askHolder(name)
-    throw new ConfigError(
-      `DATA_FILE ${path} is in use by ${holder === undefined ? 'another process' : `process ${holder}`}: ` +
-        'stop that server, or give this one another DATA_FILE',
-    )
+    if (holder !== undefined && (await hasOpen(holder, path)))
+      throw new ConfigError(
+        `DATA_FILE ${path} is in use by process ${holder}: stop that server, or give this one another DATA_FILE`,
+      )
+    log(`warning: a process that does not have ${path} open holds its name; opening it without a hold`)
+    return undefined
   }
   if (bound !== undefined) return undefined // no socket to hold it with here: go on, as elsewhere than Linux
   server.unref()
@@ -5098,6 +5103,13 @@ function releaseJournal(name: string | undefined): void {
   if (held === undefined || --held.users > 0) return
   heldJournals.delete(name as string)
   held.server.close()
+}
+
+/** Whether a process has the file open: readable only for its owner's processes (and root's). */
+async function hasOpen(pid: string, path: string): Promise<boolean> {
+  const fds = await readdir(`/proc/${pid}/fd`).catch(() => [])
+  for (const fd of fds) if ((await readlink(`/proc/${pid}/fd/${fd}`).catch(() => '')) === path) return true
+  return false
 }
 
 /** The process id that the holder of a journal answers with, or undefined after a second. */
@@ -5175,7 +5187,7 @@ export class FileStore implements Store {
     let hold: string | undefined
     try {
       const path = await realpath(dataFile) // compaction replaces the file a symlink points to, not the link
-      hold = await holdJournal(path)
+      hold = await holdJournal(path, log)
       await rm(`${path}.compacting`, { force: true }) // left by a process stopped mid-compaction
       const bytes = await readFile(path)
       // Lines are cut at newline bytes and decoded one by one: a file may hold more than a

@@ -420,7 +420,7 @@ describe('DATA_FILE: one process, one file', () => {
         '--import',
         'tsx',
         '-e',
-        `import('./server.ts').then((m) => m.FileStore.open(${JSON.stringify(file)})).then(() => { console.log('held'); setInterval(() => {}, 60_000) })`,
+        `import('./server.ts').then((m) => m.FileStore.open(${JSON.stringify(file)})).then((store) => { globalThis.store = store; console.log('held'); setInterval(() => {}, 60_000) })`,
       ],
       { stdio: ['ignore', 'pipe', 'inherit'] },
     )
@@ -443,6 +443,30 @@ describe('DATA_FILE: one process, one file', () => {
     await store.close()
   })
 
+  it('passes over, with a warning, a hold taken by a process that does not have the journal open', async (t) => {
+    if (process.platform !== 'linux') return t.skip('a journal is held through a Linux abstract socket')
+    const file = join(directory, 'squatted.jsonl')
+    // any local user can bind an abstract name: a stranger who takes the hold's first says its own id
+    const name = `\0latch-journal-${createHash('sha256').update(file).digest('base64url')}`
+    const squatter = spawn(
+      process.execPath,
+      [
+        '-e',
+        `require('net').createServer((s) => s.end(process.pid + '\\n')).listen(${JSON.stringify(name)}, () => console.log('bound'))`,
+      ],
+      { stdio: ['ignore', 'pipe', 'inherit'] },
+    )
+    try {
+      await new Promise((resolve) => squatter.stdout.once('data', resolve))
+      const logs: string[] = []
+      const store = await FileStore.open(file, { log: (line) => logs.push(line) })
+      assert.match(logs.join('\n'), /warning: a process that does not have .*squatted\.jsonl open holds its name/)
+      await store.close()
+    } finally {
+      squatter.kill('SIGKILL')
+    }
+  })
+
   it('lets only one of several processes that open a journal at the same moment hold it', async (t) => {
     if (process.platform !== 'linux') return t.skip('a journal is held through a Linux abstract socket')
     for (let round = 0; round < 5; round++) {
@@ -450,7 +474,8 @@ describe('DATA_FILE: one process, one file', () => {
       // each loads Latch, says so, and opens the journal when told to: all of them in the same moment
       const opening =
         `import('./server.ts').then((m) => { console.log('ready'); process.stdin.once('data', () => ` +
-        `m.FileStore.open(${JSON.stringify(file)}).then(() => { console.log('held'); setInterval(() => {}, 60_000) }, ` +
+        `m.FileStore.open(${JSON.stringify(file)}).then((store) => { globalThis.store = store; console.log('held'); ` +
+        `setInterval(() => {}, 60_000) }, ` +
         `(err) => console.log(err.message))) })`
       const children = Array.from({ length: 4 }, () =>
         spawn(process.execPath, ['--import', 'tsx', '-e', opening], { stdio: ['pipe', 'pipe', 'inherit'] }),
