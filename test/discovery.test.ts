@@ -11,10 +11,10 @@ import { connect } from 'node:net'
 import type { AddressInfo, Socket } from 'node:net'
 import type { LookupAddress } from 'node:dns'
 import { performance } from 'node:perf_hooks'
-import { setTimeout as delay } from 'node:timers/promises'
 import * as latchModule from '../server.ts'
 import { addressProblem, createHandler, loadConfig, readClientPage, readLinkHeader, scanHtml } from '../server.ts'
 import type { ClientFetchOptions } from '../server.ts'
+import { until } from './harness.ts'
 
 const CHALLENGE = 'E9Melhoa2OwvFrEMTJguCHaoeK1t8URWbuGJSstw-cM'
 const PUBLIC_ADDRESS = '93.184.215.14'
@@ -270,16 +270,6 @@ async function assertNotFetched(latch: Latch, response: Response, clientId: stri
 
 function fetchesOf(host: string): number {
   return requests.filter((request) => request === `${host} /`).length
-}
-
-/** Polls a condition every few milliseconds for at most `ms`; says whether it came true. */
-async function until(condition: () => boolean, ms = 5_000): Promise<boolean> {
-  const deadline = performance.now() + ms
-  while (!condition()) {
-    if (performance.now() > deadline) return false
-    await delay(5)
-  }
-  return true
 }
 
 // --- Tests ------------------------------------------------------------------------------------
@@ -579,8 +569,7 @@ describe('Discovery while host names do not resolve', () => {
         /too many host names are being resolved at once/,
       )
       assert.equal(fetchesOf('json.example'), before)
-      for (const settle of stuck.splice(0)) settle()
-      await delay(10)
+      for (const settle of stuck.splice(0)) settle() // each counts down as its rejection is handled, before the next request
       assert.equal((await authorize(latch, 'http://json.example/', 'https://other.example/callback')).status, 200) // not remembered
       assert.equal(fetchesOf('json.example'), before + 1)
     } finally {

@@ -15,6 +15,7 @@ import { tmpdir } from 'node:os'
 import { dirname, join } from 'node:path'
 import { ConfigError, FileStore, createHandler, loadConfig } from '../server.ts'
 import type { Token } from '../server.ts'
+import { until } from './harness.ts'
 
 const VERIFIER = 'dBjftJeZ4CVP-mB92K27uhbUJU1p1r_wW1gFWFOEjXk'
 const CHALLENGE = 'E9Melhoa2OwvFrEMTJguCHaoeK1t8URWbuGJSstw-cM'
@@ -84,16 +85,6 @@ async function obtainTokens(base: string): Promise<{ access_token: string; refre
 async function isActive(base: string, token: string): Promise<boolean> {
   const response = await post(`${base}/introspect`, form({ token }))
   return ((await response.json()) as { active: boolean }).active
-}
-
-/** Polls a condition every few milliseconds for at most `ms`; says whether it came true. */
-async function until(condition: () => boolean, ms = 20_000): Promise<boolean> {
-  const deadline = performance.now() + ms
-  while (!condition()) {
-    if (performance.now() > deadline) return false
-    await new Promise((resolve) => setTimeout(resolve, 5))
-  }
-  return true
 }
 
 // --- In process ----------------------------------------------------------------------------
@@ -486,9 +477,9 @@ describe('DATA_FILE: one process, one file', () => {
         return lines
       })
       try {
-        await until(() => said.every((lines) => lines.includes('ready')))
+        await until(() => said.every((lines) => lines.includes('ready')), 20_000)
         for (const child of children) child.stdin.write('go\n')
-        await until(() => said.every((lines) => lines.length === 2))
+        await until(() => said.every((lines) => lines.length === 2), 20_000)
         const outcomes = said.map((lines) => lines[1])
         assert.equal(outcomes.filter((outcome) => outcome === 'held').length, 1, outcomes.join('\n'))
         for (const outcome of outcomes) if (outcome !== 'held') assert.match(outcome, /is in use by process \d+/)

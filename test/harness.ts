@@ -2,6 +2,7 @@
 // moves by hand and the log kept in memory, where assertions can read it.
 
 import { createServer } from 'node:http'
+import { setTimeout as delay } from 'node:timers/promises'
 import type { IncomingMessage, Server, ServerResponse } from 'node:http'
 import type { AddressInfo } from 'node:net'
 import { createHandler, loadConfig } from '../server.ts'
@@ -59,4 +60,14 @@ export async function listen(handler: (req: IncomingMessage, res: ServerResponse
 export function close({ server }: Listening): Promise<void> {
   server.closeAllConnections()
   return new Promise((resolve) => server.close(() => resolve()))
+}
+
+/** Polls a condition every few milliseconds for at most `ms`; says whether it came true. */
+export async function until(condition: () => boolean, ms = 5_000): Promise<boolean> {
+  const deadline = performance.now() + ms
+  while (!condition()) {
+    if (performance.now() > deadline) return false
+    await delay(5)
+  }
+  return true
 }
