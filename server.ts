@@ -4165,11 +4165,17 @@ export async function discoverClient(
   const redirectUris = [...document.redirectUris, ...linked]
     .filter((uri) => uri.length <= MAX_URL_LENGTH)
     .slice(0, MAX_REDIRECT_URIS) // what a client publishes is kept, so it is bounded
+  // A logo that could not be fetched leaves the page shown without it, and kept no longer than a
+  // failure is remembered: a logo host down for a moment does not hide the logo for a day.
+  let logoFailed = false
   const logo =
-    document.logoUrl === undefined ? undefined : await fetchLogo(document.logoUrl, options).catch(() => undefined)
+    document.logoUrl === undefined
+      ? undefined
+      : await fetchLogo(document.logoUrl, options).catch(() => void (logoFailed = true))
+  const maxAgeSeconds = cacheLifetime(fetched.headers, Date.now())
   return {
     info: { name: document.name, url: document.url, logo, redirectUris, metadataDocument },
-    maxAgeSeconds: cacheLifetime(fetched.headers, Date.now()),
+    maxAgeSeconds: logoFailed ? Math.min(maxAgeSeconds, FAILED_CLIENT_MEMORY_SECONDS) : maxAgeSeconds,
   }
 }
 

@@ -26,6 +26,7 @@ const PNG = Buffer.from(
 // --- The client sites ------------------------------------------------------------------
 
 const requests: string[] = [] // `host path` of every request the sites received
+let logoDown = false // flakylogo.example's logo answers 503 while set
 
 function sendJson(res: ServerResponse, body: unknown, headers: Record<string, string> = {}): void {
   res.writeHead(200, { 'Content-Type': 'application/json', ...headers })
@@ -140,6 +141,21 @@ function site(req: IncomingMessage, res: ServerResponse): void {
         logo_uri: '/huge.png',
         redirect_uris: ['https://other.example/callback'],
       })
+    case 'flakylogo.example':
+      if (req.url === '/flaky.png') {
+        res.writeHead(logoDown ? 503 : 200, { 'Content-Type': 'image/png' })
+        return void res.end(logoDown ? undefined : PNG)
+      }
+      return sendJson(
+        res,
+        {
+          client_id: 'http://flakylogo.example/',
+          client_name: 'Flaky Logo',
+          logo_uri: '/flaky.png',
+          redirect_uris: ['https://other.example/callback'],
+        },
+        { 'Cache-Control': 'max-age=86400' },
+      )
     case 'failing.example':
       res.writeHead(500)
       return void res.end()
@@ -404,6 +420,26 @@ describe('Client discovery (IndieAuth §4.2)', () => {
       assert.equal(response.status, 200, html)
       assert.match(html, /<strong><bdi>(Bad|Big) Logo<\/bdi><\/strong>/)
       assert.doesNotMatch(html, /<img/)
+    }
+  })
+
+  it('keeps a page whose logo could not be fetched for 30 seconds only, not for its own day', async () => {
+    const flaky = () => authorize(latch, 'http://flakylogo.example/', 'https://other.example/callback')
+    logoDown = true
+    try {
+      const first = await flaky()
+      assert.equal(first.status, 200)
+      assert.doesNotMatch(await first.text(), /<img/)
+      assert.equal(fetchesOf('flakylogo.example'), 1)
+      logoDown = false
+      await (await flaky()).arrayBuffer()
+      assert.equal(fetchesOf('flakylogo.example'), 1) // still kept
+      latch.advance(31)
+      const later = await flaky()
+      assert.ok((await later.text()).includes(`src="data:image/png;base64,${PNG.toString('base64')}"`))
+      assert.equal(fetchesOf('flakylogo.example'), 2)
+    } finally {
+      logoDown = false
     }
   })
 
