@@ -1979,6 +1979,22 @@ describe('Sign-in sessions and connected apps', () => {
     assert.doesNotMatch(html, /type="password"/)
   })
 
+  it('signs in and approves among CSRF cookies of the same name that a page on another port set for longer paths', async () => {
+    const csrf = createSecret()
+    // sent first, as the browser does for a longer path: each of Latch's posts would be refused
+    const cookie = `latch_csrf=${createSecret()}; latch_csrf=${createSecret()}; latch_csrf=${csrf}`
+    const signedIn = await post(`${latch.base}/sign-in`, form({ csrf, password }), { Cookie: cookie })
+    assert.equal(signedIn.status, 303)
+    const consent = await openConsent(latch, {}, `latch_csrf=${csrf}`)
+    const approved = await post(
+      `${latch.base}/auth/consent`,
+      form({ request: consent.request, csrf: consent.csrf, scope: 'create', decision: 'approve', password }),
+      { Cookie: cookie },
+    )
+    assert.equal(approved.status, 303)
+    assert.ok(new URL(approved.headers.get('location') ?? '').searchParams.get('code'))
+  })
+
   it('answers a wrong password at sign-in with 401 and the form again', async () => {
     const csrf = createSecret()
     const response = await post(`${latch.base}/sign-in`, form({ csrf, password: 'wrong' }), {

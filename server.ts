@@ -1167,7 +1167,7 @@ async function handleConsent(req: IncomingMessage, res: ServerResponse, ctx: Con
     throw new OAuthError('invalid_request', 'This sign-in request is unknown or has expired: start again from the app')
   noteClient(res, request.client_id)
   const visitor = await requireFormToken(form, req, ctx)
-  if (!safeEqual(hashSecret(readCookie(req, csrfCookieName(ctx.config)) ?? ''), request.csrfHash)) {
+  if (!readCsrfCookies(req, ctx.config).some((cookie) => safeEqual(hashSecret(cookie), request.csrfHash))) {
     throw new OAuthError(
       'access_denied',
       'This sign-in request was opened in another browser: start again from the app',
@@ -2735,10 +2735,6 @@ function queryOf(target: string): Params {
   return parseForm(query === -1 ? '' : target.slice(query + 1))
 }
 
-function readCookie(req: IncomingMessage, name: string): string | undefined {
-  return readCookies(req, name, 1)[0]
-}
-
 /**
  * Up to `max` values of the cookies of one name, in the order the browser sent them. A page on
  * another port of this host can set a cookie of the same name (browsers do not keep ports
@@ -3138,8 +3134,7 @@ type Visitor = { csrf: string; session: string | undefined; signedIn: boolean }
 
 /** Reads the visitor of a page. The CSRF value is the browser's own when it has one, so two open tabs both work. */
 async function readVisitor(req: IncomingMessage, ctx: Context): Promise<Visitor> {
-  const cookie = readCookie(req, csrfCookieName(ctx.config))
-  const csrf = cookie !== undefined && /^[A-Za-z0-9_-]{43}$/.test(cookie) ? cookie : createSecret()
+  const csrf = readCsrfCookies(req, ctx.config)[0] ?? createSecret()
   const session = await findOwnerSession(req, ctx)
   return { csrf, session, signedIn: ctx.config.passwordHash === undefined || session !== undefined }
 }
@@ -3158,14 +3153,17 @@ async function requireFormToken(form: Params, req: IncomingMessage, ctx: Context
   // sent by browsers since 2023: a form of this server's own pages is same-origin
   const site = req.headers['sec-fetch-site']
   const sent = site === undefined || site === 'same-origin' ? getParam(form, 'csrf') : undefined
-  const cookie = readCookie(req, csrfCookieName(ctx.config))
+  const cookies = readCsrfCookies(req, ctx.config)
   const session = await findOwnerSession(req, ctx)
+  // signed out, the form carries one of the browser's CSRF cookies; signed in, the session's token
+  const csrf =
+    session === undefined ? cookies.find((cookie) => sent !== undefined && safeEqual(sent, cookie)) : (cookies[0] ?? '')
   const visitor = {
-    csrf: cookie ?? '',
+    csrf: csrf ?? '',
     session,
     signedIn: ctx.config.passwordHash === undefined || session !== undefined,
   }
-  if (sent === undefined || (session === undefined && cookie === undefined) || !safeEqual(sent, formToken(visitor))) {
+  if (sent === undefined || csrf === undefined || !safeEqual(sent, formToken(visitor))) {
     throw new OAuthError(
       'access_denied',
       'This form was not sent from a page of this server in this browser: go back, reload the page and try again',
@@ -3179,13 +3177,24 @@ async function requireFormToken(form: Params, req: IncomingMessage, ctx: Context
 }
 
 /**
+ * The browser's CSRF cookies, well formed: its own, and any a page on another port of this host
+ * planted for a longer path, which the browser sends first. Any of them may be the one a form
+ * carries; a planted one proves nothing, but a page that can plant one can replace ours anyway.
+ */
+function readCsrfCookies(req: IncomingMessage, config: Config): string[] {
+  return readCookies(req, csrfCookieName(config), MAX_COOKIES_OF_A_NAME).filter((value) =>
+    /^[A-Za-z0-9_-]{43}$/.test(value),
+  )
+}
+
+/**
  * The value of the browser's session cookie when it names a live session started with the
  * current password: a new `PASSWORD_HASH` ends every session made with the old one.
  */
 async function findOwnerSession(req: IncomingMessage, ctx: Context): Promise<string | undefined> {
   if (ctx.config.passwordHash === undefined) return undefined
   // any of a few cookies of the name: one planted by another page on this host must not sign the owner out
-  for (const value of readCookies(req, sessionCookieName(ctx.config), MAX_SESSION_COOKIES)) {
+  for (const value of readCookies(req, sessionCookieName(ctx.config), MAX_COOKIES_OF_A_NAME)) {
     const session = await ctx.store.findSession(hashSecret(value), ctx.now())
     // a session of an old password is ignored, not deleted here: a read writes nothing, and it expires
     if (session !== undefined && session.passwordTag === passwordTag(ctx.config.passwordHash)) return value
@@ -3194,11 +3203,11 @@ async function findOwnerSession(req: IncomingMessage, ctx: Context): Promise<str
 }
 
 /**
- * The most session cookies read from one request: the browser's own, and what other pages of
- * this host or its parent domains could plant for each path and domain that matches, each read
- * for a hash and a lookup.
+ * The most cookies of one name read from one request: the browser's own, and what other pages
+ * of this host or its parent domains could plant for each path and domain that matches. A
+ * session cookie is read for a hash and a lookup each.
  */
-const MAX_SESSION_COOKIES = 16
+const MAX_COOKIES_OF_A_NAME = 16
 
 /** What a session keeps of the password it was started with: enough to tell a new one, nothing to guess it by. */
 function passwordTag(passwordHash: string): string {
