@@ -4295,10 +4295,15 @@ export function readClientPage(html: string, pageUrl: string): ClientDocument {
   const nameElement = inside.find((element) => hasToken(element.attributes.class, 'p-name'))
   const logoElement = inside.find((element) => hasToken(element.attributes.class, 'u-logo'))
   const logo = logoElement?.attributes.src ?? logoElement?.attributes.href
-  const url = inside.find((element) => hasToken(element.attributes.class, 'u-url'))?.attributes.href
+  const href = inside.find((element) => hasToken(element.attributes.class, 'u-url'))?.attributes.href
+  const url = href === undefined ? undefined : resolveUrl(href, pageUrl)
   return {
     name: cleanName(elementText(html, nameElement ?? elements[app])),
-    url: url === undefined ? undefined : resolveUrl(url, pageUrl),
+    // shown as the app's own: only on the page's origin, as the JSON's client_uri is a prefix of client_id
+    url:
+      url !== undefined && url.length <= MAX_URL_LENGTH && new URL(url).origin === new URL(pageUrl).origin
+        ? url
+        : undefined,
     logoUrl: logo === undefined ? undefined : resolveUrl(logo, pageUrl),
     redirectUris,
   }
@@ -4474,12 +4479,15 @@ function resolveUrl(href: string, base: string): string | undefined {
   return URL.canParse(href.trim(), base) ? new URL(href.trim(), base).href : undefined
 }
 
-/** A name as the consent page shows it: one line of plain text (`plainText`), at most 100 characters. */
+/**
+ * A name as the consent page shows it: one line of plain text (`plainText`), at most 100
+ * characters. A copy: a name cut from a page would otherwise keep the whole page in memory.
+ */
 export function cleanName(name: string): string | undefined {
   const clean = plainText(name)
     .slice(0, 100)
     .replace(/[\ud800-\udbff]$/, '') // not half a character cut by the slice
-  return clean === '' ? undefined : clean
+  return clean === '' ? undefined : detached(clean)
 }
 
 /**

@@ -11,6 +11,8 @@ import { connect } from 'node:net'
 import type { AddressInfo, Socket } from 'node:net'
 import type { LookupAddress } from 'node:dns'
 import { performance } from 'node:perf_hooks'
+import { setFlagsFromString } from 'node:v8'
+import { runInNewContext } from 'node:vm'
 import * as latchModule from '../server.ts'
 import { addressProblem, createHandler, loadConfig, readClientPage, readLinkHeader, scanHtml } from '../server.ts'
 import type { ClientFetchOptions } from '../server.ts'
@@ -624,6 +626,36 @@ describe('Discovery parsers and address rules', () => {
     assert.equal(page.name, 'My App home')
     assert.equal(page.url, 'https://a.example/home')
     assert.deepEqual(page.redirectUris, [])
+  })
+
+  it('keeps a name apart from the page it was read from: a pending request holds the name, not 256 KiB', () => {
+    setFlagsFromString('--expose-gc')
+    const gc = runInNewContext('gc') as () => void
+    const pageSize = 256 * 1024
+    // a name of 13 characters or more, left as it is by the cleaning: V8 would keep it as a slice of the page
+    const page = (i: number) => `<div class="h-app"><span class="p-name">NameWithoutSpaces${i}</span></div>`
+    gc()
+    const before = process.memoryUsage().heapUsed
+    const names = Array.from({ length: 40 }, (_, i) =>
+      readClientPage(`${page(i)}${'x'.repeat(pageSize)}`, 'https://a.example/'),
+    ).map((document) => document.name)
+    gc()
+    const kept = process.memoryUsage().heapUsed - before
+    assert.equal(names[39], 'NameWithoutSpaces39')
+    assert.ok(kept < (40 * pageSize) / 10, `40 names kept ${kept} bytes`)
+  })
+
+  it("shows an h-app's u-url only on the client's own origin, and not past 2,048 characters", () => {
+    const read = (href: string) =>
+      readClientPage(
+        `<div class="h-app"><a class="u-url p-name" href="${href}">App</a></div>`,
+        'https://a.example/app/',
+      ).url
+    assert.equal(read('/'), 'https://a.example/')
+    assert.equal(read('https://a.example/about'), 'https://a.example/about')
+    assert.equal(read('https://bank.example/'), undefined)
+    assert.equal(read('javascript:alert(1)'), undefined)
+    assert.equal(read(`/${'a'.repeat(2048)}`), undefined)
   })
 
   it('stops at 10,000 tags and never leaves a tag unclosed past the end, however hostile the page', () => {
