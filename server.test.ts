@@ -45,7 +45,7 @@ import {
   withPasswordSlot,
 } from './server.ts'
 import type { AuthorizationCode, Grant, Passkey, PasswordAttempts, PasswordSlots, Token } from './server.ts'
-import { START, startLatch } from './test/harness.ts'
+import { START, startLatch, until } from './test/harness.ts'
 import type { TestServer } from './test/harness.ts'
 
 // --- Harness ----------------------------------------------------------------------
@@ -2459,6 +2459,35 @@ describe('Slow clients', () => {
     await new Promise((resolve) => server.close(resolve))
     return { closedAfterMs: Date.now() - started, answer }
   }
+
+  it(
+    'takes at most 1,000 connections at once, drops the next at once, and takes one again when one closes',
+    { timeout: 30_000 },
+    async () => {
+      const server = createLatchServer()
+      server.on('request', createHandler({ config: loadConfig({ DATA_FILE: 'memory' }), log: () => {} }))
+      await new Promise<void>((resolve) => server.listen(0, '127.0.0.1', resolve))
+      const port = (server.address() as AddressInfo).port
+      const open = () => connect(port, '127.0.0.1').on('error', () => {})
+      const held = Array.from({ length: 1000 }, open)
+      const connections = () => new Promise<number>((resolve) => server.getConnections((_err, count) => resolve(count)))
+      let count = 0
+      try {
+        await until(() => (void connections().then((now) => (count = now)), count === 1000), 10_000)
+        assert.equal(count, 1000)
+        const extra = open()
+        await new Promise((resolve) => extra.on('close', resolve)) // closed by the server, without waiting
+        held[0].destroy()
+        await until(() => (void connections().then((now) => (count = now)), count === 999), 10_000)
+        const metadata = await fetch(`http://127.0.0.1:${port}/.well-known/oauth-authorization-server`)
+        assert.equal(metadata.status, 200)
+      } finally {
+        for (const socket of held) socket.destroy()
+        server.closeAllConnections()
+        await new Promise((resolve) => server.close(resolve))
+      }
+    },
+  )
 
   it('closes a connection whose headers never finish (slowloris)', async () => {
     const { closedAfterMs, answer } = await holdOpen('GET / HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Slow: ')

@@ -6229,9 +6229,16 @@ const SERVER_TIMEOUTS: ServerTimeouts = {
 }
 
 /**
+ * The most connections open at once: a person's server needs a few dozen. Each costs some 7 KB
+ * while it waits for its request, and closing many at once stalls node:http, so a stranger who
+ * opens them by the thousand must not be kept. Past it, a new connection is closed at once.
+ */
+const MAX_CONNECTIONS = 1_000
+
+/**
  * An http server whose slow clients cannot hold a connection for long (slowloris): headers
- * within 10 s, the whole request within 30 s, 5 s idle between requests, checked every second.
- * Attach the handler with `server.on('request', handler)`.
+ * within 10 s, the whole request within 30 s, 5 s idle between requests, checked every second;
+ * and at most MAX_CONNECTIONS at once. Attach the handler with `server.on('request', handler)`.
  */
 export function createLatchServer(timeouts: ServerTimeouts = SERVER_TIMEOUTS): Server {
   const server = createServer({
@@ -6240,6 +6247,7 @@ export function createLatchServer(timeouts: ServerTimeouts = SERVER_TIMEOUTS): S
     keepAliveTimeout: timeouts.keepAliveMs,
     connectionsCheckingInterval: timeouts.checkEveryMs,
   })
+  server.maxConnections = MAX_CONNECTIONS
   return server
 }
 
