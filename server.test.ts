@@ -9,6 +9,7 @@ import { createHash } from 'node:crypto'
 import { Agent, createServer, request } from 'node:http'
 import { connect } from 'node:net'
 import type { AddressInfo } from 'node:net'
+import { Writable } from 'node:stream'
 import { fileURLToPath } from 'node:url'
 import { mkdtemp, rm } from 'node:fs/promises'
 import { tmpdir } from 'node:os'
@@ -1789,7 +1790,7 @@ describe('The log', () => {
     t.mock.timers.enable({ apis: ['setTimeout'] })
     const writes: string[] = []
     const log = createLineWriter(
-      { write: (text: string) => writes.push(text) } as unknown as NodeJS.WritableStream,
+      { write: (text: string) => writes.push(text), on: () => {} } as unknown as NodeJS.WritableStream,
       100,
     )
     log('GET / 200 1ms')
@@ -1799,6 +1800,22 @@ describe('The log', () => {
     assert.deepEqual(writes, ['GET / 200 1ms\nGET /apps 200 2ms\n'])
     log('x'.repeat(70_000))
     assert.equal(writes.length, 2)
+  })
+
+  it('goes on without a log when the program reading it has gone (EPIPE), and drops the lines', async () => {
+    let writes = 0
+    const stream = new Writable({
+      write(_chunk, _encoding, callback) {
+        writes++
+        callback(Object.assign(new Error('write EPIPE'), { code: 'EPIPE' })) // as `latch | head -1` does
+      },
+    })
+    const log = createLineWriter(stream, 100)
+    log('x'.repeat(70_000)) // past 64 KiB: written at once
+    await new Promise((resolve) => setImmediate(resolve)) // the error comes on a later tick
+    log('y'.repeat(70_000))
+    await new Promise((resolve) => setImmediate(resolve))
+    assert.equal(writes, 1)
   })
 })
 

@@ -6254,19 +6254,24 @@ export function createLatchServer(timeouts: ServerTimeouts = SERVER_TIMEOUTS): S
 /**
  * A log that gathers lines for up to `everyMs` (or 64 KiB) and writes them in one go. Writing to
  * a file or a terminal blocks; once a request, it cost as much as answering one. Lines still
- * waiting are written when the process exits.
+ * waiting are written when the process exits. When the log cannot be written (the program that
+ * read it has gone: EPIPE), the server goes on and its lines are dropped: an authorization
+ * server must not stop because its log did.
  */
 export function createLineWriter(stream: NodeJS.WritableStream, everyMs = 100): (line: string) => void {
   let pending = ''
   let timer: NodeJS.Timeout | undefined
+  let broken = false
+  stream.on('error', () => (broken = true))
   const flush = () => {
     clearTimeout(timer)
     timer = undefined
-    if (pending !== '') stream.write(pending)
+    if (pending !== '' && !broken) stream.write(pending)
     pending = ''
   }
   process.on('exit', flush)
   return (line) => {
+    if (broken) return
     pending += `${line}\n`
     if (pending.length >= 65_536) flush()
     else timer ??= setTimeout(flush, everyMs).unref() // the exit handler writes what is left
