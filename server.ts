@@ -2151,6 +2151,12 @@ function renderAppsPage(grants: [string, Grant][], page: AppsPage): string {
       const logo = page.logoOf(grant.client_id)
       const image =
         logo === undefined ? '' : `<img class="logo" src="${escapeHtml(logo)}" alt="" width="32" height="32"> `
+      // the services a token is for (RFC 8707), and its scopes: a grant may have either or both
+      const services =
+        grant.resource.length === 0
+          ? ''
+          : `<dt>${grant.resource.length === 1 ? 'Service' : 'Services'}</dt><dd>${grant.resource.map((resource) => `<code>${isolate(resource)}</code>`).join(' ')}</dd>\n`
+      const scopes = grant.scope.length === 0 ? '' : `<dt>Scopes</dt><dd>${escapeHtml(grant.scope.join(' '))}</dd>\n`
       return `<section class="app">
 <h2>${image}${appName(grant)}</h2>
 <dl>
@@ -2161,8 +2167,7 @@ ${
       ? ''
       : `<dt>App</dt><dd><code>${isolate(grant.client_id)}</code></dd>`
 }
-<dt>Scopes</dt><dd>${escapeHtml(grant.scope.join(' '))}</dd>
-<dt>Approved</dt><dd>${formatTime(grant.approvedAt)}</dd>
+${services}${scopes}<dt>Approved</dt><dd>${formatTime(grant.approvedAt)}</dd>
 <dt>Last used</dt><dd>${formatTime(grant.lastUsedAt)}</dd>
 <dt>Access ends</dt><dd>${grant.endsAt === undefined ? untilRevoked(config) : formatTime(grant.endsAt)}</dd>
 </dl>

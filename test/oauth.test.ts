@@ -365,6 +365,17 @@ describe('Resource indicators (RFC 8707)', () => {
     await assertError(await exchange(latch.base, identity), 400, 'invalid_grant')
   })
 
+  it('lists a grant for resources on /apps with its services, and no empty scopes', async () => {
+    const service = 'https://listed.example/mcp'
+    await tokensOf(await exchange(latch.base, await obtainCode(latch.base, { resource: [service, FILES] })))
+    const apps = await (await fetch(`${latch.base}/apps`)).text()
+    assert.ok(
+      apps.includes(`<dt>Services</dt><dd><code><bdi>${service}</bdi></code> <code><bdi>${FILES}</bdi></code></dd>`),
+      apps,
+    )
+    assert.doesNotMatch(apps, /<dt>Scopes<\/dt><dd><\/dd>/)
+  })
+
   it('refuses a resource at /token that was not authorized, and narrows aud to a subset', async () => {
     const code = await obtainCode(latch.base, { resource: [API, FILES] })
     await assertError(await exchange(latch.base, code, { resource: ELSEWHERE }), 400, 'invalid_target')
