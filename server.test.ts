@@ -249,6 +249,9 @@ describe('Configuration', () => {
     assert.equal(config.issuer, 'http://127.0.0.1:41234')
     assert.equal(config.me, 'http://127.0.0.1:41234/')
     assert.equal(loadConfig({ HOST: '::1' }).issuer, 'http://[::1]:3000')
+    // as it is written in a URL: the brackets are not part of the address
+    assert.equal(loadConfig({ HOST: '[::1]' }).host, '::1')
+    assert.equal(loadConfig({ HOST: '[::1]' }).issuer, 'http://[::1]:3000')
   })
 
   it('drops a trailing slash from ISSUER and canonicalizes ME', () => {

@@ -5895,7 +5895,7 @@ export function loadConfig(
 ): Config {
   const raw = readSettings(env, argv)
   const port = parsePort(raw.PORT ?? defaultOf('PORT'))
-  const host = raw.HOST ?? defaultOf('HOST')
+  const host = (raw.HOST ?? defaultOf('HOST')).replace(/^\[(.*)\]$/, '$1') // [::1] as in a URL is ::1
   const issuer = parseIssuer(raw.ISSUER ?? `http://${hostForUrl(host)}:${options.boundPort ?? port}`)
   const me = parseMe(raw.ME ?? `${issuer}/`)
   const passwordHash = raw.PASSWORD_HASH
@@ -5906,7 +5906,7 @@ export function loadConfig(
   }
   if (passwordHash === undefined && !LOOPBACK_HOSTS.has(host)) {
     throw new ConfigError(
-      `HOST ${host} is not a loopback interface, and without PASSWORD_HASH anyone who reaches it ` +
+      `HOST ${host} is not 127.0.0.1, ::1 or localhost, and without PASSWORD_HASH anyone who reaches it ` +
         'could approve sign-ins: ' +
         'create a hash with `npx tsx server.ts hash-password` and set PASSWORD_HASH, or bind HOST=127.0.0.1',
     )
