@@ -1853,6 +1853,19 @@ describe('CORS for browser clients', () => {
     })
   }
 
+  it('lets an MCP client in a browser send its MCP-Protocol-Version header to the metadata', async () => {
+    const response = await fetch(`${latch.base}/.well-known/oauth-authorization-server`, {
+      method: 'OPTIONS',
+      headers: {
+        Origin: 'https://app.example',
+        'Access-Control-Request-Method': 'GET',
+        'Access-Control-Request-Headers': 'mcp-protocol-version',
+      },
+    })
+    assert.equal(response.status, 204)
+    assert.match(response.headers.get('access-control-allow-headers') ?? '', /\bMCP-Protocol-Version\b/i)
+  })
+
   it('lets a preflight to /auth allow POST only, never the authorization request', async () => {
     assert.equal((await preflight('/auth')).headers.get('access-control-allow-methods'), 'POST')
   })

@@ -2437,7 +2437,9 @@ function selectRoute(method: string, path: string): Pick<Route, 'handler' | 'err
 }
 
 /**
- * Answers a CORS preflight: any origin may send these methods with `Authorization`.
+ * Answers a CORS preflight: any origin may send these methods with `Authorization`, and with
+ * `MCP-Protocol-Version`, which MCP clients (the TypeScript SDK's, for one) send when they fetch
+ * the metadata; refused, it costs a browser client a second fetch without it.
  * @see https://fetch.spec.whatwg.org/#http-cors-protocol
  */
 function answerPreflight(methods: string[]): Handler {
@@ -2445,7 +2447,7 @@ function answerPreflight(methods: string[]): Handler {
     res.writeHead(204, {
       'Access-Control-Allow-Origin': '*',
       'Access-Control-Allow-Methods': methods.join(', '),
-      'Access-Control-Allow-Headers': 'Authorization, Content-Type',
+      'Access-Control-Allow-Headers': 'Authorization, Content-Type, MCP-Protocol-Version',
       'Access-Control-Max-Age': '86400',
     })
     res.end()
