@@ -220,6 +220,14 @@ export type Passkey = {
   counter: number
   addedAt: number
   lastUsedAt: number | undefined
+  /**
+   * The WebAuthn user handle it was made with, which the device sends back at each sign-in: made
+   * from `ME` at the time, so a new `ME` keeps it working. Absent on passkeys stored before it was
+   * kept, which are checked against the current `ME`'s.
+   */
+  userHandle?: string
+  /** The host name it was made for (its RP ID), the only one it works on; absent before it was kept. */
+  rpId?: string
 }
 
 /**
@@ -2039,7 +2047,8 @@ async function handlePasskeyAddition(req: IncomingMessage, res: ServerResponse, 
       if ((await ctx.store.findPasskey(made.id)) !== undefined) throw new PasskeyError('this passkey was added before')
       if ((await ctx.store.listPasskeys()).length >= MAX_PASSKEYS)
         throw new PasskeyError(`there are ${MAX_PASSKEYS} passkeys already: remove one first`)
-      const passkey = { name, publicKey: made.publicKey, algorithm: made.algorithm, counter: made.counter }
+      const { publicKey, algorithm, counter } = made
+      const passkey = { name, publicKey, algorithm, counter, userHandle: userHandleOf(ctx.config), rpId: rp.id }
       await ctx.store.savePasskey(made.id, { ...passkey, addedAt: now, lastUsedAt: undefined }, now)
     })
   } catch (err) {
@@ -2062,7 +2071,9 @@ async function handlePasskeyRemoval(req: IncomingMessage, res: ServerResponse, c
   const removed = await changePasskeys(ctx, async () => {
     const passkey = await ctx.store.findPasskey(id)
     if (passkey === undefined) return 'gone'
-    if (!ctx.config.passwordSignIn && (await ctx.store.listPasskeys()).length === 1) return 'last'
+    // the last one that can sign in here: one made for another host does not count
+    const usable = passkeysForHere(await ctx.store.listPasskeys(), ctx.config)
+    if (!ctx.config.passwordSignIn && usable.length === 1 && usable[0][0] === id) return 'last'
     await ctx.store.deletePasskey(id)
     return passkey
   })
@@ -2104,9 +2115,16 @@ const PASSKEYS_NEED_A_NAME =
   'Passkeys need this server to be reached by a host name, not an IP address: set ISSUER to one, ' +
   'such as http://localhost:3000'
 
-/** Whether the sign-in and consent pages offer a passkey: when passkeys work here and the owner has one. */
+/** Whether the sign-in and consent pages offer a passkey: when passkeys work here and the owner has one for here. */
 async function offersPasskeys(ctx: Context): Promise<boolean> {
-  return relyingParty(ctx.config) !== undefined && (await ctx.store.listPasskeys()).length > 0
+  return passkeysForHere(await ctx.store.listPasskeys(), ctx.config).length > 0
+}
+
+/** The passkeys that can sign in on the issuer's host: each works only on the host it was made for. */
+function passkeysForHere(passkeys: [string, Passkey][], config: Config): [string, Passkey][] {
+  const rp = relyingParty(config)
+  if (rp === undefined) return []
+  return passkeys.filter(([, passkey]) => passkey.rpId === undefined || passkey.rpId === rp.id)
 }
 
 async function requireOwner(form: Params, req: IncomingMessage, ctx: Context): Promise<Visitor> {
@@ -2205,9 +2223,13 @@ function renderPasskeys(passkeys: [string, Passkey][], config: Config, csrfField
     .map(([id, passkey]) => {
       const field = `${csrfField}<input type="hidden" name="credential" value="${escapeHtml(id)}">`
       const lastUsed = passkey.lastUsedAt === undefined ? 'Never' : formatTime(passkey.lastUsedAt)
+      const elsewhere =
+        passkey.rpId === undefined || passkey.rpId === relyingParty(config)?.id
+          ? ''
+          : `<dt>Made for</dt><dd><code>${isolate(passkey.rpId)}</code>: it cannot sign in here</dd>`
       return `<div class="passkey">
 <h3>${isolate(passkey.name)}</h3>
-<dl><dt>Added</dt><dd>${formatTime(passkey.addedAt)}</dd><dt>Last used</dt><dd>${lastUsed}</dd></dl>
+<dl><dt>Added</dt><dd>${formatTime(passkey.addedAt)}</dd><dt>Last used</dt><dd>${lastUsed}</dd>${elsewhere}</dl>
 ${renderButton(config, '/passkeys/remove', field, 'danger', 'Remove')}
 </div>`
     })
@@ -3891,9 +3913,6 @@ async function checkPasskeySignIn(
     const browser = browserOf(on.visitor)
     const challenge = takeChallenge(ctx, sent.client_data, { purpose: 'sign-in', browser, request: on.request })
     const id = getParam(form, 'credential') ?? ''
-    // §7.2 step 6: the owner was not named before the ceremony, so the device must say whose passkey it is
-    if (getParam(form, 'user_handle') !== userHandleOf(ctx.config))
-      throw new PasskeyError('the passkey is not the owner of this server')
     const response = {
       clientDataJSON: sent.client_data,
       authenticatorData: sent.authenticator_data,
@@ -3902,6 +3921,9 @@ async function checkPasskeySignIn(
     await changePasskeys(ctx, async () => {
       const passkey = await ctx.store.findPasskey(id) // as the last change left it
       if (passkey === undefined) throw new PasskeyError('it is not a passkey of this server, or it was removed')
+      // §7.2 step 6: the owner was not named before the ceremony, so the device must say whose passkey it is
+      if (getParam(form, 'user_handle') !== (passkey.userHandle ?? userHandleOf(ctx.config)))
+        throw new PasskeyError('the passkey is not the owner of this server')
       const { publicKey, algorithm, counter } = passkey
       const expected = { challenge, origin: rp.origin, rpId: rp.id, publicKey, algorithm, counter }
       const now = ctx.now()
@@ -5493,6 +5515,8 @@ const JOURNAL_FIELDS = {
     counter: 'number',
     addedAt: 'number',
     lastUsedAt: 'number?',
+    userHandle: 'string?',
+    rpId: 'string?',
   },
 } as const
 
@@ -6346,11 +6370,21 @@ async function main(argv: string[], env: Record<string, string | undefined>): Pr
   const store = await openStore(config, { log: logMessage }).catch((err: NodeJS.ErrnoException) => {
     throw dataFileProblem(err, config.dataFile) ?? err
   })
-  if (!config.passwordSignIn && (await store.listPasskeys()).length === 0)
+  const passkeys = await store.listPasskeys()
+  if (!config.passwordSignIn && passkeys.length === 0)
     throw new ConfigError(
       `PASSWORD_SIGN_IN=off, and ${config.dataFile} holds no passkey, so no one could sign in: ` +
         'unset PASSWORD_SIGN_IN, sign in with the password and add a passkey on /apps first',
     )
+  if (!config.passwordSignIn && passkeysForHere(passkeys, config).length === 0) {
+    const hosts = [...new Set(passkeys.map(([, passkey]) => passkey.rpId))].join(', ')
+    const counted = passkeys.length === 1 ? 'the 1 passkey' : `the ${passkeys.length} passkeys`
+    throw new ConfigError(
+      `PASSWORD_SIGN_IN=off, and ${counted} in ${config.dataFile} ${passkeys.length === 1 ? 'was' : 'were'} made for ${hosts}, ` +
+        `not ${new URL(config.issuer).hostname}, so no one could sign in: set ISSUER back to that host, ` +
+        'or unset PASSWORD_SIGN_IN, sign in with the password and add a passkey for this one',
+    )
+  }
   const server = createLatchServer()
   await new Promise<void>((resolve, reject) => {
     server.once('error', reject)

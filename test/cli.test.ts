@@ -250,6 +250,21 @@ describe('A start-up failure is one line naming the setting and the fix, and exi
     )
   })
 
+  it('PASSWORD_SIGN_IN=off while every passkey was made for another host than ISSUER', async () => {
+    const file = join(directory, 'other-host-passkeys.jsonl')
+    const passkey = { name: 'Phone', publicKey: 'MCowBQYDK2VwAyEA', algorithm: -8, counter: 0, addedAt: Date.now() }
+    await writeFile(
+      file,
+      `${JSON.stringify({ set: 'passkey', key: 'credential-1', value: { ...passkey, rpId: 'old.example' } })}\n`,
+    )
+    const settings = { PASSWORD_SIGN_IN: 'off', PASSWORD_HASH, ISSUER: 'http://localhost:3000', PORT: '0' }
+    const result = await runLatch([], { ...settings, DATA_FILE: file })
+    assertOneLineFailure(
+      result,
+      /PASSWORD_SIGN_IN=off, and the 1 passkey in .*other-host-passkeys\.jsonl was made for old\.example, not localhost/,
+    )
+  })
+
   it('PASSWORD_SIGN_IN=off on an IP address, where passkeys cannot work', async () => {
     const result = await runLatch([], { PASSWORD_SIGN_IN: 'off', PASSWORD_HASH, DATA_FILE: 'memory', PORT: '0' })
     assertOneLineFailure(result, /PASSWORD_SIGN_IN=off leaves only passkeys, which cannot work on ISSUER http:\/\/127/)

@@ -10,6 +10,7 @@ import assert from 'node:assert/strict'
 import { createHash, createPublicKey, generateKeyPairSync, randomBytes, sign, verify } from 'node:crypto'
 import {
   FileStore,
+  MemoryStore,
   PasskeyError,
   hashPassword,
   hashSecret,
@@ -1294,6 +1295,35 @@ describe('Passkeys under attack', () => {
     }
   })
 
+  it('keeps the last passkey for this host while password sign-in is off, and marks one made for another', async () => {
+    const store = new MemoryStore()
+    const passwordHash = await hashPassword(PASSWORD, { ln: 10, r: 8, p: 1 })
+    const passkey = { name: 'Phone', publicKey: 'MCowBQYDK2VwAyEA', algorithm: EDDSA, counter: 0, addedAt: 0 }
+    await store.savePasskey('credential-1', { ...passkey, rpId: 'old.example', lastUsedAt: undefined }, 0)
+    await store.savePasskey('credential-2', { ...passkey, name: 'Laptop', rpId: 'localhost', lastUsedAt: undefined }, 0)
+    const env = { HOST: 'localhost', ME, PASSWORD_HASH: passwordHash, PASSWORD_SIGN_IN: 'off' }
+    const latch = await startTestLatch(env, { store })
+    try {
+      const session = randomBytes(32).toString('base64url')
+      const passwordTag = hashSecret(`latch session ${passwordHash}`)
+      const now = Date.UTC(2027, 0, 1)
+      await store.saveSession(hashSecret(session), { createdAt: now, expiresAt: now + 3_600_000, passwordTag }, now)
+      const browser = openBrowser(latch)
+      browser.cookies.set('latch_session', session)
+      const apps = await (await browser.get('/apps')).text()
+      assert.ok(apps.includes('<dt>Made for</dt><dd><code><bdi>old.example</bdi></code>: it cannot sign in here</dd>'))
+      const csrf = await formToken(browser)
+      assert.equal((await browser.post('/passkeys/remove', { csrf, credential: 'credential-2' })).status, 409)
+      assert.equal((await browser.post('/passkeys/remove', { csrf, credential: 'credential-1' })).status, 200)
+      assert.deepEqual(
+        (await store.listPasskeys()).map(([id]) => id),
+        ['credential-2'],
+      )
+    } finally {
+      await latch.close()
+    }
+  })
+
   it('keeps the last passkey when two removals race while password sign-in is off', async () => {
     const file = join(await mkdtemp(join(tmpdir(), 'latch-passkey-race-')), 'data.jsonl')
     const store = await FileStore.open(file, { log: () => {} })
@@ -1320,6 +1350,37 @@ describe('Passkeys under attack', () => {
     } finally {
       await latch.close()
       await store.close()
+    }
+  })
+
+  it('keeps a passkey working after ME changes: its user handle is the one it was made with', async () => {
+    const store = new MemoryStore()
+    const passwordHash = await hashPassword(PASSWORD, { ln: 10, r: 8, p: 1 })
+    const owner = createCredential(ES256)
+    const before = await startTestLatch({ HOST: 'localhost', ME, PASSWORD_HASH: passwordHash }, { store })
+    try {
+      const browser = openBrowser(before)
+      await signInWithPassword(browser)
+      assert.equal((await addPasskey(before, browser, owner, 'Phone')).status, 200)
+    } finally {
+      await before.close()
+    }
+    const moved = await startTestLatch(
+      { HOST: 'localhost', ME: 'https://moved.example/', PASSWORD_HASH: passwordHash },
+      { store },
+    )
+    try {
+      const browser = openBrowser(moved)
+      const signedIn = await browser.post('/sign-in', await passkeyFields(moved, browser, owner))
+      assert.equal(signedIn.status, 303, await signedIn.text())
+      // the handle is still checked, against the one the passkey was made with
+      const stranger = openBrowser(moved)
+      const fields = { ...(await passkeyFields(moved, stranger, owner)), user_handle: base64url(Buffer.alloc(16)) }
+      const refused = await stranger.post('/sign-in', fields)
+      assert.equal(refused.status, 401)
+      assert.match(await refused.text(), /the passkey is not the owner of this server/)
+    } finally {
+      await moved.close()
     }
   })
 
