@@ -14,11 +14,10 @@
  *
  * Embedding (nothing listens and nothing reads `process.env` until you ask):
  *
- *     import { createServer } from 'node:http'
- *     import { createHandler, loadConfig } from './server.ts'
+ *     import { createHandler, createLatchServer, loadConfig } from './server.ts'
  *     const env = { ISSUER: 'https://auth.example.com', ME: 'https://example.com/', PASSWORD_HASH: '…' }
  *     const config = loadConfig(env)
- *     createServer(createHandler({ config })).listen(3000)
+ *     createLatchServer().on('request', createHandler({ config })).listen(3000, '127.0.0.1')
  *
  * Reading guide. The file has two parts. Part 1, "The protocol", is IndieAuth: the nouns and the
  * `Store` contract, errors, parameters, PKCE and identifiers, then the endpoints in the order a
