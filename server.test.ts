@@ -1510,6 +1510,21 @@ describe('POST /token with grant_type=refresh_token (IndieAuth §5.5, RFC 6749 �
     assert.equal((await introspect(latch, first.access_token)).active, true) // access tokens live out their time
   })
 
+  it('refreshes a grant at most 1,000 times a day, then answers 429 slow_down until the day is over', async () => {
+    let tokens = await firstTokens()
+    for (let i = 0; i < 1000; i++) {
+      const response = await refresh(tokens.refresh_token)
+      assert.equal(response.status, 200)
+      tokens = (await response.json()) as Tokens
+    }
+    const refused = await refresh(tokens.refresh_token)
+    await assertError(refused, 429, 'slow_down')
+    assert.equal(refused.headers.get('retry-after'), '86400')
+    assert.equal((await refresh((await firstTokens()).refresh_token)).status, 200) // another grant is not held back
+    latch.advance(86_400)
+    assert.equal((await refresh(tokens.refresh_token)).status, 200) // not used by the refusal
+  })
+
   it('revokes the whole family when a rotated refresh token comes back (RFC 9700 §4.14.2)', async () => {
     const first = await firstTokens()
     const second = (await (await refresh(first.refresh_token)).json()) as Tokens

@@ -316,6 +316,8 @@ type Context = {
   clientFetchSlots: Slots
   /** The proxies of `TRUST_PROXY`, whose forwarding headers are believed. */
   trustedProxies: BlockList | undefined
+  /** Refreshes of each grant in its current day: since when, and how many. */
+  refreshes: Map<string, { since: number; count: number }>
   /**
    * The key of the passkey challenges' HMAC, the challenges used and when each expires, and the
    * passkey changes under way, which run one at a time.
@@ -1482,6 +1484,7 @@ async function refreshGrant(form: Params, ctx: Context) {
     scope: narrowScope(getParam(form, 'scope'), found.token.scope),
     resource: narrowResource(form, found.token.resource),
   }
+  countRefresh(found.token.grantId, ctx)
   const redeemed = {
     kind: 'refresh',
     hash,
@@ -1489,6 +1492,34 @@ async function refreshGrant(form: Params, ctx: Context) {
   } as const
   return await issueTokens(redeemed, found.token.grantId, found.grant, access, ctx)
 }
+
+/**
+ * Each refresh keeps two more tokens until they expire (the used refresh token, to recognise its
+ * reuse), so a client refreshing without pause would grow the store without end. A grant may be
+ * refreshed MAX_REFRESHES_A_DAY times in a day: a client whose access tokens last five minutes
+ * needs 288. Past that, 429 until the day is over; the refresh token is not used up.
+ */
+function countRefresh(grantId: string, ctx: Context): void {
+  const now = ctx.now()
+  let day = ctx.refreshes.get(grantId)
+  if (day === undefined || day.since + DAY_MS <= now) {
+    ctx.refreshes.delete(grantId)
+    if (ctx.refreshes.size >= MAX_REFRESHING_GRANTS) ctx.refreshes.delete(ctx.refreshes.keys().next().value ?? '')
+    day = { since: now, count: 0 }
+    ctx.refreshes.set(grantId, day)
+  }
+  if (++day.count > MAX_REFRESHES_A_DAY) {
+    throw new OAuthError('slow_down', `This grant was refreshed ${MAX_REFRESHES_A_DAY} times today: wait`, {
+      status: 429,
+      headers: { 'Retry-After': String(Math.ceil((day.since + DAY_MS - now) / 1000)) },
+    })
+  }
+}
+
+const MAX_REFRESHES_A_DAY = 1_000
+const DAY_MS = 86_400_000
+/** The grants whose refreshes are counted at once; past it, the one counted longest ago is forgotten. */
+const MAX_REFRESHING_GRANTS = 10_000
 
 async function revokeReusedRefreshToken(grantId: string, clientId: string, ctx: Context): Promise<never> {
   await ctx.store.revokeGrant(grantId, ctx.now())
@@ -2498,6 +2529,7 @@ export function createHandler(options: HandlerOptions): (req: IncomingMessage, r
     clientLookups: new Map(),
     clientFetchSlots: { running: 0, waiting: [] },
     trustedProxies: trustedProxiesOf(options.config),
+    refreshes: new Map(),
     passkeys: { key: randomBytes(32), used: new Map(), changes: Promise.resolve() },
   }
   // expired entries go even while no one writes, without costing a request anything
