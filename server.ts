@@ -6238,33 +6238,42 @@ async function readPassword(): Promise<string> {
     for await (const chunk of process.stdin) text += chunk
     return text.split(/\r?\n/)[0]
   }
-  const first = await promptHidden('Password: ')
-  const second = await promptHidden('Again: ')
+  // what comes after the first Enter in one chunk (a pasted "password⏎password⏎") is the second
+  const typed = { ahead: '' }
+  const first = await promptHidden('Password: ', typed)
+  const second = await promptHidden('Again: ', typed)
   if (first !== second) throw new ConfigError('The two passwords differ: run the command again')
   return first
 }
 
-function promptHidden(prompt: string): Promise<string> {
+function promptHidden(prompt: string, typed: { ahead: string }): Promise<string> {
   process.stderr.write(prompt)
   process.stdin.setRawMode(true)
-  process.stdin.resume()
   process.stdin.setEncoding('utf8')
   return new Promise((resolve) => {
     let text = ''
-    const onData = (chunk: string) => {
-      for (const char of chunk) {
+    const onData = (chunk: string): boolean => {
+      const chars = [...chunk]
+      for (const [i, char] of chars.entries()) {
         if (char === '\u0003') process.exit(130) // Ctrl-C
         if (char === '\r' || char === '\n') {
           process.stdin.setRawMode(false)
           process.stdin.pause()
           process.stdin.off('data', onData)
           process.stderr.write('\n')
-          return resolve(text)
+          typed.ahead = chars.slice(char === '\r' && chars[i + 1] === '\n' ? i + 2 : i + 1).join('') // one Enter
+          resolve(text)
+          return true
         }
         text = char === '\u007f' || char === '\b' ? text.slice(0, -1) : text + char
       }
+      return false
     }
+    const ahead = typed.ahead
+    typed.ahead = ''
+    if (onData(ahead)) return
     process.stdin.on('data', onData)
+    process.stdin.resume()
   })
 }
 

@@ -12,7 +12,7 @@ import { readFileSync } from 'node:fs'
 import { tmpdir } from 'node:os'
 import { join } from 'node:path'
 import { fileURLToPath } from 'node:url'
-import { SETTINGS, hashPassword, hashSecret } from '../server.ts'
+import { SETTINGS, hashPassword, hashSecret, verifyPassword } from '../server.ts'
 import { startLatch } from './harness.ts'
 import type { TestServer } from './harness.ts'
 
@@ -283,6 +283,27 @@ describe('--help', () => {
 })
 
 describe('hash-password', () => {
+  it(
+    'reads both entries on a terminal when they come at once, as a pasted password does',
+    { timeout: 30_000 },
+    async (t) => {
+      if (spawnSync('script', ['--version']).status !== 0)
+        return t.skip('no `script` (util-linux) to give it a terminal')
+      // `script` runs the command on a terminal of its own, and types what it reads from its input
+      const command = `${process.execPath} --import tsx server.ts hash-password`
+      const child = spawn('script', ['-qec', command, '/dev/null'], { cwd: ROOT, env: childEnv({}) })
+      let output = ''
+      child.stdout.setEncoding('utf8').on('data', (chunk: string) => (output += chunk))
+      const timer = setTimeout(() => child.kill('SIGKILL'), CHILD_TIMEOUT_MS)
+      child.stdin.end('correct horse\rcorrect horse\r')
+      const code = await new Promise((resolve) => child.on('close', resolve))
+      clearTimeout(timer)
+      assert.equal(code, 0, output)
+      const hash = /^scrypt:\S+/m.exec(output)?.[0] ?? ''
+      assert.equal(await verifyPassword('correct horse', hash), true, output)
+    },
+  )
+
   it('refuses 7 characters, citing NIST SP 800-63B, and hashes 8', async () => {
     const short = await runLatch(['hash-password'], {}, { input: '1234567\n' })
     assertOneLineFailure(short, /\b8 characters\b.*NIST SP 800-63B/)
