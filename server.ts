@@ -4579,7 +4579,7 @@ async function fetchLogo(
 // requests, codes and sessions all live equally long, so a Map's insertion order is already
 // their order of expiry: the sweep takes them from the front. Grants and tokens need not; the
 // sweep walks them in turn, a few thousand steps a time.
-// To put SQLite or Redis behind Latch, implement `Store`: eighteen small methods.
+// To put SQLite or Redis behind Latch, implement `Store`: twenty-three small methods.
 
 export type MemoryStoreOptions = {
   maxPendingRequests?: number
@@ -5989,6 +5989,11 @@ export function loadConfig(
         'WebAuthn needs a host name, such as http://localhost:3000',
     )
   const dataFile = raw.DATA_FILE ?? defaultOf('DATA_FILE')
+  if (!passwordSignIn && dataFile === 'memory')
+    throw new ConfigError(
+      'PASSWORD_SIGN_IN=off leaves only passkeys, and DATA_FILE=memory keeps none from one start to the next: ' +
+        'set DATA_FILE to a file, sign in with the password and add a passkey on /apps first',
+    )
   const codeTtlSeconds = parseDuration('CODE_TTL', raw.CODE_TTL ?? defaultOf('CODE_TTL'))
   if (codeTtlSeconds > MAX_CODE_TTL_SECONDS) {
     throw new ConfigError('CODE_TTL is longer than the 10 minutes IndieAuth allows: use 600 or less')
@@ -6157,7 +6162,7 @@ function parseMe(value: string): string {
 function parseProfileLink(name: string, value: string): string {
   if (!/^https?:\/\//i.test(value) || !URL.canParse(value))
     throw new ConfigError(
-      `${name} ${value} is not an http or https URL: use a full URL, as in https://example.com/photo.jpg`,
+      `${name} ${value} is not an http or https URL: use a full URL, as in https://example.com/${name === 'PROFILE_PHOTO' ? 'photo.jpg' : ''}`,
     )
   return new URL(value).href
 }

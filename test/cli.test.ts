@@ -265,6 +265,12 @@ describe('A start-up failure is one line naming the setting and the fix, and exi
     )
   })
 
+  it('PASSWORD_SIGN_IN=off with DATA_FILE=memory, which keeps no passkey', async () => {
+    const settings = { PASSWORD_SIGN_IN: 'off', PASSWORD_HASH, ISSUER: 'http://localhost:3000', PORT: '0' }
+    const result = await runLatch([], { ...settings, DATA_FILE: 'memory' })
+    assertOneLineFailure(result, /DATA_FILE=memory keeps none from one start to the next: set DATA_FILE to a file/)
+  })
+
   it('PASSWORD_SIGN_IN=off on an IP address, where passkeys cannot work', async () => {
     const result = await runLatch([], { PASSWORD_SIGN_IN: 'off', PASSWORD_HASH, DATA_FILE: 'memory', PORT: '0' })
     assertOneLineFailure(result, /PASSWORD_SIGN_IN=off leaves only passkeys, which cannot work on ISSUER http:\/\/127/)
