@@ -33,6 +33,7 @@ import {
   sha256,
   signWith,
 } from './authenticator.ts'
+import type { Passkey, Store } from '../server.ts'
 import type { CborValue, Credential } from './authenticator.ts'
 import { startLatch as startTestLatch } from './harness.ts'
 import { mkdtemp } from 'node:fs/promises'
@@ -1295,21 +1296,30 @@ describe('Passkeys under attack', () => {
     }
   })
 
-  it('keeps the last passkey for this host while password sign-in is off, and marks one made for another', async () => {
-    const store = new MemoryStore()
+  /**
+   * Latch with password sign-in off and two stored passkeys, `changes` made to each, and a
+   * browser in which the owner is signed in.
+   */
+  async function signedInWithPasskeysOnly(store: Store, changes: [Partial<Passkey>, Partial<Passkey>]) {
     const passwordHash = await hashPassword(PASSWORD, { ln: 10, r: 8, p: 1 })
     const passkey = { name: 'Phone', publicKey: 'MCowBQYDK2VwAyEA', algorithm: EDDSA, counter: 0, addedAt: 0 }
-    await store.savePasskey('credential-1', { ...passkey, rpId: 'old.example', lastUsedAt: undefined }, 0)
-    await store.savePasskey('credential-2', { ...passkey, name: 'Laptop', rpId: 'localhost', lastUsedAt: undefined }, 0)
+    await store.savePasskey('credential-1', { ...passkey, lastUsedAt: undefined, ...changes[0] }, 0)
+    await store.savePasskey('credential-2', { ...passkey, name: 'Laptop', lastUsedAt: undefined, ...changes[1] }, 0)
     const env = { HOST: 'localhost', ME, PASSWORD_HASH: passwordHash, PASSWORD_SIGN_IN: 'off' }
     const latch = await startTestLatch(env, { store })
+    const session = randomBytes(32).toString('base64url')
+    const passwordTag = hashSecret(`latch session ${passwordHash}`)
+    const now = Date.UTC(2027, 0, 1)
+    await store.saveSession(hashSecret(session), { createdAt: now, expiresAt: now + 3_600_000, passwordTag }, now)
+    const browser = openBrowser(latch)
+    browser.cookies.set('latch_session', session)
+    return { latch, browser }
+  }
+
+  it('keeps the last passkey for this host while password sign-in is off, and marks one made for another', async () => {
+    const store = new MemoryStore()
+    const { latch, browser } = await signedInWithPasskeysOnly(store, [{ rpId: 'old.example' }, { rpId: 'localhost' }])
     try {
-      const session = randomBytes(32).toString('base64url')
-      const passwordTag = hashSecret(`latch session ${passwordHash}`)
-      const now = Date.UTC(2027, 0, 1)
-      await store.saveSession(hashSecret(session), { createdAt: now, expiresAt: now + 3_600_000, passwordTag }, now)
-      const browser = openBrowser(latch)
-      browser.cookies.set('latch_session', session)
       const apps = await (await browser.get('/apps')).text()
       assert.ok(apps.includes('<dt>Made for</dt><dd><code><bdi>old.example</bdi></code>: it cannot sign in here</dd>'))
       const csrf = await formToken(browser)
@@ -1327,19 +1337,8 @@ describe('Passkeys under attack', () => {
   it('keeps the last passkey when two removals race while password sign-in is off', async () => {
     const file = join(await mkdtemp(join(tmpdir(), 'latch-passkey-race-')), 'data.jsonl')
     const store = await FileStore.open(file, { log: () => {} })
-    const passwordHash = await hashPassword(PASSWORD, { ln: 10, r: 8, p: 1 })
-    const passkey = { name: 'Phone', publicKey: 'MCowBQYDK2VwAyEA', algorithm: EDDSA, counter: 0, addedAt: 0 }
-    await store.savePasskey('credential-1', { ...passkey, lastUsedAt: undefined }, 0)
-    await store.savePasskey('credential-2', { ...passkey, name: 'Laptop', lastUsedAt: undefined }, 0)
-    const env = { HOST: 'localhost', ME, PASSWORD_HASH: passwordHash, PASSWORD_SIGN_IN: 'off' }
-    const latch = await startTestLatch(env, { store })
+    const { latch, browser } = await signedInWithPasskeysOnly(store, [{}, {}])
     try {
-      const session = randomBytes(32).toString('base64url')
-      const passwordTag = hashSecret(`latch session ${passwordHash}`)
-      const now = Date.UTC(2027, 0, 1)
-      await store.saveSession(hashSecret(session), { createdAt: now, expiresAt: now + 3_600_000, passwordTag }, now)
-      const browser = openBrowser(latch)
-      browser.cookies.set('latch_session', session)
       const csrf = await formToken(browser)
       const [first, second] = await Promise.all([
         browser.post('/passkeys/remove', { csrf, credential: 'credential-1' }),
