@@ -8,7 +8,7 @@ import { fork, spawn } from 'node:child_process'
 import { createHash } from 'node:crypto'
 import { Agent, createServer, request } from 'node:http'
 import { connect } from 'node:net'
-import type { AddressInfo } from 'node:net'
+import type { AddressInfo, Socket } from 'node:net'
 import { Writable } from 'node:stream'
 import { fileURLToPath } from 'node:url'
 import { mkdtemp, rm } from 'node:fs/promises'
@@ -2509,28 +2509,40 @@ describe('Slow clients', () => {
   }
 
   it(
-    'takes at most 1,000 connections at once, drops the next at once, and takes one again when one closes',
+    'takes at most so many connections from one address, and in all, and closes the next at once',
     { timeout: 30_000 },
     async () => {
-      const server = createLatchServer()
+      const limits = { total: 6, perAddress: 4, counted: () => true }
+      const server = createLatchServer(undefined, limits)
       server.on('request', createHandler({ config: loadConfig({ DATA_FILE: 'memory' }), log: () => {} }))
-      await new Promise<void>((resolve) => server.listen(0, '127.0.0.1', resolve))
+      await new Promise<void>((resolve) => server.listen(0, '::', resolve)) // both 127.0.0.1 and ::1
       const port = (server.address() as AddressInfo).port
-      const open = () => connect(port, '127.0.0.1').on('error', () => {})
-      const held = Array.from({ length: 1000 }, open)
-      const connections = () => new Promise<number>((resolve) => server.getConnections((_err, count) => resolve(count)))
+      const sockets: Socket[] = []
+      const open = (host: string) => {
+        const socket = connect(port, host).on('error', () => {})
+        sockets.push(socket)
+        return socket
+      }
+      const closed = (socket: Socket) => new Promise((resolve) => socket.on('close', resolve))
       let count = 0
+      const connections = async (expected: number) => {
+        await until(() => (void server.getConnections((_err, now) => (count = now)), count === expected), 10_000)
+        return count
+      }
       try {
-        await until(() => (void connections().then((now) => (count = now)), count === 1000), 10_000)
-        assert.equal(count, 1000)
-        const extra = open()
-        await new Promise((resolve) => extra.on('close', resolve)) // closed by the server, without waiting
-        held[0].destroy()
-        await until(() => (void connections().then((now) => (count = now)), count === 999), 10_000)
+        const four = Array.from({ length: 4 }, () => open('127.0.0.1'))
+        assert.equal(await connections(4), 4)
+        await closed(open('127.0.0.1')) // a fifth from that address
+        const other = [open('::1'), open('::1')] // another address, up to six in all
+        assert.equal(await connections(6), 6)
+        await closed(open('::1')) // a seventh in all
+        four[0].destroy()
+        other[0].destroy()
+        assert.equal(await connections(4), 4)
         const metadata = await fetch(`http://127.0.0.1:${port}/.well-known/oauth-authorization-server`)
         assert.equal(metadata.status, 200)
       } finally {
-        for (const socket of held) socket.destroy()
+        for (const socket of sockets) socket.destroy()
         server.closeAllConnections()
         await new Promise((resolve) => server.close(resolve))
       }

@@ -49,7 +49,7 @@ import { request as httpsRequest } from 'node:https'
 import { lookup } from 'node:dns/promises'
 import type { LookupAddress } from 'node:dns'
 import { BlockList, connect, createServer as createNetServer, isIP, isIPv6 } from 'node:net'
-import type { Server as NetServer } from 'node:net'
+import type { Server as NetServer, Socket } from 'node:net'
 import {
   createHmac,
   createPublicKey,
@@ -6305,25 +6305,53 @@ const SERVER_TIMEOUTS: ServerTimeouts = {
 }
 
 /**
- * The most connections open at once: a person's server needs a few dozen. Each costs some 7 KB
- * while it waits for its request, and closing many at once stalls node:http, so a stranger who
- * opens them by the thousand must not be kept. Past it, a new connection is closed at once.
+ * How many connections may be open at once: in all, and from one address. `counted` says which
+ * addresses the second limit applies to.
  */
-const MAX_CONNECTIONS = 1_000
+export type ConnectionLimits = { total: number; perAddress: number; counted: (address: string) => boolean }
+
+/**
+ * A person's server needs a few dozen connections. Each costs some 7 KB while it waits for its
+ * request, and closing many at once stalls node:http, so a stranger who opens them by the
+ * thousand must not be kept: past either limit, a new connection is closed at once. The limit
+ * by address keeps one stranger from taking them all; it spares loopback, where a proxy on this
+ * machine sends every client's requests from.
+ */
+const CONNECTION_LIMITS: ConnectionLimits = {
+  total: 10_000,
+  perAddress: 100,
+  counted: (address) => !/^(127\.|::1$|::ffff:127\.)/.test(address),
+}
 
 /**
  * An http server whose slow clients cannot hold a connection for long (slowloris): headers
  * within 10 s, the whole request within 30 s, 5 s idle between requests, checked every second;
- * and at most MAX_CONNECTIONS at once. Attach the handler with `server.on('request', handler)`.
+ * and no more connections than `limits` allow. Attach the handler with `server.on('request', handler)`.
  */
-export function createLatchServer(timeouts: ServerTimeouts = SERVER_TIMEOUTS): Server {
+export function createLatchServer(
+  timeouts: ServerTimeouts = SERVER_TIMEOUTS,
+  limits: ConnectionLimits = CONNECTION_LIMITS,
+): Server {
   const server = createServer({
     headersTimeout: timeouts.headersMs,
     requestTimeout: timeouts.requestMs,
     keepAliveTimeout: timeouts.keepAliveMs,
     connectionsCheckingInterval: timeouts.checkEveryMs,
   })
-  server.maxConnections = MAX_CONNECTIONS
+  server.maxConnections = limits.total
+  const open = new Map<string, number>() // connections by address, for the addresses counted
+  server.on('connection', (socket: Socket) => {
+    const address = socket.remoteAddress
+    if (address === undefined || !limits.counted(address)) return
+    const count = (open.get(address) ?? 0) + 1
+    if (count > limits.perAddress) return void socket.destroy()
+    open.set(address, count)
+    socket.once('close', () => {
+      const left = (open.get(address) ?? 1) - 1
+      if (left === 0) open.delete(address)
+      else open.set(address, left)
+    })
+  })
   return server
 }
 
