@@ -252,6 +252,7 @@ describe('Configuration', () => {
     // as it is written in a URL: the brackets are not part of the address
     assert.equal(loadConfig({ HOST: '[::1]' }).host, '::1')
     assert.equal(loadConfig({ HOST: '[::1]' }).issuer, 'http://[::1]:3000')
+    assert.throws(() => loadConfig({ HOST: '[]', PASSWORD_HASH }), /HOST \[\] is not an IPv6 address/) // not every interface
   })
 
   it('drops a trailing slash from ISSUER and canonicalizes ME', () => {

@@ -5952,7 +5952,12 @@ export function loadConfig(
 ): Config {
   const raw = readSettings(env, argv)
   const port = parsePort(raw.PORT ?? defaultOf('PORT'))
-  const host = (raw.HOST ?? defaultOf('HOST')).replace(/^\[(.*)\]$/, '$1') // [::1] as in a URL is ::1
+  const written = raw.HOST ?? defaultOf('HOST')
+  // an IPv6 address as a URL writes it, [::1], is that address
+  const bracketed = /^\[(.*)\]$/.exec(written)?.[1]
+  if (bracketed !== undefined && !isIPv6(bracketed))
+    throw new ConfigError(`HOST ${written} is not an IPv6 address in brackets: use one, as in HOST=::1`)
+  const host = bracketed ?? written
   const issuer = parseIssuer(raw.ISSUER ?? `http://${hostForUrl(host)}:${options.boundPort ?? port}`)
   const me = parseMe(raw.ME ?? `${issuer}/`)
   const passwordHash = raw.PASSWORD_HASH
