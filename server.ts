@@ -221,11 +221,11 @@ export type Passkey = {
   lastUsedAt: number | undefined
   /**
    * The WebAuthn user handle it was made with, which the device sends back at each sign-in: made
-   * from `ME` at the time, so a new `ME` keeps it working. Absent on passkeys stored before it was
-   * kept, which are checked against the current `ME`'s.
+   * from `ME` at the time, so a new `ME` keeps it working. Absent on a passkey stored before it was
+   * kept, until its next sign-in.
    */
   userHandle?: string
-  /** The host name it was made for (its RP ID), the only one it works on; absent before it was kept. */
+  /** The host name it was made for (its RP ID), the only one it works on; absent as `userHandle` may be. */
   rpId?: string
 }
 
@@ -3952,14 +3952,20 @@ async function checkPasskeySignIn(
     await changePasskeys(ctx, async () => {
       const passkey = await ctx.store.findPasskey(id) // as the last change left it
       if (passkey === undefined) throw new PasskeyError('it is not a passkey of this server, or it was removed')
-      // §7.2 step 6: the owner was not named before the ceremony, so the device must say whose passkey it is
-      if (getParam(form, 'user_handle') !== (passkey.userHandle ?? userHandleOf(ctx.config)))
+      // §7.2 step 6: the owner was not named before the ceremony, so the device must say whose
+      // passkey it is, with the handle it was made with. One stored before Latch kept that handle
+      // takes the one its device sends, once the signature shows it is the passkey stored.
+      const userHandle = getParam(form, 'user_handle') ?? ''
+      if (
+        passkey.userHandle === undefined ? !/^[A-Za-z0-9_-]{1,86}$/.test(userHandle) : userHandle !== passkey.userHandle
+      )
         throw new PasskeyError('the passkey is not the owner of this server')
       const { publicKey, algorithm, counter } = passkey
       const expected = { challenge, origin: rp.origin, rpId: rp.id, publicKey, algorithm, counter }
       const now = ctx.now()
       const verified = verifyAuthentication(response, expected)
-      await ctx.store.savePasskey(id, { ...passkey, counter: verified.counter, lastUsedAt: now }, now)
+      const used = { counter: verified.counter, lastUsedAt: now, userHandle, rpId: rp.id }
+      await ctx.store.savePasskey(id, { ...passkey, ...used }, now)
     })
     return undefined
   } catch (err) {

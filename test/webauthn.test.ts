@@ -1383,6 +1383,35 @@ describe('Passkeys under attack', () => {
     }
   })
 
+  it('lets a passkey stored before its handle was kept sign in after ME changes, and keeps its handle and host then', async () => {
+    const store = new MemoryStore()
+    const passwordHash = await hashPassword(PASSWORD, { ln: 10, r: 8, p: 1 })
+    const owner = createCredential(ES256)
+    const before = await startTestLatch({ HOST: 'localhost', ME, PASSWORD_HASH: passwordHash }, { store })
+    try {
+      const browser = openBrowser(before)
+      await signInWithPassword(browser)
+      assert.equal((await addPasskey(before, browser, owner, 'Phone')).status, 200)
+    } finally {
+      await before.close()
+    }
+    const [[id, { userHandle, rpId: _, ...old }]] = await store.listPasskeys() // as a passkey stored before was
+    await store.savePasskey(id, old, 0)
+    const moved = await startTestLatch(
+      { HOST: 'localhost', ME: 'https://moved.example/', PASSWORD_HASH: passwordHash },
+      { store },
+    )
+    try {
+      const browser = openBrowser(moved)
+      const signedIn = await browser.post('/sign-in', await passkeyFields(moved, browser, owner))
+      assert.equal(signedIn.status, 303, await signedIn.text())
+      const [[, kept]] = await store.listPasskeys()
+      assert.deepEqual([kept.userHandle, kept.rpId], [userHandle, 'localhost'])
+    } finally {
+      await moved.close()
+    }
+  })
+
   it('refuses a sign-in without the user handle, and one that says it ran under another top origin', async () => {
     const latch = await startLatch()
     try {
