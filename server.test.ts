@@ -2031,7 +2031,8 @@ describe('Sign-in sessions and connected apps', () => {
   it('signs in and approves among CSRF cookies of the same name that a page on another port set for longer paths', async () => {
     const csrf = createSecret()
     // sent first, as the browser does for a longer path: each of Latch's posts would be refused
-    const cookie = `latch_csrf=${createSecret()}; latch_csrf=${createSecret()}; latch_csrf=${csrf}`
+    const malformed = Array.from({ length: 16 }, () => 'latch_csrf=x').join('; ') // each passed over, not counted
+    const cookie = `${malformed}; latch_csrf=${createSecret()}; latch_csrf=${createSecret()}; latch_csrf=${csrf}`
     const signedIn = await post(`${latch.base}/sign-in`, form({ csrf, password }), { Cookie: cookie })
     assert.equal(signedIn.status, 303)
     const consent = await openConsent(latch, {}, `latch_csrf=${csrf}`)

@@ -2800,12 +2800,13 @@ function queryOf(target: string): Params {
  * another port of this host can set a cookie of the same name (browsers do not keep ports
  * apart) for a longer path, and the browser then sends that one first.
  */
-function readCookies(req: IncomingMessage, name: string, max: number): string[] {
+function readCookies(req: IncomingMessage, name: string, max: number, wellFormed = /./): string[] {
   const values: string[] = []
   for (const pair of (req.headers.cookie ?? '').split(';')) {
     const equals = pair.indexOf('=')
-    if (equals !== -1 && pair.slice(0, equals).trim() === name && values.push(pair.slice(equals + 1).trim()) === max)
-      break
+    if (equals === -1 || pair.slice(0, equals).trim() !== name) continue
+    const value = pair.slice(equals + 1).trim()
+    if (wellFormed.test(value) && values.push(value) === max) break
   }
   return values
 }
@@ -3242,9 +3243,7 @@ async function requireFormToken(form: Params, req: IncomingMessage, ctx: Context
  * carries; a planted one proves nothing, but a page that can plant one can replace ours anyway.
  */
 function readCsrfCookies(req: IncomingMessage, config: Config): string[] {
-  return readCookies(req, csrfCookieName(config), MAX_COOKIES_OF_A_NAME).filter((value) =>
-    /^[A-Za-z0-9_-]{43}$/.test(value),
-  )
+  return readCookies(req, csrfCookieName(config), MAX_COOKIES_OF_A_NAME, /^[A-Za-z0-9_-]{43}$/)
 }
 
 /**
@@ -4365,7 +4364,7 @@ export function readClientPage(html: string, pageUrl: string): ClientDocument {
   const url = href === undefined ? undefined : resolveUrl(href, pageUrl)
   return {
     name: cleanName(elementText(html, nameElement ?? elements[app])),
-    // shown as the app's own: only on the page's origin, as the JSON's client_uri is a prefix of client_id
+    // shown as the app's own, so only on the page's origin (the JSON's client_uri must even be a prefix of client_id)
     url:
       url !== undefined && url.length <= MAX_URL_LENGTH && new URL(url).origin === new URL(pageUrl).origin
         ? url
@@ -6000,11 +5999,6 @@ export function loadConfig(
         'WebAuthn needs a host name, such as http://localhost:3000',
     )
   const dataFile = raw.DATA_FILE ?? defaultOf('DATA_FILE')
-  if (!passwordSignIn && dataFile === 'memory')
-    throw new ConfigError(
-      'PASSWORD_SIGN_IN=off leaves only passkeys, and DATA_FILE=memory keeps none from one start to the next: ' +
-        'set DATA_FILE to a file, sign in with the password and add a passkey on /apps first',
-    )
   const codeTtlSeconds = parseDuration('CODE_TTL', raw.CODE_TTL ?? defaultOf('CODE_TTL'))
   if (codeTtlSeconds > MAX_CODE_TTL_SECONDS) {
     throw new ConfigError('CODE_TTL is longer than the 10 minutes IndieAuth allows: use 600 or less')
@@ -6411,7 +6405,8 @@ function printStartup(config: Config, listeningUrl: string, store: MemoryStore |
     config.dataFile === 'memory'
       ? 'in memory only: codes and tokens are lost when the server stops'
       : `${config.dataFile}: ${loaded} loaded`
-  const passkeys = count(live.passkey, 'passkey')
+  const forHere = passkeysForHere([...memory.passkeys], config).length
+  const passkeys = `${count(live.passkey, 'passkey')}${forHere < live.passkey ? `, ${forHere} for this host` : ''}`
   const password =
     config.passwordHash === undefined
       ? NO_PASSWORD
@@ -6451,6 +6446,11 @@ async function main(argv: string[], env: Record<string, string | undefined>): Pr
     const [, event = 'store', message = line] = /^(\w+): ([^]*)$/.exec(line) ?? []
     write(formatLogEntry({ time: new Date().toISOString(), event, message }, config.logFormat))
   }
+  if (!config.passwordSignIn && config.dataFile === 'memory')
+    throw new ConfigError(
+      'PASSWORD_SIGN_IN=off leaves only passkeys, and DATA_FILE=memory keeps none from one start to the next: ' +
+        'set DATA_FILE to a file, sign in with the password and add a passkey on /apps first',
+    )
   const store = await openStore(config, { log: logMessage }).catch((err: NodeJS.ErrnoException) => {
     throw dataFileProblem(err, config.dataFile) ?? err
   })

@@ -340,6 +340,24 @@ describe('The start-up block', () => {
     }
   })
 
+  it('says how many passkeys are for this host when some were made for another', async () => {
+    const file = join(directory, 'passkeys-two-hosts.jsonl')
+    const passkey = { name: 'Phone', publicKey: 'MCowBQYDK2VwAyEA', algorithm: -8, counter: 0, addedAt: Date.now() }
+    const lines = [
+      { set: 'passkey', key: 'credential-1', value: { ...passkey, rpId: 'old.example' } },
+      { set: 'passkey', key: 'credential-2', value: { ...passkey, rpId: 'localhost' } },
+    ]
+    await writeFile(file, lines.map((line) => `${JSON.stringify(line)}\n`).join(''))
+    const settings = { PASSWORD_SIGN_IN: 'off', PASSWORD_HASH, ISSUER: 'http://localhost:3000', PORT: '0' }
+    const latch = serve({ ...settings, DATA_FILE: file })
+    try {
+      await latch.waitForLine(isMetadataLine, 'start-up block')
+      assert.match(latch.lines.join('\n'), /^ {2}password +off: 2 passkeys, 1 for this host$/m)
+    } finally {
+      await latch.stop()
+    }
+  })
+
   it('warns of nothing with no settings, and says that ME is the default', async () => {
     const latch = serve({ DATA_FILE: 'memory', PORT: '0' })
     try {
