@@ -1352,7 +1352,11 @@ describe('Passkeys under attack', () => {
     }
   })
 
-  it('keeps a passkey working after ME changes: its user handle is the one it was made with', async () => {
+  /**
+   * The owner's passkey, added under ME to a store of the test's own; then `change` made to the
+   * store, and Latch started on it again with another ME.
+   */
+  async function passkeyThenNewMe(change: (store: MemoryStore) => Promise<void> = async () => {}) {
     const store = new MemoryStore()
     const passwordHash = await hashPassword(PASSWORD, { ln: 10, r: 8, p: 1 })
     const owner = createCredential(ES256)
@@ -1364,10 +1368,16 @@ describe('Passkeys under attack', () => {
     } finally {
       await before.close()
     }
+    await change(store)
     const moved = await startTestLatch(
       { HOST: 'localhost', ME: 'https://moved.example/', PASSWORD_HASH: passwordHash },
       { store },
     )
+    return { store, owner, moved }
+  }
+
+  it('keeps a passkey working after ME changes: its user handle is the one it was made with', async () => {
+    const { owner, moved } = await passkeyThenNewMe()
     try {
       const browser = openBrowser(moved)
       const signedIn = await browser.post('/sign-in', await passkeyFields(moved, browser, owner))
@@ -1384,23 +1394,12 @@ describe('Passkeys under attack', () => {
   })
 
   it('lets a passkey stored before its handle was kept sign in after ME changes, and keeps its handle and host then', async () => {
-    const store = new MemoryStore()
-    const passwordHash = await hashPassword(PASSWORD, { ln: 10, r: 8, p: 1 })
-    const owner = createCredential(ES256)
-    const before = await startTestLatch({ HOST: 'localhost', ME, PASSWORD_HASH: passwordHash }, { store })
-    try {
-      const browser = openBrowser(before)
-      await signInWithPassword(browser)
-      assert.equal((await addPasskey(before, browser, owner, 'Phone')).status, 200)
-    } finally {
-      await before.close()
-    }
-    const [[id, { userHandle, rpId: _, ...old }]] = await store.listPasskeys() // as a passkey stored before was
-    await store.savePasskey(id, old, 0)
-    const moved = await startTestLatch(
-      { HOST: 'localhost', ME: 'https://moved.example/', PASSWORD_HASH: passwordHash },
-      { store },
-    )
+    let userHandle: string | undefined
+    const { store, owner, moved } = await passkeyThenNewMe(async (store) => {
+      const [[id, { userHandle: made, rpId: _, ...old }]] = await store.listPasskeys() // as a passkey stored before was
+      userHandle = made
+      await store.savePasskey(id, old, 0)
+    })
     try {
       const browser = openBrowser(moved)
       const signedIn = await browser.post('/sign-in', await passkeyFields(moved, browser, owner))
