@@ -15,6 +15,7 @@ import { mkdtemp, rm } from 'node:fs/promises'
 import { tmpdir } from 'node:os'
 import { join } from 'node:path'
 import {
+  CONNECTION_LIMITS,
   ConfigError,
   FileStore,
   MemoryStore,
@@ -2514,7 +2515,7 @@ describe('Slow clients', () => {
     'takes at most so many connections from one address, and in all, and closes the next at once',
     { timeout: 30_000 },
     async () => {
-      const limits = { total: 6, perAddress: 4, counted: () => true }
+      const limits = { total: 6, perAddress: 4, groupOf: (address: string) => address } // loopback too
       const server = createLatchServer(undefined, limits)
       server.on('request', createHandler({ config: loadConfig({ DATA_FILE: 'memory' }), log: () => {} }))
       await new Promise<void>((resolve) => server.listen(0, '::', resolve)) // both 127.0.0.1 and ::1
@@ -2550,6 +2551,20 @@ describe('Slow clients', () => {
       }
     },
   )
+
+  it('counts an IPv6 client by its /64, an IPv4 one by its address, and does not limit loopback', () => {
+    const { groupOf } = CONNECTION_LIMITS
+    assert.equal(groupOf('2001:db8:1:2::1'), groupOf('2001:db8:1:2:ffff:1:2:3'))
+    assert.equal(groupOf('2001:db8:1:2::1'), '2001:db8:1:2::/64')
+    assert.equal(groupOf('2001:db8::1'), '2001:db8:0:0::/64')
+    assert.equal(groupOf('fe80::1%eth0'), 'fe80:0:0:0::/64')
+    assert.equal(groupOf('64:ff9b::192.0.2.1'), '64:ff9b:0:0::/64')
+    assert.notEqual(groupOf('2001:db8:1:2::1'), groupOf('2001:db8:1:3::1'))
+    assert.equal(groupOf('::ffff:192.0.2.1'), '::ffff:192.0.2.1')
+    assert.equal(groupOf('192.0.2.1'), '192.0.2.1')
+    for (const loopback of ['127.0.0.1', '127.1.2.3', '::1', '::ffff:127.0.0.1'])
+      assert.equal(groupOf(loopback), undefined)
+  })
 
   it('closes a connection whose headers never finish (slowloris)', async () => {
     const { closedAfterMs, answer } = await holdOpen('GET / HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Slow: ')

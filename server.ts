@@ -222,7 +222,7 @@ export type Passkey = {
   /**
    * The WebAuthn user handle it was made with, which the device sends back at each sign-in: made
    * from `ME` at the time, so a new `ME` keeps it working. Absent on a passkey stored before it was
-   * kept, until its next sign-in.
+   * kept, until it signs in under the same `ME`.
    */
   userHandle?: string
   /** The host name it was made for (its RP ID), the only one it works on; absent as `userHandle` may be. */
@@ -3952,18 +3952,20 @@ async function checkPasskeySignIn(
       const passkey = await ctx.store.findPasskey(id) // as the last change left it
       if (passkey === undefined) throw new PasskeyError('it is not a passkey of this server, or it was removed')
       // §7.2 step 6: the owner was not named before the ceremony, so the device must say whose
-      // passkey it is, with the handle it was made with. One stored before Latch kept that handle
-      // takes the one its device sends, once the signature shows it is the passkey stored.
+      // passkey it is, with the handle it was made with. For one stored before Latch kept that
+      // handle, the signature alone shows it is the passkey stored: the handle is not signed, so
+      // it is kept only when it is the one Latch makes now, and a forged one cannot lock it out.
       const userHandle = getParam(form, 'user_handle') ?? ''
       if (
         passkey.userHandle === undefined ? !/^[A-Za-z0-9_-]{1,86}$/.test(userHandle) : userHandle !== passkey.userHandle
       )
         throw new PasskeyError('the passkey is not the owner of this server')
+      const keptHandle = passkey.userHandle ?? (userHandle === userHandleOf(ctx.config) ? userHandle : undefined)
       const { publicKey, algorithm, counter } = passkey
       const expected = { challenge, origin: rp.origin, rpId: rp.id, publicKey, algorithm, counter }
       const now = ctx.now()
       const verified = verifyAuthentication(response, expected)
-      const used = { counter: verified.counter, lastUsedAt: now, userHandle, rpId: rp.id }
+      const used = { counter: verified.counter, lastUsedAt: now, userHandle: keptHandle, rpId: rp.id }
       await ctx.store.savePasskey(id, { ...passkey, ...used }, now)
     })
     return undefined
@@ -6310,10 +6312,14 @@ const SERVER_TIMEOUTS: ServerTimeouts = {
 }
 
 /**
- * How many connections may be open at once: in all, and from one address. `counted` says which
- * addresses the second limit applies to.
+ * How many connections may be open at once: in all, and from one address. `groupOf` names what
+ * an address counts as, for the second limit, or undefined when it is not limited.
  */
-export type ConnectionLimits = { total: number; perAddress: number; counted: (address: string) => boolean }
+export type ConnectionLimits = {
+  total: number
+  perAddress: number
+  groupOf: (address: string) => string | undefined
+}
 
 /**
  * A person's server needs a few dozen connections. Each costs some 7 KB while it waits for its
@@ -6322,10 +6328,27 @@ export type ConnectionLimits = { total: number; perAddress: number; counted: (ad
  * by address keeps one stranger from taking them all; it spares loopback, where a proxy on this
  * machine sends every client's requests from.
  */
-const CONNECTION_LIMITS: ConnectionLimits = {
+export const CONNECTION_LIMITS: ConnectionLimits = {
   total: 10_000,
   perAddress: 100,
-  counted: (address) => !/^(127\.|::1$|::ffff:127\.)/.test(address),
+  groupOf: (address) => (/^(127\.|::1$|::ffff:127\.)/.test(address) ? undefined : addressGroup(address)),
+}
+
+/**
+ * What one client's connections count as: an IPv4 address itself, and for IPv6 its /64, since
+ * one host is given a whole /64 and may use any address in it.
+ */
+function addressGroup(address: string): string {
+  if (!isIPv6(address) || address.startsWith('::ffff:')) return address
+  const [head, tail] = address.replace(/%.*$/, '').split('::')
+  const part = (text: string | undefined) => (text === undefined || text === '' ? [] : text.split(':'))
+  const [left, right] = [part(head), part(tail)]
+  const missing = 8 - left.length - right.length - (right.at(-1)?.includes('.') ? 1 : 0) // a.b.c.d is two groups
+  const groups = [...left, ...Array<string>(tail === undefined ? 0 : missing).fill('0'), ...right]
+  return `${groups
+    .slice(0, 4)
+    .map((group) => parseInt(group, 16).toString(16))
+    .join(':')}::/64`
 }
 
 /**
@@ -6344,17 +6367,17 @@ export function createLatchServer(
     connectionsCheckingInterval: timeouts.checkEveryMs,
   })
   server.maxConnections = limits.total
-  const open = new Map<string, number>() // connections by address, for the addresses counted
+  const open = new Map<string, number>() // connections by address group, for those limited
   server.on('connection', (socket: Socket) => {
-    const address = socket.remoteAddress
-    if (address === undefined || !limits.counted(address)) return
-    const count = (open.get(address) ?? 0) + 1
+    const group = socket.remoteAddress === undefined ? undefined : limits.groupOf(socket.remoteAddress)
+    if (group === undefined) return
+    const count = (open.get(group) ?? 0) + 1
     if (count > limits.perAddress) return void socket.destroy()
-    open.set(address, count)
+    open.set(group, count)
     socket.once('close', () => {
-      const left = (open.get(address) ?? 1) - 1
-      if (left === 0) open.delete(address)
-      else open.set(address, left)
+      const left = (open.get(group) ?? 1) - 1
+      if (left === 0) open.delete(group)
+      else open.set(group, left)
     })
   })
   return server

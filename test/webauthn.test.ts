@@ -1393,19 +1393,21 @@ describe('Passkeys under attack', () => {
     }
   })
 
-  it('lets a passkey stored before its handle was kept sign in after ME changes, and keeps its handle and host then', async () => {
-    let userHandle: string | undefined
+  it('lets a passkey stored before its handle was kept sign in after ME changes, and no forged handle lock it out', async () => {
     const { store, owner, moved } = await passkeyThenNewMe(async (store) => {
-      const [[id, { userHandle: made, rpId: _, ...old }]] = await store.listPasskeys() // as a passkey stored before was
-      userHandle = made
+      const [[id, { userHandle: _, rpId: __, ...old }]] = await store.listPasskeys() // as a passkey stored before was
       await store.savePasskey(id, old, 0)
     })
     try {
       const browser = openBrowser(moved)
-      const signedIn = await browser.post('/sign-in', await passkeyFields(moved, browser, owner))
+      // the handle is not signed: whoever holds an assertion can send any
+      const forged = { ...(await passkeyFields(moved, browser, owner)), user_handle: 'AAAA' }
+      assert.equal((await browser.post('/sign-in', forged)).status, 303)
+      const other = openBrowser(moved)
+      const signedIn = await other.post('/sign-in', await passkeyFields(moved, other, owner))
       assert.equal(signedIn.status, 303, await signedIn.text())
       const [[, kept]] = await store.listPasskeys()
-      assert.deepEqual([kept.userHandle, kept.rpId], [userHandle, 'localhost'])
+      assert.deepEqual([kept.userHandle, kept.rpId], [undefined, 'localhost']) // not the handle Latch makes now
     } finally {
       await moved.close()
     }
