@@ -2203,7 +2203,8 @@ function renderAppsPage(grants: [string, Grant][], page: AppsPage): string {
       const services =
         grant.resource.length === 0
           ? ''
-          : `<dt>${grant.resource.length === 1 ? 'Service' : 'Services'}</dt><dd>${grant.resource.map((resource) => `<code>${isolate(resource)}</code>`).join(' ')}</dd>\n`
+          : `<dt>${grant.resource.length === 1 ? 'Service' : 'Services'}</dt>` +
+            `<dd>${grant.resource.map((resource) => `<code>${isolate(resource)}</code>`).join(' ')}</dd>\n`
       const scopes = grant.scope.length === 0 ? '' : `<dt>Scopes</dt><dd>${escapeHtml(grant.scope.join(' '))}</dd>\n`
       return `<section class="app">
 <h2>${image}${appName(grant)}</h2>
@@ -6169,7 +6170,8 @@ function parseMe(value: string): string {
 function parseProfileLink(name: string, value: string): string {
   if (!/^https?:\/\//i.test(value) || !URL.canParse(value))
     throw new ConfigError(
-      `${name} ${value} is not an http or https URL: use a full URL, as in https://example.com/${name === 'PROFILE_PHOTO' ? 'photo.jpg' : ''}`,
+      `${name} ${value} is not an http or https URL: use a full URL, as in ` +
+        `https://example.com/${name === 'PROFILE_PHOTO' ? 'photo.jpg' : ''}`,
     )
   return new URL(value).href
 }
@@ -6487,7 +6489,8 @@ async function main(argv: string[], env: Record<string, string | undefined>): Pr
     const hosts = [...new Set(passkeys.map(([, passkey]) => passkey.rpId))].join(', ')
     const counted = passkeys.length === 1 ? 'the 1 passkey' : `the ${passkeys.length} passkeys`
     throw new ConfigError(
-      `PASSWORD_SIGN_IN=off, and ${counted} in ${config.dataFile} ${passkeys.length === 1 ? 'was' : 'were'} made for ${hosts}, ` +
+      `PASSWORD_SIGN_IN=off, and ${counted} in ${config.dataFile} ` +
+        `${passkeys.length === 1 ? 'was' : 'were'} made for ${hosts}, ` +
         `not ${new URL(config.issuer).hostname}, so no one could sign in: set ISSUER back to that host, ` +
         'or unset PASSWORD_SIGN_IN, sign in with the password and add a passkey for this one',
     )
