@@ -1522,6 +1522,9 @@ describe('POST /token with grant_type=refresh_token (IndieAuth ยง5.5, RFC 6749 ย
     const refused = await refresh(tokens.refresh_token)
     await assertError(refused, 429, 'slow_down')
     assert.equal(refused.headers.get('retry-after'), '86400')
+    await assertError(await refresh(tokens.refresh_token), 429, 'slow_down')
+    const said = latch.logs.filter((line) => / security: .* refreshed a grant 1000 times in a day/.test(line))
+    assert.equal(said.length, 1) // once, not at every refusal
     assert.equal((await refresh((await firstTokens()).refresh_token)).status, 200) // another grant is not held back
     latch.advance(86_400)
     assert.equal((await refresh(tokens.refresh_token)).status, 200) // not used by the refusal

@@ -1484,7 +1484,7 @@ async function refreshGrant(form: Params, ctx: Context) {
     scope: narrowScope(getParam(form, 'scope'), found.token.scope),
     resource: narrowResource(form, found.token.resource),
   }
-  countRefresh(found.token.grantId, ctx)
+  countRefresh(found.token.grantId, found.grant.client_id, ctx)
   const redeemed = {
     kind: 'refresh',
     hash,
@@ -1499,7 +1499,7 @@ async function refreshGrant(form: Params, ctx: Context) {
  * refreshed MAX_REFRESHES_A_DAY times in a day: a client whose access tokens last five minutes
  * needs 288. Past that, 429 until the day is over; the refresh token is not used up.
  */
-function countRefresh(grantId: string, ctx: Context): void {
+function countRefresh(grantId: string, clientId: string, ctx: Context): void {
   const now = ctx.now()
   let day = ctx.refreshes.get(grantId)
   if (day === undefined || day.since + DAY_MS <= now) {
@@ -1509,9 +1509,13 @@ function countRefresh(grantId: string, ctx: Context): void {
     ctx.refreshes.set(grantId, day)
   }
   if (++day.count > MAX_REFRESHES_A_DAY) {
+    const first = day.count === MAX_REFRESHES_A_DAY + 1 // said once a day in the log, not at every refusal
     throw new OAuthError('slow_down', `This grant was refreshed ${MAX_REFRESHES_A_DAY} times today: wait`, {
       status: 429,
       headers: { 'Retry-After': String(Math.ceil((day.since + DAY_MS - now) / 1000)) },
+      event: first
+        ? `${clientId} refreshed a grant ${MAX_REFRESHES_A_DAY} times in a day: refused until the day is over`
+        : undefined,
     })
   }
 }
