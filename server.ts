@@ -6360,11 +6360,13 @@ function addressGroup(address: string): string {
 /**
  * An http server whose slow clients cannot hold a connection for long (slowloris): headers
  * within 10 s, the whole request within 30 s, 5 s idle between requests, checked every second;
- * and no more connections than `limits` allow. Attach the handler with `server.on('request', handler)`.
+ * and no more connections than `limits` allow. Connections closed for a limit are said in `log`,
+ * at most once a minute. Attach the handler with `server.on('request', handler)`.
  */
 export function createLatchServer(
   timeouts: ServerTimeouts = SERVER_TIMEOUTS,
   limits: ConnectionLimits = CONNECTION_LIMITS,
+  log: (line: string) => void = () => {},
 ): Server {
   const server = createServer({
     headersTimeout: timeouts.headersMs,
@@ -6373,12 +6375,28 @@ export function createLatchServer(
     connectionsCheckingInterval: timeouts.checkEveryMs,
   })
   server.maxConnections = limits.total
+  // a flood closes thousands a second: one line at the first, then at most one a minute, with how many
+  const dropped = { count: 0, saidAt: -Infinity }
+  const drop = (address: string | undefined) => {
+    dropped.count++
+    if (Date.now() - dropped.saidAt < 60_000) return
+    const many = dropped.count === 1 ? '1 connection was' : `${dropped.count} connections were`
+    log(
+      `security: ${many} closed at once, past ${limits.perAddress} from one client or ${limits.total} in all ` +
+        `(the last from ${address ?? 'an unknown address'})`,
+    )
+    Object.assign(dropped, { count: 0, saidAt: Date.now() })
+  }
+  server.on('drop', (data?: { remoteAddress?: string }) => drop(data?.remoteAddress)) // past `total`
   const open = new Map<string, number>() // connections by address group, for those limited
   server.on('connection', (socket: Socket) => {
     const group = socket.remoteAddress === undefined ? undefined : limits.groupOf(socket.remoteAddress)
     if (group === undefined) return
     const count = (open.get(group) ?? 0) + 1
-    if (count > limits.perAddress) return void socket.destroy()
+    if (count > limits.perAddress) {
+      drop(socket.remoteAddress)
+      return void socket.destroy()
+    }
     open.set(group, count)
     socket.once('close', () => {
       const left = (open.get(group) ?? 1) - 1
@@ -6499,7 +6517,7 @@ async function main(argv: string[], env: Record<string, string | undefined>): Pr
         'or unset PASSWORD_SIGN_IN, sign in with the password and add a passkey for this one',
     )
   }
-  const server = createLatchServer()
+  const server = createLatchServer(SERVER_TIMEOUTS, CONNECTION_LIMITS, logMessage)
   await new Promise<void>((resolve, reject) => {
     server.once('error', reject)
     server.listen(config.port, config.host, resolve)
