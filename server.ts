@@ -61,7 +61,7 @@ import {
   verify,
 } from 'node:crypto'
 import type { JsonWebKey, KeyObject } from 'node:crypto'
-import { realpathSync } from 'node:fs'
+import { readlinkSync, realpathSync } from 'node:fs'
 import { mkdir, open, readFile, readdir, readlink, realpath, rename, rm, stat, truncate } from 'node:fs/promises'
 import type { FileHandle } from 'node:fs/promises'
 import { dirname } from 'node:path'
@@ -6573,7 +6573,24 @@ function dataFileProblem(err: NodeJS.ErrnoException, dataFile: string): ConfigEr
     ERR_FS_FILE_TOO_LARGE: 'is larger than 2 GiB, which Latch cannot read: move it away and start empty',
   }
   const reason = err.code === undefined ? undefined : because[err.code]
+  // its own folder exists (Latch made it): the target of a symbolic link is what cannot be reached
+  const target = err.code === 'ENOENT' ? linkTarget(dataFile) : undefined
+  if (target !== undefined) {
+    return new ConfigError(
+      `DATA_FILE ${dataFile} is a symbolic link to ${target}, in a folder that does not exist: ` +
+        'create it, or point the link elsewhere',
+    )
+  }
   return reason === undefined ? undefined : new ConfigError(`DATA_FILE ${dataFile} ${reason}`)
+}
+
+/** Where a symbolic link points, or undefined when the path is not one. */
+function linkTarget(path: string): string | undefined {
+  try {
+    return readlinkSync(path)
+  } catch {
+    return undefined
+  }
 }
 
 function isMainModule(): boolean {

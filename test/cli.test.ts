@@ -7,7 +7,7 @@ import assert from 'node:assert/strict'
 import { spawn, spawnSync } from 'node:child_process'
 import type { ChildProcessWithoutNullStreams, SpawnOptions } from 'node:child_process'
 import { EventEmitter } from 'node:events'
-import { chmod, mkdir, mkdtemp, rm, writeFile } from 'node:fs/promises'
+import { chmod, mkdir, mkdtemp, rm, symlink, writeFile } from 'node:fs/promises'
 import { readFileSync } from 'node:fs'
 import { tmpdir } from 'node:os'
 import { join } from 'node:path'
@@ -188,6 +188,16 @@ function unprivilegedPortStart(): number {
 // --- Start-up failures -------------------------------------------------------------------
 
 describe('A start-up failure is one line naming the setting and the fix, and exit 1', () => {
+  it('DATA_FILE that is a symbolic link into a folder that does not exist', async () => {
+    const link = join(directory, 'dangling.jsonl')
+    await symlink(join(directory, 'no-such-folder', 'latch.jsonl'), link)
+    const result = await runLatch([], { DATA_FILE: link, PORT: '0' })
+    assertOneLineFailure(
+      result,
+      /DATA_FILE .*dangling\.jsonl is a symbolic link to .*no-such-folder\/latch\.jsonl, in a folder that does not exist: create it, or point the link elsewhere/,
+    )
+  })
+
   it('DATA_FILE that is a directory', async () => {
     const folder = join(directory, 'a-folder')
     await mkdir(folder)
