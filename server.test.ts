@@ -2543,9 +2543,9 @@ describe('Slow clients', () => {
         const other = [open('::1'), open('::1')] // another address, up to six in all
         assert.equal(await connections(6), 6)
         await closed(open('::1')) // a seventh in all
-        // said once: the second within the minute is counted for the next line
+        // said at once; the second, within the minute, is counted for the line that ends it
         assert.deepEqual(logs, [
-          'security: 1 connection was closed at once, past 4 from one client or 6 in all (the last from ::ffff:127.0.0.1)',
+          'security: a connection from ::ffff:127.0.0.1 was closed at once, past 4 from one client',
         ])
         four[0].destroy()
         other[0].destroy()
@@ -2559,6 +2559,38 @@ describe('Slow clients', () => {
       }
     },
   )
+
+  it('says the first connection closed for a limit at once, then how many a minute while more come', async (t) => {
+    t.mock.timers.enable({ apis: ['setTimeout'] })
+    const logs: string[] = []
+    const limits = { total: 1, perAddress: 100, groupOf: () => undefined }
+    const server = createLatchServer(undefined, limits, (line) => logs.push(line))
+    await new Promise<void>((resolve) => server.listen(0, '127.0.0.1', resolve))
+    const port = (server.address() as AddressInfo).port
+    const open = () => connect(port, '127.0.0.1').on('error', () => {})
+    const closed = (socket: Socket) => new Promise((resolve) => socket.on('close', resolve))
+    const held = open()
+    try {
+      await new Promise((resolve) => server.once('connection', resolve))
+      await closed(open())
+      assert.deepEqual(logs, ['security: a connection from 127.0.0.1 was closed at once, past 1 in all'])
+      await closed(open())
+      await closed(open())
+      assert.equal(logs.length, 1)
+      t.mock.timers.tick(60_000)
+      assert.deepEqual(logs.slice(1), [
+        'security: connections closed at once in the last minute: 2 past 1 in all (the last from 127.0.0.1)',
+      ])
+      t.mock.timers.tick(60_000) // a quiet minute: nothing to say, and the next is said at once again
+      assert.equal(logs.length, 2)
+      await closed(open())
+      assert.equal(logs.length, 3)
+    } finally {
+      held.destroy()
+      server.closeAllConnections()
+      await new Promise((resolve) => server.close(resolve))
+    }
+  })
 
   it('counts an IPv6 client by its /64, an IPv4 one by its address, and does not limit loopback', () => {
     const { groupOf } = CONNECTION_LIMITS

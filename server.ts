@@ -61,10 +61,10 @@ import {
   verify,
 } from 'node:crypto'
 import type { JsonWebKey, KeyObject } from 'node:crypto'
-import { readlinkSync, realpathSync } from 'node:fs'
+import { existsSync, readlinkSync, realpathSync } from 'node:fs'
 import { mkdir, open, readFile, readdir, readlink, realpath, rename, rm, stat, truncate } from 'node:fs/promises'
 import type { FileHandle } from 'node:fs/promises'
-import { dirname } from 'node:path'
+import { dirname, resolve } from 'node:path'
 import { fileURLToPath } from 'node:url'
 
 // --- Types ----------------------------------------------------------------------
@@ -1510,7 +1510,7 @@ function countRefresh(grantId: string, clientId: string, ctx: Context): void {
   }
   if (++day.count > MAX_REFRESHES_A_DAY) {
     const first = day.count === MAX_REFRESHES_A_DAY + 1 // said once a day in the log, not at every refusal
-    throw new OAuthError('slow_down', `This grant was refreshed ${MAX_REFRESHES_A_DAY} times today: wait`, {
+    throw new OAuthError('slow_down', `This grant was refreshed ${MAX_REFRESHES_A_DAY} times within a day: wait`, {
       status: 429,
       headers: { 'Retry-After': String(Math.ceil((day.since + DAY_MS - now) / 1000)) },
       event: first
@@ -5889,7 +5889,9 @@ export const SETTINGS = [
   {
     name: 'PASSWORD_SIGN_IN',
     default: 'on',
-    help: '`off`: sign in with a passkey only (start is refused while none is added). Needs PASSWORD_HASH.',
+    help:
+      '`off`: sign in with a passkey only (start is refused while none is for the host of ISSUER). ' +
+      'Needs PASSWORD_HASH and a DATA_FILE.',
   },
   {
     name: 'DATA_FILE',
@@ -6375,26 +6377,34 @@ export function createLatchServer(
     connectionsCheckingInterval: timeouts.checkEveryMs,
   })
   server.maxConnections = limits.total
-  // a flood closes thousands a second: one line at the first, then at most one a minute, with how many
-  const dropped = { count: 0, saidAt: -Infinity }
-  const drop = (address: string | undefined) => {
-    dropped.count++
-    if (Date.now() - dropped.saidAt < 60_000) return
-    const many = dropped.count === 1 ? '1 connection was' : `${dropped.count} connections were`
-    log(
-      `security: ${many} closed at once, past ${limits.perAddress} from one client or ${limits.total} in all ` +
-        `(the last from ${address ?? 'an unknown address'})`,
-    )
-    Object.assign(dropped, { count: 0, saidAt: Date.now() })
+  // A flood closes thousands a second: the first is said at once; then, for as long as more
+  // come, one line a minute says how many were closed in it, for each limit.
+  const pastLimit = { perAddress: `past ${limits.perAddress} from one client`, total: `past ${limits.total} in all` }
+  const dropped = { perAddress: 0, total: 0, last: '', minute: undefined as NodeJS.Timeout | undefined }
+  const endMinute = () => {
+    const counts = (['perAddress', 'total'] as const).filter((limit) => dropped[limit] > 0)
+    if (counts.length === 0) return void (dropped.minute = undefined)
+    const said = counts.map((limit) => `${dropped[limit]} ${pastLimit[limit]}`).join(', ')
+    log(`security: connections closed at once in the last minute: ${said} (the last from ${dropped.last})`)
+    Object.assign(dropped, { perAddress: 0, total: 0, minute: setTimeout(endMinute, 60_000).unref() })
   }
-  server.on('drop', (data?: { remoteAddress?: string }) => drop(data?.remoteAddress)) // past `total`
+  const drop = (limit: 'perAddress' | 'total', address = 'an unknown address') => {
+    if (dropped.minute === undefined) {
+      log(`security: a connection from ${address} was closed at once, ${pastLimit[limit]}`)
+      dropped.minute = setTimeout(endMinute, 60_000).unref()
+    } else {
+      dropped[limit]++
+      dropped.last = address
+    }
+  }
+  server.on('drop', (data?: { remoteAddress?: string }) => drop('total', data?.remoteAddress)) // past maxConnections
   const open = new Map<string, number>() // connections by address group, for those limited
   server.on('connection', (socket: Socket) => {
     const group = socket.remoteAddress === undefined ? undefined : limits.groupOf(socket.remoteAddress)
     if (group === undefined) return
     const count = (open.get(group) ?? 0) + 1
     if (count > limits.perAddress) {
-      drop(socket.remoteAddress)
+      drop('perAddress', socket.remoteAddress)
       return void socket.destroy()
     }
     open.set(group, count)
@@ -6573,24 +6583,30 @@ function dataFileProblem(err: NodeJS.ErrnoException, dataFile: string): ConfigEr
     ERR_FS_FILE_TOO_LARGE: 'is larger than 2 GiB, which Latch cannot read: move it away and start empty',
   }
   const reason = err.code === undefined ? undefined : because[err.code]
-  // its own folder exists (Latch made it): the target of a symbolic link is what cannot be reached
+  // its own folder exists (Latch made it): the folder of a symbolic link's target is what is missing
   const target = err.code === 'ENOENT' ? linkTarget(dataFile) : undefined
-  if (target !== undefined) {
+  if (target !== undefined && !existsSync(dirname(target))) {
     return new ConfigError(
-      `DATA_FILE ${dataFile} is a symbolic link to ${target}, in a folder that does not exist: ` +
-        'create it, or point the link elsewhere',
+      `DATA_FILE ${dataFile} is a symbolic link to ${target}, whose folder does not exist: ` +
+        `create ${dirname(target)}, or point the link elsewhere`,
     )
   }
   return reason === undefined ? undefined : new ConfigError(`DATA_FILE ${dataFile} ${reason}`)
 }
 
-/** Where a symbolic link points, or undefined when the path is not one. */
+/** Where a symbolic link leads in the end, as an absolute path, or undefined when the path is not one. */
 function linkTarget(path: string): string | undefined {
-  try {
-    return readlinkSync(path)
-  } catch {
-    return undefined
+  let target = path
+  for (let hops = 0; hops < 40; hops++) {
+    let next: string
+    try {
+      next = readlinkSync(target)
+    } catch {
+      break // not a link: the end of the chain
+    }
+    target = resolve(dirname(target), next) // a relative target is relative to the link's folder
   }
+  return target === path ? undefined : target
 }
 
 function isMainModule(): boolean {

@@ -188,13 +188,19 @@ function unprivilegedPortStart(): number {
 // --- Start-up failures -------------------------------------------------------------------
 
 describe('A start-up failure is one line naming the setting and the fix, and exit 1', () => {
-  it('DATA_FILE that is a symbolic link into a folder that does not exist', async () => {
+  it('DATA_FILE that is a symbolic link, through another, into a folder that does not exist', async () => {
+    // relative targets, as `ln -s` often makes them: each is read from its own link's folder
+    await mkdir(join(directory, 'links'), { recursive: true })
+    await symlink('../no-such-folder/latch.jsonl', join(directory, 'links', 'hop.jsonl'))
     const link = join(directory, 'dangling.jsonl')
-    await symlink(join(directory, 'no-such-folder', 'latch.jsonl'), link)
+    await symlink('links/hop.jsonl', link)
     const result = await runLatch([], { DATA_FILE: link, PORT: '0' })
+    const missing = join(directory, 'no-such-folder')
     assertOneLineFailure(
       result,
-      /DATA_FILE .*dangling\.jsonl is a symbolic link to .*no-such-folder\/latch\.jsonl, in a folder that does not exist: create it, or point the link elsewhere/,
+      new RegExp(
+        `DATA_FILE .*dangling\\.jsonl is a symbolic link to ${missing}/latch\\.jsonl, whose folder does not exist: create ${missing}, or point the link elsewhere`,
+      ),
     )
   })
 
