@@ -29,6 +29,8 @@ const PASSWORD_HASH = await hashPassword(PASSWORD, FAST_COST)
 const ROOT = fileURLToPath(new URL('..', import.meta.url))
 /** How long a child may take to start, answer or stop before the test gives up on it. */
 const CHILD_TIMEOUT_MS = 20_000
+/** A passkey record as the journal holds it: its key is never checked at start-up. */
+const PASSKEY = { name: 'Phone', publicKey: 'MCowBQYDK2VwAyEA', algorithm: -8, counter: 0, addedAt: Date.now() }
 const NOBODY = 65534
 
 let directory: string
@@ -268,10 +270,9 @@ describe('A start-up failure is one line naming the setting and the fix, and exi
 
   it('PASSWORD_SIGN_IN=off while every passkey was made for another host than ISSUER', async () => {
     const file = join(directory, 'other-host-passkeys.jsonl')
-    const passkey = { name: 'Phone', publicKey: 'MCowBQYDK2VwAyEA', algorithm: -8, counter: 0, addedAt: Date.now() }
     await writeFile(
       file,
-      `${JSON.stringify({ set: 'passkey', key: 'credential-1', value: { ...passkey, rpId: 'old.example' } })}\n`,
+      `${JSON.stringify({ set: 'passkey', key: 'credential-1', value: { ...PASSKEY, rpId: 'old.example' } })}\n`,
     )
     const settings = { PASSWORD_SIGN_IN: 'off', PASSWORD_HASH, ISSUER: 'http://localhost:3000', PORT: '0' }
     const result = await runLatch([], { ...settings, DATA_FILE: file })
@@ -344,8 +345,7 @@ const isMetadataLine = (line: string) => /^ {2}metadata /.test(line)
 describe('The start-up block', () => {
   it('starts with PASSWORD_SIGN_IN=off once the data file holds a passkey, and says so', async () => {
     const file = join(directory, 'passkey.jsonl')
-    const passkey = { name: 'Phone', publicKey: 'MCowBQYDK2VwAyEA', algorithm: -8, counter: 0, addedAt: Date.now() }
-    await writeFile(file, `${JSON.stringify({ set: 'passkey', key: 'credential-1', value: passkey })}\n`)
+    await writeFile(file, `${JSON.stringify({ set: 'passkey', key: 'credential-1', value: PASSKEY })}\n`)
     const settings = { PASSWORD_SIGN_IN: 'off', PASSWORD_HASH, ISSUER: 'http://localhost:3000', PORT: '0' }
     const latch = serve({ ...settings, DATA_FILE: file })
     try {
@@ -358,10 +358,9 @@ describe('The start-up block', () => {
 
   it('says how many passkeys are for this host when some were made for another', async () => {
     const file = join(directory, 'passkeys-two-hosts.jsonl')
-    const passkey = { name: 'Phone', publicKey: 'MCowBQYDK2VwAyEA', algorithm: -8, counter: 0, addedAt: Date.now() }
     const lines = [
-      { set: 'passkey', key: 'credential-1', value: { ...passkey, rpId: 'old.example' } },
-      { set: 'passkey', key: 'credential-2', value: { ...passkey, rpId: 'localhost' } },
+      { set: 'passkey', key: 'credential-1', value: { ...PASSKEY, rpId: 'old.example' } },
+      { set: 'passkey', key: 'credential-2', value: { ...PASSKEY, rpId: 'localhost' } },
     ]
     await writeFile(file, lines.map((line) => `${JSON.stringify(line)}\n`).join(''))
     const settings = { PASSWORD_SIGN_IN: 'off', PASSWORD_HASH, ISSUER: 'http://localhost:3000', PORT: '0' }
