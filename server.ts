@@ -2546,7 +2546,7 @@ export function createHandler(options: HandlerOptions): (req: IncomingMessage, r
   const ownHosts = ownHostsOf(ctx.config)
   let lastOwnHost: string | undefined // the Host header that passed last time: nearly every request repeats it
   return (req, res) => {
-    const started = performance.now()
+    const started = process.hrtime.bigint()
     const path = pathOf(req.url ?? '/')
     const { handler, errors, cors } = selectRoute(req.method ?? 'GET', path)
     if (cors) (res as MarkedResponse)[CORS] = true
@@ -2610,7 +2610,7 @@ function ownHostsOf(config: Config): Set<string> | undefined {
 function logRequest(
   req: IncomingMessage,
   res: MarkedResponse,
-  { address, path, started, answered }: { address: string; path: string; started: number; answered: boolean },
+  { address, path, started, answered }: { address: string; path: string; started: bigint; answered: boolean },
   ctx: Context,
 ): void {
   ctx.log(
@@ -2621,7 +2621,7 @@ function logRequest(
         method: req.method ?? 'GET',
         path,
         status: answered ? res.statusCode : 'closed before the answer',
-        ms: Math.round(performance.now() - started),
+        ms: Math.round(Number(process.hrtime.bigint() - started) / 1e6),
         error: res[LOGGED_ERROR],
         client_id: res[LOGGED_CLIENT],
       },
