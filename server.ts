@@ -2546,7 +2546,7 @@ export function createHandler(options: HandlerOptions): (req: IncomingMessage, r
   const ownHosts = ownHostsOf(ctx.config)
   let lastOwnHost: string | undefined // the Host header that passed last time: nearly every request repeats it
   return (req, res) => {
-    const started = process.hrtime.bigint()
+    const started = process.hrtime.bigint() // not `performance`: its first use loads perf_hooks, on the first request
     const path = pathOf(req.url ?? '/')
     const { handler, errors, cors } = selectRoute(req.method ?? 'GET', path)
     if (cors) (res as MarkedResponse)[CORS] = true
