@@ -1813,7 +1813,7 @@ describe('The log', () => {
     t.mock.timers.enable({ apis: ['setTimeout'] })
     const writes: string[] = []
     const log = createLineWriter(
-      { write: (text: string) => writes.push(text), on: () => {} } as unknown as NodeJS.WritableStream,
+      { write: (text: string) => writes.push(text), on: () => {} } as unknown as Writable,
       100,
     )
     log('GET / 200 1ms')
@@ -1839,6 +1839,32 @@ describe('The log', () => {
     log('y'.repeat(70_000))
     await new Promise((resolve) => setImmediate(resolve))
     assert.equal(writes, 1)
+  })
+
+  it('keeps at most 1 MiB for a reader that stopped reading, then says how many lines it dropped', async () => {
+    const written: string[] = []
+    const done: (() => void)[] = []
+    // a pipe whose reader stopped: each write waits until it reads again
+    const stream = new Writable({
+      write(chunk: Buffer, _encoding, callback) {
+        written.push(chunk.toString())
+        done.push(callback)
+      },
+    })
+    const log = createLineWriter(stream, 100, (line) => `[${line}]`)
+    for (let i = 0; i < 40; i++) log(`${i} ${'x'.repeat(70_000)}`) // each one past 64 KiB: written at once
+    assert.ok(stream.writableLength < 1.1 * 1024 * 1024, `${stream.writableLength} bytes wait for the reader`)
+    while (done.length > 0) {
+      done.shift()?.()
+      await new Promise((resolve) => setImmediate(resolve))
+    }
+    const kept = written.length // one line a write
+    assert.ok(kept > 1 && kept < 20, `${kept} lines written`)
+    log('after')
+    log('x'.repeat(70_000))
+    const last = written.at(-1) ?? ''
+    assert.equal(last.split('\n')[0], `[log: ${40 - kept} lines dropped while the output was not being read]`)
+    assert.match(last, /^\[log: \d+ lines dropped[^\n]*\]\nafter\nx+\n$/)
   })
 })
 

@@ -64,6 +64,7 @@ import type { JsonWebKey, KeyObject } from 'node:crypto'
 import { existsSync, readlinkSync, realpathSync } from 'node:fs'
 import { mkdir, open, readFile, readdir, readlink, realpath, rename, rm, stat, truncate } from 'node:fs/promises'
 import type { FileHandle } from 'node:fs/promises'
+import type { Writable } from 'node:stream'
 import { dirname, resolve } from 'node:path'
 import { fileURLToPath } from 'node:url'
 
@@ -6422,27 +6423,46 @@ export function createLatchServer(
  * a file or a terminal blocks; once a request, it cost as much as answering one. Lines still
  * waiting are written when the process exits. When the log cannot be written (the program that
  * read it has gone: EPIPE), the server goes on and its lines are dropped: an authorization
- * server must not stop because its log did.
+ * server must not stop because its log did. Nor may it grow without end: a pipe whose reader
+ * has stopped reading (a stuck log shipper, a paused pager) takes every write into memory. Past
+ * 1 MiB unread, lines are counted and dropped, and once the reader catches up, a line of the
+ * writer's own (in the log's format, by `format`) says how many.
  */
-export function createLineWriter(stream: NodeJS.WritableStream, everyMs = 100): (line: string) => void {
+export function createLineWriter(
+  stream: Writable,
+  everyMs = 100,
+  format = (line: string) => line,
+): (line: string) => void {
   let pending = ''
+  let lines = 0
+  let dropped = 0
   let timer: NodeJS.Timeout | undefined
   let broken = false
   stream.on('error', () => (broken = true))
   const flush = () => {
     clearTimeout(timer)
     timer = undefined
-    if (pending !== '' && !broken) stream.write(pending)
+    if (stream.writableLength > MAX_UNREAD_LOG_BYTES) dropped += lines
+    else if (pending !== '' && !broken) {
+      const notice = `log: ${dropped} lines dropped while the output was not being read`
+      stream.write(dropped === 0 ? pending : `${format(notice)}\n${pending}`)
+      dropped = 0
+    }
     pending = ''
+    lines = 0
   }
   process.on('exit', flush)
   return (line) => {
     if (broken) return
     pending += `${line}\n`
+    lines++
     if (pending.length >= 65_536) flush()
     else timer ??= setTimeout(flush, everyMs).unref() // the exit handler writes what is left
   }
 }
+
+/** The most log output kept in memory for a reader that is not reading. */
+const MAX_UNREAD_LOG_BYTES = 1024 * 1024
 
 const NO_PASSWORD = 'not set: anyone who can reach this loopback address can approve sign-ins'
 
@@ -6497,12 +6517,13 @@ async function main(argv: string[], env: Record<string, string | undefined>): Pr
   if (argv[0] === 'hash-password') return runHashPassword()
   if (argv.includes('--help') || argv.includes('-h')) return void console.log(buildHelp())
   let config = loadConfig(env, argv)
-  const write = createLineWriter(process.stdout)
-  // the store's own lines (the journal's), in the log's format
-  const logMessage = (line: string) => {
+  // the lines of the store (the journal's) and of the log writer itself, in the log's format
+  const format = (line: string) => {
     const [, event = 'store', message = line] = /^(\w+): ([^]*)$/.exec(line) ?? []
-    write(formatLogEntry({ time: new Date().toISOString(), event, message }, config.logFormat))
+    return formatLogEntry({ time: new Date().toISOString(), event, message }, config.logFormat)
   }
+  const write = createLineWriter(process.stdout, 100, format)
+  const logMessage = (line: string) => write(format(line))
   if (!config.passwordSignIn && config.dataFile === 'memory')
     throw new ConfigError(
       'PASSWORD_SIGN_IN=off leaves only passkeys, and DATA_FILE=memory keeps none from one start to the next: ' +
