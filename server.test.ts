@@ -2524,7 +2524,7 @@ describe('Pages that explain themselves', () => {
 
 describe('Slow clients', () => {
   // Node's own timers close these connections, so these tests wait for real, briefly.
-  const timeouts = { headersMs: 300, requestMs: 600, keepAliveMs: 200, checkEveryMs: 50 }
+  const timeouts = { headersMs: 300, requestMs: 600, keepAliveMs: 200, checkEveryMs: 50, idleMs: 1_000 }
 
   const holdOpen = async (send: string): Promise<{ closedAfterMs: number; answer: string }> => {
     const server = createLatchServer(timeouts)
@@ -2648,6 +2648,26 @@ describe('Slow clients', () => {
       'POST /token HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/x-www-form-urlencoded\r\nContent-Length: 100\r\n\r\ncode=abc'
     const { closedAfterMs } = await holdOpen(head)
     assert.ok(closedAfterMs < 3000, `closed after ${closedAfterMs} ms`)
+  })
+
+  it('closes a connection whose client stopped reading its answer', { timeout: 30_000 }, async () => {
+    const server = createLatchServer(timeouts)
+    // an answer larger than the buffers between the two, so that node:http waits to write the rest
+    server.on('request', (_req, res) => res.end(Buffer.alloc(32 * 1024 * 1024)))
+    await new Promise<void>((resolve) => server.listen(0, '127.0.0.1', resolve))
+    let count = -1
+    const connections = () => (void server.getConnections((_err, now) => (count = now)), count)
+    const socket = connect((server.address() as AddressInfo).port, '127.0.0.1').on('error', () => {})
+    try {
+      socket.pause() // reads nothing
+      socket.write('GET / HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n')
+      assert.ok(await until(() => connections() === 1, 10_000), 'the connection is open')
+      // the request came whole, and the answer never finishes: no other timeout applies
+      assert.ok(await until(() => connections() === 0, 20_000), `${count} connection still open`)
+    } finally {
+      socket.destroy()
+      await new Promise((resolve) => server.close(resolve))
+    }
   })
 
   it('closes an idle kept-alive connection', async () => {

@@ -6310,14 +6310,25 @@ async function runHashPassword(): Promise<void> {
   process.stdout.write(`${passwordHash}\n`) // the command's one line of output, for PASSWORD_HASH
 }
 
-/** How long a client may take: to send its headers, its whole request, and between requests. */
-export type ServerTimeouts = { headersMs: number; requestMs: number; keepAliveMs: number; checkEveryMs: number }
+/**
+ * How long a client may take: to send its headers, its whole request, and between requests; and
+ * how long nothing may move on its connection, which is how a client that stops reading its
+ * answers shows.
+ */
+export type ServerTimeouts = {
+  headersMs: number
+  requestMs: number
+  keepAliveMs: number
+  checkEveryMs: number
+  idleMs: number
+}
 
 const SERVER_TIMEOUTS: ServerTimeouts = {
   headersMs: 10_000,
   requestMs: 30_000,
   keepAliveMs: 5_000,
   checkEveryMs: 1_000,
+  idleMs: 60_000,
 }
 
 /**
@@ -6362,8 +6373,10 @@ function addressGroup(address: string): string {
 
 /**
  * An http server whose slow clients cannot hold a connection for long (slowloris): headers
- * within 10 s, the whole request within 30 s, 5 s idle between requests, checked every second;
- * and no more connections than `limits` allow. Connections closed for a limit are said in `log`,
+ * within 10 s, the whole request within 30 s, 5 s idle between requests, checked every second.
+ * A client that stops reading its answers stalls node:http's writes, and then none of those
+ * apply: a connection on which nothing moves for a minute is closed, far longer than any answer
+ * takes to make. And no more connections than `limits` allow. Connections closed for a limit are said in `log`,
  * at most once a minute. Attach the handler with `server.on('request', handler)`.
  */
 export function createLatchServer(
@@ -6377,6 +6390,7 @@ export function createLatchServer(
     keepAliveTimeout: timeouts.keepAliveMs,
     connectionsCheckingInterval: timeouts.checkEveryMs,
   })
+  server.setTimeout(timeouts.idleMs) // with no 'timeout' listener, node:http then destroys the socket
   server.maxConnections = limits.total
   // A flood closes thousands a second: the first is said at once; then, for as long as more
   // come, one line a minute says how many were closed in it, for each limit.
