@@ -6376,8 +6376,8 @@ function addressGroup(address: string): string {
  * within 10 s, the whole request within 30 s, 5 s idle between requests, checked every second.
  * A client that stops reading its answers stalls node:http's writes, and then none of those
  * apply: a connection on which nothing moves for a minute is closed, far longer than any answer
- * takes to make. And no more connections than `limits` allow. Connections closed for a limit are said in `log`,
- * at most once a minute. Attach the handler with `server.on('request', handler)`.
+ * takes to make. And no more connections than `limits` allow. Connections closed for a limit
+ * are said in `log`, at most once a minute. Attach the handler with `server.on('request', handler)`.
  */
 export function createLatchServer(
   timeouts: ServerTimeouts = SERVER_TIMEOUTS,
