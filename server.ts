@@ -6437,10 +6437,11 @@ export function createLatchServer(
  * a file or a terminal blocks; once a request, it cost as much as answering one. Lines still
  * waiting are written when the process exits. When the log cannot be written (the program that
  * read it has gone: EPIPE), the server goes on and its lines are dropped: an authorization
- * server must not stop because its log did. Nor may it grow without end: a pipe whose reader
- * has stopped reading (a stuck log shipper, a paused pager) takes every write into memory. Past
- * 1 MiB unread, lines are counted and dropped, and once the reader catches up, a line of the
- * writer's own (in the log's format, by `format`) says how many.
+ * server must not stop because its log did. Nor may it grow without end: a pipe keeps in memory
+ * whatever its reader has not read yet, and a reader can stop (a stuck log shipper, a paused
+ * pager) or fall behind for good. Past 16 million characters unread, lines are counted and
+ * dropped; as soon as the reader has caught up, a line of the writer's own (in the log's
+ * format, by `format`) says how many.
  */
 export function createLineWriter(
   stream: Writable,
@@ -6456,15 +6457,17 @@ export function createLineWriter(
   const flush = () => {
     clearTimeout(timer)
     timer = undefined
-    if (stream.writableLength > MAX_UNREAD_LOG_BYTES) dropped += lines
-    else if (pending !== '' && !broken) {
-      const notice = `log: ${dropped} lines dropped while the output was not being read`
-      stream.write(dropped === 0 ? pending : `${format(notice)}\n${pending}`)
+    if (stream.writableLength > MAX_UNREAD_LOG) dropped += lines
+    else if ((pending !== '' || dropped > 0) && !broken) {
+      // after the lines, so that the times go on rising: the dropped lines came before them all
+      const notice = `log: ${dropped} lines dropped while the log's reader was behind`
+      stream.write(dropped === 0 ? pending : `${pending}${format(notice)}\n`)
       dropped = 0
     }
     pending = ''
     lines = 0
   }
+  stream.on('drain', () => dropped > 0 && flush()) // the reader has caught up: say so now
   process.on('exit', flush)
   return (line) => {
     if (broken) return
@@ -6475,8 +6478,11 @@ export function createLineWriter(
   }
 }
 
-/** The most log output kept in memory for a reader that is not reading. */
-const MAX_UNREAD_LOG_BYTES = 1024 * 1024
+/**
+ * The most log output kept in memory for a reader that is behind, in characters (what a stream
+ * counts of text): 16 MiB of ASCII.
+ */
+const MAX_UNREAD_LOG = 16 * 1024 * 1024
 
 const NO_PASSWORD = 'not set: anyone who can reach this loopback address can approve sign-ins'
 
