@@ -7,6 +7,8 @@ import assert from 'node:assert/strict'
 import { fork, spawn } from 'node:child_process'
 import { createHash } from 'node:crypto'
 import { Agent, createServer, request } from 'node:http'
+import type { ServerResponse } from 'node:http'
+import { once } from 'node:events'
 import { connect } from 'node:net'
 import type { AddressInfo, Socket } from 'node:net'
 import { Writable } from 'node:stream'
@@ -2649,7 +2651,8 @@ describe('Slow clients', () => {
   it('closes a connection whose client stopped reading its answer', { timeout: 30_000 }, async () => {
     const server = createLatchServer(timeouts)
     // an answer larger than the buffers between the two, so that node:http waits to write the rest
-    server.on('request', (_req, res) => res.end(Buffer.alloc(32 * 1024 * 1024)))
+    const size = 32 * 1024 * 1024
+    server.on('request', (_req, res: ServerResponse) => res.end(Buffer.alloc(size)))
     await new Promise<void>((resolve) => server.listen(0, '127.0.0.1', resolve))
     let count = -1
     const connections = () => (void server.getConnections((_err, now) => (count = now)), count)
@@ -2660,8 +2663,28 @@ describe('Slow clients', () => {
       assert.ok(await until(() => connections() === 1, 10_000), 'the connection is open')
       // the request came whole, and the answer never finishes: no other timeout applies
       assert.ok(await until(() => connections() === 0, 20_000), `${count} connection still open`)
+      // what the client finds once it reads again: the connection ended before the answer did
+      let received = 0
+      socket.on('data', (chunk: Buffer) => (received += chunk.length)).resume()
+      await new Promise((resolve) => socket.on('close', resolve))
+      assert.ok(received < size, `${received} bytes received`)
     } finally {
       socket.destroy()
+      await new Promise((resolve) => server.close(resolve))
+    }
+  })
+
+  it('does not close a connection while the server is still making its answer', { timeout: 10_000 }, async () => {
+    const server = createLatchServer(timeouts)
+    // answers only once the connection has been idle for longer than the idle timeout
+    server.on('request', (req, res: ServerResponse) => void once(req.socket, 'timeout').then(() => res.end('made')))
+    await new Promise<void>((resolve) => server.listen(0, '127.0.0.1', resolve))
+    try {
+      const response = await fetch(`http://127.0.0.1:${(server.address() as AddressInfo).port}/`)
+      assert.equal(response.status, 200)
+      assert.equal(await response.text(), 'made')
+    } finally {
+      server.closeAllConnections()
       await new Promise((resolve) => server.close(resolve))
     }
   })

@@ -6375,8 +6375,8 @@ function addressGroup(address: string): string {
  * An http server whose slow clients cannot hold a connection for long (slowloris): headers
  * within 10 s, the whole request within 30 s, 5 s idle between requests, checked every second.
  * A client that stops reading its answers stalls node:http's writes, and then none of those
- * apply: a connection on which nothing moves for a minute is closed, far longer than any answer
- * takes to make. And no more connections than `limits` allow. Connections closed for a limit
+ * apply: a connection on which nothing moves for a minute, while it waits on its client, is
+ * closed. And no more connections than `limits` allow. Connections closed for a limit
  * are said in `log`, at most once a minute. Attach the handler with `server.on('request', handler)`.
  */
 export function createLatchServer(
@@ -6390,7 +6390,14 @@ export function createLatchServer(
     keepAliveTimeout: timeouts.keepAliveMs,
     connectionsCheckingInterval: timeouts.checkEveryMs,
   })
-  server.setTimeout(timeouts.idleMs) // with no 'timeout' listener, node:http then destroys the socket
+  // Idle is a connection that waits on its client: one whose answer is all handed to node:http,
+  // or that has no request under way. One whose answer the server is still making (a journal
+  // write on a slow disk) is left alone; the next write starts its clock again.
+  const answers = new WeakMap<Socket, ServerResponse>()
+  server.on('request', (req: IncomingMessage, res: ServerResponse) => answers.set(req.socket, res))
+  server.setTimeout(timeouts.idleMs, (socket: Socket) => {
+    if (answers.get(socket)?.writableEnded !== false) socket.destroy()
+  })
   server.maxConnections = limits.total
   // A flood closes thousands a second: the first is said at once; then, for as long as more
   // come, one line a minute says how many were closed in it, for each limit.
