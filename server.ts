@@ -1857,7 +1857,8 @@ async function sendAppsPage(
   const grants = await ctx.store.listGrants(ctx.now())
   const passkeys = await ctx.store.listPasskeys()
   const logoOf = (clientId: string): string | undefined => ctx.clients.get(clientId)?.info.logo
-  const page = { csrf: formToken(visitor), config: ctx.config, notice: options.notice, logoOf, passkeys }
+  const signInAgain = !signedInRecently(visitor, ctx)
+  const page = { csrf: formToken(visitor), config: ctx.config, notice: options.notice, logoOf, passkeys, signInAgain }
   const scripted = relyingParty(ctx.config) !== undefined
   const headers = { ...passkeyPageHeaders(ctx.config, scripted), ...options.headers }
   sendPage(res, options.status ?? 200, renderAppsPage(grants, page), headers)
@@ -1882,14 +1883,15 @@ async function sendSignInPage(
 async function handleSignIn(req: IncomingMessage, res: ServerResponse, ctx: Context): Promise<void> {
   const form = await readForm(req)
   const visitor = await requireFormToken(form, req, ctx)
-  const headers: Record<string, string> = {}
-  if (!visitor.signedIn) {
-    const refused = await checkSignIn(form, { visitor }, req, res, ctx)
-    if (refused !== undefined)
-      return sendSignInPage(res, refused.status, { visitor, message: refused.message, headers: refused.headers }, ctx)
-    headers['Set-Cookie'] = await startSession(ctx)
-  }
-  redirect(res, 303, endpointUrl(ctx.config, '/apps'), headers)
+  // signed in already, a password or a passkey signs in again: a fresh session, for what asks for one
+  const again = visitor.session !== undefined && (form.has('password') || form.has('credential'))
+  if (visitor.signedIn && !again) return redirect(res, 303, endpointUrl(ctx.config, '/apps'))
+  const refused = await checkSignIn(form, { visitor }, req, res, ctx)
+  if (refused !== undefined)
+    return sendSignInPage(res, refused.status, { visitor, message: refused.message, headers: refused.headers }, ctx)
+  const cookie = await startSession(ctx)
+  if (visitor.session !== undefined) await ctx.store.deleteSession(hashSecret(visitor.session))
+  redirect(res, 303, endpointUrl(ctx.config, '/apps'), { 'Set-Cookie': cookie })
 }
 
 /**
@@ -2031,6 +2033,8 @@ async function handlePasskeyChallenge(req: IncomingMessage, res: ServerResponse,
     throw new OAuthError('invalid_request', 'purpose must be register or sign-in')
   // only the owner adds a passkey; anyone may try to sign in
   const visitor = purpose === 'register' ? await requireOwner(form, req, ctx) : await requireFormToken(form, req, ctx)
+  if (purpose === 'register' && !signedInRecently(visitor, ctx))
+    throw new OAuthError('access_denied', SIGN_IN_AGAIN, { status: 403 })
   const rp = relyingParty(ctx.config)
   if (rp === undefined) throw new OAuthError('invalid_request', PASSKEYS_NEED_A_NAME)
   const id = getParam(form, 'request')
@@ -2068,6 +2072,7 @@ async function handlePasskeyChallenge(req: IncomingMessage, res: ServerResponse,
 async function handlePasskeyAddition(req: IncomingMessage, res: ServerResponse, ctx: Context): Promise<void> {
   const form = await readForm(req)
   const visitor = await requireOwner(form, req, ctx)
+  if (!signedInRecently(visitor, ctx)) return askToSignInAgain(req, res, visitor, ctx)
   const given = getParam(form, 'name') ?? ''
   const name = (given.length > MAX_TOKEN_NAME_LENGTH ? undefined : cleanName(given)) ?? 'Passkey'
   const now = ctx.now()
@@ -2168,23 +2173,62 @@ async function requireOwner(form: Params, req: IncomingMessage, ctx: Context): P
   return visitor
 }
 
+/**
+ * A passkey is a way to sign in, and it outlasts every session: "Sign out everywhere" and a new
+ * password leave it working. So adding one asks for a sign-in of the last 15 minutes, lest a
+ * browser left signed in, or a copied session cookie, keep the owner's place for good. The owner
+ * signs in again on `/apps`, which starts a fresh session. What an app or a script gets is
+ * listed on `/apps` and ended by "Revoke all", and a signed-in owner approves an app in one
+ * click anyway: making a token for a script asks for no more.
+ * @see https://passkeys.dev/docs/use-cases/reauth/ (reauthentication before a sensitive action)
+ */
+const RECENT_SIGN_IN_SECONDS = 15 * 60
+
+const SIGN_IN_AGAIN = `To add a passkey, sign in again first: your sign-in is more than ${RECENT_SIGN_IN_SECONDS / 60} minutes old.`
+
+function signedInRecently(visitor: Visitor, ctx: Context): boolean {
+  if (ctx.config.passwordHash === undefined) return true
+  return visitor.signedInAt !== undefined && ctx.now() - visitor.signedInAt < RECENT_SIGN_IN_SECONDS * 1000
+}
+
+/** Answers a passkey sent with too old a sign-in: the apps page, which asks for another in its place. */
+async function askToSignInAgain(
+  req: IncomingMessage,
+  res: ServerResponse,
+  visitor: Visitor,
+  ctx: Context,
+): Promise<void> {
+  const minutes = Math.floor((ctx.now() - (visitor.signedInAt ?? 0)) / 60_000)
+  logEvent(ctx, 'security', `a passkey was not added: the session signed in ${minutes} minutes ago`, req)
+  await sendAppsPage(res, ctx, visitor, { notice: escapeHtml(SIGN_IN_AGAIN), status: 403 })
+}
+
 function renderSignInPage(page: { csrf: string; config: Config; message?: string; passkeys: boolean }): string {
   const { config } = page
-  const passkey = page.passkeys ? renderPasskeyButton(config, 'Sign in with a passkey', 'sign-in') : ''
-  const password = config.passwordSignIn
-    ? `${renderPasswordField(page.message)}
-<div class="actions"><button class="primary">Sign in</button>${passkey}</div>`
-    : renderPasskeysOnly(page.message, passkey)
   return renderPage(
     'Sign in',
     `<h1>Sign in</h1>
 <p>Sign in as <code>${escapeHtml(config.me)}</code> to see the apps you have connected.</p>
-<form method="post" action="${escapeHtml(endpointUrl(config, '/sign-in'))}">
-<input type="hidden" name="csrf" value="${escapeHtml(page.csrf)}">
-${password}
-</form>`,
+${renderSignInForm(config, page.csrf, { message: page.message, passkeys: page.passkeys, autofocus: true })}`,
     page.passkeys ? renderPasskeyScript(config) : '',
   )
+}
+
+/** The form that posts a sign-in: the password, a passkey, or both, as the owner may sign in here. */
+function renderSignInForm(
+  config: Config,
+  csrf: string,
+  form: { message?: string; passkeys: boolean; autofocus: boolean },
+): string {
+  const passkey = form.passkeys ? renderPasskeyButton(config, 'Sign in with a passkey', 'sign-in') : ''
+  const fields = config.passwordSignIn
+    ? `${renderPasswordField(form.message, form.autofocus)}
+<div class="actions"><button class="primary">Sign in</button>${passkey}</div>`
+    : renderPasskeysOnly(form.message, passkey)
+  return `<form method="post" action="${escapeHtml(endpointUrl(config, '/sign-in'))}">
+<input type="hidden" name="csrf" value="${escapeHtml(csrf)}">
+${fields}
+</form>`
 }
 
 /** What the apps page shows: the grants, a logo per client_id, and what was just revoked. */
@@ -2194,6 +2238,8 @@ type AppsPage = {
   notice?: string
   logoOf: (clientId: string) => string | undefined
   passkeys: [string, Passkey][]
+  /** The sign-in is too old to add a passkey: ask for another in its place. */
+  signInAgain: boolean
 }
 
 function renderAppsPage(grants: [string, Grant][], page: AppsPage): string {
@@ -2246,14 +2292,17 @@ ${notice}<p>These apps can act as you. Revoking one ends its access at once; oth
 you chose on the consent page.</p>
 ${apps === '' ? '<p class="muted">No app holds a token right now.</p>' : `${apps}\n${actions}`}
 ${renderScriptTokenForm(config, csrfField)}
-${renderPasskeys(page.passkeys, config, csrfField)}
+${renderPasskeys(page, csrfField)}
 ${everywhere}`,
     relyingParty(config) === undefined ? '' : renderPasskeyScript(config),
   )
 }
 
-/** The owner's passkeys, each with a Remove button, and the form that adds one. */
-function renderPasskeys(passkeys: [string, Passkey][], config: Config, csrfField: string): string {
+/**
+ * The owner's passkeys, each with a Remove button, and the form that adds one; or, once the
+ * sign-in is too old for that, a sign-in form, whose success comes back here with a fresh session.
+ */
+function renderPasskeys({ passkeys, config, csrf, signInAgain }: AppsPage, csrfField: string): string {
   if (config.passwordHash === undefined) return '' // nothing to sign in to
   const list = passkeys
     .map(([id, passkey]) => {
@@ -2273,7 +2322,10 @@ ${renderButton(config, '/passkeys/remove', field, 'danger', 'Remove')}
   const add =
     relyingParty(config) === undefined
       ? `<p class="muted">${escapeHtml(PASSKEYS_NEED_A_NAME)}.</p>`
-      : `<form method="post" action="${escapeHtml(endpointUrl(config, '/passkeys/add'))}">
+      : signInAgain
+        ? `<p class="muted">${escapeHtml(SIGN_IN_AGAIN)}</p>
+${renderSignInForm(config, csrf, { passkeys: passkeysForHere(passkeys, config).length > 0, autofocus: false })}`
+        : `<form method="post" action="${escapeHtml(endpointUrl(config, '/passkeys/add'))}">
 ${csrfField}
 <p><label>Name <input name="name" required maxlength="${MAX_TOKEN_NAME_LENGTH}" placeholder="Phone"></label></p>
 <p class="muted" data-passkey-missing>To add one, open this page in a browser that makes passkeys.</p>
@@ -3163,8 +3215,8 @@ const ERROR_PAGE_WORDS: Record<number, [string, string]> = {
 }
 
 /** The password field, with the message of a failed attempt right above it. */
-function renderPasswordField(message: string | undefined): string {
-  const input = 'type="password" name="password" autocomplete="current-password" required autofocus'
+function renderPasswordField(message: string | undefined, autofocus = true): string {
+  const input = `type="password" name="password" autocomplete="current-password" required${autofocus ? ' autofocus' : ''}`
   if (message === undefined) return `<label>Password<input ${input}></label>`
   return `<p class="error" id="password-error" role="alert">${escapeHtml(message)}</p>
 <label>Password<input ${input} aria-invalid="true" aria-describedby="password-error"></label>`
@@ -3196,14 +3248,17 @@ function buildCookie(name: string, value: string, maxAgeSeconds: number | undefi
   return `${name}=${value}; Path=${path}${maxAge}; HttpOnly; SameSite=Lax${secure}`
 }
 
-/** Who is at the browser: its CSRF value, the owner's session if any, and whether approving needs no password. */
-type Visitor = { csrf: string; session: string | undefined; signedIn: boolean }
+/**
+ * Who is at the browser: its CSRF value, the owner's session if any and when it signed in, and
+ * whether approving needs no password.
+ */
+type Visitor = { csrf: string; session: string | undefined; signedInAt: number | undefined; signedIn: boolean }
 
 /** Reads the visitor of a page. The CSRF value is the browser's own when it has one, so two open tabs both work. */
 async function readVisitor(req: IncomingMessage, ctx: Context): Promise<Visitor> {
   const csrf = readCsrfCookies(req, ctx.config)[0] ?? createSecret()
-  const session = await findOwnerSession(req, ctx)
-  return { csrf, session, signedIn: ctx.config.passwordHash === undefined || session !== undefined }
+  const { session, signedInAt } = await findOwnerSession(req, ctx)
+  return { csrf, session, signedInAt, signedIn: ctx.config.passwordHash === undefined || session !== undefined }
 }
 
 /** The value a visitor's forms carry in their `csrf` field: derived from the session when signed in. */
@@ -3221,13 +3276,14 @@ async function requireFormToken(form: Params, req: IncomingMessage, ctx: Context
   const site = req.headers['sec-fetch-site']
   const sent = site === undefined || site === 'same-origin' ? getParam(form, 'csrf') : undefined
   const cookies = readCsrfCookies(req, ctx.config)
-  const session = await findOwnerSession(req, ctx)
+  const { session, signedInAt } = await findOwnerSession(req, ctx)
   // signed out, the form carries one of the browser's CSRF cookies; signed in, the session's token
   const csrf =
     session === undefined ? cookies.find((cookie) => sent !== undefined && safeEqual(sent, cookie)) : (cookies[0] ?? '')
   const visitor = {
     csrf: csrf ?? '',
     session,
+    signedInAt,
     signedIn: ctx.config.passwordHash === undefined || session !== undefined,
   }
   if (sent === undefined || csrf === undefined || !safeEqual(sent, formToken(visitor))) {
@@ -3254,18 +3310,25 @@ function readCsrfCookies(req: IncomingMessage, config: Config): string[] {
 
 /**
  * The value of the browser's session cookie when it names a live session started with the
- * current password: a new `PASSWORD_HASH` ends every session made with the old one.
+ * current password, and when that sign-in was: a new `PASSWORD_HASH` ends every session made
+ * with the old one.
  */
-async function findOwnerSession(req: IncomingMessage, ctx: Context): Promise<string | undefined> {
-  if (ctx.config.passwordHash === undefined) return undefined
+async function findOwnerSession(
+  req: IncomingMessage,
+  ctx: Context,
+): Promise<{ session: string; signedInAt: number } | { session: undefined; signedInAt: undefined }> {
+  if (ctx.config.passwordHash === undefined) return NO_SESSION
   // any of a few cookies of the name: one planted by another page on this host must not sign the owner out
   for (const value of readCookies(req, sessionCookieName(ctx.config), MAX_COOKIES_OF_A_NAME)) {
     const session = await ctx.store.findSession(hashSecret(value), ctx.now())
     // a session of an old password is ignored, not deleted here: a read writes nothing, and it expires
-    if (session !== undefined && session.passwordTag === passwordTag(ctx.config.passwordHash)) return value
+    if (session !== undefined && session.passwordTag === passwordTag(ctx.config.passwordHash))
+      return { session: value, signedInAt: session.createdAt }
   }
-  return undefined
+  return NO_SESSION
 }
+
+const NO_SESSION = { session: undefined, signedInAt: undefined }
 
 /**
  * The most cookies of one name read from one request: the browser's own, and what other pages

@@ -33,7 +33,7 @@ const PASSKEY_NAME = 'Laptop key'
 /** The WebAuthn user.id Latch registers: the first 16 bytes of sha256("latch user " + ME). */
 const USER_HANDLE = createHash('sha256').update(`latch user ${ME}`).digest().subarray(0, 16)
 
-type Latch = Listening & { issuer: string; logs: string[] }
+type Latch = Listening & { issuer: string; logs: string[]; advance: (seconds: number) => void }
 
 /**
  * Starts Latch on 127.0.0.1 and a free port, with the owner's password set, and with its issuer
@@ -53,8 +53,9 @@ async function startLatch(): Promise<Latch> {
     DATA_FILE: 'memory',
   }
   const config = loadConfig(env, [], { boundPort: port })
-  handler = createHandler({ config, log: (line) => logs.push(line) })
-  return { ...latch, issuer: config.issuer, logs }
+  let skipped = 0 // the server's clock runs ahead of the real one by this much, never by sleeping
+  handler = createHandler({ config, log: (line) => logs.push(line), now: () => Date.now() + skipped })
+  return { ...latch, issuer: config.issuer, logs, advance: (seconds) => (skipped += seconds * 1000) }
 }
 
 async function introspect(latch: Latch, token: string): Promise<Record<string, unknown>> {
@@ -246,6 +247,28 @@ describe('The owner signs in with a passkey (WebAuthn) in a browser', () => {
     assert.equal(await heading(page), 'Connected apps', await describePage(page, seen))
     assert.equal(await page.locator('section.app').count(), 1)
   })
+
+  it(
+    'asks for a sign-in again before adding a passkey after 15 minutes, which the passkey gives',
+    { skip: SKIP },
+    async () => {
+      latch.advance(15 * 60)
+      await page.goto(`${latch.issuer}/apps`)
+      assert.equal(await heading(page), 'Connected apps', await describePage(page, seen))
+      assert.equal(await page.getByRole('button', { name: 'Add a passkey' }).count(), 0)
+      await assertVisibleText(passkeysSection(page), 'To add a passkey, sign in again first')
+      const response = await submit(
+        page,
+        passkeysSection(page).getByRole('button', { name: 'Sign in with a passkey' }),
+        '/sign-in',
+        seen,
+      )
+      assert.equal(response.status(), 303, await describePage(page, seen))
+      await page.waitForURL(`${latch.issuer}/apps`)
+      await page.getByRole('button', { name: 'Add a passkey' }).waitFor()
+      assert.equal((await credentialsOf(authenticator))[0].signCount, ++signCount)
+    },
+  )
 
   it('offers no passkey in a browser without WebAuthn, where the password still works', { skip: SKIP }, async () => {
     const plain = await browser.newContext({ viewport: VIEWPORT })

@@ -1136,6 +1136,53 @@ describe('Passkeys over HTTP', () => {
     assert.match(apps, /Laptop/)
   })
 
+  it('asks for a sign-in of the last 15 minutes before adding a passkey, and a passkey sign-in on /apps renews it', async () => {
+    quietDay()
+    const browser = openBrowser(latch)
+    await signInWithPassword(browser)
+    const options = await askChallenge(browser, 'register')
+    const phone = createCredential(ES256)
+    const made = register(phone, {
+      challenge: options.challenge,
+      origin: latch.issuer,
+      rpId: options.rp.id,
+      userHandle: Buffer.from(options.user.id, 'base64url'),
+    })
+    latch.advance(900) // 15 minutes after the sign-in
+    const page = await (await browser.get('/apps')).text()
+    assert.doesNotMatch(page, /action="[^"]*\/passkeys\/add"/)
+    assert.match(page, /<form method="post" action="[^"]*\/sign-in">[^]*data-passkey="sign-in"/)
+    const challenge = await browser.post('/passkeys/challenge', { csrf: await formToken(browser), purpose: 'register' })
+    assert.equal(challenge.status, 403)
+    assert.equal(((await challenge.json()) as { error: string }).error, 'access_denied')
+    const refused = await browser.post('/passkeys/add', {
+      csrf: await formToken(browser),
+      name: 'Phone',
+      credential: made.id,
+      client_data: base64url(made.clientDataJSON),
+      attestation: base64url(made.attestationObject),
+    })
+    assert.equal(refused.status, 403)
+    assert.match(await refused.text(), /To add a passkey, sign in again first/)
+    assert.doesNotMatch(await (await browser.get('/apps')).text(), /Phone/)
+    assert.ok(
+      latch.logs.some((line) => / security: a passkey was not added: the session signed in 15 minutes ago$/.test(line)),
+    )
+
+    const wrong = await browser.post('/sign-in', { csrf: await formToken(browser), password: 'wrong' })
+    assert.equal(wrong.status, 401)
+    assert.match(await (await browser.get('/apps')).text(), /Connected apps/) // still signed in
+    const before = browser.cookies.get('latch_session')
+    const again = await signInWithPasskey(latch, browser, owner)
+    assert.equal(again.status, 303, await again.text())
+    assert.notEqual(browser.cookies.get('latch_session'), before)
+    const old = await fetch(`${latch.base}/apps`, { headers: { Cookie: `latch_session=${before}` } })
+    assert.doesNotMatch(await old.text(), /Connected apps/) // the new sign-in ended the old session
+    const added = await addPasskey(latch, browser, phone, 'Phone')
+    assert.equal(added.status, 200, await added.text())
+    assert.match(await (await browser.get('/apps')).text(), /Phone/)
+  })
+
   it('refuses the same answer posted again: its challenge was used', async () => {
     quietDay()
     const browser = openBrowser(latch)
