@@ -2244,6 +2244,27 @@ describe('Sign-in sessions and connected apps', () => {
     )
   })
 
+  it('says on /apps when access until revoked ends: an app after its refresh token goes unused, a script token never', async () => {
+    const csrf = createSecret()
+    const cookie = `latch_csrf=${csrf}; ${await signIn(csrf)}`
+    const made = await post(
+      `${latch.base}/apps/tokens`,
+      form({ csrf: await formTokenOf(cookie), name: 'Forever hook', scope: 'create', lifetime: '0' }),
+      { Cookie: cookie },
+    )
+    assert.equal(made.status, 200)
+    const token = /<pre class="token">([A-Za-z0-9_-]{43})<\/pre>/.exec(await made.text())?.[1] ?? ''
+    const { exp, iat } = (await introspect(latch, token)) as { exp: number; iat: number }
+    assert.equal(exp - iat, 3650 * 86400) // no refresh token, and an access token of ten years
+    await obtainToken(latch, { password, lifetime: '0' }) // an app's grant until revoked
+    const apps = await appsPage(cookie)
+    const cards = apps.split('<section class="app">').slice(1)
+    const hook = cards.find((card) => card.includes('Forever hook')) ?? ''
+    assert.match(hook, /<dt>Access ends<\/dt><dd>When you revoke it<\/dd>/)
+    const app = cards.find((card) => card.includes(CLIENT_ID)) ?? ''
+    assert.match(app, /<dt>Access ends<\/dt><dd>When you revoke it, or after 30 days unused<\/dd>/)
+  })
+
   it('refuses a token for scripts without a sign-in, a name or a scope', async () => {
     const csrf = createSecret()
     const cookie = `latch_csrf=${csrf}; ${await signIn(csrf)}`

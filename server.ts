@@ -2269,7 +2269,7 @@ ${
 }
 ${services}${scopes}<dt>Approved</dt><dd>${formatTime(grant.approvedAt)}</dd>
 <dt>Last used</dt><dd>${formatTime(grant.lastUsedAt)}</dd>
-<dt>Access ends</dt><dd>${grant.endsAt === undefined ? untilRevoked(config) : formatTime(grant.endsAt)}</dd>
+<dt>Access ends</dt><dd>${grant.endsAt === undefined ? untilRevoked(grant, config) : formatTime(grant.endsAt)}</dd>
 </dl>
 ${renderButton(config, '/apps/revoke', `${csrfField}${grantField(id)}`, 'danger', 'Revoke')}
 </section>`
@@ -2390,11 +2390,27 @@ function countApps(count: number): string {
   return count === 1 ? '1 app' : `${count} apps`
 }
 
-/** What "until you revoke it" means on /apps: a refresh token also ends when it goes unused for long. */
-function untilRevoked(config: Config): string {
-  const days = Math.round(config.refreshTokenTtlSeconds / 86400)
-  return `When you revoke it, or after ${days} days unused`
+/**
+ * What "until you revoke it" means on /apps: an app's refresh token also ends when it goes unused
+ * for long. A token for a script has none: its one access token lasts until it is revoked.
+ */
+function untilRevoked(grant: Grant, config: Config): string {
+  if (grant.client_id === scriptClientId(config)) return 'When you revoke it'
+  return `When you revoke it, or after ${formatPeriod(config.refreshTokenTtlSeconds)} unused`
 }
+
+/** A length of time, exactly, in the largest unit that divides it: `30 days`, `36 hours`, `90 seconds`. */
+function formatPeriod(seconds: number): string {
+  const [size, unit] = PERIOD_UNITS.find(([size]) => seconds % size === 0) ?? [1, 'second']
+  const count = seconds / size
+  return `${count} ${unit}${count === 1 ? '' : 's'}`
+}
+
+const PERIOD_UNITS: [number, string][] = [
+  [86400, 'day'],
+  [3600, 'hour'],
+  [60, 'minute'],
+]
 
 /** The form that makes a token for a script: a name, scopes, an optional service, a lifetime. */
 function renderScriptTokenForm(config: Config, csrfField: string): string {
