@@ -295,6 +295,8 @@ describe('Configuration', () => {
     ['a profile URL that URL() cannot parse', { ME: 'http://xn--a.com/' }, [], /ME/],
     ['a password hash Latch did not make', { PASSWORD_HASH: 'hunter2' }, [], /PASSWORD_HASH.*hash-password/],
     ['a non-loopback host without a password', { HOST: '0.0.0.0' }, [], /PASSWORD_HASH.*hash-password/],
+    ['a host that is not an address', { HOST: '999.1.1.1' }, [], /^HOST 999\.1\.1\.1 is not an IP address/],
+    ['a host with a space', { HOST: 'bad host' }, [], /^HOST bad host is not an IP address or a host name/],
     [
       'a public issuer without a password (a proxy connects from loopback)',
       { ISSUER: 'https://auth.example.com' },

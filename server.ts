@@ -6052,6 +6052,9 @@ export function loadConfig(
   if (bracketed !== undefined && !isIPv6(bracketed))
     throw new ConfigError(`HOST ${written} is not an IPv6 address in brackets: use one, as in HOST=::1`)
   const host = bracketed ?? written
+  // an address, or a name to look up; the default ISSUER is made of it, so a bad one must be named here
+  if (isIP(host) === 0 && (!/^[A-Za-z0-9.-]+$/.test(host) || !URL.canParse(`http://${host}/`)))
+    throw new ConfigError(`HOST ${written} is not an IP address or a host name: use one, as in HOST=127.0.0.1`)
   const issuer = parseIssuer(raw.ISSUER ?? `http://${hostForUrl(host)}:${options.boundPort ?? port}`)
   const me = parseMe(raw.ME ?? `${issuer}/`)
   const passwordHash = raw.PASSWORD_HASH
