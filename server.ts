@@ -5351,7 +5351,7 @@ export class FileStore implements Store {
   static async open(dataFile: string, options: FileStoreOptions = {}): Promise<FileStore> {
     const log = options.log ?? console.log
     const memory = new MemoryStore(options)
-    await mkdir(dirname(dataFile), { recursive: true, mode: 0o700 })
+    await makeFolders(dirname(dataFile), 0o700)
     const found = await stat(dataFile).catch((err: NodeJS.ErrnoException) =>
       err.code === 'ENOENT' ? undefined : Promise.reject(err),
     )
@@ -6722,6 +6722,24 @@ function dataFileProblem(err: NodeJS.ErrnoException, dataFile: string): ConfigEr
     )
   }
   return reason === undefined ? undefined : new ConfigError(`DATA_FILE ${dataFile} ${reason}`)
+}
+
+/**
+ * Makes a folder, and those above it that are missing, each with `mode`. Node's own `mkdir` with
+ * `recursive` never returns for a folder that cannot be made in a parent that exists, such as
+ * one under /proc (ENOENT each time); this one fails there.
+ */
+async function makeFolders(path: string, mode: number): Promise<void> {
+  const make = () =>
+    mkdir(path, { mode }).then(
+      () => true,
+      (err: NodeJS.ErrnoException) =>
+        err.code === 'EEXIST' ? true : err.code === 'ENOENT' ? false : Promise.reject(err),
+    )
+  if (await make()) return
+  if (dirname(path) === path) throw Object.assign(new Error(`${path} cannot be made`), { code: 'ENOENT' })
+  await makeFolders(dirname(path), mode)
+  if (!(await make())) throw Object.assign(new Error(`${path} cannot be made`), { code: 'ENOENT' })
 }
 
 /** Where a symbolic link leads in the end, as an absolute path, or undefined when the path is not one. */

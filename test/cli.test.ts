@@ -220,6 +220,12 @@ describe('A start-up failure is one line naming the setting and the fix, and exi
     assertOneLineFailure(result, /DATA_FILE .*a-file\/x\.jsonl is inside a file, not a folder: choose a path/)
   })
 
+  it('DATA_FILE in a folder that cannot be made under one that exists', async () => {
+    // /proc refuses a new folder with ENOENT, on which node's recursive mkdir tries again for ever
+    const result = await runLatch([], { DATA_FILE: '/proc/no-such-folder/latch.jsonl', PORT: '0' })
+    assertOneLineFailure(result, /DATA_FILE \/proc\/no-such-folder\/latch\.jsonl has a folder that cannot be created/)
+  })
+
   it('DATA_FILE in a folder the user cannot write', async (t) => {
     const user = unprivilegedUser()
     if (user.skip !== undefined) return void t.skip(user.skip)
