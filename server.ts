@@ -3375,10 +3375,10 @@ async function startSession(ctx: Context): Promise<string> {
 // --- Sign-in checks -------------------------------------------------------------
 // A sign-in is the password or a passkey, and both are attempts alike. Attempts are counted
 // before the password's hash or the passkey's signature is checked, so guesses sent in parallel
-// count too: per client address, where five are free, and in total, where twenty are. Past that,
-// each attempt must wait twice as long as the last, up to 15 minutes (429 with Retry-After); a
-// success clears the counts, and a day of quiet forgets them. At most two scrypt checks run at
-// once, so a flood cannot pin the CPU.
+// count too: per client address, where five are free, and in total, where twenty are. Each
+// attempt past those is still checked but makes the next wait, 2 seconds, then twice as long each
+// time, up to 15 minutes (429 with Retry-After); a success clears the counts, and a day of quiet
+// forgets them. At most two scrypt checks run at once, so a flood cannot pin the CPU.
 
 const FREE_ATTEMPTS_PER_ADDRESS = 5
 const FREE_ATTEMPTS_IN_TOTAL = 20
@@ -5971,7 +5971,7 @@ export const SETTINGS = [
     default: 'on',
     help:
       '`off`: sign in with a passkey only (start is refused while none is for the host of ISSUER). ' +
-      'Needs PASSWORD_HASH and a DATA_FILE.',
+      'Needs PASSWORD_HASH, a host name in ISSUER and a DATA_FILE.',
   },
   {
     name: 'DATA_FILE',
