@@ -1877,13 +1877,13 @@ async function sendSignInPage(
 }
 
 /**
- * Checks the owner's password and starts a session.
+ * Checks the owner's password or passkey and starts a session. Signed in already, the owner
+ * signs in again for what needs a recent sign-in: the new session replaces the old one.
  * @see https://www.rfc-editor.org/rfc/rfc6749#section-10.12 RFC 6749 §10.12 (cross-site request forgery)
  */
 async function handleSignIn(req: IncomingMessage, res: ServerResponse, ctx: Context): Promise<void> {
   const form = await readForm(req)
   const visitor = await requireFormToken(form, req, ctx)
-  // signed in already, a password or a passkey signs in again: a fresh session, for what asks for one
   const again = visitor.session !== undefined && (form.has('password') || form.has('credential'))
   if (visitor.signedIn && !again) return redirect(res, 303, endpointUrl(ctx.config, '/apps'))
   const refused = await checkSignIn(form, { visitor }, req, res, ctx)
