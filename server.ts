@@ -1852,14 +1852,17 @@ async function sendAppsPage(
   res: ServerResponse,
   ctx: Context,
   visitor: Visitor,
-  options: { notice?: string; status?: number; headers?: Record<string, string> } = {},
+  options: { notice?: string; status?: number; headers?: Record<string, string>; signInMessage?: string } = {},
 ): Promise<void> {
   const grants = await ctx.store.listGrants(ctx.now())
   const passkeys = await ctx.store.listPasskeys()
   const logoOf = (clientId: string): string | undefined => ctx.clients.get(clientId)?.info.logo
-  const signInAgain = !signedInRecently(visitor, ctx)
-  const page = { csrf: formToken(visitor), config: ctx.config, notice: options.notice, logoOf, passkeys, signInAgain }
   const scripted = relyingParty(ctx.config) !== undefined
+  const signInAgain = scripted && !signedInWithin(RECENT_SIGN_IN_SECONDS, visitor, ctx)
+  const { signInMessage } = options
+  // a failed sign-in is said beside the form it came from, or at the top when the page has none
+  const notice = signInMessage !== undefined && !signInAgain ? escapeHtml(signInMessage) : options.notice
+  const page = { csrf: formToken(visitor), config: ctx.config, notice, logoOf, passkeys, signInAgain, signInMessage }
   const headers = { ...passkeyPageHeaders(ctx.config, scripted), ...options.headers }
   sendPage(res, options.status ?? 200, renderAppsPage(grants, page), headers)
 }
@@ -1887,10 +1890,16 @@ async function handleSignIn(req: IncomingMessage, res: ServerResponse, ctx: Cont
   const again = visitor.session !== undefined && (form.has('password') || form.has('credential'))
   if (visitor.signedIn && !again) return redirect(res, 303, endpointUrl(ctx.config, '/apps'))
   const refused = await checkSignIn(form, { visitor }, req, res, ctx)
+  if (refused !== undefined && again) {
+    const { status, message, headers } = refused
+    return sendAppsPage(res, ctx, visitor, { status, headers, signInMessage: message }) // still signed in
+  }
   if (refused !== undefined)
     return sendSignInPage(res, refused.status, { visitor, message: refused.message, headers: refused.headers }, ctx)
   const cookie = await startSession(ctx)
-  if (visitor.session !== undefined) await ctx.store.deleteSession(hashSecret(visitor.session))
+  // every session this browser names ends, not only the one it was signed in with
+  for (const value of readCookies(req, sessionCookieName(ctx.config), MAX_COOKIES_OF_A_NAME))
+    await ctx.store.deleteSession(hashSecret(value))
   redirect(res, 303, endpointUrl(ctx.config, '/apps'), { 'Set-Cookie': cookie })
 }
 
@@ -2033,10 +2042,10 @@ async function handlePasskeyChallenge(req: IncomingMessage, res: ServerResponse,
     throw new OAuthError('invalid_request', 'purpose must be register or sign-in')
   // only the owner adds a passkey; anyone may try to sign in
   const visitor = purpose === 'register' ? await requireOwner(form, req, ctx) : await requireFormToken(form, req, ctx)
-  if (purpose === 'register' && !signedInRecently(visitor, ctx))
-    throw new OAuthError('access_denied', SIGN_IN_AGAIN, { status: 403 })
   const rp = relyingParty(ctx.config)
   if (rp === undefined) throw new OAuthError('invalid_request', PASSKEYS_NEED_A_NAME)
+  if (purpose === 'register' && !signedInWithin(RECENT_SIGN_IN_SECONDS, visitor, ctx))
+    throw new OAuthError('access_denied', `${SIGN_IN_AGAIN} Reload this page to do so.`, { status: 403 })
   const id = getParam(form, 'request')
   const request = id === undefined ? undefined : await ctx.store.findPending(hashSecret(id), ctx.now())
   if (id !== undefined && (request === undefined || !safeEqual(request.csrfHash, hashSecret(visitor.csrf))))
@@ -2072,7 +2081,9 @@ async function handlePasskeyChallenge(req: IncomingMessage, res: ServerResponse,
 async function handlePasskeyAddition(req: IncomingMessage, res: ServerResponse, ctx: Context): Promise<void> {
   const form = await readForm(req)
   const visitor = await requireOwner(form, req, ctx)
-  if (!signedInRecently(visitor, ctx)) return askToSignInAgain(req, res, visitor, ctx)
+  // its challenge was made within the 15 minutes, and lasts 5 more: a ceremony begun in time ends in time
+  const late = !signedInWithin(RECENT_SIGN_IN_SECONDS + PASSKEY_CHALLENGE_SECONDS, visitor, ctx)
+  if (late && relyingParty(ctx.config) !== undefined) return askToSignInAgain(req, res, visitor, ctx)
   const given = getParam(form, 'name') ?? ''
   const name = (given.length > MAX_TOKEN_NAME_LENGTH ? undefined : cleanName(given)) ?? 'Passkey'
   const now = ctx.now()
@@ -2186,9 +2197,11 @@ const RECENT_SIGN_IN_SECONDS = 15 * 60
 
 const SIGN_IN_AGAIN = `To add a passkey, sign in again first: your sign-in is more than ${RECENT_SIGN_IN_SECONDS / 60} minutes old.`
 
-function signedInRecently(visitor: Visitor, ctx: Context): boolean {
+/** Whether the visitor signed in less than `seconds` ago; not when the clock says the sign-in is yet to come. */
+function signedInWithin(seconds: number, visitor: Visitor, ctx: Context): boolean {
   if (ctx.config.passwordHash === undefined) return true
-  return visitor.signedInAt !== undefined && ctx.now() - visitor.signedInAt < RECENT_SIGN_IN_SECONDS * 1000
+  const age = visitor.signedInAt === undefined ? Infinity : ctx.now() - visitor.signedInAt
+  return age >= 0 && age < seconds * 1000
 }
 
 /** Answers a passkey sent with too old a sign-in: the apps page, which asks for another in its place. */
@@ -2238,8 +2251,9 @@ type AppsPage = {
   notice?: string
   logoOf: (clientId: string) => string | undefined
   passkeys: [string, Passkey][]
-  /** The sign-in is too old to add a passkey: ask for another in its place. */
+  /** Passkeys work here, but the sign-in is too old to add one: a sign-in form in its place, with why the last failed. */
   signInAgain: boolean
+  signInMessage?: string
 }
 
 function renderAppsPage(grants: [string, Grant][], page: AppsPage): string {
@@ -2302,7 +2316,8 @@ ${everywhere}`,
  * The owner's passkeys, each with a Remove button, and the form that adds one; or, once the
  * sign-in is too old for that, a sign-in form, whose success comes back here with a fresh session.
  */
-function renderPasskeys({ passkeys, config, csrf, signInAgain }: AppsPage, csrfField: string): string {
+function renderPasskeys(page: AppsPage, csrfField: string): string {
+  const { passkeys, config, csrf, signInAgain } = page
   if (config.passwordHash === undefined) return '' // nothing to sign in to
   const list = passkeys
     .map(([id, passkey]) => {
@@ -2324,7 +2339,11 @@ ${renderButton(config, '/passkeys/remove', field, 'danger', 'Remove')}
       ? `<p class="muted">${escapeHtml(PASSKEYS_NEED_A_NAME)}.</p>`
       : signInAgain
         ? `<p class="muted">${escapeHtml(SIGN_IN_AGAIN)}</p>
-${renderSignInForm(config, csrf, { passkeys: passkeysForHere(passkeys, config).length > 0, autofocus: false })}`
+${renderSignInForm(config, csrf, {
+  message: page.signInMessage,
+  passkeys: passkeysForHere(passkeys, config).length > 0,
+  autofocus: page.signInMessage !== undefined,
+})}`
         : `<form method="post" action="${escapeHtml(endpointUrl(config, '/passkeys/add'))}">
 ${csrfField}
 <p><label>Name <input name="name" required maxlength="${MAX_TOKEN_NAME_LENGTH}" placeholder="Phone"></label></p>

@@ -1136,11 +1136,25 @@ describe('Passkeys over HTTP', () => {
     assert.match(apps, /Laptop/)
   })
 
-  it('asks for a sign-in of the last 15 minutes before adding a passkey, and a passkey sign-in on /apps renews it', async () => {
+  it('asks for a sign-in of the last 15 minutes before adding a passkey, and a sign-in on /apps renews it', async () => {
     quietDay()
     const browser = openBrowser(latch)
     await signInWithPassword(browser)
+    const askRegister = async () =>
+      browser.post('/passkeys/challenge', { csrf: await formToken(browser), purpose: 'register' })
+    latch.advance(-60) // the clock set back: a sign-in that has not happened yet is not a recent one
+    assert.equal((await askRegister()).status, 403)
+    latch.advance(60 + 899)
     const options = await askChallenge(browser, 'register')
+    latch.advance(101) // 1,000 seconds after the sign-in
+    const page = await (await browser.get('/apps')).text()
+    assert.doesNotMatch(page, /action="[^"]*\/passkeys\/add"/)
+    assert.match(page, /To add a passkey, sign in again first/)
+    assert.match(page, /<form method="post" action="[^"]*\/sign-in">[^]*data-passkey="sign-in"/)
+    const refused = await askRegister()
+    assert.equal(refused.status, 403)
+    assert.equal(((await refused.json()) as { error: string }).error, 'access_denied')
+    // a ceremony begun within the 15 minutes ends with its challenge, not in the middle
     const phone = createCredential(ES256)
     const made = register(phone, {
       challenge: options.challenge,
@@ -1148,39 +1162,52 @@ describe('Passkeys over HTTP', () => {
       rpId: options.rp.id,
       userHandle: Buffer.from(options.user.id, 'base64url'),
     })
-    latch.advance(900) // 15 minutes after the sign-in
-    const page = await (await browser.get('/apps')).text()
-    assert.doesNotMatch(page, /action="[^"]*\/passkeys\/add"/)
-    assert.match(page, /<form method="post" action="[^"]*\/sign-in">[^]*data-passkey="sign-in"/)
-    const challenge = await browser.post('/passkeys/challenge', { csrf: await formToken(browser), purpose: 'register' })
-    assert.equal(challenge.status, 403)
-    assert.equal(((await challenge.json()) as { error: string }).error, 'access_denied')
-    const refused = await browser.post('/passkeys/add', {
+    const fields = async (name: string) => ({
       csrf: await formToken(browser),
-      name: 'Phone',
+      name,
       credential: made.id,
       client_data: base64url(made.clientDataJSON),
       attestation: base64url(made.attestationObject),
     })
-    assert.equal(refused.status, 403)
-    assert.match(await refused.text(), /To add a passkey, sign in again first/)
-    assert.doesNotMatch(await (await browser.get('/apps')).text(), /Phone/)
+    const inTime = await browser.post('/passkeys/add', await fields('Phone'))
+    assert.equal(inTime.status, 200, await inTime.text())
+    latch.advance(200) // 20 minutes: past any challenge made in time
+    const late = await browser.post('/passkeys/add', await fields('Late'))
+    assert.equal(late.status, 403)
+    assert.match(await late.text(), /To add a passkey, sign in again first/)
+    assert.doesNotMatch(await (await browser.get('/apps')).text(), /Late/)
     assert.ok(
-      latch.logs.some((line) => / security: a passkey was not added: the session signed in 15 minutes ago$/.test(line)),
+      latch.logs.some((line) => / security: a passkey was not added: the session signed in 20 minutes ago$/.test(line)),
     )
 
     const wrong = await browser.post('/sign-in', { csrf: await formToken(browser), password: 'wrong' })
     assert.equal(wrong.status, 401)
-    assert.match(await (await browser.get('/apps')).text(), /Connected apps/) // still signed in
-    const before = browser.cookies.get('latch_session')
-    const again = await signInWithPasskey(latch, browser, owner)
-    assert.equal(again.status, 303, await again.text())
-    assert.notEqual(browser.cookies.get('latch_session'), before)
-    const old = await fetch(`${latch.base}/apps`, { headers: { Cookie: `latch_session=${before}` } })
-    assert.doesNotMatch(await old.text(), /Connected apps/) // the new sign-in ended the old session
-    const added = await addPasskey(latch, browser, phone, 'Phone')
+    const wrongPage = await wrong.text()
+    assert.match(wrongPage, /<h1>Connected apps<\/h1>/) // still signed in, and still on /apps
+    assert.match(wrongPage, /role="alert">Wrong password<\/p>/)
+    // signing in again ends every session the browser names: its own, and one planted or left over
+    const other = openBrowser(latch)
+    await signInWithPassword(other)
+    const sessions = [browser.cookies.get('latch_session'), other.cookies.get('latch_session')]
+    const again = await fetch(`${latch.base}/sign-in`, {
+      method: 'POST',
+      headers: {
+        'Content-Type': 'application/x-www-form-urlencoded',
+        Cookie: `latch_csrf=${browser.cookies.get('latch_csrf')}; ${sessions.map((s) => `latch_session=${s}`).join('; ')}`,
+      },
+      body: new URLSearchParams({ csrf: await formToken(browser), password: PASSWORD }).toString(),
+      redirect: 'manual',
+    })
+    assert.equal(again.status, 303)
+    const renewed = /^latch_session=([A-Za-z0-9_-]{43});/.exec(again.headers.get('set-cookie') ?? '')?.[1] ?? ''
+    assert.ok(renewed)
+    for (const session of sessions) {
+      const old = await fetch(`${latch.base}/apps`, { headers: { Cookie: `latch_session=${session}` } })
+      assert.doesNotMatch(await old.text(), /Connected apps/)
+    }
+    browser.cookies.set('latch_session', renewed)
+    const added = await addPasskey(latch, browser, createCredential(ES256), 'Tablet')
     assert.equal(added.status, 200, await added.text())
-    assert.match(await (await browser.get('/apps')).text(), /Phone/)
   })
 
   it('refuses the same answer posted again: its challenge was used', async () => {
