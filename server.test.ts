@@ -2013,6 +2013,9 @@ describe('Sign-in sessions and connected apps', () => {
   }
   /** The value the signed-in owner's forms carry: derived from the session, not the CSRF cookie. */
   const formTokenOf = async (cookie: string) => /name="csrf" value="([^"]+)"/.exec(await appsPage(cookie))?.[1] ?? ''
+  /** POST /apps/tokens from the signed-in owner's apps page. */
+  const makeScriptToken = async (cookie: string, fields: Record<string, string>) =>
+    post(`${latch.base}/apps/tokens`, form({ csrf: await formTokenOf(cookie), ...fields }), { Cookie: cookie })
 
   it('starts a session when the password is accepted, so the next consent needs no password', async () => {
     const first = await openConsent(latch)
@@ -2217,11 +2220,7 @@ describe('Sign-in sessions and connected apps', () => {
   it('makes a token for scripts on /apps: shown once, listed, introspected like any, revoked from the list', async () => {
     const csrf = createSecret()
     const cookie = `latch_csrf=${csrf}; ${await signIn(csrf)}`
-    const made = await post(
-      `${latch.base}/apps/tokens`,
-      form({ csrf: await formTokenOf(cookie), name: 'Deploy notes', scope: 'create update', lifetime: '604800' }),
-      { Cookie: cookie },
-    )
+    const made = await makeScriptToken(cookie, { name: 'Deploy notes', scope: 'create update', lifetime: '604800' })
     const page = await made.text()
     assert.equal(made.status, 200, page)
     assert.equal(made.headers.get('cache-control'), 'no-store')
@@ -2249,11 +2248,7 @@ describe('Sign-in sessions and connected apps', () => {
   it('says on /apps when access until revoked ends: an app after its refresh token goes unused, a script token never', async () => {
     const csrf = createSecret()
     const cookie = `latch_csrf=${csrf}; ${await signIn(csrf)}`
-    const made = await post(
-      `${latch.base}/apps/tokens`,
-      form({ csrf: await formTokenOf(cookie), name: 'Forever hook', scope: 'create', lifetime: '0' }),
-      { Cookie: cookie },
-    )
+    const made = await makeScriptToken(cookie, { name: 'Forever hook', scope: 'create', lifetime: '0' })
     assert.equal(made.status, 200)
     const token = /<pre class="token">([A-Za-z0-9_-]{43})<\/pre>/.exec(await made.text())?.[1] ?? ''
     const { exp, iat } = (await introspect(latch, token)) as { exp: number; iat: number }
@@ -2275,9 +2270,7 @@ describe('Sign-in sessions and connected apps', () => {
       { name: 'x'.repeat(101), scope: 'create' },
       { name: 'Hook', scope: '' },
     ]) {
-      const response = await post(`${latch.base}/apps/tokens`, form({ csrf: await formTokenOf(cookie), ...fields }), {
-        Cookie: cookie,
-      })
+      const response = await makeScriptToken(cookie, fields)
       assert.equal(response.status, 400, JSON.stringify(fields))
     }
     const signedOut = await post(`${latch.base}/apps/tokens`, form({ csrf, name: 'Hook', scope: 'create' }), {
