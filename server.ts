@@ -6657,15 +6657,17 @@ async function main(argv: string[], env: Record<string, string | undefined>): Pr
       'PASSWORD_SIGN_IN=off leaves only passkeys, and DATA_FILE=memory keeps none from one start to the next: ' +
         'set DATA_FILE to a file, sign in with the password and add a passkey on /apps first',
     )
+  const noPasskey = () =>
+    new ConfigError(
+      `PASSWORD_SIGN_IN=off, and ${config.dataFile} holds no passkey, so no one could sign in: ` +
+        'unset PASSWORD_SIGN_IN, sign in with the password and add a passkey on /apps first',
+    )
+  if (!config.passwordSignIn && !existsSync(config.dataFile)) throw noPasskey() // refused before it is made
   const store = await openStore(config, { log: logMessage }).catch((err: NodeJS.ErrnoException) => {
     throw dataFileProblem(err, config.dataFile) ?? err
   })
   const passkeys = await store.listPasskeys()
-  if (!config.passwordSignIn && passkeys.length === 0)
-    throw new ConfigError(
-      `PASSWORD_SIGN_IN=off, and ${config.dataFile} holds no passkey, so no one could sign in: ` +
-        'unset PASSWORD_SIGN_IN, sign in with the password and add a passkey on /apps first',
-    )
+  if (!config.passwordSignIn && passkeys.length === 0) throw noPasskey()
   if (!config.passwordSignIn && passkeysForHere(passkeys, config).length === 0) {
     const hosts = [...new Set(passkeys.map(([, passkey]) => passkey.rpId))].join(', ')
     const counted = passkeys.length === 1 ? 'the 1 passkey' : `the ${passkeys.length} passkeys`

@@ -8,7 +8,7 @@ import { spawn, spawnSync } from 'node:child_process'
 import type { ChildProcessWithoutNullStreams, SpawnOptions } from 'node:child_process'
 import { EventEmitter } from 'node:events'
 import { chmod, mkdir, mkdtemp, rm, symlink, writeFile } from 'node:fs/promises'
-import { readFileSync } from 'node:fs'
+import { existsSync, readFileSync } from 'node:fs'
 import { tmpdir } from 'node:os'
 import { join } from 'node:path'
 import { fileURLToPath } from 'node:url'
@@ -271,6 +271,13 @@ describe('A start-up failure is one line naming the setting and the fix, and exi
     assertOneLineFailure(
       result,
       /PASSWORD_SIGN_IN=off, and .*no-passkeys\.jsonl holds no passkey, so no one could sign in: unset PASSWORD_SIGN_IN/,
+    )
+    assert.equal(existsSync(join(directory, 'no-passkeys.jsonl')), false) // not left behind, empty
+    const empty = join(directory, 'empty.jsonl')
+    await writeFile(empty, '')
+    assertOneLineFailure(
+      await runLatch([], { ...settings, DATA_FILE: empty }),
+      /PASSWORD_SIGN_IN=off, and .*empty\.jsonl holds no passkey/,
     )
   })
 
