@@ -2195,7 +2195,8 @@ async function requireOwner(form: Params, req: IncomingMessage, ctx: Context): P
  */
 const RECENT_SIGN_IN_SECONDS = 15 * 60
 
-const SIGN_IN_AGAIN = `To add a passkey, sign in again first: your sign-in is more than ${RECENT_SIGN_IN_SECONDS / 60} minutes old.`
+const RECENT_MINUTES = RECENT_SIGN_IN_SECONDS / 60
+const SIGN_IN_AGAIN = `To add a passkey, sign in again first: your sign-in is more than ${RECENT_MINUTES} minutes old.`
 
 /** Whether the visitor signed in less than `seconds` ago; not when the clock says the sign-in is yet to come. */
 function signedInWithin(seconds: number, visitor: Visitor, ctx: Context): boolean {
@@ -2251,8 +2252,9 @@ type AppsPage = {
   notice?: string
   logoOf: (clientId: string) => string | undefined
   passkeys: [string, Passkey][]
-  /** Passkeys work here, but the sign-in is too old to add one: a sign-in form in its place, with why the last failed. */
+  /** Passkeys work here, but the sign-in is too old to add one: a sign-in form in its place. */
   signInAgain: boolean
+  /** Why the last sign-in from that form failed. */
   signInMessage?: string
 }
 
@@ -3251,7 +3253,8 @@ const ERROR_PAGE_WORDS: Record<number, [string, string]> = {
 
 /** The password field, with the message of a failed attempt right above it. */
 function renderPasswordField(message: string | undefined, autofocus = true): string {
-  const input = `type="password" name="password" autocomplete="current-password" required${autofocus ? ' autofocus' : ''}`
+  const focus = autofocus ? ' autofocus' : ''
+  const input = `type="password" name="password" autocomplete="current-password" required${focus}`
   if (message === undefined) return `<label>Password<input ${input}></label>`
   return `<p class="error" id="password-error" role="alert">${escapeHtml(message)}</p>
 <label>Password<input ${input} aria-invalid="true" aria-describedby="password-error"></label>`
