@@ -1898,8 +1898,8 @@ async function handleSignIn(req: IncomingMessage, res: ServerResponse, ctx: Cont
     return sendSignInPage(res, refused.status, { visitor, message: refused.message, headers: refused.headers }, ctx)
   const cookie = await startSession(ctx)
   // every session this browser names ends, not only the one it was signed in with
-  for (const value of readCookies(req, sessionCookieName(ctx.config), MAX_COOKIES_OF_A_NAME))
-    await ctx.store.deleteSession(hashSecret(value))
+  const named = readCookies(req, sessionCookieName(ctx.config), MAX_COOKIES_OF_A_NAME)
+  await Promise.all(named.map((value) => ctx.store.deleteSession(hashSecret(value))))
   redirect(res, 303, endpointUrl(ctx.config, '/apps'), { 'Set-Cookie': cookie })
 }
 
@@ -5531,7 +5531,9 @@ export class FileStore implements Store {
     return this.memory.findSession(hash, now)
   }
 
+  /** Deletes a session; one it does not hold, as a browser's stale cookie names, costs no line. */
   async deleteSession(hash: string): Promise<void> {
+    if (!this.memory.sessions.has(hash)) return
     await this.#append([{ delete: 'session', key: hash }])
     await this.memory.deleteSession(hash)
   }
@@ -6754,16 +6756,14 @@ function dataFileProblem(err: NodeJS.ErrnoException, dataFile: string): ConfigEr
  * one under /proc (ENOENT each time); this one fails there.
  */
 async function makeFolders(path: string, mode: number): Promise<void> {
-  const make = () =>
-    mkdir(path, { mode }).then(
-      () => true,
-      (err: NodeJS.ErrnoException) =>
-        err.code === 'EEXIST' ? true : err.code === 'ENOENT' ? false : Promise.reject(err),
-    )
-  if (await make()) return
-  if (dirname(path) === path) throw Object.assign(new Error(`${path} cannot be made`), { code: 'ENOENT' })
-  await makeFolders(dirname(path), mode)
-  if (!(await make())) throw Object.assign(new Error(`${path} cannot be made`), { code: 'ENOENT' })
+  const existing = (err: NodeJS.ErrnoException) => (err.code === 'EEXIST' ? undefined : Promise.reject(err))
+  const made = await mkdir(path, { mode }).then(
+    () => true,
+    (err: NodeJS.ErrnoException) => (err.code === 'ENOENT' && dirname(path) !== path ? false : existing(err)),
+  )
+  if (made !== false) return
+  await makeFolders(dirname(path), mode) // a folder above is missing: make it, then try this one once more
+  await mkdir(path, { mode }).catch(existing)
 }
 
 /** Where a symbolic link leads in the end, as an absolute path, or undefined when the path is not one. */

@@ -548,6 +548,19 @@ describe('DATA_FILE: one process, one file', () => {
     await running.stop()
   })
 
+  it('writes nothing for the deletion of a session it does not hold', async () => {
+    const file = join(directory, 'made-up-sessions.jsonl')
+    const store = await FileStore.open(file, { now: () => START, log: () => {} })
+    await store.saveSession('kept', { createdAt: START, expiresAt: START + 3600_000, passwordTag: 't' }, START)
+    const before = (await stat(file)).size
+    for (let i = 0; i < 16; i++) await store.deleteSession(`stale cookie ${i}`)
+    assert.equal((await stat(file)).size, before)
+    await store.deleteSession('kept')
+    assert.ok((await stat(file)).size > before)
+    assert.equal(store.memory.sessions.size, 0)
+    await store.close()
+  })
+
   it('signs out everywhere the sessions there are, and keeps one being saved meanwhile on disk and in memory alike', async () => {
     const file = join(directory, 'sessions-race.jsonl')
     const store = await FileStore.open(file, { now: () => START, log: () => {} })
