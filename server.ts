@@ -62,6 +62,7 @@ import {
 } from 'node:crypto'
 import type { JsonWebKey, KeyObject } from 'node:crypto'
 import { existsSync, readlinkSync, realpathSync } from 'node:fs'
+import type { Stats } from 'node:fs'
 import { mkdir, open, readFile, readdir, readlink, realpath, rename, rm, stat, truncate } from 'node:fs/promises'
 import type { FileHandle } from 'node:fs/promises'
 import type { Writable } from 'node:stream'
@@ -5155,7 +5156,8 @@ class Journal {
   async compact(live: () => Iterable<JournalRecord>): Promise<void> {
     this.#sinceSnapshot = []
     const temporary = `${this.path}.compacting`
-    const out = await open(temporary, 'w', 0o600)
+    // made anew, never opened: in a folder such as /tmp, a file of that name may be another user's
+    const out = await open(temporary, 'wx', 0o600)
     let next: FileHandle | undefined
     try {
       let slice: string[] = []
@@ -5249,6 +5251,39 @@ async function writeAll(file: FileHandle, bytes: Buffer): Promise<void> {
  */
 function isTornLine(tail: Buffer): boolean {
   return '{"'.startsWith(tail.toString('latin1', 0, 2)) || tail.every((byte) => byte === 0)
+}
+
+/**
+ * Why a journal is not safe to use, if it is not: whoever can write it can write a token into it,
+ * and whoever can write its folder can put another file in its place. So it must belong to the
+ * user Latch runs as and be writable by no one else, and its folder must belong to that user or
+ * to root and be writable by no one else, unless it has the sticky bit (as /tmp has), which keeps
+ * others from renaming or deleting what is not theirs. Without Unix users (`uid` undefined),
+ * there is nothing to check.
+ */
+function unsafeDataFile(path: string, file: Stats, folder: Stats, uid: number | undefined): string | undefined {
+  if (uid === undefined) return undefined
+  const mode = (stats: Stats) => `mode ${(stats.mode & 0o7777).toString(8).padStart(4, '0')}`
+  const othersWrite = 0o022
+  if (file.uid !== uid)
+    return (
+      `belongs to another user (uid ${file.uid}), who could write tokens into it: ` +
+      `run Latch as that user, or give the file to this one (uid ${uid}) with chown`
+    )
+  if ((file.mode & othersWrite) !== 0)
+    return `can be written by other users (${mode(file)}), who could write tokens into it: run chmod 600 ${path}`
+  const folderName = dirname(path)
+  if (folder.uid !== uid && folder.uid !== 0)
+    return (
+      `is in a folder of another user (${folderName}, uid ${folder.uid}), who could put another file in its place: ` +
+      'choose a folder of your own'
+    )
+  if ((folder.mode & othersWrite) !== 0 && (folder.mode & 0o1000) === 0)
+    return (
+      `is in a folder other users can write to (${folderName}, ${mode(folder)}), ` +
+      `who could put another file in its place: run chmod 700 ${folderName}, or choose another folder`
+    )
+  return undefined
 }
 
 /**
@@ -5384,6 +5419,8 @@ export class FileStore implements Store {
     let hold: string | undefined
     try {
       const path = await realpath(dataFile) // compaction replaces the file a symlink points to, not the link
+      const unsafe = unsafeDataFile(path, await file.stat(), await stat(dirname(path)), process.geteuid?.())
+      if (unsafe !== undefined) throw new ConfigError(`DATA_FILE ${path} ${unsafe}`)
       hold = await holdJournal(path, log)
       await rm(`${path}.compacting`, { force: true }) // left by a process stopped mid-compaction
       const bytes = await readFile(path)

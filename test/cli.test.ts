@@ -7,7 +7,7 @@ import assert from 'node:assert/strict'
 import { spawn, spawnSync } from 'node:child_process'
 import type { ChildProcessWithoutNullStreams, SpawnOptions } from 'node:child_process'
 import { EventEmitter } from 'node:events'
-import { chmod, mkdir, mkdtemp, rm, symlink, writeFile } from 'node:fs/promises'
+import { chmod, chown, mkdir, mkdtemp, rm, symlink, writeFile } from 'node:fs/promises'
 import { existsSync, readFileSync } from 'node:fs'
 import { tmpdir } from 'node:os'
 import { join } from 'node:path'
@@ -234,6 +234,40 @@ describe('A start-up failure is one line naming the setting and the fix, and exi
     await chmod(folder, 0o555) // whatever the umask
     const result = await runLatch([], { DATA_FILE: join(folder, 'latch.jsonl'), PORT: '0' }, { as: user.as })
     assertOneLineFailure(result, /DATA_FILE .*read-only\/latch\.jsonl cannot be read or written by this user: give/)
+  })
+
+  it('DATA_FILE that other users may write, or that is in a folder they may write', async () => {
+    const folder = join(directory, 'shared')
+    await mkdir(folder)
+    const file = join(folder, 'latch.jsonl')
+    await writeFile(file, '')
+    await chmod(file, 0o666)
+    assertOneLineFailure(
+      await runLatch([], { DATA_FILE: file, PORT: '0' }),
+      /DATA_FILE .*shared\/latch\.jsonl can be written by other users \(mode 0666\), who could write tokens into it: run chmod 600 .*shared\/latch\.jsonl$/,
+    )
+    await chmod(file, 0o644) // readable is no danger: it holds hashes of tokens, not tokens
+    await chmod(folder, 0o777)
+    assertOneLineFailure(
+      await runLatch([], { DATA_FILE: file, PORT: '0' }),
+      /DATA_FILE .*shared\/latch\.jsonl is in a folder other users can write to \(.*shared, mode 0777\), who could put another file in its place: run chmod 700 .*shared, or choose another folder$/,
+    )
+    await chmod(folder, 0o1777) // as /tmp: others may not rename or delete what is not theirs
+    assert.match((await runLatch([], { DATA_FILE: file, PORT: '0' })).stdout, /Latch is listening/)
+  })
+
+  it('DATA_FILE that belongs to another user', async (t) => {
+    if (process.getuid?.() !== 0) return void t.skip('only root can give a file to another user')
+    const file = join(directory, 'theirs.jsonl')
+    await writeFile(file, '')
+    await chown(file, NOBODY, NOBODY)
+    assertOneLineFailure(
+      await runLatch([], { DATA_FILE: file, PORT: '0' }),
+      new RegExp(
+        `DATA_FILE .*theirs\\.jsonl belongs to another user \\(uid ${NOBODY}\\), who could write tokens into it: ` +
+          'run Latch as that user, or give the file to this one \\(uid 0\\) with chown$',
+      ),
+    )
   })
 
   it('HOST that does not resolve', async () => {

@@ -528,6 +528,23 @@ describe('DATA_FILE: one process, one file', () => {
     await reopened.close()
   })
 
+  it('never writes its snapshot into a file someone else made under its name while it ran', async () => {
+    const file = join(directory, 'planted-snapshot.jsonl')
+    await writeFile(file, `${JSON.stringify({ delete: 'session', key: 'old' })}\n`.repeat(10_001))
+    const logged: string[] = []
+    const store = await FileStore.open(file, { now: () => START, log: (line) => logged.push(line) })
+    await writeFile(`${file}.compacting`, 'theirs') // as another user may, in a folder such as /tmp
+    const session = { createdAt: START, expiresAt: START + 3600_000, passwordTag: 't' }
+    await store.saveSession('kept', session, START) // past 10,000 lines: this write starts a compaction
+    await store.compaction
+    assert.equal(await readFile(`${file}.compacting`, 'utf8'), 'theirs')
+    assert.match(logged.join('\n'), /journal: compacting .* failed, so it stays as it was: .*EEXIST/)
+    await store.close()
+    const reopened = await FileStore.open(file, { now: () => START, log: () => {} })
+    assert.ok(reopened.memory.sessions.has('kept'))
+    await reopened.close()
+  })
+
   it('removes a snapshot left by a process killed while compacting', async () => {
     const file = join(directory, 'left-snapshot.jsonl')
     await writeFile(`${file}.compacting`, 'x'.repeat(1000))
