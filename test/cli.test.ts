@@ -365,20 +365,20 @@ describe('hash-password', () => {
       let output = ''
       child.stdout.setEncoding('utf8').on('data', (chunk: string) => (output += chunk))
       const timer = setTimeout(() => child.kill('SIGKILL'), CHILD_TIMEOUT_MS)
-      child.stdin.end('correct horse\rcorrect horse\r')
+      child.stdin.end('correct horse battery\rcorrect horse battery\r')
       const code = await new Promise((resolve) => child.on('close', resolve))
       clearTimeout(timer)
       assert.equal(code, 0, output)
       const hash = /^scrypt:\S+/m.exec(output)?.[0] ?? ''
-      assert.equal(await verifyPassword('correct horse', hash), true, output)
+      assert.equal(await verifyPassword('correct horse battery', hash), true, output)
     },
   )
 
-  it('refuses 7 characters, citing NIST SP 800-63B, and hashes 8', async () => {
-    const short = await runLatch(['hash-password'], {}, { input: '1234567\n' })
-    assertOneLineFailure(short, /\b8 characters\b.*NIST SP 800-63B/)
+  it('refuses 14 characters, citing NIST SP 800-63B-4, and hashes 15', async () => {
+    const short = await runLatch(['hash-password'], {}, { input: '12345678901234\n' })
+    assertOneLineFailure(short, /\b15 characters\b.*NIST SP 800-63B-4/)
     assert.equal(short.stdout, '')
-    const long = await runLatch(['hash-password'], {}, { input: '12345678\n' })
+    const long = await runLatch(['hash-password'], {}, { input: '123456789012345\n' })
     assert.equal(long.code, 0, long.stderr)
     assert.match(long.stdout, /^scrypt:\S+\n$/)
   })
