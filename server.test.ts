@@ -2245,7 +2245,7 @@ describe('Sign-in sessions and connected apps', () => {
     )
   })
 
-  it('says on /apps when access until revoked ends: an app after its refresh token goes unused, a script token never', async () => {
+  it('says on /apps when access until revoked ends: an app after its refresh token goes unused, a script token in ten years', async () => {
     const csrf = createSecret()
     const cookie = `latch_csrf=${csrf}; ${await signIn(csrf)}`
     const made = await makeScriptToken(cookie, { name: 'Forever hook', scope: 'create', lifetime: '0' })
@@ -2257,7 +2257,8 @@ describe('Sign-in sessions and connected apps', () => {
     const apps = await appsPage(cookie)
     const cards = apps.split('<section class="app">').slice(1)
     const hook = cards.find((card) => card.includes('Forever hook')) ?? ''
-    assert.match(hook, /<dt>Access ends<\/dt><dd>When you revoke it<\/dd>/)
+    const tenYears = new Date((iat + 3650 * 86400) * 1000).toISOString().slice(0, 16).replace('T', ' ')
+    assert.match(hook, new RegExp(`<dt>Access ends</dt><dd>When you revoke it, or on ${tenYears} UTC</dd>`))
     const app = cards.find((card) => card.includes(CLIENT_ID)) ?? ''
     assert.match(app, /<dt>Access ends<\/dt><dd>When you revoke it, or after 30 days unused<\/dd>/)
   })

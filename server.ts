@@ -2414,10 +2414,12 @@ function countApps(count: number): string {
 
 /**
  * What "until you revoke it" means on /apps: an app's refresh token also ends when it goes unused
- * for long. A token for a script has none: its one access token lasts until it is revoked.
+ * for long. A token for a script has none: its one access token lasts until it is revoked, or
+ * for the longest a token may, ten years.
  */
 function untilRevoked(grant: Grant, config: Config): string {
-  if (grant.client_id === scriptClientId(config)) return 'When you revoke it'
+  if (grant.client_id === scriptClientId(config))
+    return `When you revoke it, or on ${formatTime(grant.approvedAt + grant.accessTokenTtlSeconds * 1000)}`
   return `When you revoke it, or after ${formatPeriod(config.refreshTokenTtlSeconds)} unused`
 }
 
