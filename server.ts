@@ -5,7 +5,8 @@
  * code. The client redeems the code for the owner's profile URL (`POST /auth`) or exchanges it
  * for an access token (`POST /token`). Resource servers check tokens (`POST /introspect`) and
  * clients revoke them (`POST /revoke`). PKCE with S256 is required; codes are single use and
- * bound to `client_id`, `redirect_uri` and `code_challenge`.
+ * bound to `client_id`, `redirect_uri` and `code_challenge` (at `POST /auth`, the first two are
+ * checked when the client sends them; see `checkCode`).
  *
  * Quick start:
  *
@@ -1273,7 +1274,10 @@ async function issueCode(
 //     redirect_uri, code_challenge, scope and me it is bound to; it lives CODE_TTL.
 //  2. `checkCode`: the code is found, used or not (`store.findCodeUsedOrNot`); client_id and
 //     redirect_uri must match it (IndieAuth §5.3.1), and `verifyCodeChallenge` checks the PKCE
-//     verifier against the challenge (RFC 7636 §4.6). A failed check uses nothing up.
+//     verifier against the challenge (RFC 7636 §4.6). A failed check uses nothing up. IndieAuth
+//     lists client_id and redirect_uri in both requests; `POST /token` requires them, while
+//     `POST /auth` checks them only when sent, for clients that redeem with the code and
+//     verifier alone. The verifier binds the code to the client that started the flow anyway.
 //  3. `POST /auth`: `store.markCodeUsed`; `POST /token`: `store.redeemForTokens`, which marks it
 //     used in the same write as the grant and the tokens. Either is true for the first caller only.
 //  4. A replay is caught there: the code was used before. The grant made from it, whose id is the
@@ -1673,8 +1677,11 @@ function describeToken(token: Token, grant: Grant): Record<string, unknown> {
 }
 
 /**
- * With `INTROSPECTION_SECRET` set, the caller must send it as a Bearer credential (IndieAuth §6.1:
- * "the token endpoint MUST require some form of authorization to access this endpoint").
+ * With `INTROSPECTION_SECRET` set, the caller must send it as a Bearer credential. IndieAuth §6.1
+ * says "The endpoint MUST also require some form of authorization to access this endpoint"; Latch
+ * leaves it open when no secret is set, so that a resource server on the same box works without
+ * one. Then anyone may introspect: a token must be known to be asked about, and it cannot be
+ * guessed. Set the secret to follow §6.1.
  * @see https://www.rfc-editor.org/rfc/rfc6750#section-3
  */
 function requireIntrospectionCaller(req: IncomingMessage, config: Config): void {
@@ -2772,7 +2779,8 @@ function renderError(err: unknown, req: IncomingMessage, res: ServerResponse, as
 // One line per request: when, from where, what, how it ended, and for whom; and a line of its
 // own for what deserves one: a security event, an app that could not be fetched, a server error.
 // `LOG_FORMAT=json` makes each line a JSON object. Never a code, token, verifier, password or
-// hash: the `client_id` is the only thing a request sent that is logged.
+// hash. Of what a request sent, only its `client_id`, its address (from `X-Forwarded-For` behind
+// a trusted proxy) and the names the owner gives tokens and passkeys are logged.
 
 /** A line of the log: a request answered (`method` to `ms`), or an `event` and its `message`. */
 type LogEntry = {
@@ -2988,8 +2996,9 @@ export function buildRedirectUrl(base: string, params: Record<string, string | u
 }
 
 // --- Pages ----------------------------------------------------------------------
-// Plain HTML: no scripts, nothing loaded from elsewhere. The one stylesheet is allowed by its
-// hash, so the Content-Security-Policy can keep `default-src 'none'`.
+// Plain HTML, nothing loaded from elsewhere, and no script but `/passkey.js`, on the pages that
+// offer a passkey (see `passkeyPageHeaders`). The one stylesheet is allowed by its hash, so the
+// Content-Security-Policy can keep `default-src 'none'`.
 
 const STYLESHEET = `
 :root {
@@ -3835,9 +3844,11 @@ export function readAuthenticatorData(bytes: Buffer): AuthenticatorData {
 type CeremonyExpectations = { challenge: string; origin: string; rpId: string }
 
 /**
- * Registration, WebAuthn §7.1: the checks of steps 7 to 21 that concern a relying party that
- * accepts any attestation (steps 19 to 21 verify a statement Latch ignores). Returns the new
- * credential; saving it, once its id is known not to be registered, is the caller's step 26.
+ * Registration, WebAuthn §7.1: the checks of steps 7 to 25 that concern a relying party that
+ * accepts any attestation (steps 22 to 24 verify a statement Latch ignores; step 25, an id of at
+ * most 1,023 bytes, is in `readAuthenticatorData`). Returns the new credential; checking that its
+ * id is not registered yet (step 26) and saving it (step 27) are the caller's. The step numbers
+ * are those of Level 3, whose client data has `topOrigin`; earlier drafts count differently.
  * @see https://www.w3.org/TR/webauthn-3/#sctn-registering-a-new-credential
  */
 export function verifyRegistration(
@@ -3854,7 +3865,7 @@ export function verifyRegistration(
   const data = readAuthenticatorData(authData) // step 13
   checkAuthenticatorData(data, expected.rpId) // steps 14 to 17
   if (data.credential === undefined) throw new PasskeyError('the authenticator data carries no new credential')
-  const { key, algorithm } = readCoseKey(data.credential.publicKey) // step 18: one of the algorithms offered
+  const { key, algorithm } = readCoseKey(data.credential.publicKey) // step 20: one of the algorithms offered
   return {
     id: base64url(data.credential.id),
     publicKey: base64url(key.export({ type: 'spki', format: 'der' })),
@@ -4090,7 +4101,7 @@ async function checkPasskeySignIn(
 // IndieAuth §4.2  https://indieauth.spec.indieweb.org/#client-information-discovery
 // Latch fetches the client_id URL to learn the app's name, logo and redirect URIs. Fetching a
 // URL a stranger chose is the classic way into a private network, so: http(s) only; never a
-// loopback client ("the authorization server MUST NOT fetch the client_id URL"); the name is
+// loopback client ("the authorization endpoint MUST NOT fetch the client_id"); the name is
 // resolved first, every address checked, and the connection made to the address checked; no
 // redirects; a short deadline; a capped body; only a 200 counts.
 
@@ -4399,7 +4410,8 @@ type ClientDocument = { name?: string; url?: string; logoUrl?: string; redirectU
 /**
  * Reads a client metadata document: its `client_id` must be the URL it came from, and its
  * `client_uri` a prefix of it. A Client ID Metadata Document (`metadataDocument`, JSON at an
- * https URL) must also name the URL exactly, list its `redirect_uris`, and hold no client secret
+ * https URL) must instead name the URL exactly (its `client_uri`, if not a prefix, is only left
+ * unshown), list its `redirect_uris`, and hold no client secret
  * (§4.1); Latch serves public clients only, so `token_endpoint_auth_method` may only be `none`.
  * Its faults throw `InvalidClientDocument`, which refuses the request.
  * @see https://indieauth.spec.indieweb.org/#client-metadata IndieAuth §4.2.1
@@ -4692,7 +4704,8 @@ async function fetchLogo(
 // --- Storage --------------------------------------------------------------------
 // A `Store` keeps pending requests, codes, grants and tokens under the hashes of their ids.
 // This one keeps them in Maps. Every read checks expiry, and a timer sweeps expired entries away
-// a few thousand at a time, between requests, so no request ever scans every entry. Pending
+// a few thousand at a time, between requests, so no request pays for expiry. (The owner's
+// `/apps` lists every grant, and so walks them all; no client's request does.) Pending
 // requests, codes and sessions all live equally long, so a Map's insertion order is already
 // their order of expiry: the sweep takes them from the front. Grants and tokens need not; the
 // sweep walks them in turn, a few thousand steps a time.
@@ -5913,8 +5926,8 @@ export class ExpiringMap<V extends { expiresAt: number }> {
 
 // A million live tokens, each with a grant of its own, must fit in 300 MB of heap. So the store
 // keeps grants and tokens in a smaller shape than the one the rest of Latch sees:
-// - Times are whole seconds since 1970, rounded down, as the `exp` a token is introspected with
-//   is. V8 keeps an integer up to 2^31 (until 2038) inside the field; milliseconds since 1970
+// - Times are whole seconds since 1970: an expiry rounded up, so that nothing ends early, and so
+//   the `exp` a token is introspected with. V8 keeps an integer up to 2^31 (until 2038) inside the field; milliseconds since 1970
 //   would each take a box of 16 bytes of their own.
 // - The parts most grants share (client, name, `me`, scope, token lifetime) are one object, kept once.
 // - Scope lists too are kept once, however many tokens hold them.
@@ -6157,7 +6170,7 @@ export function loadConfig(
   const dataFile = raw.DATA_FILE ?? defaultOf('DATA_FILE')
   const codeTtlSeconds = parseDuration('CODE_TTL', raw.CODE_TTL ?? defaultOf('CODE_TTL'))
   if (codeTtlSeconds > MAX_CODE_TTL_SECONDS) {
-    throw new ConfigError('CODE_TTL is longer than the 10 minutes IndieAuth allows: use 600 or less')
+    throw new ConfigError('CODE_TTL is longer than the 10 minutes IndieAuth recommends at most: use 600 or less')
   }
   const accessTokenTtlSeconds = parseDuration('ACCESS_TOKEN_TTL', raw.ACCESS_TOKEN_TTL ?? defaultOf('ACCESS_TOKEN_TTL'))
   const refreshTokenTtlSeconds = parseDuration(
