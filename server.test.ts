@@ -7,11 +7,13 @@ import assert from 'node:assert/strict'
 import { fork, spawn } from 'node:child_process'
 import { createHash } from 'node:crypto'
 import { Agent, createServer, request } from 'node:http'
-import type { ServerResponse } from 'node:http'
+import type { IncomingMessage, ServerResponse } from 'node:http'
 import { once } from 'node:events'
 import { connect } from 'node:net'
 import type { AddressInfo, Socket } from 'node:net'
-import { Writable } from 'node:stream'
+import { PassThrough, Writable } from 'node:stream'
+import { setFlagsFromString } from 'node:v8'
+import { runInNewContext } from 'node:vm'
 import { fileURLToPath } from 'node:url'
 import { mkdtemp, rm } from 'node:fs/promises'
 import { tmpdir } from 'node:os'
@@ -35,6 +37,7 @@ import {
   createLineWriter,
   createSecret,
   getParam,
+  readForm,
   hashSecret,
   hashPassword,
   isClientId,
@@ -390,6 +393,32 @@ describe('Form parser', () => {
       () => parseScope('create "quoted"'),
       (err: unknown) => err instanceof OAuthError && err.error === 'invalid_scope',
     )
+  })
+})
+
+describe('Request bodies', () => {
+  it('holds a body that comes in many small pieces as its bytes, not as the pieces', async () => {
+    // each piece a byte of a buffer of its own, as the worst a socket could hand over
+    setFlagsFromString('--expose-gc')
+    const gc = runInNewContext('gc') as () => void
+    const collected = async () => {
+      for (let round = 0; round < 2; round++) {
+        gc()
+        await new Promise((resolve) => setImmediate(resolve)) // buffers are freed after a collection, not in it
+      }
+      return process.memoryUsage().arrayBuffers
+    }
+    const req = Object.assign(new PassThrough(), {
+      headers: { 'content-type': 'application/x-www-form-urlencoded' },
+    })
+    const text = `a=${'b'.repeat(998)}`
+    const before = await collected()
+    const form = readForm(req as unknown as IncomingMessage)
+    for (const byte of Buffer.from(text)) req.write(Buffer.alloc(65_536, byte).subarray(0, 1))
+    const held = (await collected()) - before // what the thousand pieces keep until the body ends
+    req.end()
+    assert.equal(getParam(await form, 'a')?.length, 998)
+    assert.ok(held < 100 * text.length, `a body of ${text.length} bytes held ${held} bytes while it came`)
   })
 })
 
