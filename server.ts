@@ -1751,7 +1751,7 @@ async function revokeToken(value: string, ctx: Context): Promise<void> {
  */
 async function handleUserinfoRequest(req: IncomingMessage, res: ServerResponse, ctx: Context): Promise<void> {
   const form = req.method === 'POST' && req.headers['content-type'] !== undefined ? await readForm(req) : undefined
-  const { token, grant } = await requireAccessToken(req, form, ctx)
+  const { token, grant } = await requireAccessToken(req, form, ctx, endpointUrl(ctx.config, '/userinfo'))
   if (!token.scope.includes('profile')) {
     const challenge = `Bearer realm="${ctx.config.issuer}", error="insufficient_scope", scope="profile"`
     throw new OAuthError('insufficient_scope', 'The access token was not granted the profile scope', {
@@ -1764,20 +1764,29 @@ async function handleUserinfoRequest(req: IncomingMessage, res: ServerResponse, 
 
 /**
  * The token verification of IndieAuth before §6, still used by Micropub servers: `GET /token`
- * with `Authorization: Bearer` answers `{me, client_id, scope}`.
+ * with `Authorization: Bearer` answers `{me, client_id, scope}`. Its answer has no room for an
+ * audience, so a token bound to services is refused here: the resource server asking cannot say
+ * which it is, and one that got a token meant for another service could use it (RFC 8707 §2).
  * @see https://indieauth.spec.indieweb.org/20201126/#access-token-verification IndieAuth (2020) §6.1
  */
 async function handleTokenVerification(req: IncomingMessage, res: ServerResponse, ctx: Context): Promise<void> {
-  const { token, grant } = await requireAccessToken(req, undefined, ctx)
+  const { token, grant } = await requireAccessToken(req, undefined, ctx, undefined)
   sendJson(res, 200, { me: grant.me, client_id: grant.client_id, scope: token.scope.join(' ') })
 }
 
 /**
  * The live access token a request carries, in the `Authorization` header or an `access_token`
- * form field, or 401 with a `WWW-Authenticate` challenge. Both may be sent if they agree.
+ * form field, or 401 with a `WWW-Authenticate` challenge. Both may be sent if they agree. A token
+ * bound to services (`resource`, RFC 8707) is for them alone: Latch's endpoint takes it only if
+ * it names `endpoint`, the endpoint's own URL.
  * @see https://www.rfc-editor.org/rfc/rfc6750#section-2
  */
-async function requireAccessToken(req: IncomingMessage, form: Params | undefined, ctx: Context) {
+async function requireAccessToken(
+  req: IncomingMessage,
+  form: Params | undefined,
+  ctx: Context,
+  endpoint: string | undefined,
+) {
   const realm = `Bearer realm="${ctx.config.issuer}"`
   const header = /^Bearer +(\S+) *$/i.exec(req.headers.authorization ?? '')?.[1]
   const field = form === undefined ? undefined : getParam(form, 'access_token')
@@ -1789,6 +1798,12 @@ async function requireAccessToken(req: IncomingMessage, form: Params | undefined
   const found = await findLiveToken(hashSecret(value), 'access', ctx)
   if (found === undefined) {
     throw new OAuthError('invalid_token', 'The access token is unknown, expired or revoked', {
+      headers: { 'WWW-Authenticate': `${realm}, error="invalid_token"` },
+    })
+  }
+  const { resource } = found.token
+  if (resource.length > 0 && (endpoint === undefined || !resource.includes(endpoint))) {
+    throw new OAuthError('invalid_token', 'The access token is for another service (its audience), not this one', {
       headers: { 'WWW-Authenticate': `${realm}, error="invalid_token"` },
     })
   }

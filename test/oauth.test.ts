@@ -422,6 +422,29 @@ describe('Resource indicators (RFC 8707)', () => {
     const fourth = await tokensOf(await refresh(latch.base, third.refresh_token)) // not spent by the refusal
     assert.deepEqual((await introspect(latch.base, fourth.access_token)).aud, [API, FILES])
   })
+
+  it("refuses a token for other services at Latch's own /userinfo and GET /token, unless it names /userinfo", async () => {
+    const userinfo = `${latch.issuer}/userinfo`
+    const code = await obtainCode(latch.base, { scope: 'profile create', resource: [API, userinfo] })
+    const forApi = await tokensOf(await exchange(latch.base, code, { resource: API }))
+    const wrongAudience = (response: Response) =>
+      assert.equal(response.headers.get('www-authenticate'), `Bearer realm="${latch.issuer}", error="invalid_token"`)
+    const bearer = (token: string) => ({ headers: { Authorization: `Bearer ${token}` } })
+    for (const path of ['/userinfo', '/token']) {
+      const response = await fetch(`${latch.base}${path}`, bearer(forApi.access_token))
+      const body = await assertError(response, 401, 'invalid_token')
+      assert.match(String(body.error_description), /another service/)
+      wrongAudience(response)
+    }
+    const forUserinfo = await tokensOf(await refresh(latch.base, forApi.refresh_token, { resource: userinfo }))
+    const profile = await fetch(`${latch.base}/userinfo`, bearer(forUserinfo.access_token))
+    assert.equal(profile.status, 200)
+    await assertError(await fetch(`${latch.base}/token`, bearer(forUserinfo.access_token)), 401, 'invalid_token')
+    // an IndieAuth token, without an audience, is taken at both as before
+    const indieAuth = await tokensOf(await exchange(latch.base, await obtainCode(latch.base, { scope: 'profile' })))
+    for (const path of ['/userinfo', '/token'])
+      assert.equal((await fetch(`${latch.base}${path}`, bearer(indieAuth.access_token))).status, 200, path)
+  })
 })
 
 // --- 4. checkAccessToken ------------------------------------------------------------------
