@@ -316,6 +316,8 @@ type Context = {
   failedClients: Map<string, number>
   /** Fetches under way, by client_id, for requests that arrive meanwhile to share. */
   clientLookups: Map<string, Promise<ClientLookup>>
+  /** The lookups under way that each address started, by `CONNECTION_LIMITS.groupOf`. */
+  lookupsBy: Map<string, number>
   clientFetchSlots: Slots
   /** The proxies of `TRUST_PROXY`, whose forwarding headers are believed. */
   trustedProxies: BlockList | undefined
@@ -850,7 +852,8 @@ async function handleAuthorizationRequest(req: IncomingMessage, res: ServerRespo
   if (clientProblem !== undefined)
     throw new OAuthError('invalid_request', `client_id is not a valid client identifier: ${clientProblem}`)
   const redirectUri = requireParam(query, 'redirect_uri')
-  const client = await findClient(canonicalizeUrl(clientId), ctx)
+  const requester = CONNECTION_LIMITS.groupOf(clientAddress(req, ctx.trustedProxies))
+  const client = await findClient(canonicalizeUrl(clientId), requester, ctx)
   if (client.refused !== undefined)
     throw new OAuthError('invalid_request', `The app's Client ID Metadata Document cannot be used: ${client.refused}`)
   const redirectProblem = redirectUriProblem(redirectUri, clientId, client)
@@ -901,21 +904,43 @@ function stateOf(query: Params): string | undefined {
  * What discovery knows of a client, or that it knows nothing. A client is fetched at most once
  * per Cache-Control lifetime; requests for the same client while it is being fetched share the
  * fetch; a failure is remembered for 30 seconds; and at most 8 fetches run at once, with 8 more
- * waiting, so that a flood of made-up clients costs a bounded amount of memory. Why a fetch
- * failed goes to the log only: it can name addresses and ports of the server's network.
+ * waiting, so that a flood of made-up clients costs a bounded amount of memory. One address
+ * (`requester`, as `CONNECTION_LIMITS` groups them; loopback is not counted) may have at most 2
+ * of those under way, so that a stranger whose pages never answer cannot hold every slot and
+ * keep other people's apps from being looked up. Why a fetch failed goes to the log only: it can
+ * name addresses and ports of the server's network.
  */
-async function findClient(clientId: string, ctx: Context): Promise<ClientLookup> {
+async function findClient(clientId: string, requester: string | undefined, ctx: Context): Promise<ClientLookup> {
   const now = ctx.now()
   const cached = ctx.clients.get(clientId)
   if (cached !== undefined && cached.expiresAt > now) return { info: cached.info }
   if (isLoopbackClient(clientId) || (ctx.failedClients.get(clientId) ?? 0) > now) return {}
   let lookup = ctx.clientLookups.get(clientId)
   if (lookup === undefined) {
-    lookup = fetchClient(clientId, ctx).finally(() => ctx.clientLookups.delete(clientId))
+    const started = requester === undefined ? 0 : (ctx.lookupsBy.get(requester) ?? 0)
+    if (started >= MAX_LOOKUPS_BY_ONE) {
+      logEvent(
+        ctx,
+        'discovery',
+        `${clientId} was not fetched: ${requester} has ${started} apps being looked up already`,
+      )
+      return {}
+    }
+    if (requester !== undefined) ctx.lookupsBy.set(requester, started + 1)
+    lookup = fetchClient(clientId, ctx).finally(() => {
+      ctx.clientLookups.delete(clientId)
+      if (requester === undefined) return
+      const left = (ctx.lookupsBy.get(requester) ?? 1) - 1
+      if (left === 0) ctx.lookupsBy.delete(requester)
+      else ctx.lookupsBy.set(requester, left)
+    })
     ctx.clientLookups.set(clientId, lookup)
   }
   return lookup
 }
+
+/** The lookups one address may have under way at once (see `findClient`). */
+const MAX_LOOKUPS_BY_ONE = 2
 
 async function fetchClient(clientId: string, ctx: Context): Promise<ClientLookup> {
   try {
@@ -2649,6 +2674,7 @@ export function createHandler(options: HandlerOptions): (req: IncomingMessage, r
     clients: new Map(),
     failedClients: new Map(),
     clientLookups: new Map(),
+    lookupsBy: new Map(),
     clientFetchSlots: { running: 0, waiting: [] },
     trustedProxies: trustedProxiesOf(options.config),
     refreshes: new Map(),

@@ -262,7 +262,7 @@ async function startLatch(
   }
 }
 
-function authorize(latch: Latch, clientId: string, redirectUri: string): Promise<Response> {
+function authorize(latch: Latch, clientId: string, redirectUri: string, from?: string): Promise<Response> {
   const query = new URLSearchParams({
     client_id: clientId,
     redirect_uri: redirectUri,
@@ -270,7 +270,8 @@ function authorize(latch: Latch, clientId: string, redirectUri: string): Promise
     code_challenge: CHALLENGE,
     scope: 'create',
   })
-  return fetch(`${latch.base}/auth?${query}`, { redirect: 'manual' })
+  const headers: Record<string, string> = from === undefined ? {} : { 'X-Forwarded-For': from }
+  return fetch(`${latch.base}/auth?${query}`, { redirect: 'manual', headers })
 }
 
 /**
@@ -572,6 +573,37 @@ describe('Discovery under load', () => {
         assert.equal(fetchesOf(host), status === 200 ? 1 : 0, host)
       }
       assert.equal([...statuses.values()].filter((status) => status === 200).length, 16)
+    } finally {
+      releaseHeld()
+      await latch.close()
+    }
+  })
+})
+
+describe('Discovery for one address', () => {
+  it('runs at most 2 lookups for one address at once, and refuses its third at once while others still get theirs', async () => {
+    holdAnswers()
+    // behind a proxy on this machine, as docs/deploy.md runs it: each client's address is its own
+    const latch = await startLatch({ TRUST_PROXY: '127.0.0.1' }, { ...clientFetch, timeoutMs: 5_000 })
+    const stranger = '198.51.100.7'
+    try {
+      const pending = ['held101', 'held102'].map((name) =>
+        authorize(latch, `http://${name}.example/`, 'https://other.example/callback', stranger),
+      )
+      await until(() => fetchesOf('held101.example') + fetchesOf('held102.example') === 2)
+      const third = await authorize(latch, 'http://held103.example/', 'https://other.example/callback', stranger)
+      await assertNotFetched(latch, third, 'http://held103.example/', /198\.51\.100\.7 has 2 apps being looked up/)
+      assert.equal(fetchesOf('held103.example'), 0)
+      const someoneElse = authorize(latch, 'http://held104.example/', 'https://other.example/callback', '203.0.113.9')
+      await until(() => fetchesOf('held104.example') === 1)
+      releaseHeld()
+      assert.deepEqual(
+        await Promise.all([...pending, someoneElse].map(async (answer) => (await answer).status)),
+        [200, 200, 200],
+      )
+      // its lookups done, the stranger may start more
+      const later = await authorize(latch, 'http://held103.example/', 'https://other.example/callback', stranger)
+      assert.equal(later.status, 200)
     } finally {
       releaseHeld()
       await latch.close()
