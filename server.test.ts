@@ -2950,8 +2950,8 @@ describe('The command line', () => {
   })
 
   it('hashes a password read from standard input', async () => {
-    const result = await run(['hash-password'], {}, 'correct horse\n')
+    const result = await run(['hash-password'], {}, 'correct horse battery\n')
     assert.equal(result.code, 0)
-    assert.equal(await verifyPassword('correct horse', result.stdout.trim()), true)
+    assert.equal(await verifyPassword('correct horse battery', result.stdout.trim()), true)
   })
 })
