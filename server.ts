@@ -5379,6 +5379,8 @@ function unsafeDataFile(path: string, file: Stats, folder: Stats, uid: number | 
  * The holder answers a connection with its process id, for the other's message. Any local user
  * may bind such a name, so a holder counts only if that process has the file open, which only
  * its owner can see: a name taken by a stranger is passed over with a warning, not obeyed. A
+ * holder that does not answer within a second (reading a long journal) is looked for among the
+ * processes that have the file open. A
  * process that opens a journal it holds already (a test, an app that embeds Latch) shares the
  * hold. Elsewhere than Linux, and between containers that do not share a network namespace,
  * nothing is held.
@@ -5391,14 +5393,19 @@ async function holdJournal(path: string, log: (line: string) => void): Promise<s
     held.users++
     return name
   }
-  const server = createNetServer((socket) => socket.end(`${process.pid}\n`))
+  const server = createNetServer((socket) => {
+    socket.on('error', () => {}) // a caller that hung up at once: nothing to tell it, and no reason to stop
+    socket.end(`${process.pid}\n`)
+  })
   const bound = await new Promise<NodeJS.ErrnoException | undefined>((resolve) => {
     server.once('error', resolve)
     server.listen({ path: name }, () => resolve(undefined))
   })
   if (bound?.code === 'EADDRINUSE') {
-    const holder = await askHolder(name)
-    if (holder !== undefined && (await hasOpen(holder, path)))
+    // a holder too busy to answer (reading a long journal) is found among the processes instead
+    const answered = await askHolder(name)
+    const holder = answered !== undefined && (await hasOpen(answered, path)) ? answered : await findOpener(path)
+    if (holder !== undefined)
       throw new ConfigError(
         `DATA_FILE ${path} is in use by process ${holder}: stop that server, or give this one another DATA_FILE`,
       )
@@ -5421,6 +5428,13 @@ function releaseJournal(name: string | undefined): void {
   held.server.close()
 }
 
+/** Another process that has the file open, among those this user may look into. */
+async function findOpener(path: string): Promise<string | undefined> {
+  const pids = (await readdir('/proc').catch(() => [])).filter((pid) => /^\d+$/.test(pid) && pid !== `${process.pid}`)
+  for (const pid of pids) if (await hasOpen(pid, path)) return pid
+  return undefined
+}
+
 /** Whether a process has the file open: readable only for its owner's processes (and root's). */
 async function hasOpen(pid: string, path: string): Promise<boolean> {
   const fds = await readdir(`/proc/${pid}/fd`).catch(() => [])
@@ -5428,7 +5442,10 @@ async function hasOpen(pid: string, path: string): Promise<boolean> {
   return false
 }
 
-/** The process id that the holder of a journal answers with, or undefined after a second. */
+/**
+ * The process id that the holder of a journal answers with, or undefined after a second. A
+ * holder reading a long journal answers too: the reading pauses for the event loop.
+ */
 function askHolder(name: string): Promise<string | undefined> {
   return new Promise((resolve) => {
     let text = ''
@@ -5524,6 +5541,8 @@ export class FileStore implements Store {
         }
         for (const record of records) await applyRecord(memory, record, now)
         start = stop + 1
+        // a server started meanwhile asks who holds the journal: the answer must not wait for the end
+        if (lines % 10_000 === 9_999) await new Promise((resolve) => setImmediate(resolve))
       }
       if (end < bytes.length) {
         if (!isTornLine(bytes.subarray(end)))

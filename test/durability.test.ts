@@ -10,6 +10,7 @@ import type { ChildProcessWithoutNullStreams } from 'node:child_process'
 import { lstat, mkdir, mkdtemp, readFile, rm, stat, symlink, writeFile } from 'node:fs/promises'
 import { writeFileSync } from 'node:fs'
 import { createServer } from 'node:http'
+import { connect } from 'node:net'
 import type { AddressInfo } from 'node:net'
 import { tmpdir } from 'node:os'
 import { dirname, join } from 'node:path'
@@ -455,6 +456,54 @@ describe('DATA_FILE: one process, one file', () => {
       await store.close()
     } finally {
       squatter.kill('SIGKILL')
+    }
+  })
+
+  it('is refused while a process with the journal open holds it, even one too busy to say its id', async (t) => {
+    if (process.platform !== 'linux') return t.skip('a journal is held through a Linux abstract socket')
+    const file = join(directory, 'busy-holder.jsonl')
+    await writeFile(file, '')
+    // a holder reading a long journal may not answer in time: this one never does, and has the file open
+    const name = `\0latch-journal-${createHash('sha256').update(file).digest('base64url')}`
+    const holder = spawn(
+      process.execPath,
+      [
+        '-e',
+        `const fd = require('fs').openSync(${JSON.stringify(file)}, 'a');` +
+          `require('net').createServer(() => {}).listen(${JSON.stringify(name)}, () => console.log('bound', fd))`,
+      ],
+      { stdio: ['ignore', 'pipe', 'inherit'] },
+    )
+    try {
+      await new Promise((resolve) => holder.stdout.once('data', resolve))
+      await assert.rejects(
+        FileStore.open(file, { log: () => {} }),
+        (err: unknown) => err instanceof ConfigError && err.message.includes(`is in use by process ${holder.pid}`),
+      )
+    } finally {
+      holder.kill('SIGKILL')
+    }
+  })
+
+  it('goes on holding when a caller hangs up before the answer', async (t) => {
+    if (process.platform !== 'linux') return t.skip('a journal is held through a Linux abstract socket')
+    const file = join(directory, 'hung-up.jsonl')
+    const server = await spawnServer(file)
+    try {
+      // any local user can, since /proc/net/unix lists the name
+      const name = `\0latch-journal-${createHash('sha256').update(file).digest('base64url')}`
+      for (let i = 0; i < 20; i++) {
+        const socket = connect({ path: name })
+        socket.on('error', () => {})
+        socket.on('connect', () => socket.destroy())
+        await new Promise((resolve) => socket.once('close', resolve))
+      }
+      const response = await fetch(`${server.base}/.well-known/oauth-authorization-server`)
+      assert.equal(response.status, 200)
+      assert.equal(server.child.exitCode, null, server.output)
+    } finally {
+      server.child.kill('SIGTERM')
+      await server.closed
     }
   })
 
