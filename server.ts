@@ -6857,7 +6857,14 @@ async function main(argv: string[], env: Record<string, string | undefined>): Pr
         if (store instanceof FileStore) await store.close()
         process.exit(0)
       })
+      // A client that keeps its connection busy never lets it go idle: each request from now on
+      // is answered with `Connection: close`, and a connection is closed once its answer is out.
+      // What is still running after 5 s is cut off.
+      server.prependListener('request', (_req: IncomingMessage, res: ServerResponse) => {
+        res.shouldKeepAlive = false
+      })
       server.closeIdleConnections()
+      setInterval(() => server.closeIdleConnections(), 100).unref()
       setTimeout(() => server.closeAllConnections(), 5_000).unref()
     })
   }
