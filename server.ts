@@ -62,9 +62,21 @@ import {
   verify,
 } from 'node:crypto'
 import type { JsonWebKey, KeyObject } from 'node:crypto'
-import { existsSync, readlinkSync, realpathSync } from 'node:fs'
+import { constants as fsConstants, existsSync, readlinkSync, realpathSync } from 'node:fs'
 import type { Stats } from 'node:fs'
-import { mkdir, open, readFile, readdir, readlink, realpath, rename, rm, stat, truncate } from 'node:fs/promises'
+import {
+  access,
+  mkdir,
+  open,
+  readFile,
+  readdir,
+  readlink,
+  realpath,
+  rename,
+  rm,
+  stat,
+  truncate,
+} from 'node:fs/promises'
 import type { FileHandle } from 'node:fs/promises'
 import type { Writable } from 'node:stream'
 import { dirname, resolve } from 'node:path'
@@ -5522,6 +5534,14 @@ export class FileStore implements Store {
       const path = await realpath(dataFile) // compaction replaces the file a symlink points to, not the link
       const unsafe = unsafeDataFile(path, await file.stat(), await stat(dirname(path)), process.geteuid?.())
       if (unsafe !== undefined) throw new ConfigError(`DATA_FILE ${path} ${unsafe}`)
+      // compaction writes the new journal beside the old one: a folder it cannot write would let
+      // the journal grow without end
+      await access(dirname(path), fsConstants.W_OK).catch(() => {
+        throw new ConfigError(
+          `DATA_FILE ${path} is in a folder this user cannot write (${dirname(path)}), where the journal is ` +
+            'rewritten as it grows: give the user the folder, or choose a path in one it owns',
+        )
+      })
       hold = await holdJournal(path, log)
       await rm(`${path}.compacting`, { force: true }) // left by a process stopped mid-compaction
       const bytes = await readFile(path)

@@ -236,6 +236,22 @@ describe('A start-up failure is one line naming the setting and the fix, and exi
     assertOneLineFailure(result, /DATA_FILE .*read-only\/latch\.jsonl cannot be read or written by this user: give/)
   })
 
+  it('DATA_FILE of its own in a folder the user cannot write, where compaction could never replace it', async (t) => {
+    const user = unprivilegedUser()
+    if (user.skip !== undefined) return void t.skip(user.skip)
+    if (process.getuid?.() !== 0) return void t.skip('only root can give the file to the unprivileged user')
+    const folder = join(directory, 'roots')
+    await mkdir(folder, { mode: 0o755 })
+    const file = join(folder, 'latch.jsonl')
+    await writeFile(file, '', { mode: 0o600 })
+    await chown(file, NOBODY, NOBODY)
+    const result = await runLatch([], { DATA_FILE: file, PORT: '0' }, { as: user.as })
+    assertOneLineFailure(
+      result,
+      /DATA_FILE .*roots\/latch\.jsonl is in a folder this user cannot write \(.*roots\), where the journal is rewritten as it grows: give the user the folder/,
+    )
+  })
+
   it('DATA_FILE that other users may write, or that is in a folder they may write', async () => {
     const folder = join(directory, 'shared')
     await mkdir(folder)
