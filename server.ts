@@ -5552,7 +5552,10 @@ export class FileStore implements Store {
       let lines = 0
       for (let start = 0; start < end; lines++) {
         const stop = bytes.indexOf(0x0a, start)
-        const records = readJournalLine(bytes.toString('utf8', start, stop))
+        const records =
+          stop - start > MAX_JOURNAL_LINE_BYTES
+            ? `it is longer than ${MAX_JOURNAL_LINE_BYTES / 2 ** 20} MiB, which no record is`
+            : readJournalLine(bytes.toString('utf8', start, stop))
         if (typeof records === 'string') {
           throw new ConfigError(
             `${path} line ${lines + 1} is not a Latch journal record (${records}): ` +
@@ -5756,6 +5759,8 @@ export class FileStore implements Store {
 }
 
 const COMPACT_MIN_LINES = 10_000
+/** Far more than any line Latch writes, and far less than the longest string V8 can make of one. */
+const MAX_JOURNAL_LINE_BYTES = 256 * 2 ** 20
 const COMPACT_FACTOR = 4
 
 /** Reads one journal line into its records, or says what is wrong with it. */
@@ -6240,6 +6245,11 @@ export function loadConfig(
   // an address, or a name to look up; the default ISSUER is made of it, so a bad one must be named here
   if (isIP(host) === 0 && (!/^[A-Za-z0-9.-]+$/.test(host) || !URL.canParse(`http://${host}/`)))
     throw new ConfigError(`HOST ${written} is not an IP address or a host name: use one, as in HOST=127.0.0.1`)
+  if (host.includes('%'))
+    throw new ConfigError(
+      `HOST ${written} names an interface (${host.slice(host.indexOf('%'))}), which a URL cannot carry: ` +
+        'use an address without one, as in HOST=::1',
+    )
   const issuer = parseIssuer(raw.ISSUER ?? `http://${hostForUrl(host)}:${options.boundPort ?? port}`)
   const me = parseMe(raw.ME ?? `${issuer}/`)
   const passwordHash = raw.PASSWORD_HASH
@@ -6853,7 +6863,7 @@ async function main(argv: string[], env: Record<string, string | undefined>): Pr
       throw new ConfigError(
         `PORT ${config.port} is in use on ${config.host}: stop the other server, or pick another port, as in PORT=3001`,
       )
-    if (err.code === 'EADDRNOTAVAIL' || err.code === 'ENOTFOUND' || err.code === 'EAI_AGAIN')
+    if (err.code === 'EADDRNOTAVAIL' || err.code === 'ENOTFOUND' || err.code === 'EAI_AGAIN' || err.code === 'EINVAL')
       throw new ConfigError(
         `HOST ${config.host} is not an address of this machine: use 127.0.0.1, or an interface this machine has`,
       )
@@ -6904,6 +6914,7 @@ function dataFileProblem(err: NodeJS.ErrnoException, dataFile: string): ConfigEr
     ENOSPC: 'cannot be written: the disk is full. Free some space, or choose another disk',
     ENOENT: 'has a folder that cannot be created: create it, or choose another path',
     ELOOP: 'is a symbolic link that leads back to itself: point it at a file',
+    ENAMETOOLONG: 'is a path longer than the file system allows: choose a shorter one',
     ERR_FS_FILE_TOO_LARGE: 'is larger than 2 GiB, which Latch cannot read: move it away and start empty',
   }
   const reason = err.code === undefined ? undefined : because[err.code]

@@ -286,6 +286,22 @@ describe('A start-up failure is one line naming the setting and the fix, and exi
     )
   })
 
+  it('HOST with an interface, which a URL cannot carry, and a link-local one without', async () => {
+    const zoned = await runLatch([], { HOST: 'fe80::1%lo', PASSWORD_HASH, DATA_FILE: 'memory', PORT: '0' })
+    assertOneLineFailure(zoned, /HOST fe80::1%lo names an interface \(%lo\), which a URL cannot carry: use an address/)
+    const linkLocal = await runLatch([], { HOST: 'fe80::1', PASSWORD_HASH, DATA_FILE: 'memory', PORT: '0' })
+    assertOneLineFailure(linkLocal, /HOST fe80::1 is not an address of this machine: use 127\.0\.0\.1/)
+  })
+
+  it('DATA_FILE whose name is longer than the file system allows', async () => {
+    const file = join(directory, `${'a'.repeat(300)}.jsonl`)
+    const result = await runLatch([], { DATA_FILE: file, PORT: '0' })
+    assertOneLineFailure(
+      result,
+      /DATA_FILE .*a\.jsonl is a path longer than the file system allows: choose a shorter one/,
+    )
+  })
+
   it('HOST that does not resolve', async () => {
     const result = await runLatch([], {
       HOST: 'nonexistent.invalid',
