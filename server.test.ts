@@ -297,6 +297,18 @@ describe('Configuration', () => {
     ['a profile URL with a dot segment', { ME: 'https://example.com/a/../b' }, [], /ME/],
     ['a profile URL that URL() cannot parse', { ME: 'http://xn--a.com/' }, [], /ME/],
     ['a password hash Latch did not make', { PASSWORD_HASH: 'hunter2' }, [], /PASSWORD_HASH.*hash-password/],
+    [
+      'a password hash whose check would take 2 GiB, twice at once',
+      { PASSWORD_HASH: 'scrypt:ln=20,r=16,p=4:AAAAAAAAAAAAAAAAAAAAAA:BBBBBBBBBBBBBBBBBBBBBBBBBBBBBBBBBBBBBBBBBBB' },
+      [],
+      /PASSWORD_HASH .*at most 256 MiB of work/,
+    ],
+    [
+      'a password hash too cheap to slow a guesser (r=1)',
+      { PASSWORD_HASH: 'scrypt:ln=10,r=1,p=1:AAAAAAAAAAAAAAAAAAAAAA:BBBBBBBBBBBBBBBBBBBBBBBBBBBBBBBBBBBBBBBBBBB' },
+      [],
+      /PASSWORD_HASH .*ln=10 to 18 with r=8/,
+    ],
     ['a non-loopback host without a password', { HOST: '0.0.0.0' }, [], /PASSWORD_HASH.*hash-password/],
     ['a host that is not an address', { HOST: '999.1.1.1' }, [], /^HOST 999\.1\.1\.1 is not an IP address/],
     ['a host with a space', { HOST: 'bad host' }, [], /^HOST bad host is not an IP address or a host name/],

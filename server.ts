@@ -3704,13 +3704,21 @@ export async function verifyPassword(password: string, passwordHash: string): Pr
   return timingSafeEqual(hash, parsed.hash)
 }
 
+/**
+ * A hash's cost must be one this machine can pay for every wrong password a stranger sends, two
+ * at a time: at most 256 MiB of work (128 · 2^ln · r · p bytes; 2^17 with r=8, OWASP's advice,
+ * is 128 MiB), and no less than `hash-password` would make in a test (ln=10, r=8).
+ */
 function parsePasswordHash(value: string): PasswordHash | undefined {
   const match = /^scrypt:ln=(\d+),r=(\d+),p=(\d+):([A-Za-z0-9_-]{16,}):([A-Za-z0-9_-]{43})$/.exec(value)
   if (match === null) return undefined
   const [ln, r, p] = [Number(match[1]), Number(match[2]), Number(match[3])]
-  if (ln < 10 || ln > 20 || r < 1 || r > 16 || p < 1 || p > 4) return undefined
+  if (ln < 10 || ln > 20 || r < 8 || r > 16 || p < 1 || p > 4 || 128 * 2 ** ln * r * p > MAX_SCRYPT_BYTES)
+    return undefined
   return { ln, r, p, salt: Buffer.from(match[4], 'base64url'), hash: Buffer.from(match[5], 'base64url') }
 }
+
+const MAX_SCRYPT_BYTES = 256 * 2 ** 20
 
 function runScrypt(password: string, params: { ln: number; r: number; p: number; salt: Buffer }): Promise<Buffer> {
   const N = 2 ** params.ln
@@ -6255,7 +6263,8 @@ export function loadConfig(
   const passwordHash = raw.PASSWORD_HASH
   if (passwordHash !== undefined && parsePasswordHash(passwordHash) === undefined) {
     throw new ConfigError(
-      'PASSWORD_HASH is not a hash made by Latch: create one with `npx tsx server.ts hash-password`',
+      'PASSWORD_HASH is not a hash made by Latch, or its cost is outside what Latch accepts ' +
+        '(ln=10 to 18 with r=8, at most 256 MiB of work): create one with `npx tsx server.ts hash-password`',
     )
   }
   if (passwordHash === undefined && !LOOPBACK_HOSTS.has(host)) {
