@@ -3707,7 +3707,7 @@ export async function verifyPassword(password: string, passwordHash: string): Pr
 /**
  * A hash's cost must be one this machine can pay for every wrong password a stranger sends, two
  * at a time: at most 256 MiB of work (128 · 2^ln · r · p bytes; 2^17 with r=8, OWASP's advice,
- * is 128 MiB), and no less than `hash-password` would make in a test (ln=10, r=8).
+ * is 128 MiB). And at least ln=10 with r=8 (the tests' cost): less makes each guess nearly free.
  */
 function parsePasswordHash(value: string): PasswordHash | undefined {
   const match = /^scrypt:ln=(\d+),r=(\d+),p=(\d+):([A-Za-z0-9_-]{16,}):([A-Za-z0-9_-]{43})$/.exec(value)
@@ -5400,10 +5400,9 @@ function unsafeDataFile(path: string, file: Stats, folder: Stats, uid: number | 
  * may bind such a name, so a holder counts only if that process has the file open, which only
  * its owner can see: a name taken by a stranger is passed over with a warning, not obeyed. A
  * holder that does not answer within a second (reading a long journal) is looked for among the
- * processes that have the file open. A
- * process that opens a journal it holds already (a test, an app that embeds Latch) shares the
- * hold. Elsewhere than Linux, and between containers that do not share a network namespace,
- * nothing is held.
+ * processes that have the file open. A process that opens a journal it holds already (a test, an
+ * app that embeds Latch) shares the hold. Elsewhere than Linux, and between containers that do
+ * not share a network namespace, nothing is held.
  */
 async function holdJournal(path: string, log: (line: string) => void): Promise<string | undefined> {
   if (process.platform !== 'linux') return undefined
@@ -6048,8 +6047,8 @@ export class ExpiringMap<V extends { expiresAt: number }> {
 // A million live tokens, each with a grant of its own, must fit in 300 MB of heap. So the store
 // keeps grants and tokens in a smaller shape than the one the rest of Latch sees:
 // - Times are whole seconds since 1970: an expiry rounded up, so that nothing ends early, and so
-//   the `exp` a token is introspected with. V8 keeps an integer up to 2^31 (until 2038) inside the field; milliseconds since 1970
-//   would each take a box of 16 bytes of their own.
+//   the `exp` a token is introspected with. V8 keeps an integer up to 2^31 (until 2038) inside
+//   the field; milliseconds since 1970 would each take a box of 16 bytes of their own.
 // - The parts most grants share (client, name, `me`, scope, token lifetime) are one object, kept once.
 // - Scope lists too are kept once, however many tokens hold them.
 // A read returns a fresh record in the usual shape.
