@@ -282,6 +282,11 @@ describe('Configuration', () => {
     it(`reads the duration ${value} as ${seconds} seconds`, () => assert.equal(parseDuration('X', value), seconds))
   }
 
+  it('reads a refresh grace of 0 with spaces around it, as every duration is read', () => {
+    assert.equal(loadConfig({ REFRESH_TOKEN_GRACE: ' 0 ' }).refreshTokenGraceSeconds, 0)
+    assert.equal(loadConfig({ REFRESH_TOKEN_GRACE: ' 45 ' }).refreshTokenGraceSeconds, 45)
+  })
+
   const refusals: [string, Record<string, string>, string[], RegExp][] = [
     ['a zero duration', { ACCESS_TOKEN_TTL: '0' }, [], /ACCESS_TOKEN_TTL/],
     ['a negative duration', { ACCESS_TOKEN_TTL: '-5' }, [], /ACCESS_TOKEN_TTL/],

@@ -6303,7 +6303,7 @@ export function loadConfig(
     'REFRESH_TOKEN_TTL',
     raw.REFRESH_TOKEN_TTL ?? defaultOf('REFRESH_TOKEN_TTL'),
   )
-  const refreshTokenGraceSeconds = /^0+[smhd]?$/.test(raw.REFRESH_TOKEN_GRACE ?? '')
+  const refreshTokenGraceSeconds = /^0+[smhd]?$/.test((raw.REFRESH_TOKEN_GRACE ?? '').trim())
     ? 0
     : parseDuration('REFRESH_TOKEN_GRACE', raw.REFRESH_TOKEN_GRACE ?? defaultOf('REFRESH_TOKEN_GRACE'))
   if (refreshTokenGraceSeconds > MAX_REFRESH_GRACE_SECONDS) {
