@@ -864,8 +864,7 @@ async function handleAuthorizationRequest(req: IncomingMessage, res: ServerRespo
   if (clientProblem !== undefined)
     throw new OAuthError('invalid_request', `client_id is not a valid client identifier: ${clientProblem}`)
   const redirectUri = requireParam(query, 'redirect_uri')
-  const requester = CONNECTION_LIMITS.groupOf(clientAddress(req, ctx.trustedProxies))
-  const client = await findClient(canonicalizeUrl(clientId), requester, ctx)
+  const client = await findClient(canonicalizeUrl(clientId), req, ctx)
   if (client.refused !== undefined)
     throw new OAuthError('invalid_request', `The app's Client ID Metadata Document cannot be used: ${client.refused}`)
   const redirectProblem = redirectUriProblem(redirectUri, clientId, client)
@@ -917,18 +916,19 @@ function stateOf(query: Params): string | undefined {
  * per Cache-Control lifetime; requests for the same client while it is being fetched share the
  * fetch; a failure is remembered for 30 seconds; and at most 8 fetches run at once, with 8 more
  * waiting, so that a flood of made-up clients costs a bounded amount of memory. One address
- * (`requester`, as `CONNECTION_LIMITS` groups them; loopback is not counted) may have at most 2
+ * (the request's, as `CONNECTION_LIMITS` groups them; loopback is not counted) may have at most 2
  * of those under way, so that a stranger whose pages never answer cannot hold every slot and
  * keep other people's apps from being looked up. Why a fetch failed goes to the log only: it can
  * name addresses and ports of the server's network.
  */
-async function findClient(clientId: string, requester: string | undefined, ctx: Context): Promise<ClientLookup> {
+async function findClient(clientId: string, req: IncomingMessage, ctx: Context): Promise<ClientLookup> {
   const now = ctx.now()
   const cached = ctx.clients.get(clientId)
   if (cached !== undefined && cached.expiresAt > now) return { info: cached.info }
   if (isLoopbackClient(clientId) || (ctx.failedClients.get(clientId) ?? 0) > now) return {}
   let lookup = ctx.clientLookups.get(clientId)
   if (lookup === undefined) {
+    const requester = CONNECTION_LIMITS.groupOf(clientAddress(req, ctx.trustedProxies))
     const started = requester === undefined ? 0 : (ctx.lookupsBy.get(requester) ?? 0)
     if (started >= MAX_LOOKUPS_BY_ONE) {
       logEvent(
@@ -2964,7 +2964,7 @@ class Gathered {
   }
 
   get bytes(): Buffer {
-    return this.#bytes.subarray(0, this.size)
+    return this.#copied ? this.#bytes.subarray(0, this.size) : this.#bytes
   }
 }
 
