@@ -6583,6 +6583,11 @@ function promptHidden(prompt: string, typed: { ahead: string }): Promise<string>
   })
 }
 
+const HASH_PASSWORD_HELP = `Usage: npx tsx server.ts hash-password
+
+Asks for a password twice (${MIN_PASSWORD_LENGTH} characters or more), without showing it, and prints
+the line to set as PASSWORD_HASH. Piped in, the first line is the password.`
+
 async function runHashPassword(): Promise<void> {
   const password = await readPassword()
   if ([...password].length < MIN_PASSWORD_LENGTH) {
@@ -6826,7 +6831,11 @@ function printStartup(config: Config, listeningUrl: string, store: MemoryStore |
 
 /** Runs the command line: serve, `hash-password`, or `--help`. */
 async function main(argv: string[], env: Record<string, string | undefined>): Promise<void> {
-  if (argv[0] === 'hash-password') return runHashPassword()
+  if (argv[0] === 'hash-password') {
+    if (argv.length === 1) return runHashPassword()
+    if (argv[1] === '--help' || argv[1] === '-h') return void console.log(HASH_PASSWORD_HELP)
+    throw new ConfigError(`hash-password takes no arguments (${argv[1]}): it asks for the password, twice`)
+  }
   if (argv.includes('--help') || argv.includes('-h')) return void console.log(buildHelp())
   let config = loadConfig(env, argv)
   // the lines of the store (the journal's) and of the log writer itself, in the log's format

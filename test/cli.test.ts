@@ -406,6 +406,14 @@ describe('hash-password', () => {
     },
   )
 
+  it('prints its usage for --help, without asking for a password, and refuses another argument', async () => {
+    const help = await runLatch(['hash-password', '--help'], {}, { input: 'a password of some length\n' })
+    assert.equal(help.code, 0, help.stderr)
+    assert.match(help.stdout, /^Usage: npx tsx server\.ts hash-password\n/)
+    assert.doesNotMatch(help.stdout, /scrypt:/)
+    assertOneLineFailure(await runLatch(['hash-password', '--cost=20'], {}), /hash-password takes no arguments/)
+  })
+
   it('refuses 14 characters, citing NIST SP 800-63B-4, and hashes 15', async () => {
     const short = await runLatch(['hash-password'], {}, { input: '12345678901234\n' })
     assertOneLineFailure(short, /\b15 characters\b.*NIST SP 800-63B-4/)
