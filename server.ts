@@ -5359,35 +5359,49 @@ function isTornLine(tail: Buffer): boolean {
 
 /**
  * Why a journal is not safe to use, if it is not: whoever can write it can write a token into it,
- * and whoever can write its folder can put another file in its place. So it must belong to the
- * user Latch runs as and be writable by no one else, and its folder must belong to that user or
- * to root and be writable by no one else, unless it has the sticky bit (as /tmp has), which keeps
- * others from renaming or deleting what is not theirs. Without Unix users (`uid` undefined),
- * there is nothing to check.
+ * and whoever can write a folder on its path can put another file (or folder) in its place. So
+ * the file must belong to the user Latch runs as, and every folder above it, and above the link
+ * that names it if `DATA_FILE` is one, must belong to that user or to root. None may be writable
+ * by other users, but for the sticky bit on a folder (as /tmp has), which keeps others from
+ * renaming or deleting what is not theirs, and for the user's own group: a user's private group,
+ * which many systems give each user with a umask of 002. This is what sshd asks of `~/.ssh`.
+ * Without Unix users (no `geteuid`), there is nothing to check.
  */
-function unsafeDataFile(path: string, file: Stats, folder: Stats, uid: number | undefined): string | undefined {
+async function unsafeDataFile(dataFile: string, path: string, file: Stats): Promise<string | undefined> {
+  const uid = process.geteuid?.()
+  const gid = process.getegid?.()
   if (uid === undefined) return undefined
   const mode = (stats: Stats) => `mode ${(stats.mode & 0o7777).toString(8).padStart(4, '0')}`
-  const othersWrite = 0o022
+  const othersWrite = (stats: Stats) => (stats.mode & 0o002) !== 0 || ((stats.mode & 0o020) !== 0 && stats.gid !== gid)
   if (file.uid !== uid)
     return (
       `belongs to another user (uid ${file.uid}), who could write tokens into it: ` +
       `run Latch as that user, or give the file to this one (uid ${uid}) with chown`
     )
-  if ((file.mode & othersWrite) !== 0)
+  if (othersWrite(file))
     return `can be written by other users (${mode(file)}), who could write tokens into it: run chmod 600 ${path}`
-  const folderName = dirname(path)
-  if (folder.uid !== uid && folder.uid !== 0)
-    return (
-      `is in a folder of another user (${folderName}, uid ${folder.uid}), who could put another file in its place: ` +
-      'choose a folder of your own'
-    )
-  if ((folder.mode & othersWrite) !== 0 && (folder.mode & 0o1000) === 0)
-    return (
-      `is in a folder other users can write to (${folderName}, ${mode(folder)}), ` +
-      `who could put another file in its place: run chmod 700 ${folderName}, or choose another folder`
-    )
+  for (const folder of new Set([...foldersAbove(path), ...foldersAbove(resolve(dataFile))])) {
+    const stats = await stat(folder)
+    if (stats.uid !== uid && stats.uid !== 0)
+      return (
+        `has on its path a folder of another user (${folder}, uid ${stats.uid}), ` +
+        'who could put another file in its place: choose a folder of your own'
+      )
+    if (othersWrite(stats) && (stats.mode & 0o1000) === 0)
+      return (
+        `has on its path a folder other users can write to (${folder}, ${mode(stats)}), ` +
+        `who could put another file in its place: run chmod go-w ${folder}, or choose another folder`
+      )
+  }
   return undefined
+}
+
+/** The folders a path is in, from its own up to the root. */
+function foldersAbove(path: string): string[] {
+  const folders = [dirname(path)]
+  while (dirname(folders[folders.length - 1]) !== folders[folders.length - 1])
+    folders.push(dirname(folders[folders.length - 1]))
+  return folders
 }
 
 /**
@@ -5539,16 +5553,20 @@ export class FileStore implements Store {
     let hold: string | undefined
     try {
       const path = await realpath(dataFile) // compaction replaces the file a symlink points to, not the link
-      const unsafe = unsafeDataFile(path, await file.stat(), await stat(dirname(path)), process.geteuid?.())
-      if (unsafe !== undefined) throw new ConfigError(`DATA_FILE ${path} ${unsafe}`)
       // compaction writes the new journal beside the old one: a folder it cannot write would let
       // the journal grow without end
-      await access(dirname(path), fsConstants.W_OK).catch(() => {
-        throw new ConfigError(
-          `DATA_FILE ${path} is in a folder this user cannot write (${dirname(path)}), where the journal is ` +
-            'rewritten as it grows: give the user the folder, or choose a path in one it owns',
-        )
-      })
+      const refusal =
+        (await unsafeDataFile(dataFile, path, await file.stat())) ??
+        (await access(dirname(path), fsConstants.W_OK).then(
+          () => undefined,
+          () =>
+            `is in a folder this user cannot write (${dirname(path)}), where the journal is rewritten as it ` +
+            'grows: give the user the folder, or choose a path in one it owns',
+        ))
+      if (refusal !== undefined) {
+        if (found === undefined) await rm(path, { force: true }) // made just now: nothing is left of a refused start
+        throw new ConfigError(`DATA_FILE ${path} ${refusal}`)
+      }
       hold = await holdJournal(path, log)
       await rm(`${path}.compacting`, { force: true }) // left by a process stopped mid-compaction
       const bytes = await readFile(path)
@@ -6263,7 +6281,8 @@ export function loadConfig(
   if (passwordHash !== undefined && parsePasswordHash(passwordHash) === undefined) {
     throw new ConfigError(
       'PASSWORD_HASH is not a hash made by Latch, or its cost is outside what Latch accepts ' +
-        '(ln=10 to 18 with r=8, at most 256 MiB of work): create one with `npx tsx server.ts hash-password`',
+        '(ln of 10 or more, r of 8 to 16, p of 1 to 4, and at most 256 MiB of work, 128 · 2^ln · r · p bytes): ' +
+        'create one with `npx tsx server.ts hash-password`',
     )
   }
   if (passwordHash === undefined && !LOOPBACK_HOSTS.has(host)) {

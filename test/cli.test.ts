@@ -266,10 +266,44 @@ describe('A start-up failure is one line naming the setting and the fix, and exi
     await chmod(folder, 0o777)
     assertOneLineFailure(
       await runLatch([], { DATA_FILE: file, PORT: '0' }),
-      /DATA_FILE .*shared\/latch\.jsonl is in a folder other users can write to \(.*shared, mode 0777\), who could put another file in its place: run chmod 700 .*shared, or choose another folder$/,
+      /DATA_FILE .*shared\/latch\.jsonl has on its path a folder other users can write to \(.*shared, mode 0777\), who could put another file in its place: run chmod go-w .*shared, or choose another folder$/,
     )
     await chmod(folder, 0o1777) // as /tmp: others may not rename or delete what is not theirs
     assert.match((await runLatch([], { DATA_FILE: file, PORT: '0' })).stdout, /Latch is listening/)
+  })
+
+  it('DATA_FILE writable by its own group only, or below a folder, or through a link, that others may write', async () => {
+    const own = join(directory, 'own-group')
+    await mkdir(own)
+    await chmod(own, 0o775) // a umask of 002, as systems that give each user a group of their own set
+    const file = join(own, 'latch.jsonl')
+    await writeFile(file, '')
+    await chmod(file, 0o664)
+    assert.match((await runLatch([], { DATA_FILE: file, PORT: '0' })).stdout, /Latch is listening/)
+    if (process.getuid?.() === 0) {
+      await chown(file, 0, NOBODY) // the same mode, for a group of others
+      assertOneLineFailure(
+        await runLatch([], { DATA_FILE: file, PORT: '0' }),
+        /own-group\/latch\.jsonl can be written by other users \(mode 0664\)/,
+      )
+      await chown(file, 0, 0)
+    }
+    const open = join(directory, 'open')
+    await mkdir(join(open, 'private'), { recursive: true })
+    await chmod(open, 0o777)
+    await chmod(join(open, 'private'), 0o700)
+    const below = join(open, 'private', 'latch.jsonl')
+    assertOneLineFailure(
+      await runLatch([], { DATA_FILE: below, PORT: '0' }),
+      /private\/latch\.jsonl has on its path a folder other users can write to \(.*\/open, mode 0777\)/,
+    )
+    assert.equal(existsSync(below), false) // a refused start leaves no file behind
+    const link = join(open, 'link.jsonl')
+    await symlink(file, link) // another user could point it at an old copy of the journal
+    assertOneLineFailure(
+      await runLatch([], { DATA_FILE: link, PORT: '0' }),
+      /own-group\/latch\.jsonl has on its path a folder other users can write to \(.*\/open, mode 0777\)/,
+    )
   })
 
   it('DATA_FILE that belongs to another user', async (t) => {
