@@ -1839,7 +1839,9 @@ async function requireAccessToken(
     })
   }
   const { resource } = found.token
-  if (resource.length > 0 && (endpoint === undefined || !resource.includes(endpoint))) {
+  // compared as URLs: HTTP://HOST/./userinfo is the same resource as http://host/userinfo
+  const names = (one: string) => endpoint !== undefined && URL.canParse(one) && new URL(one).href === endpoint
+  if (resource.length > 0 && !resource.some(names)) {
     throw new OAuthError('invalid_token', 'The access token is for another service (its audience), not this one', {
       headers: { 'WWW-Authenticate': `${realm}, error="invalid_token"` },
     })

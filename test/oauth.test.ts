@@ -439,6 +439,11 @@ describe('Resource indicators (RFC 8707)', () => {
     const forUserinfo = await tokensOf(await refresh(latch.base, forApi.refresh_token, { resource: userinfo }))
     const profile = await fetch(`${latch.base}/userinfo`, bearer(forUserinfo.access_token))
     assert.equal(profile.status, 200)
+    // the same URL, written otherwise: the scheme and host in capitals, a dot segment
+    const spelled = userinfo.replace('http://127.0.0.1', 'HTTP://127.0.0.1').replace('/userinfo', '/./userinfo')
+    const other = await obtainCode(latch.base, { scope: 'profile', resource: spelled })
+    const forSpelled = await tokensOf(await exchange(latch.base, other))
+    assert.equal((await fetch(`${latch.base}/userinfo`, bearer(forSpelled.access_token))).status, 200)
     await assertError(await fetch(`${latch.base}/token`, bearer(forUserinfo.access_token)), 401, 'invalid_token')
     // an IndieAuth token, without an audience, is taken at both as before
     const indieAuth = await tokensOf(await exchange(latch.base, await obtainCode(latch.base, { scope: 'profile' })))
