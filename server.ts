@@ -66,6 +66,7 @@ import { constants as fsConstants, existsSync, readlinkSync, realpathSync } from
 import type { Stats } from 'node:fs'
 import {
   access,
+  lstat,
   mkdir,
   open,
   readFile,
@@ -79,7 +80,7 @@ import {
 } from 'node:fs/promises'
 import type { FileHandle } from 'node:fs/promises'
 import type { Writable } from 'node:stream'
-import { dirname, resolve } from 'node:path'
+import { basename, dirname, join, resolve } from 'node:path'
 import { fileURLToPath } from 'node:url'
 
 // --- Types ----------------------------------------------------------------------
@@ -5261,17 +5262,20 @@ class Journal {
    */
   async compact(live: () => Iterable<JournalRecord>): Promise<void> {
     this.#sinceSnapshot = []
-    const temporary = `${this.path}.compacting`
-    // made anew, never opened: in a folder such as /tmp, a file of that name may be another user's
-    const out = await open(temporary, 'wx', 0o600)
+    // a name of its own each time, made anew: in a folder such as /tmp, another user may have
+    // made a file of any name that can be guessed, to be written into or to stand in the way
+    const temporary = `${this.path}.compacting-${randomBytes(6).toString('hex')}`
+    let out: FileHandle | undefined
     let next: FileHandle | undefined
     try {
+      const snapshot = await open(temporary, 'wx', 0o600)
+      out = snapshot
       let slice: string[] = []
       let lines = 0
       let size = 0
       const write = async (text: string) => {
         const bytes = Buffer.from(text)
-        await writeAll(out, bytes)
+        await writeAll(snapshot, bytes)
         size += bytes.length
       }
       for (const record of live()) {
@@ -5287,7 +5291,7 @@ class Journal {
         if (this.#closed) throw new Error('the journal was closed while compacting')
         const meanwhile = this.#sinceSnapshot ?? []
         await write(slice.join('') + meanwhile.join(''))
-        await out.datasync()
+        await snapshot.datasync()
         next = await open(temporary, 'a', 0o600) // the journal's handle from now on: the same file, once renamed
         await rename(temporary, this.path)
         const previous = this.#file
@@ -5300,10 +5304,10 @@ class Journal {
       })
     } catch (err) {
       if (next !== undefined && this.#file !== next) await next.close().catch(() => {})
-      await rm(temporary, { force: true }).catch(() => {})
+      if (out !== undefined) await rm(temporary, { force: true }).catch(() => {})
       throw err
     } finally {
-      await out.close().catch(() => {})
+      await out?.close().catch(() => {})
       this.#sinceSnapshot = undefined
     }
   }
@@ -5396,6 +5400,20 @@ async function unsafeDataFile(dataFile: string, path: string, file: Stats): Prom
       )
   }
   return undefined
+}
+
+/**
+ * Removes the snapshots that a process stopped mid-compaction left beside the journal: this
+ * user's only, since in a folder such as /tmp another user's file may bear such a name too.
+ */
+async function removeLeftSnapshots(path: string): Promise<void> {
+  const uid = process.geteuid?.()
+  for (const name of await readdir(dirname(path))) {
+    if (!name.startsWith(`${basename(path)}.compacting`)) continue
+    const left = join(dirname(path), name)
+    const stats = await lstat(left).catch(() => undefined)
+    if (stats?.isFile() && (uid === undefined || stats.uid === uid)) await rm(left, { force: true })
+  }
 }
 
 /** The folders a path is in, from its own up to the root. */
@@ -5570,7 +5588,7 @@ export class FileStore implements Store {
         throw new ConfigError(`DATA_FILE ${path} ${refusal}`)
       }
       hold = await holdJournal(path, log)
-      await rm(`${path}.compacting`, { force: true }) // left by a process stopped mid-compaction
+      await removeLeftSnapshots(path)
       const bytes = await readFile(path)
       // Lines are cut at newline bytes and decoded one by one: a file may hold more than a
       // string can, and a stray byte that is not UTF-8 must not move the cut below.
