@@ -5433,10 +5433,10 @@ function foldersAbove(path: string): string[] {
  * The holder answers a connection with its process id, for the other's message. Any local user
  * may bind such a name, so a holder counts only if that process has the file open, which only
  * its owner can see: a name taken by a stranger is passed over with a warning, not obeyed. A
- * holder that does not answer within a second (reading a long journal) is looked for among the
- * processes that have the file open. A process that opens a journal it holds already (a test, an
- * app that embeds Latch) shares the hold. Elsewhere than Linux, and between containers that do
- * not share a network namespace, nothing is held.
+ * holder that does not answer within a second (reading a long journal) is found as the process
+ * that bound the name, and counts if it has the file open. A process that opens a journal it
+ * holds already (a test, an app that embeds Latch) shares the hold. Elsewhere than Linux, and
+ * between containers that do not share a network namespace, nothing is held.
  */
 async function holdJournal(path: string, log: (line: string) => void): Promise<string | undefined> {
   if (process.platform !== 'linux') return undefined
@@ -5455,9 +5455,9 @@ async function holdJournal(path: string, log: (line: string) => void): Promise<s
     server.listen({ path: name }, () => resolve(undefined))
   })
   if (bound?.code === 'EADDRINUSE') {
-    // a holder too busy to answer (reading a long journal) is found among the processes instead
+    // a holder too busy to answer (reading a long journal) is found through its socket instead
     const answered = await askHolder(name)
-    const holder = answered !== undefined && (await hasOpen(answered, path)) ? answered : await findOpener(path)
+    const holder = answered !== undefined && (await hasOpen(answered, path)) ? answered : await findHolder(name, path)
     if (holder !== undefined)
       throw new ConfigError(
         `DATA_FILE ${path} is in use by process ${holder}: stop that server, or give this one another DATA_FILE`,
@@ -5481,11 +5481,33 @@ function releaseJournal(name: string | undefined): void {
   held.server.close()
 }
 
-/** Another process that has the file open, among those this user may look into. */
-async function findOpener(path: string): Promise<string | undefined> {
+/**
+ * The process that bound a hold's name, if it has the journal open: a holder too busy to answer.
+ * The kernel lists the name's socket in /proc/net/unix with its inode, and the process holding
+ * it has a descriptor that reads `socket:[inode]`. Only this user's processes (every one, for
+ * root) can be looked into, which is all a real holder can be: the journal is this user's.
+ */
+async function findHolder(name: string, path: string): Promise<string | undefined> {
+  // an abstract name is listed with @ for each 0 byte: its first, and those node pads it with
+  const listed = ` @${name.slice(1)}`
+  const table = await readFile('/proc/net/unix', 'latin1').catch(() => '')
+  const sockets = new Set(
+    table
+      .split('\n')
+      .filter((line) => line.replace(/@+$/, '').endsWith(listed))
+      .map((line) => `socket:[${line.trim().split(/\s+/)[6]}]`),
+  )
+  if (sockets.size === 0) return undefined
   const pids = (await readdir('/proc').catch(() => [])).filter((pid) => /^\d+$/.test(pid) && pid !== `${process.pid}`)
-  for (const pid of pids) if (await hasOpen(pid, path)) return pid
-  return undefined
+  const holding = await Promise.all(
+    pids.map(async (pid) => {
+      for (const fd of await readdir(`/proc/${pid}/fd`).catch(() => []))
+        if (sockets.has(await readlink(`/proc/${pid}/fd/${fd}`).catch(() => ''))) return pid
+      return undefined
+    }),
+  )
+  const holder = holding.find((pid) => pid !== undefined)
+  return holder !== undefined && (await hasOpen(holder, path)) ? holder : undefined
 }
 
 /** Whether a process has the file open: readable only for its owner's processes (and root's). */

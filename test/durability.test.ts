@@ -448,14 +448,23 @@ describe('DATA_FILE: one process, one file', () => {
       ],
       { stdio: ['ignore', 'pipe', 'inherit'] },
     )
+    // and the owner reads the journal meanwhile (tail -f, a backup): that process is no holder
+    await writeFile(file, '')
+    const reader = spawn(
+      process.execPath,
+      ['-e', `require('fs').openSync(${JSON.stringify(file)}, 'r'); console.log('open'); setInterval(() => {}, 1000)`],
+      { stdio: ['ignore', 'pipe', 'inherit'] },
+    )
     try {
       await new Promise((resolve) => squatter.stdout.once('data', resolve))
+      await new Promise((resolve) => reader.stdout.once('data', resolve))
       const logs: string[] = []
       const store = await FileStore.open(file, { log: (line) => logs.push(line) })
       assert.match(logs.join('\n'), /warning: a process that does not have .*squatted\.jsonl open holds its name/)
       await store.close()
     } finally {
       squatter.kill('SIGKILL')
+      reader.kill('SIGKILL')
     }
   })
 
