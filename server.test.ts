@@ -2929,7 +2929,8 @@ describe('The command line', () => {
     assert.equal(result.code, 0)
   })
 
-  it('finishes a request in flight on SIGTERM, then exits 0', async () => {
+  /** The command line with DATA_FILE=memory on a port of its own, and a request under way at it. */
+  async function serveWithRequestUnderWay(body: string) {
     const child = spawn(process.execPath, ['--import', 'tsx', 'server.ts'], {
       env: { ...process.env, PORT: '0', DATA_FILE: 'memory' },
     })
@@ -2942,55 +2943,41 @@ describe('The command line', () => {
         if (match !== null) resolve(match[1])
       })
     })
-    const body = 'token=not-a-real-token'
     const socket = connect(Number(port), '127.0.0.1')
-    let answer = ''
-    socket.on('data', (chunk) => (answer += chunk))
-    const closed = new Promise((resolve) => socket.on('close', resolve))
-    socket.write(
-      `POST /revoke HTTP/1.1\r\nHost: 127.0.0.1:${port}\r\nContent-Type: application/x-www-form-urlencoded\r\nContent-Length: ${body.length}\r\n\r\n${body.slice(0, 5)}`,
-    )
-    await new Promise((resolve) => setTimeout(resolve, 100)) // the request has reached the server
-    child.kill('SIGTERM')
-    await new Promise((resolve) => child.stdout.once('data', resolve)) // it says it is stopping
-    socket.end(body.slice(5))
-    await closed
-    assert.match(answer, /^HTTP\/1\.1 200 /)
-    assert.equal(await exited, 0)
-  })
-
-  it('on SIGTERM, answers what comes on a busy connection with Connection: close, and closes it', async () => {
-    const child = spawn(process.execPath, ['--import', 'tsx', 'server.ts'], {
-      env: { ...process.env, PORT: '0', DATA_FILE: 'memory' },
-    })
-    const exited = new Promise((resolve) => child.on('close', resolve))
-    let stdout = ''
-    const port = await new Promise<string>((resolve) => {
-      child.stdout.on('data', (chunk) => {
-        stdout += chunk
-        const match = /listening on http:\/\/127\.0\.0\.1:(\d+)[\s\S]*metadata/.exec(stdout)
-        if (match !== null) resolve(match[1])
-      })
-    })
-    const body = 'token=not-a-real-token'
-    const socket = connect(Number(port), '127.0.0.1')
-    let answer = ''
-    socket.setEncoding('utf8').on('data', (chunk) => (answer += chunk))
+    const received = { text: '' }
+    socket.setEncoding('utf8').on('data', (chunk) => (received.text += chunk))
     const closed = new Promise((resolve) => socket.on('close', resolve))
     socket.write(
       `POST /revoke HTTP/1.1\r\nHost: 127.0.0.1:${port}\r\nContent-Type: application/x-www-form-urlencoded\r\n` +
         `Content-Length: ${body.length}\r\nExpect: 100-continue\r\n\r\n`,
     )
-    await until(() => answer.includes('100 Continue')) // the request is under way at the server
+    await until(() => received.text.includes('100 Continue')) // the request is under way at the server
     child.kill('SIGTERM')
     await new Promise((resolve) => child.stdout.once('data', resolve)) // it says it is stopping
+    return { port, socket, received, closed, exited }
+  }
+
+  it('finishes a request in flight on SIGTERM, then exits 0', async () => {
+    const body = 'token=not-a-real-token'
+    const { socket, received, closed, exited } = await serveWithRequestUnderWay(body)
+    socket.end(body)
+    await closed
+    assert.match(received.text, /^HTTP\/1\.1 100 Continue\r\n\r\nHTTP\/1\.1 200 /)
+    assert.equal(await exited, 0)
+  })
+
+  it('on SIGTERM, answers what comes on a busy connection with Connection: close, and closes it', async () => {
+    const body = 'token=not-a-real-token'
+    const { port, socket, received, closed, exited } = await serveWithRequestUnderWay(body)
     // the rest of the body, and a second request behind it on the same connection
     socket.write(`${body}GET /.well-known/oauth-authorization-server HTTP/1.1\r\nHost: 127.0.0.1:${port}\r\n\r\n`)
     await closed // by the server, not by this test
-    const [first, second] = answer.split(/(?=HTTP\/1\.1 200 )/)
-    assert.match(first, /^HTTP\/1\.1 100 Continue/)
-    assert.match(second ?? '', /^HTTP\/1\.1 200 /)
-    assert.match(answer.slice(answer.lastIndexOf('HTTP/1.1 200 ')), /\r\nConnection: close\r\n/i)
+    const answers = received.text.split(/(?=HTTP\/1\.1 )/)
+    assert.deepEqual(
+      answers.map((answer) => answer.slice(0, 12)),
+      ['HTTP/1.1 100', 'HTTP/1.1 200', 'HTTP/1.1 200'],
+    )
+    assert.match(answers[2], /\r\nConnection: close\r\n/i)
     assert.equal(await exited, 0)
   })
 
