@@ -6941,9 +6941,14 @@ async function main(argv: string[], env: Record<string, string | undefined>): Pr
       throw new ConfigError(
         `PORT ${config.port} is in use on ${config.host}: stop the other server, or pick another port, as in PORT=3001`,
       )
-    if (err.code === 'EADDRNOTAVAIL' || err.code === 'ENOTFOUND' || err.code === 'EAI_AGAIN' || err.code === 'EINVAL')
+    if (err.code === 'EADDRNOTAVAIL' || err.code === 'ENOTFOUND' || err.code === 'EAI_AGAIN')
       throw new ConfigError(
         `HOST ${config.host} is not an address of this machine: use 127.0.0.1, or an interface this machine has`,
+      )
+    if (err.code === 'EINVAL')
+      throw new ConfigError(
+        `HOST ${config.host} cannot be listened on without naming an interface (a link-local address), ` +
+          'which a URL cannot carry: use 127.0.0.1, or another address of this machine',
       )
     if (err.code === 'EACCES')
       throw new ConfigError(

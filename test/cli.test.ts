@@ -324,7 +324,10 @@ describe('A start-up failure is one line naming the setting and the fix, and exi
     const zoned = await runLatch([], { HOST: 'fe80::1%lo', PASSWORD_HASH, DATA_FILE: 'memory', PORT: '0' })
     assertOneLineFailure(zoned, /HOST fe80::1%lo names an interface \(%lo\), which a URL cannot carry: use an address/)
     const linkLocal = await runLatch([], { HOST: 'fe80::1', PASSWORD_HASH, DATA_FILE: 'memory', PORT: '0' })
-    assertOneLineFailure(linkLocal, /HOST fe80::1 is not an address of this machine: use 127\.0\.0\.1/)
+    assertOneLineFailure(
+      linkLocal,
+      /HOST fe80::1 cannot be listened on without naming an interface .*: use 127\.0\.0\.1/,
+    )
   })
 
   it('DATA_FILE whose name is longer than the file system allows', async () => {
