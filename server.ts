@@ -6992,7 +6992,9 @@ function dataFileProblem(err: NodeJS.ErrnoException, dataFile: string): ConfigEr
     ENOTDIR: 'is inside a file, not a folder: choose a path whose folders are folders',
     EEXIST: 'is inside a file, not a folder: choose a path whose folders are folders',
     EACCES: 'cannot be read or written by this user: give the user its folder, or choose a path it owns',
-    EPERM: 'cannot be read or written by this user: give the user its folder, or choose a path it owns',
+    EPERM:
+      'cannot be written, even by its owner: it may be marked immutable (lsattr shows an i; chattr -i clears it), ' +
+      'or be on a file system that forbids it',
     EROFS: 'is on a read-only file system: choose a writable path, such as a state directory',
     ENOSPC: 'cannot be written: the disk is full. Free some space, or choose another disk',
     ENOENT: 'has a folder that cannot be created: create it, or choose another path',

@@ -339,6 +339,21 @@ describe('A start-up failure is one line naming the setting and the fix, and exi
     )
   })
 
+  it('DATA_FILE marked immutable, which not even its owner may write', async (t) => {
+    const file = join(directory, 'immutable.jsonl')
+    await writeFile(file, '')
+    const marked = spawnSync('chattr', ['+i', file], { encoding: 'utf8' })
+    if (marked.status !== 0) return void t.skip(`chattr +i is not possible here: ${marked.stderr || marked.error}`)
+    try {
+      assertOneLineFailure(
+        await runLatch([], { DATA_FILE: file, PORT: '0' }),
+        /immutable\.jsonl cannot be written, even by its owner: it may be marked immutable \(lsattr shows an i; chattr -i/,
+      )
+    } finally {
+      spawnSync('chattr', ['-i', file])
+    }
+  })
+
   it('HOST that does not resolve', async () => {
     const result = await runLatch([], {
       HOST: 'nonexistent.invalid',
