@@ -43,6 +43,7 @@ import {
   isClientId,
   isCodeVerifier,
   loadConfig,
+  openStore,
   parseDuration,
   parseForm,
   parseScope,
@@ -414,6 +415,35 @@ describe('Form parser', () => {
 })
 
 describe('Request bodies', () => {
+  it('answers a body that a middleware read before Latch with a logged 500 naming the fix', async () => {
+    const logs: string[] = []
+    const handler = createHandler({ config: loadConfig({ DATA_FILE: 'memory' }), log: (line) => logs.push(line) })
+    // as express.urlencoded() does: the body is read to its end before Latch is called
+    const server = createServer((req, res) => req.resume().on('end', () => handler(req, res)))
+    await new Promise<void>((resolve) => server.listen(0, '127.0.0.1', resolve))
+    try {
+      const { port } = server.address() as AddressInfo
+      const response = await fetch(`http://127.0.0.1:${port}/revoke`, {
+        method: 'POST',
+        headers: { 'Content-Type': 'application/x-www-form-urlencoded' },
+        body: 'token=abc',
+      })
+      assert.equal(response.status, 500)
+      assert.deepEqual(await response.json(), { error: 'server_error' })
+      assert.ok(
+        logs.some((line) => /mount Latch before any body parser/.test(line)),
+        logs.join('\n'),
+      )
+    } finally {
+      server.close()
+    }
+  })
+
+  it('closes whichever store openStore gives, a MemoryStore too', async () => {
+    const store = await openStore(loadConfig({ DATA_FILE: 'memory' }))
+    await store.close()
+  })
+
   it('holds a body that comes in many small pieces as its bytes, not as the pieces', async () => {
     // each piece a byte of a buffer of its own, as the worst a socket could hand over
     setFlagsFromString('--expose-gc')

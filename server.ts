@@ -13,12 +13,13 @@
  *     npm install && npx tsx server.ts   # serves http://127.0.0.1:3000, no configuration needed
  *     npm install && npm test      # runs the tests
  *
- * Embedding (nothing listens and nothing reads `process.env` until you ask):
+ * Embedding (nothing listens and nothing reads `process.env` until you ask; the README says more):
  *
- *     import { createHandler, createLatchServer, loadConfig } from './server.ts'
- *     const env = { ISSUER: 'https://auth.example.com', ME: 'https://example.com/', PASSWORD_HASH: '…' }
- *     const config = loadConfig(env)
- *     createLatchServer().on('request', createHandler({ config })).listen(3000, '127.0.0.1')
+ *     import { createHandler, createLatchServer, loadConfig, openStore } from './server.ts'
+ *     const { PASSWORD_HASH } = process.env // from `npx tsx server.ts hash-password`
+ *     const config = loadConfig({ ISSUER: 'https://auth.example.com', ME: 'https://example.com/', PASSWORD_HASH })
+ *     const handler = createHandler({ config, store: await openStore(config) }) // the journal at DATA_FILE
+ *     createLatchServer().on('request', handler).listen(3000, '127.0.0.1')
  *
  * Reading guide. The file has two parts. Part 1, "The protocol", is IndieAuth: the nouns and the
  * `Store` contract, errors, parameters, PKCE and identifiers, then the endpoints in the order a
@@ -61,7 +62,7 @@ import {
   timingSafeEqual,
   verify,
 } from 'node:crypto'
-import type { JsonWebKey, KeyObject } from 'node:crypto'
+import type { KeyObject } from 'node:crypto'
 import { constants as fsConstants, existsSync, readlinkSync, realpathSync } from 'node:fs'
 import type { Stats } from 'node:fs'
 import {
@@ -2921,6 +2922,11 @@ export async function readForm(req: IncomingMessage): Promise<Params> {
 
 function readBody(req: IncomingMessage): Promise<Buffer> {
   if (Number(req.headers['content-length']) > MAX_BODY_BYTES) return Promise.reject(bodyTooLarge())
+  // the server's fault, not the client's: a logged 500 that tells the developer what to change
+  if (req.readableEnded)
+    return Promise.reject(
+      new Error('the request body was read before Latch: mount Latch before any body parser (express.urlencoded)'),
+    )
   return new Promise((resolve, reject) => {
     const body = new Gathered()
     let ended = false
@@ -3862,7 +3868,7 @@ export function readCoseKey(cose: unknown): { key: KeyObject; algorithm: number 
   }
   const kty = cose.get(1)
   const algorithm = cose.get(3)
-  let jwk: JsonWebKey
+  let jwk: { kty: string; crv?: string; x?: string; y?: string; n?: string; e?: string }
   if (kty === 2 && algorithm === COSE_ALGORITHMS.ES256 && cose.get(-1) === 1) {
     jwk = { kty: 'EC', crv: 'P-256', x: bytesAt(-2), y: bytesAt(-3) }
   } else if (kty === 1 && algorithm === COSE_ALGORITHMS.EdDSA && cose.get(-1) === 6) {
@@ -4986,6 +4992,9 @@ export class MemoryStore implements Store {
   async deletePasskey(id: string): Promise<void> {
     this.passkeys.delete(id)
   }
+
+  /** Nothing to let go of: here so that one shutdown closes whichever store `openStore` gave. */
+  async close(): Promise<void> {}
 
   /**
    * Deletes expired entries, up to `budget` of each kind: the one way they go. `createHandler`
