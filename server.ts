@@ -1750,7 +1750,7 @@ async function handleRevocationRequest(req: IncomingMessage, res: ServerResponse
   const form = await readForm(req)
   readPublicClient(req, form, ctx.config)
   noteClient(res, getParam(form, 'client_id'))
-  await revokeToken(requireParam(form, 'token'), ctx)
+  await revokeToken(requireParam(form, 'token'), getParam(form, 'client_id'), ctx)
   sendEmptyOk(res)
 }
 
@@ -1760,20 +1760,27 @@ async function handleRevocationRequest(req: IncomingMessage, res: ServerResponse
  */
 async function handleLegacyRevocation(form: Params, res: ServerResponse, ctx: Context): Promise<void> {
   if (getParam(form, 'action') !== 'revoke') throw new OAuthError('invalid_request', 'action must be revoke')
-  await revokeToken(requireParam(form, 'token'), ctx)
+  await revokeToken(requireParam(form, 'token'), getParam(form, 'client_id'), ctx)
   sendEmptyOk(res)
 }
 
 /**
  * Revokes an access token alone, or a refresh token with its whole grant: "If the particular
  * token is a refresh token [...] the authorization server SHOULD also invalidate all access
- * tokens based on the same authorization grant".
+ * tokens based on the same authorization grant". A client that names itself may revoke only
+ * its own tokens: "verifies whether the token was issued to the client making the revocation
+ * request". The token of another is, for it, a token this server does not know, so the answer
+ * is the same 200 and nothing is revoked. IndieAuth clients send no `client_id` here.
  * @see https://www.rfc-editor.org/rfc/rfc7009#section-2.1
  */
-async function revokeToken(value: string, ctx: Context): Promise<void> {
+async function revokeToken(value: string, clientId: string | undefined, ctx: Context): Promise<void> {
   const hash = hashSecret(value)
   const token = await ctx.store.findToken(hash, ctx.now())
   if (token === undefined) return // unknown or expired: anyone may send one, and it costs no write
+  if (clientId !== undefined) {
+    const grant = await ctx.store.findGrant(token.grantId, ctx.now())
+    if (grant !== undefined && !isSameClientId(clientId, grant.client_id)) return
+  }
   if (token.kind === 'refresh') await ctx.store.revokeGrant(token.grantId, ctx.now())
   await ctx.store.deleteToken(hash)
 }

@@ -335,6 +335,25 @@ describe('HTTP Basic with an empty password, for public clients (RFC 6749 §2.3.
     assert.equal(revoked.status, 200)
     assert.deepEqual(await introspect(latch.base, access_token), { active: false })
   })
+
+  it('revokes nothing for a client that names another, in the body, the header or at the old /token, and answers 200', async () => {
+    const code = await obtainCode(latch.base, { scope: 'create' })
+    const { access_token, refresh_token } = await tokensOf(await exchange(latch.base, code))
+    for (const [url, fields, headers] of [
+      [`${latch.base}/revoke`, { token: refresh_token, client_id: ELSEWHERE }, {}],
+      [`${latch.base}/revoke`, { token: access_token }, { Authorization: basic(ELSEWHERE) }],
+      [`${latch.base}/token`, { action: 'revoke', token: refresh_token, client_id: ELSEWHERE }, {}],
+    ] as const) {
+      const response = await post(url, fields, headers)
+      assert.equal(response.status, 200, url)
+      assert.equal(await response.text(), '')
+    }
+    assert.equal((await introspect(latch.base, access_token)).active, true)
+    // its own client_id, written without the trailing slash, revokes the grant
+    const revoked = await post(`${latch.base}/revoke`, { token: refresh_token, client_id: 'http://127.0.0.1:8080' })
+    assert.equal(revoked.status, 200)
+    assert.deepEqual(await introspect(latch.base, access_token), { active: false })
+  })
 })
 
 // --- 3. Resource indicators -------------------------------------------------------------
