@@ -1020,6 +1020,20 @@ describe('GET /auth (IndieAuth §5.2)', () => {
     assert.equal(await status(`[::1]:${new URL(latch.base).port}`), 200)
   })
 
+  it('refuses a request that names no host while no password is set, and one that names two with 400', async () => {
+    const port = Number(new URL(latch.base).port)
+    const statusOf = async (head: string) => {
+      const socket = connect(port, '127.0.0.1')
+      socket.end(`${head}\r\n\r\n`)
+      let text = ''
+      for await (const chunk of socket) text += String(chunk)
+      return Number(/^HTTP\/1\.1 (\d{3})/.exec(text)?.[1])
+    }
+    assert.equal(await statusOf('GET /apps HTTP/1.0'), 421)
+    assert.equal(await statusOf(`GET /apps HTTP/1.1\r\nHost: localhost:${port}\r\nHost: evil.example`), 400)
+    assert.equal(await statusOf(`GET /apps HTTP/1.0\r\nHost: localhost:${port}`), 200)
+  })
+
   it('answers a malformed query with a 400 page', async () => {
     const response = await fetch(`${latch.base}/auth?client_id=%zz`, { redirect: 'manual' })
     assert.equal(response.status, 400)

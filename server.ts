@@ -2722,7 +2722,7 @@ export function createHandler(options: HandlerOptions): (req: IncomingMessage, r
     res.on('finish', () => (answered = true))
     res.on('close', () => logRequest(req, res, { address, path: describePath(path, handler), started, answered }, ctx))
     const host = req.headers.host
-    const own = host === lastOwnHost || isOwnHost(host, ownHosts)
+    const own = ownHosts === undefined || (host !== undefined && (host === lastOwnHost || isOwnHost(host, ownHosts)))
     if (own) lastOwnHost = host
     const checked = !own
       ? Promise.reject(
@@ -2732,13 +2732,15 @@ export function createHandler(options: HandlerOptions): (req: IncomingMessage, r
             { status: 421 },
           ),
         )
-      : (req.url ?? '').length > MAX_REQUEST_TARGET
-        ? Promise.reject(
-            new OAuthError('invalid_request', `The request URL is longer than ${MAX_REQUEST_TARGET} characters`, {
-              status: 414,
-            }),
-          )
-        : handler(req, res, ctx)
+      : hasSeveralHosts(req)
+        ? Promise.reject(new OAuthError('invalid_request', 'The request has more than one Host header'))
+        : (req.url ?? '').length > MAX_REQUEST_TARGET
+          ? Promise.reject(
+              new OAuthError('invalid_request', `The request URL is longer than ${MAX_REQUEST_TARGET} characters`, {
+                status: 414,
+              }),
+            )
+          : handler(req, res, ctx)
     checked.catch((err: unknown) => renderError(err, req, res, errors === 'page', ctx))
   }
 }
@@ -2749,16 +2751,28 @@ const MAX_REQUEST_TARGET = 8_192
 /**
  * Without a password, anyone who can load a page from this server can approve a sign-in. A web
  * page on another name that resolves to 127.0.0.1 (DNS rebinding) could; so only requests for
- * the issuer's host or a loopback name are served.
+ * the issuer's host or a loopback name are served; not one that names no host (HTTP/1.0 allows it).
  */
-function isOwnHost(hostHeader: string | undefined, ownHosts: Set<string> | undefined): boolean {
-  if (ownHosts === undefined || hostHeader === undefined) return true
+function isOwnHost(hostHeader: string, ownHosts: Set<string>): boolean {
   return ownHosts.has(
     hostHeader
       .toLowerCase()
       .replace(/:\d*$/, '')
       .replace(/^\[(.*)\]$/, '$1'),
   )
+}
+
+/**
+ * Whether a request names its host more than once, which "a server MUST respond [to] with a 400
+ * (Bad Request)": node:http keeps the first, and a proxy in front might have read another.
+ * @see https://www.rfc-editor.org/rfc/rfc9112#section-3.2 RFC 9112 §3.2
+ */
+function hasSeveralHosts(req: IncomingMessage): boolean {
+  let hosts = 0
+  for (let i = 0; i < req.rawHeaders.length; i += 2) {
+    if (req.rawHeaders[i].length === 4 && req.rawHeaders[i].toLowerCase() === 'host') hosts++
+  }
+  return hosts > 1
 }
 
 /** The host names served without a password: loopback names and the issuer's; with a password, any. */
