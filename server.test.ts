@@ -1486,6 +1486,26 @@ describe('POST /token (IndieAuth §5.3.3)', () => {
     } as RequestInit)
     await assertError(response, 413, 'invalid_request')
   })
+
+  it('refuses a body in a coding it does not undo: 400 for a transfer coding, 415 for a content coding', async () => {
+    const port = Number(new URL(latch.base).port)
+    const answer = async (headers: string, body: string) => {
+      const socket = connect(port, '127.0.0.1')
+      socket.end(
+        `POST /token HTTP/1.1\r\nHost: 127.0.0.1:${port}\r\nConnection: close\r\n` +
+          `Content-Type: application/x-www-form-urlencoded\r\n${headers}\r\n\r\n${body}`,
+      )
+      let text = ''
+      for await (const chunk of socket) text += String(chunk)
+      return text
+    }
+    const form = 'grant_type=unknown'
+    const chunks = `${form.length.toString(16)}\r\n${form}\r\n0\r\n\r\n`
+    assert.match(await answer('Transfer-Encoding: chunked', chunks), /^HTTP\/1\.1 400[^]*"unsupported_grant_type"/)
+    assert.match(await answer('Transfer-Encoding: gzip, chunked', chunks), /^HTTP\/1\.1 400[^]*Transfer-Encoding/)
+    const compressed = await answer(`Content-Encoding: gzip\r\nContent-Length: ${form.length}`, form)
+    assert.match(compressed, /^HTTP\/1\.1 415[^]*\r\nAccept-Encoding: identity\r\n[^]*"invalid_request"/)
+  })
 })
 
 describe('POST /introspect (IndieAuth §6, RFC 7662)', () => {

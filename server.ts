@@ -2943,6 +2943,8 @@ export async function readForm(req: IncomingMessage): Promise<Params> {
 
 function readBody(req: IncomingMessage): Promise<Buffer> {
   if (Number(req.headers['content-length']) > MAX_BODY_BYTES) return Promise.reject(bodyTooLarge())
+  const coding = codingRefused(req)
+  if (coding !== undefined) return Promise.reject(coding)
   // the server's fault, not the client's: a logged 500 that tells the developer what to change
   if (req.readableEnded)
     return Promise.reject(
@@ -2965,6 +2967,29 @@ function readBody(req: IncomingMessage): Promise<Buffer> {
     req.on('error', () => ended || reject(bodyCutShort()))
     req.on('close', () => ended || reject(bodyCutShort()))
   })
+}
+
+/**
+ * A body in a coding Latch does not undo. node:http takes `chunked` off and leaves any other
+ * transfer coding (`gzip, chunked`) on, so the bytes would be read as a form when they are not,
+ * and perhaps not as a proxy in front read them. RFC 9112 §6.1 suggests 501 for a transfer
+ * coding a server does not know; a stranger's request gets a 4xx here, as every other does.
+ * @see https://www.rfc-editor.org/rfc/rfc9112#section-6.1 RFC 9112 §6.1
+ * @see https://www.rfc-editor.org/rfc/rfc9110#section-15.5.16 RFC 9110 §15.5.16
+ */
+function codingRefused(req: IncomingMessage): OAuthError | undefined {
+  const transfer = req.headers['transfer-encoding']
+  if (transfer !== undefined && transfer.toLowerCase() !== 'chunked') {
+    return new OAuthError('invalid_request', 'The body must be sent as it is, or chunked: no other Transfer-Encoding')
+  }
+  const content = req.headers['content-encoding']
+  if (content !== undefined && content.toLowerCase() !== 'identity') {
+    return new OAuthError('invalid_request', 'The body must not be compressed: no Content-Encoding', {
+      status: 415,
+      headers: { 'Accept-Encoding': 'identity' },
+    })
+  }
+  return undefined
 }
 
 /**
