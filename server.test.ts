@@ -1034,6 +1034,25 @@ describe('GET /auth (IndieAuth §5.2)', () => {
     assert.equal(await statusOf(`GET /apps HTTP/1.0\r\nHost: localhost:${port}`), 200)
   })
 
+  it('routes a target in absolute form by its path, and takes its authority for the host', async () => {
+    const port = Number(new URL(latch.base).port)
+    const answer = async (target: string, host: string) => {
+      const socket = connect(port, '127.0.0.1')
+      socket.end(`GET ${target} HTTP/1.1\r\nHost: ${host}\r\nConnection: close\r\n\r\n`)
+      let text = ''
+      for await (const chunk of socket) text += String(chunk)
+      return text
+    }
+    const metadata = await answer(`http://localhost:${port}/.well-known/oauth-authorization-server`, 'evil.example')
+    assert.match(metadata, /^HTTP\/1\.1 200[^]*"issuer"/)
+    const consent = new URL(authorizationUrl(latch))
+    const page = await answer(`HTTP://localhost:${port}${consent.pathname}${consent.search}`, 'evil.example')
+    assert.match(page, /^HTTP\/1\.1 200/)
+    const foreign = await answer(`http://evil.example${consent.pathname}${consent.search}`, `localhost:${port}`)
+    assert.match(foreign, /^HTTP\/1\.1 421/) // the DNS-rebinding defence reads the target's host
+    assert.match(await answer(`http://localhost:${port}`, 'x'), /^HTTP\/1\.1 200[^]*<a href/) // no path: the home page
+  })
+
   it('answers a malformed query with a 400 page', async () => {
     const response = await fetch(`${latch.base}/auth?client_id=%zz`, { redirect: 'manual' })
     assert.equal(response.status, 400)

@@ -2713,6 +2713,7 @@ export function createHandler(options: HandlerOptions): (req: IncomingMessage, r
   let lastOwnHost: string | undefined // the Host header that passed last time: nearly every request repeats it
   return (req, res) => {
     const started = process.hrtime.bigint() // not `performance`: its first use loads perf_hooks, on the first request
+    if (req.url !== undefined && req.url[0] !== '/') takeAbsoluteForm(req)
     const path = pathOf(req.url ?? '/')
     const { handler, errors, cors } = selectRoute(req.method ?? 'GET', path)
     if (cors) (res as MarkedResponse)[CORS] = true
@@ -2743,6 +2744,21 @@ export function createHandler(options: HandlerOptions): (req: IncomingMessage, r
           : handler(req, res, ctx)
     checked.catch((err: unknown) => renderError(err, req, res, errors === 'page', ctx))
   }
+}
+
+/**
+ * A request target in absolute form, `POST http://host/token`, which "a server MUST accept" though
+ * clients send it only to proxies: the path and query are routed as if sent alone, untouched,
+ * and the authority stands for the Host header ("MUST ignore the received Host header field").
+ * Any other target (`*`, or no scheme) is left as it came, and finds no route.
+ * @see https://www.rfc-editor.org/rfc/rfc9112#section-3.2.2 RFC 9112 §3.2.2
+ */
+function takeAbsoluteForm(req: IncomingMessage): void {
+  const target = /^https?:\/\/([^/?#@]+)([/?][^#]*)?$/i.exec(req.url ?? '')
+  if (target === null) return
+  const [, authority, rest = '/'] = target
+  req.url = rest[0] === '?' ? `/${rest}` : rest
+  req.headers.host = authority
 }
 
 /** The longest request target (path and query) Latch reads: what it keeps of a request is bounded by it. */
