@@ -1229,6 +1229,19 @@ describe('POST /auth/consent with a password', () => {
     assert.equal((await submitConsent(latch, consent, { password: 'correct horse' })).status, 303)
   })
 
+  it('shows the page again after a wrong password with the scopes and lifetime the owner chose', async () => {
+    const consent = await openConsent(latch)
+    assert.match(consent.html, /value="profile" checked>[^]*value="create" checked>/)
+    assert.match(consent.html, /<option value="0" selected>/)
+    const wrong = await submitConsent(latch, consent, { password: 'wrong horse', scope: 'create', lifetime: '86400' })
+    assert.equal(wrong.status, 401)
+    const html = await wrong.text()
+    assert.match(html, /name="scope" value="profile">[^]*name="scope" value="create" checked>/)
+    assert.match(html, /<option value="86400" selected>/)
+    assert.doesNotMatch(html, /<option value="0" selected>/)
+    latch.advance(86401) // a day of quiet: the next tests count wrong passwords from none
+  })
+
   it('lets the owner deny without the password', async () => {
     const response = await submitConsent(latch, await openConsent(latch), { decision: 'deny' })
     assert.equal(response.status, 303)
@@ -2505,7 +2518,7 @@ describe('Passkeys only (PASSWORD_SIGN_IN=off), and passkeys in the journal', ()
       assert.equal(refused.headers.get('set-cookie'), null)
       const consent = await openConsent(latch)
       assert.doesNotMatch(consent.html, /type="password"|value="approve">Approve</)
-      assert.match(consent.html, /name="decision" value="approve" hidden>Sign in with a passkey</)
+      assert.match(consent.html, /name="decision" value="approve" hidden>Approve with a passkey</)
       assert.equal((await submitConsent(latch, consent, { password: 'correct horse' })).status, 401)
     } finally {
       await latch.close()

@@ -1082,8 +1082,10 @@ function renderConsentPage(
     logo?: string
     clientUri?: string
     message?: string
-    /** Whether to offer "Sign in with a passkey" to an owner not signed in. */
+    /** Whether to offer "Approve with a passkey" to an owner not signed in. */
     passkeys: boolean
+    /** What the owner chose before a refused sign-in, shown again as they left it; else all, until revoked. */
+    chosen?: { scope: string[]; lifetime: number }
   },
 ): string {
   const { config } = form
@@ -1094,7 +1096,8 @@ function renderConsentPage(
       const description = Object.hasOwn(SCOPE_DESCRIPTIONS, scope)
         ? SCOPE_DESCRIPTIONS[scope]
         : 'Access that this server does not describe'
-      const box = `<input type="checkbox" name="scope" value="${escapeHtml(scope)}" checked>`
+      const checked = form.chosen === undefined || form.chosen.scope.includes(scope) ? ' checked' : ''
+      const box = `<input type="checkbox" name="scope" value="${escapeHtml(scope)}"${checked}>`
       return `<label>${box} <code>${escapeHtml(scope)}</code> · ${escapeHtml(description)}</label>`
     })
     .join('\n')
@@ -1126,7 +1129,7 @@ function renderConsentPage(
   const access =
     scopes === '' && services === ''
       ? '<p>It asks for no access beyond your identity.</p>'
-      : `${services}${fieldset}${renderLifetimeChoice(config)}`
+      : `${services}${fieldset}${renderLifetimeChoice(config, form.chosen?.lifetime ?? UNTIL_REVOKED)}`
   const apps = `<a href="${escapeHtml(endpointUrl(config, '/apps'))}">your apps</a>`
   const signedIn =
     config.passwordHash === undefined
@@ -1138,7 +1141,8 @@ function renderConsentPage(
     : config.passwordSignIn
       ? renderPasswordField(form.message)
       : renderPasskeysOnly(form.message, '')
-  const passkey = form.passkeys ? renderPasskeyButton(config, 'Sign in with a passkey', 'sign-in', true) : ''
+  // it signs in and approves at once, so it says so
+  const passkey = form.passkeys ? renderPasskeyButton(config, 'Approve with a passkey', 'sign-in', true) : ''
   const approve = byPassword ? '<button class="primary" name="decision" value="approve">Approve</button>\n' : ''
   const hint =
     request.meHint !== undefined && request.meHint !== config.me
@@ -1171,11 +1175,11 @@ ${approve}${passkey}<button name="decision" value="deny" formnovalidate>Deny</bu
  * How long the app's access lasts: a fixed time, because many clients never refresh and some
  * should not keep access, or until the owner revokes it, for apps that refresh.
  */
-function renderLifetimeChoice(config: Config): string {
+function renderLifetimeChoice(config: Config, selected: number): string {
   const options = lifetimeChoices(config)
     .map(
       ([label, seconds]) =>
-        `<option value="${seconds}"${seconds === UNTIL_REVOKED ? ' selected' : ''}>${escapeHtml(label)}</option>`,
+        `<option value="${seconds}"${seconds === selected ? ' selected' : ''}>${escapeHtml(label)}</option>`,
     )
     .join('')
   return `<p><label>Its access lasts <select name="lifetime">${options}</select></label></p>`
@@ -1231,6 +1235,7 @@ async function handleConsent(req: IncomingMessage, res: ServerResponse, ctx: Con
   const decision = getParam(form, 'decision')
   if (decision !== 'approve' && decision !== 'deny') throw new OAuthError('invalid_request', 'Choose Approve or Deny')
   const lifetime = requireLifetime(getParam(form, 'lifetime'), ctx.config)
+  const granted = request.scope.filter((scope) => (form.get('scope') ?? []).includes(scope))
   const headers: Record<string, string> = {}
   if (decision === 'approve' && !visitor.signedIn) {
     const refused = await checkSignIn(form, { visitor, request: hashSecret(id) }, req, res, ctx)
@@ -1249,6 +1254,7 @@ async function handleConsent(req: IncomingMessage, res: ServerResponse, ctx: Con
           clientUri: info?.url,
           message: refused.message,
           passkeys,
+          chosen: { scope: granted, lifetime },
         }),
         { ...passkeyPageHeaders(ctx.config, passkeys), ...refused.headers },
       )
@@ -1269,7 +1275,6 @@ async function handleConsent(req: IncomingMessage, res: ServerResponse, ctx: Con
     }
     return redirect(res, 303, buildRedirectUrl(request.redirect_uri, params))
   }
-  const granted = request.scope.filter((scope) => (form.get('scope') ?? []).includes(scope))
   const code = await issueCode(request, { scope: granted, resource: request.resource, lifetime }, ctx)
   redirect(res, 303, buildRedirectUrl(request.redirect_uri, { code, state: request.state, iss }), headers)
 }
@@ -2519,7 +2524,7 @@ ${csrfField}
 <p><label>Scopes <input name="scope" required value="create" autocapitalize="none" spellcheck="false"></label></p>
 <p><label>For the service at (optional)
 <input name="resource" type="url" placeholder="https://example.com/mcp"></label></p>
-${renderLifetimeChoice(config)}
+${renderLifetimeChoice(config, UNTIL_REVOKED)}
 <div class="actions"><button class="primary">Make a token</button></div>
 </form>
 </section>`

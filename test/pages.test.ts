@@ -418,7 +418,7 @@ describe("The owner's pages, at a phone's width and a desktop's, in light and da
         const visitor = await stranger.newPage()
         assert.equal((await visitor.goto(authUrl(latch)))?.status(), 200)
         assert.ok(await visitor.getByLabel('Password').isVisible())
-        assert.ok(await visitor.getByRole('button', { name: 'Sign in with a passkey' }).isVisible())
+        assert.ok(await visitor.getByRole('button', { name: 'Approve with a passkey' }).isVisible())
         await capture(visitor, 'consent-passkey')
       } finally {
         await stranger.close()

@@ -232,7 +232,12 @@ describe('The owner signs in with a passkey (WebAuthn) in a browser', () => {
     await page.getByRole('link', { name: 'Sign in with your website' }).click()
     await page.waitForURL((url) => url.origin === latch.issuer && url.pathname === '/auth')
     await assertVisibleText(page.locator('main'), client.clientId)
-    const response = await submit(page, passkeyButton(page), '/auth/consent', seen)
+    const response = await submit(
+      page,
+      page.getByRole('button', { name: 'Approve with a passkey' }),
+      '/auth/consent',
+      seen,
+    )
     assert.equal(response.status(), 303, await describePage(page, seen))
     await page.waitForURL((url) => url.origin === client.base && url.pathname === '/callback')
     assert.equal(await page.getByRole('heading').innerText(), 'Signed in', await describePage(page, seen))
