@@ -2164,6 +2164,11 @@ async function handlePasskeyAddition(req: IncomingMessage, res: ServerResponse, 
   if (late && relyingParty(ctx.config) !== undefined) return askToSignInAgain(req, res, visitor, ctx)
   const given = getParam(form, 'name') ?? ''
   const name = (given.length > MAX_TOKEN_NAME_LENGTH ? undefined : cleanName(given)) ?? 'Passkey'
+  if (getParam(form, 'client_data') === undefined) {
+    // the form sent without the script, whose button makes the passkey: nothing a stranger did
+    const notice = 'No passkey was added: press Add a passkey, in a browser that makes passkeys.'
+    return sendAppsPage(res, ctx, visitor, { notice, status: 400 })
+  }
   const now = ctx.now()
   try {
     const rp = relyingParty(ctx.config)
@@ -3332,6 +3337,13 @@ if (window.PublicKeyCredential) {
           status.hidden = false
         })
         .finally(() => (button.disabled = false))
+    })
+    // Enter in a form whose only button is this one (a passkey's name) sends the form as it is,
+    // without a passkey: let it press the button instead
+    button.form.addEventListener('submit', (event) => {
+      if (event.submitter !== null || button.form.elements.namedItem('client_data') !== null) return
+      event.preventDefault()
+      button.click()
     })
   }
 }

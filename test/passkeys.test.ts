@@ -347,6 +347,21 @@ describe('The owner signs in with a passkey (WebAuthn) in a browser', () => {
     assert.deepEqual(cspDirectives(again).get('default-src'), ["'none'"])
   })
 
+  it('adds a passkey when Enter is pressed in its name field, as the button does', { skip: SKIP }, async () => {
+    await page.goto(`${latch.issuer}/apps`)
+    const name = passkeysSection(page).locator('input[name=name]')
+    await name.fill('Laptop')
+    const [response] = await Promise.all([
+      page.waitForResponse((r) => r.request().method() === 'POST' && new URL(r.url()).pathname === '/passkeys/add', {
+        timeout: WAIT,
+      }),
+      name.press('Enter'),
+    ])
+    await page.waitForLoadState('load', { timeout: WAIT })
+    assert.equal(response.status(), 200, await describePage(page, seen))
+    assert.equal(await page.getByRole('status').innerText(), 'Added the passkey Laptop.')
+  })
+
   it('breaks no Content-Security-Policy on the way', { skip: SKIP }, async () => {
     // the apps page carries the passkey button, and allows passkey.js and the challenge endpoint only
     const apps = await page.goto(`${latch.issuer}/apps`)

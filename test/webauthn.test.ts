@@ -1116,6 +1116,19 @@ describe('Passkeys over HTTP', () => {
     assert.doesNotMatch(await (await browser.get('/apps')).text(), /Stranger/)
   })
 
+  it('answers a name sent without a passkey, as a form sent without its script is, with 400 and how to add one', async () => {
+    const browser = openBrowser(latch)
+    await signInWithPassword(browser)
+    const logged = latch.logs.length
+    const refused = await browser.post('/passkeys/add', { csrf: await formToken(browser), name: 'Tablet' })
+    assert.equal(refused.status, 400)
+    assert.match(await refused.text(), /No passkey was added: press Add a passkey, in a browser that makes passkeys\./)
+    assert.deepEqual(
+      latch.logs.slice(logged).filter((line) => line.includes('security:')),
+      [],
+    )
+  })
+
   it('signs in with the passkey after signing out: 303 to /apps with a session cookie', async () => {
     quietDay()
     const browser = openBrowser(latch)
