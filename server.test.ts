@@ -2368,6 +2368,8 @@ describe('Sign-in sessions and connected apps', () => {
     assert.equal(made.headers.get('cache-control'), 'no-store')
     const token = /<pre class="token">([A-Za-z0-9_-]{43})<\/pre>/.exec(page)?.[1] ?? ''
     assert.ok(token, page)
+    const unused = await appsPage(cookie)
+    assert.match(unused.slice(unused.indexOf('Deploy notes')), /^[^]*?<dt>Last used<\/dt><dd>Never<\/dd>/)
     const introspection = await introspect(latch, token)
     assert.equal(introspection.active, true)
     assert.equal(introspection.client_id, `${latch.issuer}/apps`)
@@ -2375,6 +2377,10 @@ describe('Sign-in sessions and connected apps', () => {
     assert.equal(introspection.exp, (introspection.iat as number) + 604800)
     const apps = await appsPage(cookie)
     assert.match(apps, /<h2><bdi>Deploy notes<\/bdi><\/h2>/)
+    assert.match(
+      apps.slice(apps.indexOf('Deploy notes')),
+      /^[^]*?<dt>Last used<\/dt><dd>\d{4}-\d\d-\d\d \d\d:\d\d UTC<\/dd>/,
+    )
     assert.doesNotMatch(apps, new RegExp(token)) // shown once only
     const grant = /name="grant" value="([^"]+)"/.exec(apps.slice(apps.indexOf('Deploy notes')))?.[1] ?? ''
     const revoked = await post(`${latch.base}/apps/revoke`, form({ csrf: await formTokenOf(cookie), grant }), {
@@ -2385,6 +2391,24 @@ describe('Sign-in sessions and connected apps', () => {
     assert.ok(
       latch.logs.some((line) => / security: the owner made a token for scripts named "Deploy notes"/.test(line)),
     )
+  })
+
+  it('says on /apps that a use before Latch started is not known, when the store kept none', async () => {
+    const store = new MemoryStore()
+    const made = { client_id: 'http://127.0.0.1:3000/apps', client_name: 'Old hook', me: 'http://127.0.0.1:3000/' }
+    const times = { approvedAt: START - 86_400_000, lastUsedAt: 0, endsAt: undefined, expiresAt: START + 86_400_000 }
+    await store.saveGrant(
+      'old',
+      { ...made, scope: ['create'], resource: [], accessTokenTtlSeconds: 86400, ...times },
+      0,
+    )
+    const open = await startLatch({}, { store })
+    try {
+      const page = await (await fetch(`${open.base}/apps`)).text()
+      assert.match(page.slice(page.indexOf('Old hook')), /^[^]*?<dt>Last used<\/dt><dd>Not since Latch last started</)
+    } finally {
+      await open.close()
+    }
   })
 
   it('says on /apps when access until revoked ends: an app after its refresh token goes unused, a script token in ten years', async () => {

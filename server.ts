@@ -342,6 +342,8 @@ type Context = {
    * passkey changes under way, which run one at a time.
    */
   passkeys: { key: Buffer; used: Map<string, number>; changes: Promise<unknown> }
+  /** When this handler was made: a store may keep a grant's last use in memory only, lost before then. */
+  startedAt: number
 }
 
 /** Password attempts from one address, or from all: how many, the last, and until when the next must wait. */
@@ -1940,7 +1942,10 @@ async function sendAppsPage(
   const { signInMessage } = options
   // a failed sign-in is said beside the form it came from, or at the top when the page has none
   const notice = signInMessage !== undefined && !signInAgain ? escapeHtml(signInMessage) : options.notice
-  const page = { csrf: formToken(visitor), config: ctx.config, notice, logoOf, passkeys, signInAgain, signInMessage }
+  const page = {
+    ...{ csrf: formToken(visitor), config: ctx.config, notice, logoOf, passkeys, signInAgain, signInMessage },
+    startedAt: ctx.startedAt,
+  }
   const headers = { ...passkeyPageHeaders(ctx.config, scripted), ...options.headers }
   sendPage(res, options.status ?? 200, renderAppsPage(grants, page), headers)
 }
@@ -2339,6 +2344,17 @@ type AppsPage = {
   signInAgain: boolean
   /** Why the last sign-in from that form failed. */
   signInMessage?: string
+  /** When Latch started: a last use before it may not be known (`Store.touchGrant`). */
+  startedAt: number
+}
+
+/**
+ * When a grant's tokens were last used. A token for scripts starts with none; and a use that the
+ * store kept in memory only is forgotten at a restart, so before one, a grant's last use is not known.
+ */
+function lastUse(grant: Grant, startedAt: number): string {
+  if (grant.lastUsedAt !== 0) return formatTime(grant.lastUsedAt)
+  return grant.approvedAt >= startedAt ? 'Never' : 'Not since Latch last started'
 }
 
 function renderAppsPage(grants: [string, Grant][], page: AppsPage): string {
@@ -2367,7 +2383,7 @@ ${
       : `<dt>App</dt><dd><code>${isolate(grant.client_id)}</code></dd>`
 }
 ${services}${scopes}<dt>Approved</dt><dd>${formatTime(grant.approvedAt)}</dd>
-<dt>Last used</dt><dd>${formatTime(grant.lastUsedAt)}</dd>
+<dt>Last used</dt><dd>${lastUse(grant, page.startedAt)}</dd>
 <dt>Access ends</dt><dd>${grant.endsAt === undefined ? untilRevoked(grant, config) : formatTime(grant.endsAt)}</dd>
 </dl>
 ${renderButton(config, '/apps/revoke', `${csrfField}${grantField(id)}`, 'danger', 'Revoke')}
@@ -2712,6 +2728,7 @@ export function createHandler(options: HandlerOptions): (req: IncomingMessage, r
     trustedProxies: trustedProxiesOf(options.config),
     refreshes: new Map(),
     passkeys: { key: randomBytes(32), used: new Map(), changes: Promise.resolve() },
+    startedAt: (options.now ?? Date.now)(),
   }
   // expired entries go even while no one writes, without costing a request anything
   const { store } = ctx
@@ -3207,6 +3224,8 @@ pre {
   padding: .75rem;
   white-space: pre-wrap;
 }
+/* a new token: one click or tap takes it whole, and it breaks anywhere, not at a hyphen of its own */
+.token { user-select: all; -webkit-user-select: all; word-break: break-all; }
 .muted { color: var(--muted); }
 .error { border-left: 4px solid #d93025; padding: .25rem .75rem; }
 .warning { border-left: 4px solid #f29900; padding: .25rem .75rem; }

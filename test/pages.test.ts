@@ -328,6 +328,8 @@ describe("The owner's pages, at a phone's width and a desktop's, in light and da
       await assertVisibleText(page.locator('main'), `The token ${name} is ready`)
       const token = await page.locator('pre.token').innerText()
       assert.match(token, /^[A-Za-z0-9_-]{43}$/)
+      await page.locator('pre.token').click()
+      assert.equal(await page.evaluate('String(getSelection())'), token) // one click takes it whole
       const check = await introspect(latch, token)
       assert.equal(check.active, true)
       assert.equal(check.client_id, `${latch.issuer}/apps`)
