@@ -2311,6 +2311,24 @@ describe('Sign-in sessions and connected apps', () => {
     assert.match(await appsPage(`latch_csrf=${csrf}; ${session}`), /type="password"/) // the old cookie no longer signs in
   })
 
+  it('tells a page of its own made before a sign-out that it is out of date, with 401 and no security line', async () => {
+    const csrf = createSecret()
+    const cookie = `latch_csrf=${csrf}; ${await signIn(csrf)}`
+    const token = await formTokenOf(cookie) // an apps page left open
+    assert.equal((await post(`${latch.base}/sign-out`, form({ csrf: token }), { Cookie: cookie })).status, 303)
+    const logged = latch.logs.length
+    const fields = form({ csrf: token, name: 'Hook', scope: 'create' })
+    const stale = await post(`${latch.base}/apps/tokens`, fields, { Cookie: cookie, 'Sec-Fetch-Site': 'same-origin' })
+    assert.equal(stale.status, 401)
+    assert.match(await stale.text(), /This page is out of date: you signed in or out since it was opened/)
+    assert.deepEqual(
+      latch.logs.slice(logged).filter((line) => line.includes('security:')),
+      [],
+    )
+    // a browser that does not say where the form came from is refused as before
+    assert.equal((await post(`${latch.base}/apps/tokens`, fields, { Cookie: cookie })).status, 403)
+  })
+
   it('refuses a consent from a page on another port that planted its own CSRF cookie, though the owner is signed in', async () => {
     const planted = createSecret() // what a page on another port of 127.0.0.1 can set: cookies ignore ports
     const session = await signIn(createSecret())

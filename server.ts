@@ -3512,7 +3512,9 @@ function formToken(visitor: Pick<Visitor, 'csrf' | 'session'>): string {
 /**
  * Checks the `csrf` field of a form posted from one of Latch's pages: with a live session it must
  * be the session's token, and otherwise the browser's CSRF cookie; and a browser that says where
- * the form came from (`Sec-Fetch-Site`) must say this origin. Returns the visitor it names.
+ * the form came from (`Sec-Fetch-Site`) must say this origin. Returns the visitor it names. A
+ * form that this origin sent with a value that no longer fits is a page left open while the
+ * owner signed in or out: a 401 that says so, not a forgery.
  */
 async function requireFormToken(form: Params, req: IncomingMessage, ctx: Context): Promise<Visitor> {
   // sent by browsers since 2023: a form of this server's own pages is same-origin
@@ -3530,6 +3532,12 @@ async function requireFormToken(form: Params, req: IncomingMessage, ctx: Context
     signedIn: ctx.config.passwordHash === undefined || session !== undefined,
   }
   if (sent === undefined || csrf === undefined || !safeEqual(sent, formToken(visitor))) {
+    // the browser says a page of this server sent it: one made before the owner signed in or out
+    if (site === 'same-origin' && sent !== undefined) {
+      const stale =
+        'This page is out of date: you signed in or out since it was opened. Go back, reload it and try again'
+      throw new OAuthError('access_denied', stale, { status: 401 })
+    }
     throw new OAuthError(
       'access_denied',
       'This form was not sent from a page of this server in this browser: go back, reload the page and try again',
