@@ -2284,6 +2284,28 @@ describe('Sign-in sessions and connected apps', () => {
     assert.match(await appsPage(`latch_csrf=${csrf}; ${session}`), /No app holds a token/)
   })
 
+  it('revokes with Revoke all only the apps it listed: not one approved since, when the answer is sent again', async () => {
+    const csrf = createSecret()
+    const cookie = `latch_csrf=${csrf}; ${await signIn(csrf)}`
+    const listed = await obtainToken(latch, { password })
+    const token = await formTokenOf(cookie)
+    const question = await (
+      await post(`${latch.base}/apps/revoke-all`, form({ csrf: token }), { Cookie: cookie })
+    ).text()
+    const asked = /name="asked" value="(\d+)"/.exec(question)?.[1] ?? ''
+    assert.ok(asked, question)
+    latch.advance(60)
+    const later = await obtainToken(latch, { password }) // approved while the question was open
+    const yes = form({ csrf: token, confirm: 'yes', asked })
+    const answered = await post(`${latch.base}/apps/revoke-all`, yes, { Cookie: cookie })
+    assert.match(await answered.text(), /class="notice" role="status">Revoked 1 app: their tokens stopped working/)
+    assert.deepEqual(await introspect(latch, listed), { active: false })
+    assert.equal((await introspect(latch, later)).active, true)
+    const again = await post(`${latch.base}/apps/revoke-all`, yes, { Cookie: cookie }) // a reload
+    assert.match(await again.text(), /Nothing was left to revoke/)
+    assert.equal((await introspect(latch, later)).active, true)
+  })
+
   it('refuses app revocation without the CSRF value (403) or without a session (401)', async () => {
     const csrf = createSecret()
     const session = await signIn(csrf)

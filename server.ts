@@ -2036,11 +2036,21 @@ async function handleAppRevocation(req: IncomingMessage, res: ServerResponse, ct
 async function handleAllAppsRevocation(req: IncomingMessage, res: ServerResponse, ctx: Context): Promise<void> {
   const form = await readForm(req)
   const visitor = await requireOwner(form, req, ctx)
-  const grants = await ctx.store.listGrants(ctx.now())
-  if (getParam(form, 'confirm') !== 'yes')
-    return sendPage(res, 200, renderRevokeAllPage(grants, { csrf: formToken(visitor), config: ctx.config }))
-  for (const [id] of grants) await ctx.store.revokeGrant(id, ctx.now())
-  const notice = `Revoked ${countApps(grants.length)}: their tokens stopped working.`
+  const now = ctx.now()
+  const grants = await ctx.store.listGrants(now)
+  if (getParam(form, 'confirm') !== 'yes') {
+    return sendPage(res, 200, renderRevokeAllPage(grants, { csrf: formToken(visitor), config: ctx.config, asked: now }))
+  }
+  // the apps the owner was shown, approved by the time they were asked: not one approved since,
+  // when the answer is sent again (a reload) or late
+  const sent = getParam(form, 'asked') ?? ''
+  const asked = /^\d{1,16}$/.test(sent) ? Number(sent) : now
+  const shown = grants.filter(([, grant]) => grant.approvedAt <= asked)
+  for (const [id] of shown) await ctx.store.revokeGrant(id, now)
+  const notice =
+    shown.length === 0
+      ? 'Nothing was left to revoke: the apps on that list had lost their access already.'
+      : `Revoked ${countApps(shown.length)}: their tokens stopped working.`
   await sendAppsPage(res, ctx, visitor, { notice })
 }
 
@@ -2480,13 +2490,13 @@ function renderPasskeyScript(config: Config): string {
 }
 
 /** The second question before "Revoke all": which apps would lose their access. */
-function renderRevokeAllPage(grants: [string, Grant][], page: { csrf: string; config: Config }): string {
+function renderRevokeAllPage(grants: [string, Grant][], page: { csrf: string; config: Config; asked: number }): string {
   const { config } = page
   const back = `<p><a href="${escapeHtml(endpointUrl(config, '/apps'))}">Back to your apps</a></p>`
   if (grants.length === 0)
     return renderPage('Revoke all apps', `<h1>Revoke all apps</h1>\n<p>No app holds a token right now.</p>\n${back}`)
   const csrfField = `<input type="hidden" name="csrf" value="${escapeHtml(page.csrf)}">`
-  const confirm = `${csrfField}<input type="hidden" name="confirm" value="yes">`
+  const confirm = `${csrfField}<input type="hidden" name="confirm" value="yes"><input type="hidden" name="asked" value="${page.asked}">`
   const names = grants.map(([, grant]) => `<li>${appName(grant)}</li>`).join('\n')
   return renderPage(
     'Revoke all apps?',
