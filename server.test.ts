@@ -2433,6 +2433,30 @@ describe('Sign-in sessions and connected apps', () => {
     )
   })
 
+  it('makes one token from one form, sent twice or sent again after its token was revoked', async () => {
+    const csrf = createSecret()
+    const cookie = `latch_csrf=${csrf}; ${await signIn(csrf)}`
+    const page = await appsPage(cookie)
+    const once = /name="once" value="([A-Za-z0-9_-]{43})"/.exec(page)?.[1] ?? ''
+    assert.ok(once, page)
+    const fields = { name: 'Reloaded hook', scope: 'create', once }
+    const made = await makeScriptToken(cookie, fields)
+    assert.equal(made.status, 200)
+    const token = /<pre class="token">([A-Za-z0-9_-]{43})<\/pre>/.exec(await made.text())?.[1] ?? ''
+    const again = await makeScriptToken(cookie, fields) // a reload of the page that showed the token
+    assert.equal(again.status, 409)
+    const text = await again.text()
+    assert.match(text, /This token was made already/)
+    assert.doesNotMatch(text, /class="token"/)
+    const apps = await appsPage(cookie)
+    assert.equal(apps.split('<h2><bdi>Reloaded hook</bdi></h2>').length, 2) // listed once
+    const grant = /name="grant" value="([^"]+)"/.exec(apps.slice(apps.indexOf('Reloaded hook')))?.[1] ?? ''
+    await post(`${latch.base}/apps/revoke`, form({ csrf: await formTokenOf(cookie), grant }), { Cookie: cookie })
+    assert.deepEqual(await introspect(latch, token), { active: false })
+    assert.equal((await makeScriptToken(cookie, fields)).status, 409) // not made again once revoked
+    assert.doesNotMatch(await appsPage(cookie), /Reloaded hook/)
+  })
+
   it('says on /apps that a use before Latch started is not known, when the store kept none', async () => {
     const store = new MemoryStore()
     const made = { client_id: 'http://127.0.0.1:3000/apps', client_name: 'Old hook', me: 'http://127.0.0.1:3000/' }

@@ -2073,7 +2073,14 @@ async function handleScriptToken(req: IncomingMessage, res: ServerResponse, ctx:
   const lifetime = requireLifetime(getParam(form, 'lifetime'), ctx.config)
   const now = ctx.now()
   const expiresAt = now + (lifetime === UNTIL_REVOKED ? MAX_DURATION_SECONDS : lifetime) * 1000
-  const grantId = hashSecret(createSecret())
+  // The form's own random value names the grant, so the same form sent twice (a reload, or Back
+  // and again) makes one token, not a second one that no one saw. A grant revoked since is
+  // remembered, and not saved again.
+  const once = getParam(form, 'once')
+  const grantId = hashSecret(
+    once !== undefined && /^[A-Za-z0-9_-]{43}$/.test(once) ? `a token for scripts ${once}` : createSecret(),
+  )
+  if ((await ctx.store.findGrant(grantId, now)) !== undefined) return sendTokenMadeBefore(res, name, ctx.config)
   const grant: Grant = {
     client_id: scriptClientId(ctx.config),
     client_name: name,
@@ -2091,9 +2098,19 @@ async function handleScriptToken(req: IncomingMessage, res: ServerResponse, ctx:
   // The grant first: a snapshot of the journal keeps a token only with its grant. A write that
   // fails between the two (a full disk, a kill) leaves a grant without a token on /apps, to revoke.
   await ctx.store.saveGrant(grantId, grant, now)
+  if ((await ctx.store.findGrant(grantId, now)) === undefined) return sendTokenMadeBefore(res, name, ctx.config)
   await ctx.store.saveToken(hashSecret(token), access, now)
   logEvent(ctx, 'security', `the owner made a token for scripts named ${JSON.stringify(name)}`, req)
   sendPage(res, 200, renderScriptTokenPage(name, token, ctx.config))
+}
+
+/** The answer to a token form sent again: its token was made, and shown, the first time. */
+function sendTokenMadeBefore(res: ServerResponse, name: string, config: Config): void {
+  const apps = `<a href="${escapeHtml(endpointUrl(config, '/apps'))}">your apps page</a>`
+  const body = `<h1>This token was made already</h1>
+<p>This form made the token <strong>${isolate(name)}</strong> when it was first sent, and a token is
+shown only once. If you did not copy it, revoke it on ${apps} and make another.</p>`
+  sendPage(res, 409, renderPage('This token was made already', body))
 }
 
 const MAX_TOKEN_NAME_LENGTH = 100
@@ -2550,7 +2567,7 @@ function renderScriptTokenForm(config: Config, csrfField: string): string {
 <h2>A token for a script</h2>
 <p class="muted">For a webhook, CI or a shell script that posts as you: no app, no sign-in.</p>
 <form method="post" action="${escapeHtml(endpointUrl(config, '/apps/tokens'))}">
-${csrfField}
+${csrfField}<input type="hidden" name="once" value="${createSecret()}">
 <p><label>Name <input name="name" required maxlength="${MAX_TOKEN_NAME_LENGTH}" placeholder="Deploy notes"></label></p>
 <p><label>Scopes <input name="scope" required value="create" autocapitalize="none" spellcheck="false"></label></p>
 <p><label>For the service at (optional)
