@@ -1210,6 +1210,7 @@ describe('POST /auth/consent with a password', () => {
   it('asks for the password on the consent page', async () => {
     const consent = await openConsent(latch)
     assert.match(consent.html, /<input type="password" name="password"/)
+    assert.match(consent.html, /Answer within 10 minutes: after that, start again from the app\./)
   })
 
   it('approves with the right password', async () => {
@@ -2392,8 +2393,15 @@ describe('Sign-in sessions and connected apps', () => {
     const response = await post(`${latch.base}/sign-out-everywhere`, form({ csrf: token }), {
       Cookie: `latch_csrf=${csrf}; ${first}`,
     })
-    assert.equal(response.status, 303)
-    assert.match(response.headers.get('set-cookie') ?? '', /^latch_session=; Path=\/; Max-Age=0/)
+    // the sign-in page at once, which says what happened, and can sign in again from this browser
+    assert.equal(response.status, 200)
+    const page = await response.text()
+    assert.match(page, /<h1>Sign in<\/h1>\n<p class="notice" role="status">You are signed out here and in every other/)
+    assert.match(page, new RegExp(`name="csrf" value="${csrf}"`))
+    assert.deepEqual(response.headers.getSetCookie(), [
+      'latch_session=; Path=/; Max-Age=0; HttpOnly; SameSite=Lax',
+      `latch_csrf=${csrf}; Path=/; HttpOnly; SameSite=Lax`,
+    ])
     assert.match(await appsPage(`latch_csrf=${csrf}; ${first}`), /type="password"/)
     assert.match(await appsPage(`latch_csrf=${other}; ${second}`), /type="password"/)
     assert.ok(latch.logs.some((line) => /^\S+Z 127\.0\.0\.1 security: .*every session ended/.test(line)))

@@ -1168,7 +1168,8 @@ ${password}
 <div class="actions">
 ${approve}${passkey}<button name="decision" value="deny" formnovalidate>Deny</button>
 </div>
-</form>`,
+</form>
+<p class="muted">Answer within ${formatPeriod(PENDING_TTL_SECONDS)}: after that, start again from the app.</p>`,
     form.passkeys ? renderPasskeyScript(config) : '',
   )
 }
@@ -1954,11 +1955,12 @@ async function sendAppsPage(
 async function sendSignInPage(
   res: ServerResponse,
   status: number,
-  page: { visitor: Visitor; message?: string; headers?: Record<string, string> },
+  page: { visitor: Visitor; message?: string; notice?: string; headers?: PageHeaders },
   ctx: Context,
 ): Promise<void> {
   const passkeys = await offersPasskeys(ctx)
-  const html = renderSignInPage({ csrf: formToken(page.visitor), config: ctx.config, message: page.message, passkeys })
+  const { message, notice } = page
+  const html = renderSignInPage({ csrf: formToken(page.visitor), config: ctx.config, message, notice, passkeys })
   sendPage(res, status, html, { ...passkeyPageHeaders(ctx.config, passkeys), ...page.headers })
 }
 
@@ -2006,9 +2008,16 @@ async function handleSignOutEverywhere(req: IncomingMessage, res: ServerResponse
   await requireOwner(await readForm(req), req, ctx)
   await ctx.store.deleteAllSessions()
   logEvent(ctx, 'security', 'the owner signed out everywhere, so every session ended', req)
-  redirect(res, 303, endpointUrl(ctx.config, '/apps'), {
-    'Set-Cookie': buildCookie(sessionCookieName(ctx.config), '', 0, ctx.config),
-  })
+  // the sign-in page at once, saying what happened: after a lost phone, the owner wants to know
+  const visitor = await readVisitor(req, ctx)
+  const headers = {
+    'Set-Cookie': [
+      buildCookie(sessionCookieName(ctx.config), '', 0, ctx.config),
+      buildCookie(csrfCookieName(ctx.config), visitor.csrf, undefined, ctx.config),
+    ],
+  }
+  const notice = 'You are signed out here and in every other browser: every session has ended.'
+  await sendSignInPage(res, 200, { visitor, headers, notice }, ctx)
 }
 
 /**
@@ -2332,12 +2341,19 @@ async function askToSignInAgain(
   await sendAppsPage(res, ctx, visitor, { notice: escapeHtml(SIGN_IN_AGAIN), status: 403 })
 }
 
-function renderSignInPage(page: { csrf: string; config: Config; message?: string; passkeys: boolean }): string {
+function renderSignInPage(page: {
+  csrf: string
+  config: Config
+  message?: string
+  notice?: string
+  passkeys: boolean
+}): string {
   const { config } = page
+  const notice = page.notice === undefined ? '' : `<p class="notice" role="status">${escapeHtml(page.notice)}</p>\n`
   return renderPage(
     'Sign in',
     `<h1>Sign in</h1>
-<p>Sign in as <code>${escapeHtml(config.me)}</code> to see the apps you have connected.</p>
+${notice}<p>Sign in as <code>${escapeHtml(config.me)}</code> to see the apps you have connected.</p>
 ${renderSignInForm(config, page.csrf, { message: page.message, passkeys: page.passkeys, autofocus: true })}`,
     page.passkeys ? renderPasskeyScript(config) : '',
   )
@@ -2413,7 +2429,7 @@ ${services}${scopes}<dt>Approved</dt><dd>${formatTime(grant.approvedAt)}</dd>
 <dt>Last used</dt><dd>${lastUse(grant, page.startedAt)}</dd>
 <dt>Access ends</dt><dd>${grant.endsAt === undefined ? untilRevoked(grant, config) : formatTime(grant.endsAt)}</dd>
 </dl>
-${renderButton(config, '/apps/revoke', `${csrfField}${grantField(id)}`, 'danger', 'Revoke')}
+${renderButton(config, '/apps/revoke', `${csrfField}${grantField(id)}`, 'danger', 'Revoke', plainName(grant))}
 </section>`
     })
     .join('\n')
@@ -2458,7 +2474,7 @@ function renderPasskeys(page: AppsPage, csrfField: string): string {
       return `<div class="passkey">
 <h3>${isolate(passkey.name)}</h3>
 <dl><dt>Added</dt><dd>${formatTime(passkey.addedAt)}</dd><dt>Last used</dt><dd>${lastUsed}</dd>${elsewhere}</dl>
-${renderButton(config, '/passkeys/remove', field, 'danger', 'Remove')}
+${renderButton(config, '/passkeys/remove', field, 'danger', 'Remove', passkey.name)}
 </div>`
     })
     .join('\n')
@@ -2513,7 +2529,8 @@ function renderRevokeAllPage(grants: [string, Grant][], page: { csrf: string; co
   if (grants.length === 0)
     return renderPage('Revoke all apps', `<h1>Revoke all apps</h1>\n<p>No app holds a token right now.</p>\n${back}`)
   const csrfField = `<input type="hidden" name="csrf" value="${escapeHtml(page.csrf)}">`
-  const confirm = `${csrfField}<input type="hidden" name="confirm" value="yes"><input type="hidden" name="asked" value="${page.asked}">`
+  const asked = `<input type="hidden" name="asked" value="${page.asked}">`
+  const confirm = `${csrfField}<input type="hidden" name="confirm" value="yes">${asked}`
   const names = grants.map(([, grant]) => `<li>${appName(grant)}</li>`).join('\n')
   return renderPage(
     'Revoke all apps?',
@@ -2528,9 +2545,14 @@ ${back}`,
   )
 }
 
+/** An app's name, or its client_id, as plain text. */
+function plainName(grant: Grant): string {
+  return grant.client_name ?? grant.client_id
+}
+
 /** An app as the owner's pages name it, escaped: its name, or its client_id. */
 function appName(grant: Grant): string {
-  return isolate(grant.client_name ?? grant.client_id)
+  return isolate(plainName(grant))
 }
 
 function countApps(count: number): string {
@@ -2582,9 +2604,13 @@ function grantField(id: string): string {
   return `<input type="hidden" name="grant" value="${escapeHtml(id)}">`
 }
 
-/** A form that is one button: it posts the hidden fields to the path. */
-function renderButton(config: Config, path: string, fields: string, kind: string, label: string): string {
-  const button = kind === '' ? `<button>${label}</button>` : `<button class="${kind}">${label}</button>`
+/**
+ * A form that is one button: it posts the hidden fields to the path. `about` names what a button
+ * of a list acts on, for a screen reader's list of buttons: "Revoke Jot Notes", not "Revoke" again.
+ */
+function renderButton(config: Config, path: string, fields: string, kind: string, label: string, about?: string) {
+  const named = about === undefined ? '' : ` aria-label="${escapeHtml(`${label} ${about}`)}"`
+  const button = `<button${kind === '' ? '' : ` class="${kind}"`}${named}>${label}</button>`
   return `<form method="post" action="${escapeHtml(endpointUrl(config, path))}">${fields}${button}</form>`
 }
 
@@ -3452,7 +3478,10 @@ ${body}
 `
 }
 
-function sendPage(res: ServerResponse, status: number, html: string, headers: Record<string, string> = {}): void {
+/** Headers of a page: `Set-Cookie` may be several. */
+type PageHeaders = Record<string, string | string[]>
+
+function sendPage(res: ServerResponse, status: number, html: string, headers: PageHeaders = {}): void {
   res.writeHead(status, { ...PAGE_HEADERS, 'Content-Length': String(Buffer.byteLength(html)), ...headers })
   res.end(html)
 }

@@ -48,7 +48,7 @@ async function startSignIn(page: Page, client: ClientApp): Promise<void> {
 
 // --- The walk ---------------------------------------------------------------------
 
-describe('A person signs in with a browser (issue 6)', () => {
+describe('A person signs in with a browser', () => {
   let latch: Awaited<ReturnType<typeof startLatch>>
   let client: ClientApp
   let browser: Browser
@@ -109,7 +109,7 @@ describe('A person signs in with a browser (issue 6)', () => {
   })
 
   it('revokes the app, and its token becomes inactive at once', { skip: SKIP }, async () => {
-    await page.getByRole('button', { name: 'Revoke', exact: true }).click()
+    await page.getByRole('button', { name: `Revoke ${client.clientId}`, exact: true }).click()
     await page.waitForURL((url) => url.pathname === '/apps/revoke')
     assert.match(await page.getByRole('status').innerText(), /^Revoked .+: its tokens stopped working\.$/)
     await page.getByText('No app holds a token right now.').waitFor()

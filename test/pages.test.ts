@@ -358,7 +358,7 @@ describe("The owner's pages, at a phone's width and a desktop's, in light and da
 
   it('apps-revoked: Revoke ends one token and says so', { skip: SKIP }, async () => {
     const deploy = appCard(page, 'Deploy notes')
-    assert.equal(await press(page, deploy.getByRole('button', { name: 'Revoke', exact: true })), 200)
+    assert.equal(await press(page, deploy.getByRole('button', { name: 'Revoke Deploy notes', exact: true })), 200)
     assert.equal(new URL(page.url()).pathname, '/apps/revoke')
     assert.equal(await page.getByRole('status').innerText(), 'Revoked Deploy notes: its tokens stopped working.')
     assert.equal(await page.locator('section.app').count(), 2)
