@@ -330,6 +330,7 @@ describe("The owner's pages, at a phone's width and a desktop's, in light and da
       assert.match(token, /^[A-Za-z0-9_-]{43}$/)
       await page.locator('pre.token').click()
       assert.equal(await page.evaluate('String(getSelection())'), token) // one click takes it whole
+      await page.evaluate('getSelection().removeAllRanges()')
       const check = await introspect(latch, token)
       assert.equal(check.active, true)
       assert.equal(check.client_id, `${latch.issuer}/apps`)
