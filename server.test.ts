@@ -2465,6 +2465,29 @@ describe('Sign-in sessions and connected apps', () => {
     assert.doesNotMatch(await appsPage(cookie), /Reloaded hook/)
   })
 
+  it('makes one token from one form sent three times at once, while the journal writes', async () => {
+    const dir = await mkdtemp(join(tmpdir(), 'latch-once-'))
+    const store = await FileStore.open(join(dir, 'data.jsonl'), { log: () => {} })
+    const open = await startLatch({}, { store }) // no password: the owner's pages are open on loopback
+    try {
+      const page = await fetch(`${open.base}/apps`)
+      const html = await page.text()
+      const cookie = (page.headers.get('set-cookie') ?? '').split(';')[0]
+      const field = (name: string) => new RegExp(`name="${name}" value="([^"]+)"`).exec(html)?.[1] ?? ''
+      const fields = form({ csrf: field('csrf'), once: field('once'), name: 'Double click', scope: 'create' })
+      const sent = () => post(`${open.base}/apps/tokens`, fields, { Cookie: cookie })
+      const statuses = (await Promise.all([sent(), sent(), sent()])).map((response) => response.status)
+      assert.deepEqual(
+        statuses.sort((a, b) => a - b),
+        [200, 409, 409],
+      )
+    } finally {
+      await open.close()
+      await store.close()
+      await rm(dir, { recursive: true, force: true })
+    }
+  })
+
   it('says on /apps that a use before Latch started is not known, when the store kept none', async () => {
     const store = new MemoryStore()
     const made = { client_id: 'http://127.0.0.1:3000/apps', client_name: 'Old hook', me: 'http://127.0.0.1:3000/' }

@@ -344,6 +344,8 @@ type Context = {
   passkeys: { key: Buffer; used: Map<string, number>; changes: Promise<unknown> }
   /** When this handler was made: a store may keep a grant's last use in memory only, lost before then. */
   startedAt: number
+  /** The grants of tokens for scripts being made: one form sent twice at once makes one token. */
+  scriptGrantsUnderWay: Set<string>
 }
 
 /** Password attempts from one address, or from all: how many, the last, and until when the next must wait. */
@@ -1433,8 +1435,8 @@ export function buildProfile(scope: string[], profile: Profile): Record<string, 
  */
 async function handleTokenRequest(req: IncomingMessage, res: ServerResponse, ctx: Context): Promise<void> {
   const form = await readForm(req)
-  if (getParam(form, 'action') !== undefined) return handleLegacyRevocation(form, res, ctx)
   readPublicClient(req, form, ctx.config)
+  if (getParam(form, 'action') !== undefined) return handleLegacyRevocation(form, res, ctx)
   noteClient(res, getParam(form, 'client_id'))
   const grantType = requireParam(form, 'grant_type')
   switch (grantType) {
@@ -2050,16 +2052,17 @@ async function handleAllAppsRevocation(req: IncomingMessage, res: ServerResponse
   if (getParam(form, 'confirm') !== 'yes') {
     return sendPage(res, 200, renderRevokeAllPage(grants, { csrf: formToken(visitor), config: ctx.config, asked: now }))
   }
-  // the apps the owner was shown, approved by the time they were asked: not one approved since,
-  // when the answer is sent again (a reload) or late
+  // Every app approved by the time the owner was asked, to the second the store keeps: those
+  // listed, and one approved before whose code was redeemed meanwhile, which the owner approved
+  // too. Not one approved later, when the answer is sent again (a reload) or late.
   const sent = getParam(form, 'asked') ?? ''
   const asked = /^\d{1,16}$/.test(sent) ? Number(sent) : now
-  const shown = grants.filter(([, grant]) => grant.approvedAt <= asked)
-  for (const [id] of shown) await ctx.store.revokeGrant(id, now)
+  const approved = grants.filter(([, grant]) => grant.approvedAt <= asked)
+  for (const [id] of approved) await ctx.store.revokeGrant(id, now)
   const notice =
-    shown.length === 0
+    approved.length === 0
       ? 'Nothing was left to revoke: the apps on that list had lost their access already.'
-      : `Revoked ${countApps(shown.length)}: their tokens stopped working.`
+      : `Revoked ${countApps(approved.length)}: their tokens stopped working.`
   await sendAppsPage(res, ctx, visitor, { notice })
 }
 
@@ -2081,7 +2084,6 @@ async function handleScriptToken(req: IncomingMessage, res: ServerResponse, ctx:
   const resource = requireResources(form)
   const lifetime = requireLifetime(getParam(form, 'lifetime'), ctx.config)
   const now = ctx.now()
-  const expiresAt = now + (lifetime === UNTIL_REVOKED ? MAX_DURATION_SECONDS : lifetime) * 1000
   // The form's own random value names the grant, so the same form sent twice (a reload, or Back
   // and again) makes one token, not a second one that no one saw. A grant revoked since is
   // remembered, and not saved again.
@@ -2089,7 +2091,29 @@ async function handleScriptToken(req: IncomingMessage, res: ServerResponse, ctx:
   const grantId = hashSecret(
     once !== undefined && /^[A-Za-z0-9_-]{43}$/.test(once) ? `a token for scripts ${once}` : createSecret(),
   )
-  if ((await ctx.store.findGrant(grantId, now)) !== undefined) return sendTokenMadeBefore(res, name, ctx.config)
+  // sent twice at once (a double click), both would find no grant: the first claims its id
+  if (ctx.scriptGrantsUnderWay.has(grantId)) return sendTokenMadeBefore(res, name, ctx.config)
+  ctx.scriptGrantsUnderWay.add(grantId)
+  try {
+    if ((await ctx.store.findGrant(grantId, now)) !== undefined) return sendTokenMadeBefore(res, name, ctx.config)
+    const token = await makeScriptToken(grantId, { name, scope, resource, lifetime }, ctx)
+    if (token === undefined) return sendTokenMadeBefore(res, name, ctx.config) // revoked since it was made
+    logEvent(ctx, 'security', `the owner made a token for scripts named ${JSON.stringify(name)}`, req)
+    sendPage(res, 200, renderScriptTokenPage(name, token, ctx.config))
+  } finally {
+    ctx.scriptGrantsUnderWay.delete(grantId)
+  }
+}
+
+/** Saves the grant of a token for scripts, then its token, and returns the token; none if the grant was revoked. */
+async function makeScriptToken(
+  grantId: string,
+  chosen: { name: string; scope: string[]; resource: string[]; lifetime: number },
+  ctx: Context,
+): Promise<string | undefined> {
+  const { name, scope, resource, lifetime } = chosen
+  const now = ctx.now()
+  const expiresAt = now + (lifetime === UNTIL_REVOKED ? MAX_DURATION_SECONDS : lifetime) * 1000
   const grant: Grant = {
     client_id: scriptClientId(ctx.config),
     client_name: name,
@@ -2107,10 +2131,9 @@ async function handleScriptToken(req: IncomingMessage, res: ServerResponse, ctx:
   // The grant first: a snapshot of the journal keeps a token only with its grant. A write that
   // fails between the two (a full disk, a kill) leaves a grant without a token on /apps, to revoke.
   await ctx.store.saveGrant(grantId, grant, now)
-  if ((await ctx.store.findGrant(grantId, now)) === undefined) return sendTokenMadeBefore(res, name, ctx.config)
+  if ((await ctx.store.findGrant(grantId, now)) === undefined) return undefined
   await ctx.store.saveToken(hashSecret(token), access, now)
-  logEvent(ctx, 'security', `the owner made a token for scripts named ${JSON.stringify(name)}`, req)
-  sendPage(res, 200, renderScriptTokenPage(name, token, ctx.config))
+  return token
 }
 
 /** The answer to a token form sent again: its token was made, and shown, the first time. */
@@ -2782,6 +2805,7 @@ export function createHandler(options: HandlerOptions): (req: IncomingMessage, r
     refreshes: new Map(),
     passkeys: { key: randomBytes(32), used: new Map(), changes: Promise.resolve() },
     startedAt: (options.now ?? Date.now)(),
+    scriptGrantsUnderWay: new Set(),
   }
   // expired entries go even while no one writes, without costing a request anything
   const { store } = ctx

@@ -343,6 +343,7 @@ describe('HTTP Basic with an empty password, for public clients (RFC 6749 §2.3.
       [`${latch.base}/revoke`, { token: refresh_token, client_id: ELSEWHERE }, {}],
       [`${latch.base}/revoke`, { token: access_token }, { Authorization: basic(ELSEWHERE) }],
       [`${latch.base}/token`, { action: 'revoke', token: refresh_token, client_id: ELSEWHERE }, {}],
+      [`${latch.base}/token`, { action: 'revoke', token: refresh_token }, { Authorization: basic(ELSEWHERE) }],
     ] as const) {
       const response = await post(url, fields, headers)
       assert.equal(response.status, 200, url)
