@@ -1946,7 +1946,13 @@ async function sendAppsPage(
   // a failed sign-in is said beside the form it came from, or at the top when the page has none
   const notice = signInMessage !== undefined && !signInAgain ? escapeHtml(signInMessage) : options.notice
   const page = {
-    ...{ csrf: formToken(visitor), config: ctx.config, notice, logoOf, passkeys, signInAgain, signInMessage },
+    csrf: formToken(visitor),
+    config: ctx.config,
+    notice,
+    logoOf,
+    passkeys,
+    signInAgain,
+    signInMessage,
     startedAt: ctx.startedAt,
   }
   const headers = { ...passkeyPageHeaders(ctx.config, scripted), ...options.headers }
