@@ -79,13 +79,18 @@ describe('A person signs in with a browser', () => {
     assert.equal(await page.getByRole('checkbox').count(), 2)
   })
 
-  it('says a wrong password is wrong and keeps the page usable', { skip: SKIP }, async () => {
+  it('says a wrong password is wrong and keeps the page as the person left it', { skip: SKIP }, async () => {
+    const create = page.getByRole('checkbox').nth(1)
+    await create.uncheck()
     await page.getByLabel('Password').fill('not the password')
     await page.getByRole('button', { name: 'Approve' }).click()
     await page.getByRole('alert').waitFor()
     assert.equal(new URL(page.url()).pathname, '/auth/consent')
     await assertVisibleText(page.locator('main'), client.clientId)
     assert.equal(await page.getByLabel('Password').inputValue(), '')
+    assert.equal(await page.getByRole('checkbox').nth(0).isChecked(), true)
+    assert.equal(await create.isChecked(), false) // not ticked again behind the person's back
+    await create.check()
     assert.equal(client.tokens.length, 0)
   })
 
@@ -127,6 +132,28 @@ describe('A person signs in with a browser', () => {
     assert.equal((await introspect(latch, client.tokens[1])).active, true)
     assert.equal((await introspect(latch, client.tokens[0])).active, false)
   })
+
+  it(
+    'tells a page left open across a sign-out that it is out of date, and changes nothing',
+    { skip: SKIP },
+    async () => {
+      await page.goto(`${latch.base}/apps`)
+      const elsewhere = await context.newPage()
+      await elsewhere.goto(`${latch.base}/apps`)
+      await elsewhere.getByRole('button', { name: 'Sign out', exact: true }).click()
+      await elsewhere.getByRole('heading', { level: 1, name: 'Sign in' }).waitFor()
+      const [answer] = await Promise.all([
+        page.waitForResponse((response) => new URL(response.url()).pathname === '/apps/revoke'),
+        page.getByRole('button', { name: `Revoke ${client.clientId}`, exact: true }).click(),
+      ])
+      assert.equal(answer.status(), 401)
+      await assertVisibleText(
+        page.locator('main'),
+        'This page is out of date: you signed in or out since it was opened',
+      )
+      assert.equal((await introspect(latch, client.tokens[1])).active, true)
+    },
+  )
 })
 
 async function assertVisibleText(locator: Locator, text: string): Promise<void> {
