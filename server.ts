@@ -907,7 +907,7 @@ async function handleAuthorizationRequest(req: IncomingMessage, res: ServerRespo
   })
   sendPage(res, 200, page, {
     ...passkeyPageHeaders(ctx.config, passkeys),
-    'Set-Cookie': buildCookie(csrfCookieName(ctx.config), visitor.csrf, undefined, ctx.config),
+    'Set-Cookie': csrfCookie(visitor, ctx.config),
   })
 }
 
@@ -1922,7 +1922,7 @@ export async function checkAccessToken(
  */
 async function handleAppsPage(req: IncomingMessage, res: ServerResponse, ctx: Context): Promise<void> {
   const visitor = await readVisitor(req, ctx)
-  const headers = { 'Set-Cookie': buildCookie(csrfCookieName(ctx.config), visitor.csrf, undefined, ctx.config) }
+  const headers = { 'Set-Cookie': csrfCookie(visitor, ctx.config) }
   if (!visitor.signedIn) return sendSignInPage(res, 200, { visitor, headers }, ctx)
   await sendAppsPage(res, ctx, visitor, { headers })
 }
@@ -2004,7 +2004,7 @@ async function handleSignOut(req: IncomingMessage, res: ServerResponse, ctx: Con
   const { session } = await requireFormToken(await readForm(req), req, ctx)
   if (session !== undefined) await ctx.store.deleteSession(hashSecret(session))
   redirect(res, 303, endpointUrl(ctx.config, '/apps'), {
-    'Set-Cookie': buildCookie(sessionCookieName(ctx.config), '', 0, ctx.config),
+    'Set-Cookie': endedSessionCookie(ctx.config),
   })
 }
 
@@ -2019,10 +2019,7 @@ async function handleSignOutEverywhere(req: IncomingMessage, res: ServerResponse
   // the sign-in page at once, saying what happened: after a lost phone, the owner wants to know
   const visitor = await readVisitor(req, ctx)
   const headers = {
-    'Set-Cookie': [
-      buildCookie(sessionCookieName(ctx.config), '', 0, ctx.config),
-      buildCookie(csrfCookieName(ctx.config), visitor.csrf, undefined, ctx.config),
-    ],
+    'Set-Cookie': [endedSessionCookie(ctx.config), csrfCookie(visitor, ctx.config)],
   }
   const notice = 'You are signed out here and in every other browser: every session has ended.'
   await sendSignInPage(res, 200, { visitor, headers, notice }, ctx)
@@ -3575,6 +3572,16 @@ function buildCookie(name: string, value: string, maxAgeSeconds: number | undefi
   const maxAge = maxAgeSeconds === undefined ? '' : `; Max-Age=${maxAgeSeconds}`
   const secure = issuer.protocol === 'https:' ? '; Secure' : ''
   return `${name}=${value}; Path=${path}${maxAge}; HttpOnly; SameSite=Lax${secure}`
+}
+
+/** The browser's CSRF cookie, set again with the value its pages carry; it ends with the browser session. */
+function csrfCookie(visitor: Visitor, config: Config): string {
+  return buildCookie(csrfCookieName(config), visitor.csrf, undefined, config)
+}
+
+/** The session cookie, emptied: the browser forgets it at once. */
+function endedSessionCookie(config: Config): string {
+  return buildCookie(sessionCookieName(config), '', 0, config)
 }
 
 /**
