@@ -35,6 +35,13 @@
  * @see https://www.w3.org/TR/webauthn-3/ WebAuthn Level 3 (passkeys)
  */
 
+// =================================================================================================
+// PART 1: THE PROTOCOL
+// The nouns, the checks and the endpoints of IndieAuth, in the order a client meets them. To learn
+// IndieAuth, read to the end of this part: it calls what Part 2 provides by names that say what
+// they do (`readForm`, `sendJson`, `hashSecret`, `store.markCodeUsed`, ...).
+// =================================================================================================
+
 // --- Imports ------------------------------------------------------------------
 // node: modules only. Latch has no runtime dependencies.
 
@@ -109,7 +116,7 @@ export type Config = {
   refreshTokenTtlSeconds: number
   /** How long a rotated refresh token may be presented again, as a retry, without revoking its grant. */
   refreshTokenGraceSeconds: number
-  /** How long the owner stays signed in after entering the password. */
+  /** How long the owner stays signed in after signing in, with the password or a passkey. */
   sessionTtlSeconds: number
   /** When set, `/introspect` callers must send it as a Bearer credential. */
   introspectionSecret: string | undefined
@@ -247,13 +254,17 @@ export type Passkey = {
 }
 
 /**
- * Where codes and tokens live. Keys are hashes (`hashSecret`); raw secrets never reach a store.
- * Single use is a store operation: `markCodeUsed` and `redeemForTokens` must be atomic. On SQL,
- * each kind is a table keyed by hash with an `expires_at` column, and those two are one
+ * Where codes and tokens live. Keys are hashes (`hashSecret`); raw secrets never reach a store
+ * (passkeys are kept under their credential ids, which are public). Single use is a store
+ * operation: `markCodeUsed` and `redeemForTokens` must be atomic. On SQL, each kind is a table
+ * keyed by hash with an `expires_at` column, and those two are one
  * `UPDATE ... SET used_at = ? WHERE hash = ? AND used_at IS NULL AND expires_at > ?` (one row
- * changed: the first caller), in a transaction with the inserts of the grant and the tokens;
- * `revokeGrant` deletes the grant and inserts it into a table of revoked ids. On Redis, each
- * entry is a key with a TTL, and the same step is a `WATCH`/`MULTI` or a small Lua script.
+ * changed: the first caller), in a transaction with the inserts of the grant and the tokens. A
+ * refresh token's retry within the grace period is the one exception, one more `OR (used_at >= ?
+ * AND hash = <its grant's last_rotated>)` with `retriedSince`; the first rotation sets
+ * `last_rotated`. `revokeGrant` deletes the grant and inserts it into a table of revoked ids. On
+ * Redis, each entry is a key with a TTL, and the same step is a `WATCH`/`MULTI` or a small Lua
+ * script.
  */
 export interface Store {
   savePending(id: string, request: PendingRequest, now: number): Promise<void>
@@ -282,8 +293,10 @@ export interface Store {
   findToken(hash: string, now: number): Promise<Token | undefined>
   /**
    * Redeems a code or a refresh token for new tokens, in one step: marks what is redeemed used
-   * (if it is unexpired and unused), then saves the grant and the tokens. True only for the
-   * first caller; nothing is saved for any other.
+   * (if it is unexpired and unused), then saves the grant and the tokens. True for the first
+   * caller, and for a retry: a refresh token used at or after `redeemed.retriedSince` that is
+   * still the one its grant rotated last (`Grant.lastRotated`, which the first caller sets).
+   * Nothing is saved for any other.
    */
   redeemForTokens(issue: TokenIssue, now: number): Promise<boolean>
   deleteToken(hash: string): Promise<void>
@@ -358,13 +371,6 @@ export type PasswordSlots = Slots
 
 /** Query or form parameters: every value of every name, in the order sent. */
 export type Params = Map<string, string[]>
-
-// =================================================================================================
-// PART 1: THE PROTOCOL
-// The nouns, the checks and the endpoints of IndieAuth, in the order a client meets them. To learn
-// IndieAuth, read to the end of this part: it calls what Part 2 provides by names that say what
-// they do (`readForm`, `sendJson`, `hashSecret`, `store.markCodeUsed`, ...).
-// =================================================================================================
 
 // --- Errors ---------------------------------------------------------------------
 // RFC 6749 §5.2  https://www.rfc-editor.org/rfc/rfc6749#section-5.2
@@ -999,7 +1005,10 @@ const MAX_REMEMBERED_FAILURES = 1_000
 const FAILED_CLIENT_MEMORY_SECONDS = 30
 const CLIENT_FETCH_SLOTS = { running: 8, waiting: 8 }
 
-/** Checks the rest of the request, one rule per line, in the order the contract lists them. */
+/**
+ * Checks the rest of the request, one rule per line. The client and its `redirect_uri` are known
+ * good by now, so the first rule broken is sent back to the client (see the caller).
+ */
 function buildPendingRequest(
   query: Params,
   client: { client_id: string; client_name: string | undefined; redirect_uri: string },
@@ -1214,8 +1223,9 @@ function requireLifetime(value: string | undefined, config: Config): number {
 // RFC 6749 §4.1.2   https://www.rfc-editor.org/rfc/rfc6749#section-4.1.2
 
 /**
- * Handles the consent form: checks the pending request, the CSRF token and the password, then
- * redirects to the client with a code or with `access_denied`.
+ * Handles the consent form: checks the pending request, the CSRF token and, unless the owner is
+ * signed in, the password or a passkey; then redirects to the client with a code or with
+ * `access_denied`.
  * @see https://indieauth.spec.indieweb.org/#authorization-response IndieAuth §5.2.1
  * @see https://www.rfc-editor.org/rfc/rfc9207#section-2 RFC 9207 (iss)
  */
@@ -1765,8 +1775,9 @@ async function handleRevocationRequest(req: IncomingMessage, res: ServerResponse
 }
 
 /**
- * The revocation that IndieAuth clients made before §7: `POST /token` with `action=revoke`.
- * @see https://indieauth.spec.indieweb.org/20201126/#token-revocation IndieAuth (2020) §6.3
+ * The revocation that IndieAuth clients made before the revocation endpoint of §7: `POST /token`
+ * with `action=revoke`, as the spec of 2020 had it.
+ * @see https://indieauth.spec.indieweb.org/20201126/#token-revocation IndieAuth (2020) §7.1
  */
 async function handleLegacyRevocation(form: Params, res: ServerResponse, ctx: Context): Promise<void> {
   if (getParam(form, 'action') !== 'revoke') throw new OAuthError('invalid_request', 'action must be revoke')
@@ -2973,7 +2984,8 @@ function renderError(err: unknown, req: IncomingMessage, res: ServerResponse, as
 
 // =================================================================================================
 // PART 2: WHAT IT LEANS ON
-// HTTP plumbing and pages, sessions and password throttling, client fetching, the stores and the
+// The log, HTTP plumbing and pages, cookies and sessions, sign-in checks (password and passkey
+// attempts), the owner's password and passkeys (WebAuthn), client fetching, the stores and the
 // journal, the performance internals, the configuration and the command line. Each section says
 // first what the protocol needs from it.
 // =================================================================================================
@@ -3555,7 +3567,8 @@ function renderPasswordField(message: string | undefined, autofocus = true): str
 // host can set a cookie of the same name, and its form posts count as same-site. So the hidden
 // `csrf` field of a signed-in owner's forms is not the cookie's value but a token derived from
 // the session cookie, which no page can read (HttpOnly) nor derive without it; forms of someone
-// not signed in carry the CSRF cookie's value (double submit), and approve only with the password.
+// not signed in carry the CSRF cookie's value (double submit), and approve only with the password
+// or a passkey.
 
 function csrfCookieName(config: Config): string {
   return config.issuer.startsWith('https:') ? '__Host-latch_csrf' : 'latch_csrf'
@@ -4999,7 +5012,8 @@ async function fetchLogo(
 }
 
 // --- Storage --------------------------------------------------------------------
-// A `Store` keeps pending requests, codes, grants and tokens under the hashes of their ids.
+// A `Store` keeps pending requests, codes, grants and tokens under the hashes of their ids, and
+// the owner's passkeys under their credential ids.
 // This one keeps them in Maps. Every read checks expiry, and a timer sweeps expired entries away
 // a few thousand at a time, between requests, so no request pays for expiry. (The owner's
 // `/apps` lists every grant, and so walks them all; no client's request does.) Pending
@@ -5008,6 +5022,7 @@ async function fetchLogo(
 // sweep walks them in turn, a few thousand steps a time.
 // To put SQLite or Redis behind Latch, implement `Store`: twenty-three small methods.
 
+/** Options of the in-memory store: caps so that a flood cannot grow memory without limit. */
 export type MemoryStoreOptions = {
   maxPendingRequests?: number
   maxCodes?: number
@@ -6405,7 +6420,6 @@ function toSeconds(ms: number, round: 'down' | 'up' = 'down'): number {
   return (seconds | 0) === seconds ? seconds | 0 : seconds
 }
 
-/** Options of the in-memory store: caps so that a flood cannot grow memory without limit. */
 /**
  * A copy of a string that holds nothing else. V8 keeps a string cut from a longer one (a
  * parameter cut from a request URL, say) as a slice of it, so a pending request that kept a
@@ -6442,7 +6456,7 @@ export const SETTINGS = [
     default: 'latch-data.jsonl',
     help: 'File where codes, grants and tokens survive restarts; `memory` keeps them in memory only.',
   },
-  { name: 'CODE_TTL', default: '300', help: 'Authorization code lifetime (90s, 10m, 12h, 7d; at most 600).' },
+  { name: 'CODE_TTL', default: '300', help: 'Authorization code lifetime (90s, 10m; at most 600 seconds).' },
   { name: 'ACCESS_TOKEN_TTL', default: '604800', help: 'Access token lifetime (7 days).' },
   {
     name: 'REFRESH_TOKEN_TTL',
@@ -6457,7 +6471,7 @@ export const SETTINGS = [
   {
     name: 'SESSION_TTL',
     default: '604800',
-    help: 'How long you stay signed in after entering your password (7 days).',
+    help: 'How long you stay signed in after signing in, with the password or a passkey (7 days).',
   },
   {
     name: 'INTROSPECTION_SECRET',
@@ -6743,12 +6757,12 @@ function parseEmail(value: string): string {
   return value
 }
 
-/** Start-up warnings for settings that work but are not right for real use. */
 /** True when `ME` is the default: the issuer's own home page. */
 function hasDefaultMe(config: Config): boolean {
   return config.me === `${config.issuer}/`
 }
 
+/** Start-up warnings for settings that work but are not right for real use. */
 export function configWarnings(config: Config): string[] {
   const warnings: string[] = []
   const issuer = new URL(config.issuer)
