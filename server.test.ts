@@ -1020,6 +1020,42 @@ describe('GET /auth (IndieAuth §5.2)', () => {
     assert.equal(await status(`[::1]:${new URL(latch.base).port}`), 200)
   })
 
+  it('answers only this machine while no password is set, wherever an embedding app listens', async () => {
+    // an app that embeds Latch may listen on every interface: a peer on the network, naming a
+    // loopback host in its Host header, must not approve sign-ins without a password
+    const handler = createHandler({ config: loadConfig({ PORT: '0', DATA_FILE: 'memory' }), now: () => START })
+    const from = (peer: string) =>
+      createServer((req, res) => {
+        Object.defineProperty(req.socket, 'remoteAddress', { value: peer, configurable: true })
+        handler(req, res)
+      })
+    for (const [peer, expected] of [
+      ['192.0.2.2', 403],
+      ['::ffff:192.0.2.2', 403],
+      ['fd00::2', 403],
+      ['127.0.0.2', 200],
+      ['::ffff:127.0.0.1', 200],
+      ['::1', 200],
+    ] as const) {
+      const server = from(peer)
+      await new Promise<void>((resolve) => server.listen(0, '127.0.0.1', resolve))
+      const base = `http://localhost:${(server.address() as AddressInfo).port}`
+      try {
+        const metadata = await fetch(`${base}/.well-known/oauth-authorization-server`)
+        assert.equal(metadata.status, expected, peer)
+        if (expected === 403) {
+          assert.match(((await metadata.json()) as { error_description: string }).error_description, /PASSWORD_HASH/)
+          const page = await fetch(`${base}/auth?client_id=x`)
+          assert.equal(page.status, 403)
+          assert.match(await page.text(), /no password/)
+        }
+      } finally {
+        server.closeAllConnections()
+        await new Promise((resolve) => server.close(resolve))
+      }
+    }
+  })
+
   it('refuses a request that names no host while no password is set, and one that names two with 400', async () => {
     const port = Number(new URL(latch.base).port)
     const statusOf = async (head: string) => {

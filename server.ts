@@ -2843,25 +2843,35 @@ export function createHandler(options: HandlerOptions): (req: IncomingMessage, r
     const host = req.headers.host
     const own = ownHosts === undefined || (host !== undefined && (host === lastOwnHost || isOwnHost(host, ownHosts)))
     if (own) lastOwnHost = host
-    const checked = !own
-      ? Promise.reject(
-          new OAuthError(
-            'invalid_request',
-            'This server answers only to its own host name: set ISSUER to the URL you use, or set PASSWORD_HASH',
-            { status: 421 },
-          ),
-        )
-      : hasSeveralHosts(req)
-        ? Promise.reject(new OAuthError('invalid_request', 'The request has more than one Host header'))
-        : (req.url ?? '').length > MAX_REQUEST_TARGET
-          ? Promise.reject(
-              new OAuthError('invalid_request', `The request URL is longer than ${MAX_REQUEST_TARGET} characters`, {
-                status: 414,
-              }),
-            )
-          : handler(req, res, ctx)
+    const refused = refusalOf(req, own, ownHosts)
+    const checked = refused === undefined ? handler(req, res, ctx) : Promise.reject(refused)
     checked.catch((err: unknown) => renderError(err, req, res, errors === 'page', ctx))
   }
+}
+
+/** Why a request is refused before any handler reads it, or undefined. */
+function refusalOf(req: IncomingMessage, own: boolean, ownHosts: Set<string> | undefined): OAuthError | undefined {
+  if (!own) {
+    return new OAuthError(
+      'invalid_request',
+      'This server answers only to its own host name: set ISSUER to the URL you use, or set PASSWORD_HASH',
+      { status: 421 },
+    )
+  }
+  if (ownHosts !== undefined && !isLocalPeer(req)) {
+    return new OAuthError(
+      'access_denied',
+      'This server has no password, so it answers only to this machine: set PASSWORD_HASH',
+      { status: 403 },
+    )
+  }
+  if (hasSeveralHosts(req)) return new OAuthError('invalid_request', 'The request has more than one Host header')
+  if ((req.url ?? '').length > MAX_REQUEST_TARGET) {
+    return new OAuthError('invalid_request', `The request URL is longer than ${MAX_REQUEST_TARGET} characters`, {
+      status: 414,
+    })
+  }
+  return undefined
 }
 
 /**
@@ -2894,6 +2904,19 @@ function isOwnHost(hostHeader: string, ownHosts: Set<string>): boolean {
       .replace(/:\d*$/, '')
       .replace(/^\[(.*)\]$/, '$1'),
   )
+}
+
+/**
+ * Whether a request came from this machine: over loopback, or a Unix socket, which has no address.
+ * Without a password, `HOST` keeps Latch's own command on loopback; an app that embeds Latch
+ * listens where it likes (Express's `app.listen(port)` takes every interface), so a server
+ * without a password also looks at who connected, and the Host header a stranger writes is not enough.
+ */
+function isLocalPeer(req: IncomingMessage): boolean {
+  const peer = req.socket.remoteAddress
+  if (peer === undefined) return true
+  const address = plainAddress(peer)
+  return address === '::1' || address.startsWith('127.') // no IPv6 address starts so
 }
 
 /**
