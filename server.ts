@@ -5823,7 +5823,8 @@ export class FileStore implements Store {
 
   /**
    * Opens (or creates, with mode 0600) a data file and replays it. A torn last line, left by a
-   * crash mid-write, is dropped with a warning; any other unreadable line stops with its number.
+   * crash mid-write, is dropped with a warning (a last line whole but for its newline is kept);
+   * any other unreadable line stops with its number.
    * The file is this process's alone until `close` (see `holdJournal`). A symlink is followed
    * to its file, which compaction then replaces, not the link.
    */
@@ -5880,8 +5881,18 @@ export class FileStore implements Store {
         // a server started meanwhile asks who holds the journal: the answer must not wait for the end
         if (lines % 10_000 === 9_999) await new Promise((resolve) => setImmediate(resolve))
       }
-      if (end < bytes.length) {
-        if (!isTornLine(bytes.subarray(end)))
+      const tail = bytes.subarray(end)
+      const whole =
+        tail.length === 0 || tail.length > MAX_JOURNAL_LINE_BYTES ? '' : readJournalLine(tail.toString('utf8'))
+      if (typeof whole !== 'string') {
+        // a whole line but for its newline, which a hand edit or a copy can drop: kept, since it
+        // may be a revocation, and ended, so that the next write starts a line of its own
+        for (const record of whole) await applyRecord(memory, record, now)
+        lines++
+        await writeAll(file, Buffer.from('\n'))
+        await file.datasync()
+      } else if (tail.length > 0) {
+        if (!isTornLine(tail))
           throw new ConfigError(
             `${path} does not end as a Latch journal does: ` +
               'restore the file from a backup, or move it away to start empty',

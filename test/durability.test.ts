@@ -285,6 +285,34 @@ describe('DATA_FILE: damaged files', () => {
     await restarted.stop()
   })
 
+  it('keeps a whole last line that lost only its newline, so that a revocation in it is not undone', async () => {
+    const file = join(directory, 'no-newline.jsonl')
+    const running = await startOn(file)
+    const issued = (await (await exchange(running.base, await obtainCode(running.base))).json()) as {
+      access_token: string
+    }
+    const revoked = await fetch(`${running.base}/revoke`, {
+      method: 'POST',
+      headers: { 'Content-Type': 'application/x-www-form-urlencoded' },
+      body: new URLSearchParams({ token: issued.access_token }),
+    })
+    assert.equal(revoked.status, 200)
+    await running.stop()
+    const text = await readFile(file, 'utf8')
+    assert.match(text, /"delete":"token"[^\n]*\n$/)
+    await writeFile(file, text.slice(0, -1)) // a hand edit, or a copy cut one byte short
+    const restarted = await startOn(file)
+    assert.equal(await isActive(restarted.base, issued.access_token), false)
+    const later = await exchange(restarted.base, await obtainCode(restarted.base)) // written on a line of its own
+    assert.equal(later.status, 200)
+    const { access_token } = (await later.json()) as { access_token: string }
+    await restarted.stop()
+    const again = await startOn(file)
+    assert.equal(await isActive(again.base, issued.access_token), false)
+    assert.equal(await isActive(again.base, access_token), true)
+    await again.stop()
+  })
+
   it('refuses an unreadable last line that has its newline: a cut write never ends with one', async () => {
     const file = join(directory, 'torn-newline.jsonl')
     await writeFile(file, grant + line('a') + '{"set":"tok\n')
