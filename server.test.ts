@@ -1655,6 +1655,29 @@ describe('POST /revoke (IndieAuth §7, RFC 7009)', () => {
     assert.equal((await post(`${latch.base}/revoke`, form({ token: createSecret() }))).status, 200)
   })
 
+  it('revokes a refresh token in one write, of its grant, so that a failed write revokes nothing', async () => {
+    const store = new MemoryStore()
+    const writes: string[] = []
+    const revokeGrant = store.revokeGrant.bind(store)
+    const deleteToken = store.deleteToken.bind(store)
+    store.revokeGrant = async (id, now) => (writes.push('revokeGrant'), revokeGrant(id, now))
+    store.deleteToken = async (hash) => (writes.push('deleteToken'), deleteToken(hash))
+    const own = await startLatch({}, { store })
+    const tokens = (await (await exchange(own, await obtainCode(own))).json()) as {
+      access_token: string
+      refresh_token: string
+    }
+    assert.equal((await post(`${own.base}/revoke`, form({ token: tokens.refresh_token }))).status, 200)
+    assert.deepEqual(writes, ['revokeGrant']) // one journal line: on a full disk, all of it or nothing
+    assert.deepEqual(await introspect(own, tokens.access_token), { active: false })
+    const refreshed = await post(
+      `${own.base}/token`,
+      form({ grant_type: 'refresh_token', refresh_token: tokens.refresh_token, client_id: CLIENT_ID }),
+    )
+    await assertError(refreshed, 400, 'invalid_grant')
+    await own.close()
+  })
+
   it('answers a missing token with invalid_request', async () => {
     await assertError(
       await post(`${latch.base}/revoke`, form({ token_type_hint: 'access_token' })),

@@ -1802,8 +1802,9 @@ async function revokeToken(value: string, clientId: string | undefined, ctx: Con
     const grant = await ctx.store.findGrant(token.grantId, ctx.now())
     if (grant !== undefined && !isSameClientId(clientId, grant.client_id)) return
   }
+  // one write either way, so that a failed one revokes nothing: a refresh token dies with its grant
   if (token.kind === 'refresh') await ctx.store.revokeGrant(token.grantId, ctx.now())
-  await ctx.store.deleteToken(hash)
+  else await ctx.store.deleteToken(hash)
 }
 
 // --- Bearer endpoints -----------------------------------------------------------
