@@ -70,7 +70,7 @@ import {
   verify,
 } from 'node:crypto'
 import type { KeyObject } from 'node:crypto'
-import { constants as fsConstants, existsSync, readlinkSync, realpathSync } from 'node:fs'
+import { constants as fsConstants, existsSync, fstatSync, readlinkSync, realpathSync, writeSync } from 'node:fs'
 import type { Stats } from 'node:fs'
 import {
   access,
@@ -7057,9 +7057,14 @@ export function createLatchServer(
  * pager) or fall behind for good. Past 16 million characters unread, lines are counted and
  * dropped; as soon as the reader has caught up, a line of the writer's own (in the log's
  * format, by `format`) says how many.
+ *
+ * `output` may also be the descriptor of a file (standard output sent to one: `>> latch.log`),
+ * written directly. A stream that fails a write is done for good, and a full disk is not: its
+ * lines are counted and dropped the same way, and once there is room the log goes on, with the
+ * line that says how many it lost.
  */
 export function createLineWriter(
-  stream: Writable,
+  output: Writable | number,
   everyMs = 100,
   format = (line: string) => line,
 ): (line: string) => void {
@@ -7068,21 +7073,38 @@ export function createLineWriter(
   let dropped = 0
   let timer: NodeJS.Timeout | undefined
   let broken = false
-  stream.on('error', () => (broken = true))
+  const stream = typeof output === 'number' ? undefined : output
+  stream?.on('error', () => (broken = true))
+  let torn = false // the file ends with part of a line, where the disk filled up
+  /** Writes to the file: false when the disk took none of it, or only part (ended on the next write). */
+  const writeFile = (fd: number, text: string): boolean => {
+    const bytes = Buffer.from(torn ? `\n${text}` : text)
+    let at = 0
+    try {
+      while (at < bytes.length) at += writeSync(fd, bytes, at)
+      torn = false
+      return true
+    } catch {
+      torn ||= at > 0
+      return false
+    }
+  }
   const flush = () => {
     clearTimeout(timer)
     timer = undefined
-    if (stream.writableLength > MAX_UNREAD_LOG) dropped += lines
+    if (stream !== undefined && stream.writableLength > MAX_UNREAD_LOG) dropped += lines
     else if ((pending !== '' || dropped > 0) && !broken) {
       // after the lines, so that the times go on rising: the dropped lines came before them all
-      const notice = `log: ${dropped} lines dropped while the log's reader was behind`
-      stream.write(dropped === 0 ? pending : `${pending}${format(notice)}\n`)
-      dropped = 0
+      const why = stream === undefined ? 'the disk was full' : "the log's reader was behind"
+      const notice = `log: ${dropped} lines dropped while ${why}`
+      const text = dropped === 0 ? pending : `${pending}${format(notice)}\n`
+      const written = typeof output === 'number' ? writeFile(output, text) : output.write(text) || true
+      dropped = written ? 0 : dropped + lines
     }
     pending = ''
     lines = 0
   }
-  stream.on('drain', () => dropped > 0 && flush()) // the reader has caught up: say so now
+  stream?.on('drain', () => dropped > 0 && flush()) // the reader has caught up: say so now
   process.on('exit', flush)
   return (line) => {
     if (broken) return
@@ -7161,7 +7183,8 @@ async function main(argv: string[], env: Record<string, string | undefined>): Pr
     const [, event = 'store', message = line] = /^(\w+): ([^]*)$/.exec(line) ?? []
     return formatLogEntry({ time: new Date().toISOString(), event, message }, config.logFormat)
   }
-  const write = createLineWriter(process.stdout, 100, format)
+  // standard output sent to a file is written directly: a full disk then costs lines, not the whole log
+  const write = createLineWriter(isFile(1) ? 1 : process.stdout, 100, format)
   const logMessage = (line: string) => write(format(line))
   if (!config.passwordSignIn && config.dataFile === 'memory')
     throw new ConfigError(
@@ -7240,6 +7263,14 @@ async function main(argv: string[], env: Record<string, string | undefined>): Pr
   }
   // last: a supervisor may signal as soon as it reads this
   printStartup(config, `http://${hostForUrl(config.host)}:${port}`, store)
+}
+
+function isFile(fd: number): boolean {
+  try {
+    return fstatSync(fd).isFile()
+  } catch {
+    return false // closed
+  }
 }
 
 /** The one line to print when the data file cannot be opened, or undefined for a failure of another kind. */

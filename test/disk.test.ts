@@ -10,14 +10,17 @@
 import { after, before, describe, it } from 'node:test'
 import type { TestContext } from 'node:test'
 import assert from 'node:assert/strict'
-import { execFileSync } from 'node:child_process'
-import { closeSync, fstatSync, ftruncateSync, openSync, writeSync } from 'node:fs'
+import { execFileSync, spawn } from 'node:child_process'
+import { once } from 'node:events'
+import { Agent, request } from 'node:http'
+import { fileURLToPath } from 'node:url'
+import { closeSync, fstatSync, ftruncateSync, openSync, readFileSync, writeSync } from 'node:fs'
 import { mkdir, mkdtemp, readFile, readdir, rm, writeFile } from 'node:fs/promises'
 import { tmpdir } from 'node:os'
 import { join } from 'node:path'
 import { FileStore, createSecret, hashSecret } from '../server.ts'
 import type { Grant, Token } from '../server.ts'
-import { START, startLatch } from './harness.ts'
+import { START, startLatch, until } from './harness.ts'
 
 const VERIFIER = 'dBjftJeZ4CVP-mB92K27uhbUJU1p1r_wW1gFWFOEjXk'
 const CHALLENGE = 'E9Melhoa2OwvFrEMTJguCHaoeK1t8URWbuGJSstw-cM'
@@ -286,3 +289,51 @@ describe('DATA_FILE: a full disk', () => {
     }
   })
 })
+
+describe('The log on a full disk', () => {
+  it('drops lines while the disk is full, then goes on and says how many it lost', async (t) => {
+    if (!haveDisk(t)) return
+    await mkdir(join(disk, 'log'))
+    const logFile = join(disk, 'log', 'latch.log')
+    const filler = join(disk, 'log', 'filler')
+    const fd = openSync(logFile, 'a') // as `npx tsx server.ts >> latch.log`
+    const child = spawn(process.execPath, ['--import', 'tsx', 'server.ts'], {
+      cwd: fileURLToPath(new URL('..', import.meta.url)),
+      env: { PATH: process.env.PATH ?? '', PORT: '0', DATA_FILE: 'memory' },
+      stdio: ['ignore', fd, 'inherit'],
+    })
+    closeSync(fd)
+    const log = () => readFileSync(logFile, 'utf8')
+    try {
+      assert.ok(await until(() => /listening on http/.test(log()), 20_000), 'Latch did not start')
+      const base = /listening on (http:\/\/\S+)/.exec(log())?.[1] ?? ''
+      fillDisk(filler, 0)
+      // more than 64 KiB of log lines, written as soon as they are gathered: on the full disk
+      const agent = new Agent({ keepAlive: true })
+      for (let i = 0; i < 700; i++) await get(`${base}/.well-known/oauth-authorization-server`, agent)
+      await rm(filler)
+      await get(`${base}/apps`, agent)
+      assert.ok(await until(() => /lines dropped while the disk was full/.test(log())), 'the log stopped for good')
+      const lines = log().split('\n')
+      assert.ok(lines.some((line) => /^\S+ 127\.0\.0\.1 GET \/apps 200 /.test(line))) // on a line of its own
+      const dropped = Number(/log: (\d+) lines dropped/.exec(log())?.[1])
+      assert.ok(dropped > 0 && dropped <= 700, `${dropped} lines dropped`)
+      agent.destroy()
+    } finally {
+      child.kill('SIGKILL')
+      await once(child, 'close')
+    }
+  })
+})
+
+/** A GET whose answer is read to its end, on the given agent's connections. */
+function get(url: string, agent: Agent): Promise<number> {
+  return new Promise((resolve, reject) => {
+    request(url, { agent }, (res) => {
+      res.resume()
+      res.on('end', () => resolve(res.statusCode ?? 0))
+    })
+      .on('error', reject)
+      .end()
+  })
+}
