@@ -70,7 +70,17 @@ import {
   verify,
 } from 'node:crypto'
 import type { KeyObject } from 'node:crypto'
-import { constants as fsConstants, existsSync, fstatSync, readlinkSync, realpathSync, writeSync } from 'node:fs'
+import {
+  closeSync,
+  constants as fsConstants,
+  existsSync,
+  fstatSync,
+  openSync,
+  readSync,
+  readlinkSync,
+  realpathSync,
+  writeSync,
+} from 'node:fs'
 import type { Stats } from 'node:fs'
 import {
   access,
@@ -7333,10 +7343,22 @@ function linkTarget(path: string): string | undefined {
   return target === path ? undefined : target
 }
 
+/**
+ * Whether node was asked to run this file as Latch's command, rather than an app that imports it.
+ * A bundler that inlines this file into an app's one file makes that file this module too; such a
+ * file does not begin with Latch's own first comment (imports come first, and bundlers drop plain
+ * comments), so the app does not also start a Latch of its own, on the same data file.
+ */
 function isMainModule(): boolean {
   if (process.argv[1] === undefined) return false
   try {
-    return realpathSync(process.argv[1]) === realpathSync(fileURLToPath(import.meta.url))
+    const path = realpathSync(process.argv[1])
+    if (path !== realpathSync(fileURLToPath(import.meta.url))) return false
+    const start = Buffer.alloc(64)
+    const fd = openSync(path, 'r')
+    const read = readSync(fd, start)
+    closeSync(fd)
+    return /^(#!.*\n)?\/\*\*\r?\n \* Latch: /.test(start.toString('utf8', 0, read))
   } catch {
     return false
   }

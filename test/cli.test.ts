@@ -425,6 +425,34 @@ describe('A start-up failure is one line naming the setting and the fix, and exi
   })
 })
 
+describe('Run, or imported', () => {
+  const run = (file: string, args: string[]) =>
+    spawnSync(process.execPath, ['--import', 'tsx', file, ...args], {
+      cwd: ROOT,
+      env: childEnv({ PORT: '0', DATA_FILE: 'memory' }),
+      encoding: 'utf8',
+      timeout: CHILD_TIMEOUT_MS,
+    })
+
+  it('starts no Latch of its own when a bundler has inlined server.ts into an app', async () => {
+    // what esbuild makes of an app that imports server.ts: imports first, Latch, then the app, one file
+    const source = readFileSync(join(ROOT, 'server.ts'), 'utf8')
+    const bundle = join(directory, 'bundle.ts')
+    await writeFile(bundle, `import 'node:http'\n${source}\nconsole.log('the app ran')\n`)
+    const result = run(bundle, ['--verbose']) // a flag of the app's own
+    assert.equal(result.status, 0, result.stderr)
+    assert.equal(result.stdout, 'the app ran\n')
+  })
+
+  it('runs as the command under another name', async () => {
+    const copy = join(directory, 'latch.ts')
+    await writeFile(copy, readFileSync(join(ROOT, 'server.ts')))
+    const result = run(copy, ['--help'])
+    assert.equal(result.status, 0, result.stderr)
+    assert.match(result.stdout, /^Latch: an IndieAuth authorization server/)
+  })
+})
+
 // --- --help and hash-password --------------------------------------------------------------
 
 describe('--help', () => {
