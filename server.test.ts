@@ -1872,17 +1872,21 @@ describe('POST /token with grant_type=refresh_token (IndieAuth ยง5.5, RFC 6749 ย
   it('keeps, across a restart, which refresh token was rotated last', async () => {
     const dir = await mkdtemp(join(tmpdir(), 'latch-rotated-'))
     const open = () => FileStore.open(join(dir, 'data.jsonl'), { log: () => {} })
-    let server = await startLatch({}, { store: await open() })
+    let store = await open()
+    let server = await startLatch({}, { store })
     const rotate = async (token: string) =>
       post(`${server.base}/token`, form({ grant_type: 'refresh_token', refresh_token: token, client_id: CLIENT_ID }))
     const first = (await (await exchange(server, await obtainCode(server))).json()) as Tokens
     const second = (await (await rotate(first.refresh_token)).json()) as Tokens
     await rotate(second.refresh_token)
     await server.close()
-    server = await startLatch({}, { store: await open() })
+    await store.close()
+    store = await open()
+    server = await startLatch({}, { store })
     assert.equal((await rotate(second.refresh_token)).status, 200) // rotated last: a retry
     await assertError(await rotate(first.refresh_token), 400, 'invalid_grant')
     await server.close()
+    await store.close()
     await rm(dir, { recursive: true })
   })
 

@@ -5691,18 +5691,16 @@ function foldersAbove(path: string): string[] {
  * may bind such a name, so a holder counts only if that process has the file open, which only
  * its owner can see: a name taken by a stranger is passed over with a warning, not obeyed. A
  * holder that does not answer within a second (reading a long journal) is found as the process
- * that bound the name, and counts if it has the file open. A process that opens a journal it
- * holds already (a test, an app that embeds Latch) shares the hold. Elsewhere than Linux, and
- * between containers that do not share a network namespace, nothing is held.
+ * that bound the name, and counts if it has the file open. A second store on a journal this
+ * process holds already is refused too: two stores in one process, each with its own memory,
+ * lose each other's changes the same way. Elsewhere than Linux, and between containers that do
+ * not share a network namespace, nothing is held.
  */
 async function holdJournal(path: string, log: (line: string) => void): Promise<string | undefined> {
   if (process.platform !== 'linux') return undefined
   const name = `\0latch-journal-${hash('sha256', path, 'base64url')}`
-  const held = heldJournals.get(name)
-  if (held !== undefined) {
-    held.users++
-    return name
-  }
+  if (heldJournals.has(name))
+    throw new ConfigError(`DATA_FILE ${path} is open already in this process: close that store first, or use it`)
   const server = createNetServer((socket) => {
     socket.on('error', () => {}) // a caller that hung up at once: nothing to tell it, and no reason to stop
     socket.end(`${process.pid}\n`)
@@ -5724,18 +5722,17 @@ async function holdJournal(path: string, log: (line: string) => void): Promise<s
   }
   if (bound !== undefined) return undefined // no socket to hold it with here: go on, as elsewhere than Linux
   server.unref()
-  heldJournals.set(name, { server, users: 1 })
+  heldJournals.set(name, server)
   return name
 }
 
-/** The journals this process holds, by the name of the socket that holds each, and how many stores use it. */
-const heldJournals = new Map<string, { server: NetServer; users: number }>()
+/** The journals this process holds, by the name of the socket that holds each. */
+const heldJournals = new Map<string, NetServer>()
 
 function releaseJournal(name: string | undefined): void {
-  const held = name === undefined ? undefined : heldJournals.get(name)
-  if (held === undefined || --held.users > 0) return
-  heldJournals.delete(name as string)
-  held.server.close()
+  if (name === undefined) return
+  heldJournals.get(name)?.close()
+  heldJournals.delete(name)
 }
 
 /**

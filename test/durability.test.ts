@@ -431,6 +431,19 @@ describe('DATA_FILE: damaged files', () => {
 })
 
 describe('DATA_FILE: one process, one file', () => {
+  it('refuses a second store on a journal this process has open, until the first is closed', async (t) => {
+    if (process.platform !== 'linux') return t.skip('a journal is held through a Linux abstract socket')
+    const file = join(directory, 'twice.jsonl')
+    const first = await FileStore.open(file, { log: () => {} })
+    await assert.rejects(
+      FileStore.open(file, { log: () => {} }), // an app that opened it twice: each would lose what the other wrote
+      (err: unknown) => err instanceof ConfigError && /open already in this process/.test(err.message),
+    )
+    await first.close()
+    const second = await FileStore.open(file, { log: () => {} })
+    await second.close()
+  })
+
   it('refuses a journal another process holds, however it is named, and lets go once that process dies', async (t) => {
     if (process.platform !== 'linux') return t.skip('a journal is held through a Linux abstract socket')
     const file = join(directory, 'held', 'data.jsonl')
