@@ -52,7 +52,7 @@ import {
   verifyPassword,
   withPasswordSlot,
 } from './server.ts'
-import type { AuthorizationCode, Grant, Passkey, PasswordAttempts, PasswordSlots, Token } from './server.ts'
+import type { AuthorizationCode, Grant, Passkey, PasswordAttempts, PasswordSlots, Store, Token } from './server.ts'
 import { START, startLatch, until } from './test/harness.ts'
 import type { TestServer } from './test/harness.ts'
 
@@ -3091,6 +3091,12 @@ describe('Router and errors', () => {
     assert.equal(await response.text(), '{"error":"server_error"}')
     assert.ok(broken.logs.some((line) => line.includes('disk on fire')))
     await broken.close()
+  })
+
+  it('refuses at once a store that is still a Promise: openStore not awaited', () => {
+    const config = loadConfig({ PORT: '0', DATA_FILE: 'memory' })
+    const store = openStore(config) as unknown as Store
+    assert.throws(() => createHandler({ config, store }), /await openStore/)
   })
 
   it('closes the connection, and does not crash, when an embedding app makes writeHead throw', async () => {

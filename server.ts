@@ -2812,6 +2812,9 @@ async function rejectUnknownPath(): Promise<void> {
  * It logs one line per request (method, path, status, milliseconds) and never a secret.
  */
 export function createHandler(options: HandlerOptions): (req: IncomingMessage, res: ServerResponse) => void {
+  // `openStore` not awaited: else every request that reads the store would answer 500
+  if (typeof (options.store as { then?: unknown } | undefined)?.then === 'function')
+    throw new TypeError('createHandler: store is a Promise: pass await openStore(config)')
   const log = options.log ?? console.log
   const ctx: Context = {
     config: options.config,
