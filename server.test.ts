@@ -32,6 +32,7 @@ import {
   verifyCodeChallenge,
   configWarnings,
   countAttempt,
+  closeLatchServer,
   createLatchServer,
   createHandler,
   createLineWriter,
@@ -2858,6 +2859,31 @@ describe('Pages that explain themselves', () => {
     assert.equal(wrongMethod.headers.get('allow'), 'GET, HEAD, POST')
     const program = await fetch(`${open.base}/nothing-here`)
     assert.equal(program.headers.get('content-type'), 'application/json')
+  })
+})
+
+describe('closeLatchServer, as an embedding app stops', () => {
+  it('closes idle connections at once, and cuts off after 5 s one that never sent a whole request', async (t) => {
+    const server = createLatchServer() // Latch's own timeouts: such a connection may stay a minute
+    server.on('request', createHandler({ config: loadConfig({ DATA_FILE: 'memory' }), log: () => {} }))
+    await new Promise<void>((resolve) => server.listen(0, '127.0.0.1', resolve))
+    const { port } = server.address() as AddressInfo
+    const sockets = [0, 1, 2].map(() => connect(port, '127.0.0.1').on('error', () => {}))
+    await Promise.all(sockets.map((socket) => once(socket, 'connect')))
+    const [idle, silent, half] = sockets
+    idle.write(`GET /.well-known/oauth-authorization-server HTTP/1.1\r\nHost: 127.0.0.1:${port}\r\n\r\n`)
+    await once(idle, 'data') // answered, and kept alive
+    half.write(`GET /.well-known/oauth-authorization-server HTTP/1.1\r\nHost: 127.0.0.1:${port}\r\n`)
+    await new Promise((resolve) => setImmediate(resolve))
+    t.mock.timers.enable({ apis: ['setTimeout', 'setInterval'] })
+    let stopped = false
+    const stopping = closeLatchServer(server).then(() => (stopped = true))
+    await once(idle, 'close')
+    assert.equal(stopped, false) // the silent and the half-sent connection still hold it
+    assert.equal(silent.destroyed || half.destroyed, false)
+    t.mock.timers.tick(5_000)
+    await stopping
+    await Promise.all([silent, half].map((socket) => socket.destroyed || once(socket, 'close')))
   })
 })
 
