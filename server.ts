@@ -2843,6 +2843,7 @@ export function createHandler(options: HandlerOptions): (req: IncomingMessage, r
   }
   const ownHosts = ownHostsOf(ctx.config)
   let lastOwnHost: string | undefined // the Host header that passed last time: nearly every request repeats it
+  let proxyUnnamed = ctx.trustedProxies === undefined // until said once
   return (req, res) => {
     const started = process.hrtime.bigint() // not `performance`: its first use loads perf_hooks, on the first request
     if (req.url !== undefined && req.url[0] !== '/') takeAbsoluteForm(req)
@@ -2851,6 +2852,15 @@ export function createHandler(options: HandlerOptions): (req: IncomingMessage, r
     if (cors) (res as MarkedResponse)[CORS] = true
     // the address now: once the connection is gone, node:http no longer knows it
     const address = clientAddress(req, ctx.trustedProxies)
+    if (proxyUnnamed && req.headers['x-forwarded-for'] !== undefined && isLocalPeer(req)) {
+      proxyUnnamed = false
+      logEvent(
+        ctx,
+        'warning',
+        'requests come through a proxy on this machine (X-Forwarded-For) that TRUST_PROXY does not name: ' +
+          'every client has its address, in the log and for password tries; set TRUST_PROXY=127.0.0.1,::1',
+      )
+    }
     let answered = false
     res.on('finish', () => (answered = true))
     res.on('close', () => logRequest(req, res, { address, path: describePath(path, handler), started, answered }, ctx))

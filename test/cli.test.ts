@@ -844,7 +844,7 @@ describe('The log: one line per request, and security events', () => {
     }
   })
 
-  it('logs the X-Forwarded-For address only from a proxy of TRUST_PROXY', async () => {
+  it('logs the X-Forwarded-For address only from a proxy of TRUST_PROXY, and warns once of a proxy it does not name', async () => {
     const headers = { 'X-Forwarded-For': '203.0.113.7' }
     const path = '/.well-known/oauth-authorization-server'
     const behind = await startLatch({ TRUST_PROXY: '127.0.0.1' })
@@ -865,6 +865,12 @@ describe('The log: one line per request, and security events', () => {
         ['127.0.0.1'],
         direct.logs.join('\n'),
       )
+      // a proxy on this machine that TRUST_PROXY does not name: said once, with the fix
+      await settle(await fetch(`${direct.base}${path}`, { headers }))
+      const warnings = direct.logs.filter((line) => / warning: .*X-Forwarded-For/.test(line))
+      assert.equal(warnings.length, 1, direct.logs.join('\n'))
+      assert.match(warnings[0], /set TRUST_PROXY=127\.0\.0\.1,::1$/)
+      assert.ok(!behind.logs.some((line) => / warning: /.test(line)), behind.logs.join('\n'))
     } finally {
       await behind.close()
       await direct.close()
