@@ -853,11 +853,13 @@ export function metadataPath(config: Config): string {
 }
 
 /**
- * A handler that answers `GET` and `HEAD` with Latch's metadata, for the site at the issuer's
- * origin to mount at `metadataPath(config)` when Latch runs under a path.
+ * A handler that answers `GET` and `HEAD` with Latch's metadata, and a browser's preflight as
+ * Latch's own route does, for the site at the issuer's origin to mount at `metadataPath(config)`
+ * when Latch runs under a path.
  */
 export function createMetadataHandler(config: Config): (req: IncomingMessage, res: ServerResponse) => void {
   return (req, res) => {
+    if (req.method === 'OPTIONS') return writePreflight(res, ['GET', 'HEAD'])
     if (req.method !== 'GET' && req.method !== 'HEAD') {
       res.writeHead(405, { Allow: 'GET, HEAD' })
       res.end()
@@ -2792,15 +2794,17 @@ function selectRoute(method: string, path: string): Pick<Route, 'handler' | 'err
  * @see https://fetch.spec.whatwg.org/#http-cors-protocol
  */
 function answerPreflight(methods: string[]): Handler {
-  return async (_req, res) => {
-    res.writeHead(204, {
-      'Access-Control-Allow-Origin': '*',
-      'Access-Control-Allow-Methods': methods.join(', '),
-      'Access-Control-Allow-Headers': 'Authorization, Content-Type, MCP-Protocol-Version',
-      'Access-Control-Max-Age': '86400',
-    })
-    res.end()
-  }
+  return async (_req, res) => writePreflight(res, methods)
+}
+
+function writePreflight(res: ServerResponse, methods: string[]): void {
+  res.writeHead(204, {
+    'Access-Control-Allow-Origin': '*',
+    'Access-Control-Allow-Methods': methods.join(', '),
+    'Access-Control-Allow-Headers': 'Authorization, Content-Type, MCP-Protocol-Version',
+    'Access-Control-Max-Age': '86400',
+  })
+  res.end()
 }
 
 async function rejectUnknownPath(): Promise<void> {

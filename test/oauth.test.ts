@@ -217,6 +217,19 @@ describe('Metadata (RFC 8414)', () => {
       assert.equal(head.headers.get('access-control-allow-origin'), '*')
       assert.equal(await head.text(), '')
 
+      // a browser's MCP client asks first whether it may send its MCP-Protocol-Version header
+      const preflight = await fetch(url, {
+        method: 'OPTIONS',
+        headers: {
+          Origin: 'https://app.example',
+          'Access-Control-Request-Method': 'GET',
+          'Access-Control-Request-Headers': 'mcp-protocol-version',
+        },
+      })
+      assert.equal(preflight.status, 204)
+      assert.equal(preflight.headers.get('access-control-allow-origin'), '*')
+      assert.match(preflight.headers.get('access-control-allow-headers') ?? '', /MCP-Protocol-Version/)
+
       for (const method of ['POST', 'PUT', 'DELETE']) {
         const refused = await fetch(url, { method })
         assert.equal(refused.status, 405, method)
