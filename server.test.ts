@@ -2627,6 +2627,31 @@ describe('Sign-in sessions and connected apps', () => {
   })
 })
 
+describe('Two Latches under two paths of one https host', () => {
+  it('give their __Host- cookies names of their own, so that signing in to one keeps the other', async () => {
+    const password = 'correct horse'
+    const passwordHash = await hashPassword(password, FAST_COST)
+    const names = new Set<string>()
+    for (const ISSUER of ['https://example.com/alice', 'https://example.com/bob', 'https://example.com']) {
+      const latch = await startLatch({ PASSWORD_HASH: passwordHash, ISSUER })
+      try {
+        const page = await fetch(`${latch.base}/apps`)
+        const [, name, csrf] = /^(__Host-[^=]+)=([^;]+); Path=\/;/.exec(page.headers.get('set-cookie') ?? '') ?? []
+        assert.ok(name !== undefined, ISSUER)
+        names.add(name)
+        const signedIn = await post(`${latch.base}/sign-in`, form({ csrf, password }), { Cookie: `${name}=${csrf}` })
+        const session = /^(__Host-latch_session[^=]*)=/.exec(signedIn.headers.get('set-cookie') ?? '')?.[1]
+        assert.ok(session !== undefined, ISSUER)
+        names.add(session)
+      } finally {
+        await latch.close()
+      }
+    }
+    assert.equal(names.size, 6) // a CSRF and a session cookie each, all named apart
+    assert.ok(names.has('__Host-latch_csrf') && names.has('__Host-latch_session')) // at the root, as before
+  })
+})
+
 describe('A new PASSWORD_HASH', () => {
   it('ends every session started with the old password, across a restart', async () => {
     const file = join(await mkdtemp(join(tmpdir(), 'latch-password-')), 'data.jsonl')

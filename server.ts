@@ -3622,11 +3622,24 @@ function renderPasswordField(message: string | undefined, autofocus = true): str
 // or a passkey.
 
 function csrfCookieName(config: Config): string {
-  return config.issuer.startsWith('https:') ? '__Host-latch_csrf' : 'latch_csrf'
+  return cookieName('latch_csrf', config)
 }
 
 function sessionCookieName(config: Config): string {
-  return config.issuer.startsWith('https:') ? '__Host-latch_session' : 'latch_session'
+  return cookieName('latch_session', config)
+}
+
+/**
+ * A cookie's name: on https, with the `__Host-` prefix, whose cookies must have `Path=/`. So two
+ * Latches under two paths of one https host (`/alice` and `/bob`) would share them, and signing
+ * in to one would sign out of the other: an issuer with a path adds a few characters of its own,
+ * from the path's hash.
+ */
+function cookieName(base: string, config: Config): string {
+  const issuer = new URL(config.issuer)
+  if (issuer.protocol !== 'https:') return base // the cookie's Path is the issuer's
+  const path = issuer.pathname.replace(/\/$/, '')
+  return path === '' ? `__Host-${base}` : `__Host-${base}-${hash('sha256', path, 'base64url').slice(0, 8)}`
 }
 
 /** A Set-Cookie value; `maxAgeSeconds` undefined makes a cookie that ends with the browser session. */
