@@ -294,6 +294,8 @@ describe('Configuration', () => {
     ['a negative duration', { ACCESS_TOKEN_TTL: '-5' }, [], /ACCESS_TOKEN_TTL/],
     ['a duration with an unknown unit', { CODE_TTL: '5w' }, [], /CODE_TTL/],
     ['a code lifetime over 10 minutes', { CODE_TTL: '601' }, [], /CODE_TTL/],
+    ['a setting written in camelCase', { passwordHash: 'x' }, [], /passwordHash is not a setting: .* PASSWORD_HASH/],
+    ['a setting without its underscore', { DATAFILE: 'memory' }, [], /DATAFILE is not a setting: .* DATA_FILE/],
     ['a token lifetime over ten years', { ACCESS_TOKEN_TTL: '3651d' }, [], /ACCESS_TOKEN_TTL/],
     ['a port out of range', { PORT: '70000' }, [], /PORT/],
     ['an issuer with a query', { ISSUER: 'https://a.example/?x=1' }, [], /ISSUER/],

@@ -6743,6 +6743,13 @@ function readSettings(env: Record<string, string | undefined>, argv: readonly st
   for (const { name } of SETTINGS) {
     if (env[name] !== undefined && env[name] !== '') values[name] = env[name]
   }
+  // a setting misspelled by case or underscores (`dataFile`, `DATAFILE`, as an embedding app may
+  // write it) would be dropped without a word: the password, or the data file, with it
+  for (const key of Object.keys(env)) {
+    const meant = SETTINGS.find(({ name }) => key !== name && squeeze(key) === squeeze(name))?.name
+    if (meant !== undefined && env[key] !== undefined)
+      throw new ConfigError(`${key} is not a setting: settings are written as ${meant}`)
+  }
   for (let i = 0; i < argv.length; i++) {
     const arg = argv[i]
     const equals = arg.indexOf('=')
@@ -6756,6 +6763,11 @@ function readSettings(env: Record<string, string | undefined>, argv: readonly st
     else values[name] = value
   }
   return values
+}
+
+/** A name without case or separators: `data_file`, `dataFile` and `DATA_FILE` are one. */
+function squeeze(name: string): string {
+  return name.toUpperCase().replace(/[^A-Z0-9]/g, '')
 }
 
 /** `CODE_TTL` becomes `--code-ttl`. */
