@@ -5508,7 +5508,9 @@ class Journal {
         waiters.forEach((waiter) => waiter.resolve())
       },
       (err: unknown) => {
-        this.#log(`journal: writing ${this.path} failed, so ${lines.length} changes were not stored: ${String(err)}`)
+        // a journal gone is written anew, and these changes with it (see `FileStore`)
+        if (!(err instanceof JournalGone))
+          this.#log(`journal: writing ${this.path} failed, so ${lines.length} changes were not stored: ${String(err)}`)
         waiters.forEach((waiter) => waiter.reject(err))
       },
     )
@@ -5525,6 +5527,7 @@ class Journal {
       if (this.#torn) await this.#cutBack()
       await writeAll(this.#file, bytes)
       await this.#file.datasync()
+      await this.#checkInPlace()
     } catch (err) {
       this.#torn = true
       await this.#cutBack().catch(() => {}) // tried again before the next write
@@ -5532,6 +5535,16 @@ class Journal {
     }
     this.#size += bytes.length
     this.lines += lines.length
+  }
+
+  /**
+   * Throws `JournalGone` when the file written to is no longer the one at the journal's path:
+   * removed (`rm`, its folder too) or moved away while Latch ran. What was written there would
+   * be lost at the next start, so it does not count as stored.
+   */
+  async #checkInPlace(): Promise<void> {
+    const [written, there] = await Promise.all([this.#file.stat(), stat(this.path).catch(() => undefined)])
+    if (there === undefined || there.ino !== written.ino || there.dev !== written.dev) throw new JournalGone(this.path)
   }
 
   /** Cuts off whatever a failed write left past the last whole line, and makes the cut durable. */
@@ -5555,6 +5568,7 @@ class Journal {
     let out: FileHandle | undefined
     let next: FileHandle | undefined
     try {
+      await makeFolders(dirname(this.path), 0o700) // removed while Latch ran, with the journal in it
       const snapshot = await open(temporary, 'wx', 0o600)
       out = snapshot
       let slice: string[] = []
@@ -5626,6 +5640,13 @@ class Journal {
       this.#running = undefined
       this.#kick()
     }
+  }
+}
+
+/** The journal's file is no longer at its path: removed, or moved away, while Latch ran. */
+class JournalGone extends Error {
+  constructor(path: string) {
+    super(`${path} was removed or moved away while Latch ran`)
   }
 }
 
@@ -6100,23 +6121,40 @@ export class FileStore implements Store {
     releaseJournal(this.#hold)
   }
 
-  /** Appends changes, then compacts once the file holds far more lines than live entries. */
+  /**
+   * Appends changes, then compacts once the file holds far more lines than live entries. A
+   * journal removed or moved away while Latch ran is written anew at its path, whole, from what
+   * this store holds (a compaction), and the changes are appended to it then.
+   */
   async #append(records: JournalRecord[]): Promise<void> {
-    await this.#journal.append(records)
+    try {
+      await this.#journal.append(records)
+    } catch (err) {
+      if (!(err instanceof JournalGone)) throw err
+      if (this.compaction === undefined) {
+        this.#log(`journal: ${err.message}: writing it anew from memory`)
+        this.#compact()
+      }
+      await this.compaction
+      await this.#journal.append(records) // fails the request if the journal could not be written anew
+    }
     const lines = this.#journal.lines
     // the cheap tests first: counting live entries walks the 64 shards of each map
     if (this.compaction !== undefined || lines <= Math.max(COMPACT_MIN_LINES, this.#compactAfterLines)) return
     const { codes, grants, tokens, sessions, passkeys } = this.memory
-    if (lines > COMPACT_FACTOR * (codes.size + grants.size + tokens.size + sessions.size + passkeys.size)) {
-      this.compaction = this.#journal
-        .compact(() => this.memory.records(this.#now(), this.#unsaved))
-        .catch((err: unknown) => {
-          // not again at every write, on a disk still full
-          this.#compactAfterLines = this.#journal.lines + COMPACT_MIN_LINES
-          this.#log(`journal: compacting ${this.#journal.path} failed, so it stays as it was: ${String(err)}`)
-        })
-        .finally(() => (this.compaction = undefined))
-    }
+    if (lines > COMPACT_FACTOR * (codes.size + grants.size + tokens.size + sessions.size + passkeys.size))
+      this.#compact()
+  }
+
+  #compact(): void {
+    this.compaction = this.#journal
+      .compact(() => this.memory.records(this.#now(), this.#unsaved))
+      .catch((err: unknown) => {
+        // not again at every write, on a disk still full
+        this.#compactAfterLines = this.#journal.lines + COMPACT_MIN_LINES
+        this.#log(`journal: compacting ${this.#journal.path} failed, so it stays as it was: ${String(err)}`)
+      })
+      .finally(() => (this.compaction = undefined))
   }
 }
 

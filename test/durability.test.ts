@@ -7,7 +7,7 @@ import assert from 'node:assert/strict'
 import { spawn, spawnSync } from 'node:child_process'
 import { createHash } from 'node:crypto'
 import type { ChildProcessWithoutNullStreams } from 'node:child_process'
-import { chown, lstat, mkdir, mkdtemp, readFile, rm, stat, symlink, writeFile } from 'node:fs/promises'
+import { chown, lstat, mkdir, mkdtemp, readFile, rename, rm, stat, symlink, writeFile } from 'node:fs/promises'
 import { writeFileSync } from 'node:fs'
 import { createServer } from 'node:http'
 import { connect } from 'node:net'
@@ -249,6 +249,34 @@ const token: Token = {
   expiresAt: START + 86400_000,
   usedAt: undefined,
 }
+
+describe('DATA_FILE: removed or moved away while Latch runs', () => {
+  for (const [what, takeAway] of [
+    ['the file removed', (file: string) => rm(file)],
+    ['its folder removed', (file: string) => rm(dirname(file), { recursive: true })],
+    ['the file moved away', (file: string) => rename(file, `${file}.moved`)],
+  ] as const) {
+    it(`writes the journal anew at its path, and loses nothing it answered: ${what}`, async () => {
+      const file = join(directory, `gone-${what.replaceAll(' ', '-')}`, 'data.jsonl')
+      const running = await startOn(file)
+      const before = (await obtainTokens(running.base)).access_token
+      await takeAway(file)
+      const after = await exchange(running.base, await obtainCode(running.base)) // written to the file taken away first
+      assert.equal(after.status, 200)
+      const { access_token } = (await after.json()) as { access_token: string }
+      assert.ok(
+        running.logs.some((line) =>
+          /journal: .* was removed or moved away while Latch ran: writing it anew/.test(line),
+        ),
+      )
+      await running.stop()
+      const restarted = await startOn(file)
+      assert.equal(await isActive(restarted.base, before), true)
+      assert.equal(await isActive(restarted.base, access_token), true)
+      await restarted.stop()
+    })
+  }
+})
 
 describe('DATA_FILE: damaged files', () => {
   const line = (key: string) => `${JSON.stringify({ set: 'token', key, value: token })}\n`
