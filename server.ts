@@ -5456,6 +5456,8 @@ class Journal {
   /** Lines in the file, as a measure of how far it has grown past the live data. */
   lines: number
   #file: FileHandle
+  /** Which file `#file` is (`ino` and `dev` of its stats), to tell whether it is still the one at `path`. */
+  #identity: Stats
   /** Where the last whole, fsync'd write ended. */
   #size: number
   /** Set when a failed write may have left bytes past `#size` that could not yet be cut off. */
@@ -5473,10 +5475,11 @@ class Journal {
   #closed = false
   readonly #log: (line: string) => void
 
-  constructor(path: string, file: FileHandle, size: number, lines: number, log: (line: string) => void) {
+  constructor(path: string, file: FileHandle, stats: Stats, lines: number, log: (line: string) => void) {
     this.path = path
     this.#file = file
-    this.#size = size
+    this.#identity = stats
+    this.#size = stats.size
     this.lines = lines
     this.#log = log
   }
@@ -5543,8 +5546,8 @@ class Journal {
    * be lost at the next start, so it does not count as stored.
    */
   async #checkInPlace(): Promise<void> {
-    const [written, there] = await Promise.all([this.#file.stat(), stat(this.path).catch(() => undefined)])
-    if (there === undefined || there.ino !== written.ino || there.dev !== written.dev) throw new JournalGone(this.path)
+    const there = await stat(this.path).catch(() => undefined)
+    if (there?.ino !== this.#identity.ino || there.dev !== this.#identity.dev) throw new JournalGone(this.path)
   }
 
   /** Cuts off whatever a failed write left past the last whole line, and makes the cut durable. */
@@ -5594,9 +5597,11 @@ class Journal {
         await write(slice.join('') + meanwhile.join(''))
         await snapshot.datasync()
         next = await open(temporary, 'a', 0o600) // the journal's handle from now on: the same file, once renamed
+        const identity = await next.stat()
         await rename(temporary, this.path)
         const previous = this.#file
         this.#file = next
+        this.#identity = identity
         this.#size = size
         this.#torn = false
         this.lines = lines + slice.length + meanwhile.length
@@ -5960,8 +5965,7 @@ export class FileStore implements Store {
         await truncate(path, end)
       }
       await syncDirectory(dirname(path))
-      const { size } = await file.stat()
-      return new FileStore(memory, new Journal(path, file, size, lines, log), hold, options)
+      return new FileStore(memory, new Journal(path, file, await file.stat(), lines, log), hold, options)
     } catch (err) {
       releaseJournal(hold)
       await file.close()
