@@ -5529,8 +5529,7 @@ class Journal {
     try {
       if (this.#torn) await this.#cutBack()
       await writeAll(this.#file, bytes)
-      await this.#file.datasync()
-      await this.#checkInPlace()
+      await Promise.all([this.#file.datasync(), this.#checkInPlace()]) // at once: the check must not slow every write
     } catch (err) {
       this.#torn = true
       await this.#cutBack().catch(() => {}) // tried again before the next write
