@@ -5647,10 +5647,13 @@ class Journal {
   }
 }
 
-/** The journal's file is no longer at its path: removed, or moved away, while Latch ran. */
+/**
+ * The journal's file is no longer at its path: removed, moved away, or replaced (a copy put back
+ * while Latch ran, which a restore must not do: the running server's state is written over it).
+ */
 class JournalGone extends Error {
   constructor(path: string) {
-    super(`${path} was removed or moved away while Latch ran`)
+    super(`${path} was removed, moved away or replaced while Latch ran`)
   }
 }
 
@@ -6126,8 +6129,8 @@ export class FileStore implements Store {
 
   /**
    * Appends changes, then compacts once the file holds far more lines than live entries. A
-   * journal removed or moved away while Latch ran is written anew at its path, whole, from what
-   * this store holds (a compaction), and the changes are appended to it then.
+   * journal removed, moved away or replaced while Latch ran is written anew at its path, whole,
+   * from what this store holds (a compaction), and the changes are appended to it then.
    */
   async #append(records: JournalRecord[]): Promise<void> {
     try {

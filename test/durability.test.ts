@@ -7,7 +7,19 @@ import assert from 'node:assert/strict'
 import { spawn, spawnSync } from 'node:child_process'
 import { createHash } from 'node:crypto'
 import type { ChildProcessWithoutNullStreams } from 'node:child_process'
-import { chown, lstat, mkdir, mkdtemp, readFile, rename, rm, stat, symlink, writeFile } from 'node:fs/promises'
+import {
+  chown,
+  copyFile,
+  lstat,
+  mkdir,
+  mkdtemp,
+  readFile,
+  rename,
+  rm,
+  stat,
+  symlink,
+  writeFile,
+} from 'node:fs/promises'
 import { writeFileSync } from 'node:fs'
 import { createServer } from 'node:http'
 import { connect } from 'node:net'
@@ -250,11 +262,15 @@ const token: Token = {
   usedAt: undefined,
 }
 
-describe('DATA_FILE: removed or moved away while Latch runs', () => {
+describe('DATA_FILE: removed, moved away or replaced while Latch runs', () => {
   for (const [what, takeAway] of [
     ['the file removed', (file: string) => rm(file)],
     ['its folder removed', (file: string) => rm(dirname(file), { recursive: true })],
     ['the file moved away', (file: string) => rename(file, `${file}.moved`)],
+    [
+      'the file replaced by a copy',
+      (file: string) => copyFile(file, `${file}.copy`).then(() => rename(`${file}.copy`, file)),
+    ],
   ] as const) {
     it(`writes the journal anew at its path, and loses nothing it answered: ${what}`, async () => {
       const file = join(directory, `gone-${what.replaceAll(' ', '-')}`, 'data.jsonl')
@@ -266,7 +282,7 @@ describe('DATA_FILE: removed or moved away while Latch runs', () => {
       const { access_token } = (await after.json()) as { access_token: string }
       assert.ok(
         running.logs.some((line) =>
-          /journal: .* was removed or moved away while Latch ran: writing it anew/.test(line),
+          /journal: .* was removed, moved away or replaced while Latch ran: writing it anew/.test(line),
         ),
       )
       await running.stop()
