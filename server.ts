@@ -3636,9 +3636,8 @@ function sessionCookieName(config: Config): string {
  * from the path's hash.
  */
 function cookieName(base: string, config: Config): string {
-  const issuer = new URL(config.issuer)
-  if (issuer.protocol !== 'https:') return base // the cookie's Path is the issuer's
-  const path = issuer.pathname.replace(/\/$/, '')
+  if (!config.issuer.startsWith('https:')) return base // the cookie's Path is the issuer's
+  const path = new URL(config.issuer).pathname.replace(/\/$/, '')
   return path === '' ? `__Host-${base}` : `__Host-${base}-${hash('sha256', path, 'base64url').slice(0, 8)}`
 }
 
