@@ -1027,12 +1027,13 @@ describe('GET /auth (IndieAuth §5.2)', () => {
     // an app that embeds Latch may listen on every interface: a peer on the network, naming a
     // loopback host in its Host header, must not approve sign-ins without a password
     const handler = createHandler({ config: loadConfig({ PORT: '0', DATA_FILE: 'memory' }), now: () => START })
-    const from = (peer: string) =>
+    const from = (peer: string | undefined) =>
       createServer((req, res) => {
         Object.defineProperty(req.socket, 'remoteAddress', { value: peer, configurable: true })
         handler(req, res)
       })
     for (const [peer, expected] of [
+      [undefined, 403], // a connection reset at once: node:http can no longer say whose it was
       ['192.0.2.2', 403],
       ['::ffff:192.0.2.2', 403],
       ['fd00::2', 403],
@@ -1045,7 +1046,7 @@ describe('GET /auth (IndieAuth §5.2)', () => {
       const base = `http://localhost:${(server.address() as AddressInfo).port}`
       try {
         const metadata = await fetch(`${base}/.well-known/oauth-authorization-server`)
-        assert.equal(metadata.status, expected, peer)
+        assert.equal(metadata.status, expected, String(peer))
         if (expected === 403) {
           assert.match(((await metadata.json()) as { error_description: string }).error_description, /PASSWORD_HASH/)
           const page = await fetch(`${base}/auth?client_id=x`)
@@ -1057,6 +1058,23 @@ describe('GET /auth (IndieAuth §5.2)', () => {
         await new Promise((resolve) => server.close(resolve))
       }
     }
+    // a Unix socket has no address, and only this machine can reach it
+    const socketPath = join(await mkdtemp(join(tmpdir(), 'latch-unix-')), 'latch.sock')
+    const unix = createServer(handler)
+    await new Promise<void>((resolve) => unix.listen(socketPath, resolve))
+    const status = await new Promise<number | undefined>((resolve, reject) =>
+      request(
+        { socketPath, path: '/.well-known/oauth-authorization-server', headers: { Host: 'localhost' } },
+        (res) => {
+          res.resume()
+          resolve(res.statusCode)
+        },
+      )
+        .on('error', reject)
+        .end(),
+    )
+    await new Promise((resolve) => unix.close(resolve))
+    assert.equal(status, 200)
   })
 
   it('refuses a request that names no host while no password is set, and one that names two with 400', async () => {

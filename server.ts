@@ -2856,7 +2856,7 @@ export function createHandler(options: HandlerOptions): (req: IncomingMessage, r
     if (cors) (res as MarkedResponse)[CORS] = true
     // the address now: once the connection is gone, node:http no longer knows it
     const address = clientAddress(req, ctx.trustedProxies)
-    if (proxyUnnamed && req.headers['x-forwarded-for'] !== undefined && isLocalPeer(req)) {
+    if (proxyUnnamed && req.headers['x-forwarded-for'] !== undefined && isLoopbackPeer(req)) {
       proxyUnnamed = false
       logEvent(
         ctx,
@@ -2935,15 +2935,21 @@ function isOwnHost(hostHeader: string, ownHosts: Set<string>): boolean {
 }
 
 /**
- * Whether a request came from this machine: over loopback, or a Unix socket, which has no address.
- * Without a password, `HOST` keeps Latch's own command on loopback; an app that embeds Latch
- * listens where it likes (Express's `app.listen(port)` takes every interface), so a server
- * without a password also looks at who connected, and the Host header a stranger writes is not enough.
+ * Whether a request came from this machine: over loopback, or a Unix socket. Without a password,
+ * `HOST` keeps Latch's own command on loopback; an app that embeds Latch listens where it likes
+ * (Express's `app.listen(port)` takes every interface), so a server without a password also looks
+ * at who connected, and the Host header a stranger writes is not enough. A TCP connection already
+ * reset has no address either: only a server listening on a path (a Unix socket) vouches for it.
  */
 function isLocalPeer(req: IncomingMessage): boolean {
-  const peer = req.socket.remoteAddress
-  if (peer === undefined) return true
-  const address = plainAddress(peer)
+  if (req.socket.remoteAddress !== undefined) return isLoopbackPeer(req)
+  const server = (req.socket as Socket & { server?: NetServer }).server
+  return typeof server?.address() === 'string'
+}
+
+/** Whether a request came over loopback TCP. */
+function isLoopbackPeer(req: IncomingMessage): boolean {
+  const address = plainAddress(req.socket.remoteAddress ?? '')
   return address === '::1' || address.startsWith('127.') // no IPv6 address starts so
 }
 
