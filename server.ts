@@ -6633,9 +6633,13 @@ const MIN_PASSWORD_LENGTH = 15
 const MAX_DURATION_SECONDS = 3650 * 86400
 const MAX_REFRESH_GRACE_SECONDS = 600
 
+/** Set once `loadConfig` has run: by an app that embeds Latch, if not by Latch's own command. */
+let configLoaded = false
+
 /**
  * Reads the configuration from environment variables and command-line flags, or throws a
- * `ConfigError` that says what to fix. Pure: pass `process.env` and `process.argv.slice(2)`.
+ * `ConfigError` that says what to fix. It reads nothing itself: pass `process.env` and
+ * `process.argv.slice(2)`.
  * `boundPort` replaces a `PORT` of 0 in the default issuer once the real port is known.
  * @see https://indieauth.spec.indieweb.org/#discovery-by-clients IndieAuth §4.1 (issuer)
  */
@@ -6644,6 +6648,7 @@ export function loadConfig(
   argv: readonly string[] = [],
   options: { boundPort?: number } = {},
 ): Config {
+  configLoaded = true
   const raw = readSettings(env, argv)
   const port = parsePort(raw.PORT ?? defaultOf('PORT'))
   const written = raw.HOST ?? defaultOf('HOST')
@@ -7448,29 +7453,43 @@ function linkTarget(path: string): string | undefined {
 }
 
 /**
- * Whether node was asked to run this file as Latch's command, rather than an app that imports it.
- * A bundler that inlines this file into an app's one file makes that file this module too; such a
- * file does not begin with Latch's own first comment (imports come first, and bundlers drop plain
- * comments), so the app does not also start a Latch of its own, on the same data file.
+ * Whether node was asked to run this file as Latch's command, rather than an app that imports it:
+ * `'yes'`, or `'unless imported'` when the file node runs is this module but does not begin with
+ * Latch's first comment (after a byte-order mark, a `#!` line or `//` lines). A bundler that
+ * inlines this file into an app's one file makes that file this module too; such a file begins
+ * with imports, as bundlers drop plain comments, and the app must not start a Latch of its own.
  */
-function isMainModule(): boolean {
-  if (process.argv[1] === undefined) return false
+function runsAsCommand(): 'yes' | 'unless imported' | 'no' {
+  if (process.argv[1] === undefined) return 'no'
   try {
     const path = realpathSync(process.argv[1])
-    if (path !== realpathSync(fileURLToPath(import.meta.url))) return false
-    const start = Buffer.alloc(64)
+    if (path !== realpathSync(fileURLToPath(import.meta.url))) return 'no'
+    const start = Buffer.alloc(1024)
     const fd = openSync(path, 'r')
     const read = readSync(fd, start)
     closeSync(fd)
-    return /^(#!.*\n)?\/\*\*\r?\n \* Latch: /.test(start.toString('utf8', 0, read))
+    const latch = /^\uFEFF?(#!.*\n)?(\/\/.*\n)*\/\*\*\r?\n \* Latch: /.test(start.toString('utf8', 0, read))
+    return latch ? 'yes' : 'unless imported'
   } catch {
-    return false
+    return 'no'
   }
 }
 
-if (isMainModule()) {
+const asCommand = runsAsCommand()
+if (asCommand === 'yes') {
   main(process.argv.slice(2), process.env).catch((err: unknown) => {
     console.error(err instanceof ConfigError ? `latch: ${err.message}` : err)
     process.exit(1)
+  })
+} else if (asCommand === 'unless imported') {
+  // an app calls loadConfig; a copy of this file that lost its first comment ends with nothing
+  // done, and says why
+  process.once('beforeExit', () => {
+    if (configLoaded) return
+    console.error(
+      "latch: this file does not begin with Latch's first comment, as a bundle of an app does, " +
+        'so the command did not start: run server.ts as it is (npx tsx server.ts)',
+    )
+    process.exitCode = 1
   })
 }

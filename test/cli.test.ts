@@ -437,20 +437,36 @@ describe('Run, or imported', () => {
   it('starts no Latch of its own when a bundler has inlined server.ts into an app', async () => {
     // what esbuild makes of an app that imports server.ts: imports first, Latch, then the app, one file
     const source = readFileSync(join(ROOT, 'server.ts'), 'utf8')
-    const bundle = join(directory, 'bundle.ts')
-    await writeFile(bundle, `import 'node:http'\n${source}\nconsole.log('the app ran')\n`)
+    const bundle = join(directory, 'bundle.mts') // an ES module, as the app's top-level await needs
+    const app = `await new Promise((resolve) => setTimeout(resolve, 10))\nloadConfig({ DATA_FILE: 'memory' })\nconsole.log('the app ran')\n`
+    await writeFile(bundle, `import 'node:http'\n${source}\n${app}`)
     const result = run(bundle, ['--verbose']) // a flag of the app's own
     assert.equal(result.status, 0, result.stderr)
     assert.equal(result.stdout, 'the app ran\n')
   })
 
-  it('runs as the command under another name', async () => {
-    const copy = join(directory, 'latch.ts')
-    await writeFile(copy, readFileSync(join(ROOT, 'server.ts')))
-    const result = run(copy, ['--help'])
-    assert.equal(result.status, 0, result.stderr)
-    assert.match(result.stdout, /^Latch: an IndieAuth authorization server/)
+  it('says why it did nothing when run from a copy that lost its first comment', async () => {
+    const source = readFileSync(join(ROOT, 'server.ts'), 'utf8')
+    const copy = join(directory, 'compiled.ts')
+    await writeFile(copy, source.slice(source.indexOf('*/') + 2)) // as a compiler that drops comments leaves it
+    const result = run(copy, [])
+    assert.equal(result.status, 1)
+    assert.match(result.stderr, /^latch: this file does not begin with Latch's first comment.*npx tsx server\.ts\)\n$/)
   })
+
+  for (const [what, top] of [
+    ['under another name', ''],
+    ['with a byte-order mark', '\ufeff'],
+    ['with a licence line on top', '// SPDX-License-Identifier: MIT\n'],
+  ]) {
+    it(`runs as the command ${what}`, async () => {
+      const copy = join(directory, `latch-${what.replaceAll(' ', '-')}.ts`)
+      await writeFile(copy, top + readFileSync(join(ROOT, 'server.ts'), 'utf8'))
+      const result = run(copy, ['--help'])
+      assert.equal(result.status, 0, result.stderr)
+      assert.match(result.stdout, /^Latch: an IndieAuth authorization server/)
+    })
+  }
 })
 
 // --- --help and hash-password --------------------------------------------------------------
