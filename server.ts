@@ -5467,6 +5467,8 @@ class Journal {
   #size: number
   /** Set when a failed write may have left bytes past `#size` that could not yet be cut off. */
   #torn = false
+  /** Set once the file at `path` is not the one written to, nor gone: see `#checkInPlace`. */
+  #replaced = false
   #queue: string[] = []
   #waiters: { resolve: () => void; reject: (err: unknown) => void }[] = []
   #scheduled = false
@@ -5530,12 +5532,15 @@ class Journal {
 
   /** Writes lines whole and fsyncs them, or cuts the file back to where it was and throws. */
   async #writeLines(lines: string[]): Promise<void> {
+    if (this.#replaced) throw new JournalReplaced(this.path)
     const bytes = Buffer.from(lines.join(''))
     try {
       if (this.#torn) await this.#cutBack()
       await writeAll(this.#file, bytes)
-      await Promise.all([this.#file.datasync(), this.#checkInPlace()]) // at once: the check must not slow every write
+      // at once: the check must not slow every write
+      await Promise.all([this.#file.datasync(), this.#checkInPlace(this.#size + bytes.length)])
     } catch (err) {
+      if (err instanceof JournalReplaced) throw err // the file is someone else's now: not cut
       this.#torn = true
       await this.#cutBack().catch(() => {}) // tried again before the next write
       throw err
@@ -5545,13 +5550,21 @@ class Journal {
   }
 
   /**
-   * Throws `JournalGone` when the file written to is no longer the one at the journal's path:
-   * removed (`rm`, its folder too) or moved away while Latch ran. What was written there would
-   * be lost at the next start, so it does not count as stored.
+   * Checks that the file written to is still the one at the journal's path, `size` bytes long.
+   * What was written elsewhere would be lost at the next start, so it does not count as stored:
+   * - Nothing at the path (removed, its folder too, or moved away): `JournalGone`, and the store
+   *   writes the journal anew there.
+   * - Another file there, or this one changed by another hand (a copy put back, an editor's save):
+   *   `JournalReplaced`, for good. That file is left as it is, for the next start to read, and no
+   *   write is stored until then.
    */
-  async #checkInPlace(): Promise<void> {
+  async #checkInPlace(size: number): Promise<void> {
     const there = await stat(this.path).catch(() => undefined)
-    if (there?.ino !== this.#identity.ino || there.dev !== this.#identity.dev) throw new JournalGone(this.path)
+    if (there === undefined) throw new JournalGone(this.path)
+    if (there.ino !== this.#identity.ino || there.dev !== this.#identity.dev || there.size !== size) {
+      this.#replaced = true
+      throw new JournalReplaced(this.path)
+    }
   }
 
   /** Cuts off whatever a failed write left past the last whole line, and makes the cut durable. */
@@ -5568,6 +5581,7 @@ class Journal {
    * written in slices, so requests go on being served; none of their writes is lost.
    */
   async compact(live: () => Iterable<JournalRecord>): Promise<void> {
+    if (this.#replaced) throw new JournalReplaced(this.path) // not written over
     this.#sinceSnapshot = []
     // a name of its own each time, made anew: in a folder such as /tmp, another user may have
     // made a file of any name that can be guessed, to be written into or to stand in the way
@@ -5652,13 +5666,17 @@ class Journal {
   }
 }
 
-/**
- * The journal's file is no longer at its path: removed, moved away, or replaced (a copy put back
- * while Latch ran, which a restore must not do: the running server's state is written over it).
- */
+/** The journal's file is no longer at its path: removed, or moved away, while Latch ran. */
 class JournalGone extends Error {
   constructor(path: string) {
-    super(`${path} was removed, moved away or replaced while Latch ran`)
+    super(`${path} was removed or moved away while Latch ran`)
+  }
+}
+
+/** Another file is at the journal's path, or another hand changed it, while Latch ran. */
+class JournalReplaced extends Error {
+  constructor(path: string) {
+    super(`${path} was replaced or changed while Latch ran, so nothing more is stored: restart Latch to read it`)
   }
 }
 
@@ -6134,8 +6152,8 @@ export class FileStore implements Store {
 
   /**
    * Appends changes, then compacts once the file holds far more lines than live entries. A
-   * journal removed, moved away or replaced while Latch ran is written anew at its path, whole,
-   * from what this store holds (a compaction), and the changes are appended to it then.
+   * journal removed or moved away while Latch ran is written anew at its path, whole, from what
+   * this store holds (a compaction), and the changes are appended to it then.
    */
   async #append(records: JournalRecord[]): Promise<void> {
     try {

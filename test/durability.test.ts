@@ -251,6 +251,33 @@ describe('DATA_FILE: restarts', () => {
   })
 })
 
+describe('DATA_FILE: replaced while Latch runs', () => {
+  for (const [what, putBack] of [
+    ['a copy renamed over it', (copy: string, file: string) => rename(copy, file)],
+    ['a copy written over it', (copy: string, file: string) => copyFile(copy, file)], // the same file, rewritten
+  ] as const) {
+    it(`leaves the file put back as it is, stores nothing more, and says to restart: ${what}`, async () => {
+      const file = join(directory, `replaced-${what.replaceAll(' ', '-')}`, 'data.jsonl')
+      const running = await startOn(file)
+      const kept = (await obtainTokens(running.base)).access_token
+      await copyFile(file, `${file}.copy`) // a backup, holding that token
+      const lost = (await obtainTokens(running.base)).access_token
+      const code = await obtainCode(running.base)
+      await putBack(`${file}.copy`, file) // a restore while Latch runs
+      const backup = await readFile(file, 'utf8')
+      assert.equal((await exchange(running.base, code)).status, 500) // the write that finds it
+      assert.equal((await post(`${running.base}/revoke`, form({ token: kept }))).status, 500) // and every one after
+      assert.ok(running.logs.some((line) => /was replaced or changed while Latch ran, .* restart Latch/.test(line)))
+      await running.stop()
+      assert.ok((await readFile(file, 'utf8')).startsWith(backup), 'the file put back was written over')
+      const restarted = await startOn(file) // reads the copy put back, as a restore means
+      assert.equal(await isActive(restarted.base, kept), true)
+      assert.equal(await isActive(restarted.base, lost), false)
+      await restarted.stop()
+    })
+  }
+})
+
 /** A live access token, for tests that write the journal by hand. */
 const token: Token = {
   kind: 'access',
@@ -262,15 +289,11 @@ const token: Token = {
   usedAt: undefined,
 }
 
-describe('DATA_FILE: removed, moved away or replaced while Latch runs', () => {
+describe('DATA_FILE: removed or moved away while Latch runs', () => {
   for (const [what, takeAway] of [
     ['the file removed', (file: string) => rm(file)],
     ['its folder removed', (file: string) => rm(dirname(file), { recursive: true })],
     ['the file moved away', (file: string) => rename(file, `${file}.moved`)],
-    [
-      'the file replaced by a copy',
-      (file: string) => copyFile(file, `${file}.copy`).then(() => rename(`${file}.copy`, file)),
-    ],
   ] as const) {
     it(`writes the journal anew at its path, and loses nothing it answered: ${what}`, async () => {
       const file = join(directory, `gone-${what.replaceAll(' ', '-')}`, 'data.jsonl')
@@ -282,7 +305,7 @@ describe('DATA_FILE: removed, moved away or replaced while Latch runs', () => {
       const { access_token } = (await after.json()) as { access_token: string }
       assert.ok(
         running.logs.some((line) =>
-          /journal: .* was removed, moved away or replaced while Latch ran: writing it anew/.test(line),
+          /journal: .* was removed or moved away while Latch ran: writing it anew/.test(line),
         ),
       )
       await running.stop()
