@@ -79,6 +79,7 @@ import {
   readSync,
   readlinkSync,
   realpathSync,
+  statSync,
   writeSync,
 } from 'node:fs'
 import type { Stats } from 'node:fs'
@@ -5537,8 +5538,8 @@ class Journal {
     try {
       if (this.#torn) await this.#cutBack()
       await writeAll(this.#file, bytes)
-      // at once: the check must not slow every write
-      await Promise.all([this.#file.datasync(), this.#checkInPlace(this.#size + bytes.length)])
+      await this.#file.datasync()
+      this.#checkInPlace(this.#size + bytes.length)
     } catch (err) {
       if (err instanceof JournalReplaced) throw err // the file is someone else's now: not cut
       this.#torn = true
@@ -5558,9 +5559,15 @@ class Journal {
    *   `JournalReplaced`, for good. That file is left as it is, for the next start to read, and no
    *   write is stored until then.
    */
-  async #checkInPlace(size: number): Promise<void> {
-    const there = await stat(this.path).catch(() => undefined)
-    if (there === undefined) throw new JournalGone(this.path)
+  #checkInPlace(size: number): void {
+    // at once: one call to the kernel, for a path it has cached, costs a write less than a trip
+    // through libuv's thread pool (`npm run bench`, the durability figure)
+    let there: Stats
+    try {
+      there = statSync(this.path)
+    } catch {
+      throw new JournalGone(this.path)
+    }
     if (there.ino !== this.#identity.ino || there.dev !== this.#identity.dev || there.size !== size) {
       this.#replaced = true
       throw new JournalReplaced(this.path)
