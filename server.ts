@@ -5537,9 +5537,10 @@ class Journal {
     const bytes = Buffer.from(lines.join(''))
     try {
       if (this.#torn) await this.#cutBack()
+      this.#checkInPlace(this.#size) // before: not one byte into a file that is not Latch's
       await writeAll(this.#file, bytes)
       await this.#file.datasync()
-      this.#checkInPlace(this.#size + bytes.length)
+      this.#checkInPlace(this.#size + bytes.length) // and after, for one taken away meanwhile
     } catch (err) {
       if (err instanceof JournalReplaced) throw err // the file is someone else's now: not cut
       this.#torn = true
@@ -5560,18 +5561,28 @@ class Journal {
    *   write is stored until then.
    */
   #checkInPlace(size: number): void {
-    // at once: one call to the kernel, for a path it has cached, costs a write less than a trip
-    // through libuv's thread pool (`npm run bench`, the durability figure)
+    const there = this.#whatIsThere(size)
+    if (there === 'nothing') throw new JournalGone(this.path)
+    if (there === 'another') {
+      this.#replaced = true
+      throw new JournalReplaced(this.path)
+    }
+  }
+
+  /**
+   * What is at the journal's path: its file, `size` bytes long (any size when undefined); nothing;
+   * or another file, or this one changed. Synchronous: one call to the kernel, for a path it has
+   * cached, costs less than a trip through libuv's thread pool (`npm run bench`, durability).
+   */
+  #whatIsThere(size: number | undefined): 'this file' | 'nothing' | 'another' {
     let there: Stats
     try {
       there = statSync(this.path)
     } catch {
-      throw new JournalGone(this.path)
+      return 'nothing'
     }
-    if (there.ino !== this.#identity.ino || there.dev !== this.#identity.dev || there.size !== size) {
-      this.#replaced = true
-      throw new JournalReplaced(this.path)
-    }
+    const same = there.ino === this.#identity.ino && there.dev === this.#identity.dev
+    return same && (size === undefined || there.size === size) ? 'this file' : 'another'
   }
 
   /** Cuts off whatever a failed write left past the last whole line, and makes the cut durable. */
@@ -5623,6 +5634,11 @@ class Journal {
         await snapshot.datasync()
         next = await open(temporary, 'a', 0o600) // the journal's handle from now on: the same file, once renamed
         const identity = await next.stat()
+        // a file put back meanwhile is not written over (nothing there: the journal is written anew)
+        if (this.#replaced || this.#whatIsThere(this.#torn ? undefined : this.#size) === 'another') {
+          this.#replaced = true
+          throw new JournalReplaced(this.path)
+        }
         await rename(temporary, this.path)
         const previous = this.#file
         this.#file = next

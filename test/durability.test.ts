@@ -269,13 +269,30 @@ describe('DATA_FILE: replaced while Latch runs', () => {
       assert.equal((await post(`${running.base}/revoke`, form({ token: kept }))).status, 500) // and every one after
       assert.ok(running.logs.some((line) => /was replaced or changed while Latch ran, .* restart Latch/.test(line)))
       await running.stop()
-      assert.ok((await readFile(file, 'utf8')).startsWith(backup), 'the file put back was written over')
+      assert.equal(await readFile(file, 'utf8'), backup, 'the file put back was written to')
       const restarted = await startOn(file) // reads the copy put back, as a restore means
       assert.equal(await isActive(restarted.base, kept), true)
       assert.equal(await isActive(restarted.base, lost), false)
       await restarted.stop()
     })
   }
+
+  it('writes no compaction over a file put back while it ran', async () => {
+    const file = join(directory, 'replaced-compaction', 'data.jsonl')
+    await mkdir(dirname(file))
+    const session = (key: string) =>
+      `${JSON.stringify({ set: 'session', key, value: { createdAt: START, expiresAt: START + 86400_000, passwordTag: 'p' } })}\n`
+    await writeFile(file, session('s').repeat(10_001)) // far more lines than live entries
+    const store = await FileStore.open(file, { now: () => START, log: () => {} })
+    await store.saveSession('t', { createdAt: START, expiresAt: START + 86400_000, passwordTag: 'p' }, START)
+    assert.ok(store.compaction !== undefined, 'no compaction started')
+    await writeFile(`${file}.copy`, session('backup'))
+    await rename(`${file}.copy`, file) // put back before the compaction could rename its snapshot
+    await store.compaction
+    assert.equal(await readFile(file, 'utf8'), session('backup'))
+    await assert.rejects(store.saveSession('u', { createdAt: START, expiresAt: START + 1000, passwordTag: 'p' }, START))
+    await store.close()
+  })
 })
 
 /** A live access token, for tests that write the journal by hand. */
