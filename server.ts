@@ -33,6 +33,7 @@
  * @see https://www.rfc-editor.org/rfc/rfc6749 OAuth 2.0
  * @see https://www.rfc-editor.org/rfc/rfc7636 PKCE
  * @see https://www.w3.org/TR/webauthn-3/ WebAuthn Level 3 (passkeys)
+ * @license MIT
  */
 
 // =================================================================================================
@@ -6674,9 +6675,6 @@ const MIN_PASSWORD_LENGTH = 15
 const MAX_DURATION_SECONDS = 3650 * 86400
 const MAX_REFRESH_GRACE_SECONDS = 600
 
-/** Set once `loadConfig` has run: by an app that embeds Latch, if not by Latch's own command. */
-let configLoaded = false
-
 /**
  * Reads the configuration from environment variables and command-line flags, or throws a
  * `ConfigError` that says what to fix. It reads nothing itself: pass `process.env` and
@@ -6689,7 +6687,6 @@ export function loadConfig(
   argv: readonly string[] = [],
   options: { boundPort?: number } = {},
 ): Config {
-  configLoaded = true
   const raw = readSettings(env, argv)
   const port = parsePort(raw.PORT ?? defaultOf('PORT'))
   const written = raw.HOST ?? defaultOf('HOST')
@@ -7494,43 +7491,40 @@ function linkTarget(path: string): string | undefined {
 }
 
 /**
- * Whether node was asked to run this file as Latch's command, rather than an app that imports it:
- * `'yes'`, or `'unless imported'` when the file node runs is this module but does not begin with
- * Latch's first comment (after a byte-order mark, a `#!` line or `//` lines). A bundler that
- * inlines this file into an app's one file makes that file this module too; such a file begins
- * with imports, as bundlers drop plain comments, and the app must not start a Latch of its own.
+ * Whether node was asked to run this file as Latch's command, rather than an app that imports it.
+ * A bundler that inlines this file into an app's one file makes that file this module too. Such a
+ * file does not begin with Latch's first comment: bundlers put imports first, and drop plain
+ * comments or move licence comments to its end. A copy of this file does, once past what a tool
+ * or a licence may put on top (a byte-order mark, a `#!` line, blank lines and comments); and so
+ * does one compiled alone, since the comment is a licence comment (`@license`), which compilers keep.
  */
-function runsAsCommand(): 'yes' | 'unless imported' | 'no' {
-  if (process.argv[1] === undefined) return 'no'
+function runsAsCommand(): boolean {
+  if (process.argv[1] === undefined) return false
   try {
     const path = realpathSync(process.argv[1])
-    if (path !== realpathSync(fileURLToPath(import.meta.url))) return 'no'
-    const start = Buffer.alloc(1024)
+    if (path !== realpathSync(fileURLToPath(import.meta.url))) return false
+    const start = Buffer.alloc(4096)
     const fd = openSync(path, 'r')
     const read = readSync(fd, start)
     closeSync(fd)
-    const latch = /^\uFEFF?(#!.*\n)?(\/\/.*\n)*\/\*\*\r?\n \* Latch: /.test(start.toString('utf8', 0, read))
-    return latch ? 'yes' : 'unless imported'
+    let text = start
+      .toString('utf8', 0, read)
+      .replace(/^\uFEFF/, '')
+      .replace(/^#!.*\n/, '')
+    for (let before = ''; before !== text;) {
+      before = text
+      text = text.replace(/^\s+/, '').replace(/^\/\/.*\n/, '')
+      if (!/^\/\*\*\r?\n \* Latch: /.test(text)) text = text.replace(/^\/\*[^]*?\*\/\n?/, '')
+    }
+    return /^\/\*\*\r?\n \* Latch: /.test(text)
   } catch {
-    return 'no'
+    return false
   }
 }
 
-const asCommand = runsAsCommand()
-if (asCommand === 'yes') {
+if (runsAsCommand()) {
   main(process.argv.slice(2), process.env).catch((err: unknown) => {
     console.error(err instanceof ConfigError ? `latch: ${err.message}` : err)
     process.exit(1)
-  })
-} else if (asCommand === 'unless imported') {
-  // an app calls loadConfig; a copy of this file that lost its first comment ends with nothing
-  // done, and says why
-  process.once('beforeExit', () => {
-    if (configLoaded) return
-    console.error(
-      "latch: this file does not begin with Latch's first comment, as a bundle of an app does, " +
-        'so the command did not start: run server.ts as it is (npx tsx server.ts)',
-    )
-    process.exitCode = 1
   })
 }
