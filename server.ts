@@ -1,4 +1,4 @@
-/**
+/*!
  * Latch: an IndieAuth authorization server in one file, on node:http and node:crypto.
  *
  * A person's browser is sent to `GET /auth`; the owner signs in and approves; the client gets a
@@ -7495,28 +7495,30 @@ function linkTarget(path: string): string | undefined {
  * A bundler that inlines this file into an app's one file makes that file this module too. Such a
  * file does not begin with Latch's first comment: bundlers put imports first, and drop plain
  * comments or move licence comments to its end. A copy of this file does, once past what a tool
- * or a licence may put on top (a byte-order mark, a `#!` line, blank lines and comments); and so
- * does one compiled alone, since the comment is a licence comment (`@license`), which compilers keep.
+ * or a licence may put on top (a byte-order mark, a `#!` line, `"use strict"`, blank lines and
+ * comments); so does one compiled alone, since that comment opens with `/*!`, which compilers and
+ * minifiers keep. Any other file starts nothing.
  */
 function runsAsCommand(): boolean {
   if (process.argv[1] === undefined) return false
   try {
     const path = realpathSync(process.argv[1])
     if (path !== realpathSync(fileURLToPath(import.meta.url))) return false
-    const start = Buffer.alloc(4096)
+    const start = Buffer.alloc(65_536)
     const fd = openSync(path, 'r')
     const read = readSync(fd, start)
     closeSync(fd)
+    const latch = /^\/\*[*!]\r?\n \* Latch: /
     let text = start
       .toString('utf8', 0, read)
       .replace(/^\uFEFF/, '')
-      .replace(/^#!.*\n/, '')
+      .replace(/^#!.*/, '')
     for (let before = ''; before !== text;) {
       before = text
-      text = text.replace(/^\s+/, '').replace(/^\/\/.*\n/, '')
-      if (!/^\/\*\*\r?\n \* Latch: /.test(text)) text = text.replace(/^\/\*[^]*?\*\/\n?/, '')
+      text = text.replace(/^(\s+|\/\/.*|(['"])use strict\2;?)/, '')
+      if (!latch.test(text)) text = text.replace(/^\/\*[^]*?\*\//, '')
     }
-    return /^\/\*\*\r?\n \* Latch: /.test(text)
+    return latch.test(text)
   } catch {
     return false
   }

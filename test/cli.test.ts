@@ -452,15 +452,18 @@ describe('Run, or imported', () => {
     }
   })
 
-  for (const [what, top] of [
+  for (const [what, top, crlf] of [
     ['under another name', ''],
     ['with a byte-order mark', '\ufeff'],
     ['with a licence line on top', '// SPDX-License-Identifier: MIT\n\n'],
     ['with a licence comment on top', '/*! (c) someone, MIT */\n'],
-  ]) {
+    ['with Windows line ends and a #! line', '#!/usr/bin/env -S npx tsx\r\n', true],
+    ['as a compiler may begin it', '"use strict";\n'],
+  ] as const) {
     it(`runs as the command ${what}`, async () => {
-      const copy = join(directory, `latch-${what.replaceAll(' ', '-')}.ts`)
-      await writeFile(copy, top + readFileSync(join(ROOT, 'server.ts'), 'utf8'))
+      const copy = join(directory, `latch-${what.replace(/\W+/g, '-')}.ts`)
+      const source = readFileSync(join(ROOT, 'server.ts'), 'utf8')
+      await writeFile(copy, top + (crlf === true ? source.replaceAll('\n', '\r\n') : source))
       const result = run(copy, ['--help'])
       assert.equal(result.status, 0, result.stderr)
       assert.match(result.stdout, /^Latch: an IndieAuth authorization server/)
