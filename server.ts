@@ -272,9 +272,11 @@ export type Passkey = {
  * keyed by hash with an `expires_at` column, and those two are one
  * `UPDATE ... SET used_at = ? WHERE hash = ? AND used_at IS NULL AND expires_at > ?` (one row
  * changed: the first caller), in a transaction with the inserts of the grant and the tokens. A
- * refresh token's retry within the grace period is the one exception, one more `OR (used_at >= ?
- * AND hash = <its grant's last_rotated>)` with `retriedSince`; the first rotation sets
- * `last_rotated`. `revokeGrant` deletes the grant and inserts it into a table of revoked ids. On
+ * refresh token's retry within the grace period is the one exception: its condition is `hash = ?
+ * AND expires_at > ? AND (used_at IS NULL OR (used_at >= <retriedSince> AND hash = <its grant's
+ * last_rotated>))`, with `SET used_at = COALESCE(used_at, ?)` so that a retry does not move it;
+ * each first redemption of a refresh token sets its grant's `last_rotated`. `revokeGrant`
+ * deletes the grant and inserts it into a table of revoked ids. On
  * Redis, each entry is a key with a TTL, and the same step is a `WATCH`/`MULTI` or a small Lua
  * script.
  */
@@ -1789,9 +1791,9 @@ async function handleRevocationRequest(req: IncomingMessage, res: ServerResponse
 }
 
 /**
- * The revocation that IndieAuth clients made before the revocation endpoint of §7: `POST /token`
- * with `action=revoke`, as the spec of 2020 had it.
- * @see https://indieauth.spec.indieweb.org/20201126/#token-revocation IndieAuth (2020) §7.1
+ * The revocation IndieAuth clients made before today's revocation endpoint (§7): `POST /token`
+ * with `action=revoke`, as IndieAuth of November 2020 had it (its §7.1).
+ * @see https://indieauth.spec.indieweb.org/20201126/#token-revocation-request IndieAuth (2020) §7.1
  */
 async function handleLegacyRevocation(form: Params, res: ServerResponse, ctx: Context): Promise<void> {
   if (getParam(form, 'action') !== 'revoke') throw new OAuthError('invalid_request', 'action must be revoke')
@@ -2780,7 +2782,7 @@ function selectRoute(method: string, path: string): Pick<Route, 'handler' | 'err
   if (found !== undefined) return found
   const corsMethods = [...methods].filter(([, row]) => row.cors).map(([name]) => name)
   if (method === 'OPTIONS' && corsMethods.length > 0) {
-    return { handler: answerPreflight(corsMethods.sort()), errors: 'json', cors: true }
+    return { handler: async (_req, res) => writePreflight(res, corsMethods.sort()), errors: 'json', cors: true }
   }
   const allow = [...methods.keys()].sort().join(', ')
   const rejectMethod = async () => {
@@ -2795,10 +2797,6 @@ function selectRoute(method: string, path: string): Pick<Route, 'handler' | 'err
  * the metadata; refused, it costs a browser client a second fetch without it.
  * @see https://fetch.spec.whatwg.org/#http-cors-protocol
  */
-function answerPreflight(methods: string[]): Handler {
-  return async (_req, res) => writePreflight(res, methods)
-}
-
 function writePreflight(res: ServerResponse, methods: string[]): void {
   res.writeHead(204, {
     'Access-Control-Allow-Origin': '*',
@@ -2849,7 +2847,7 @@ export function createHandler(options: HandlerOptions): (req: IncomingMessage, r
   }
   const ownHosts = ownHostsOf(ctx.config)
   let lastOwnHost: string | undefined // the Host header that passed last time: nearly every request repeats it
-  let proxyUnnamed = ctx.trustedProxies === undefined // until said once
+  let warnOfUnnamedProxy = ctx.trustedProxies === undefined // cleared once said
   return (req, res) => {
     const started = process.hrtime.bigint() // not `performance`: its first use loads perf_hooks, on the first request
     if (req.url !== undefined && req.url[0] !== '/') takeAbsoluteForm(req)
@@ -2858,13 +2856,14 @@ export function createHandler(options: HandlerOptions): (req: IncomingMessage, r
     if (cors) (res as MarkedResponse)[CORS] = true
     // the address now: once the connection is gone, node:http no longer knows it
     const address = clientAddress(req, ctx.trustedProxies)
-    if (proxyUnnamed && req.headers['x-forwarded-for'] !== undefined && isLoopbackPeer(req)) {
-      proxyUnnamed = false
+    if (warnOfUnnamedProxy && req.headers['x-forwarded-for'] !== undefined && isLoopbackPeer(req)) {
+      warnOfUnnamedProxy = false
       logEvent(
         ctx,
         'warning',
         'requests come through a proxy on this machine (X-Forwarded-For) that TRUST_PROXY does not name: ' +
-          'every client has its address, in the log and for password tries; set TRUST_PROXY=127.0.0.1,::1',
+          "every client is logged, and counted for password tries, under the proxy's address; " +
+          'set TRUST_PROXY=127.0.0.1,::1',
       )
     }
     let answered = false
@@ -2873,14 +2872,14 @@ export function createHandler(options: HandlerOptions): (req: IncomingMessage, r
     const host = req.headers.host
     const own = ownHosts === undefined || (host !== undefined && (host === lastOwnHost || isOwnHost(host, ownHosts)))
     if (own) lastOwnHost = host
-    const refused = refusalOf(req, own, ownHosts)
+    const refused = refusalOf(req, own, ctx.config.passwordHash === undefined)
     const checked = refused === undefined ? handler(req, res, ctx) : Promise.reject(refused)
     checked.catch((err: unknown) => renderError(err, req, res, errors === 'page', ctx))
   }
 }
 
 /** Why a request is refused before any handler reads it, or undefined. */
-function refusalOf(req: IncomingMessage, own: boolean, ownHosts: Set<string> | undefined): OAuthError | undefined {
+function refusalOf(req: IncomingMessage, own: boolean, passwordless: boolean): OAuthError | undefined {
   if (!own) {
     return new OAuthError(
       'invalid_request',
@@ -2888,7 +2887,7 @@ function refusalOf(req: IncomingMessage, own: boolean, ownHosts: Set<string> | u
       { status: 421 },
     )
   }
-  if (ownHosts !== undefined && !isLocalPeer(req)) {
+  if (passwordless && !isLocalPeer(req)) {
     return new OAuthError(
       'access_denied',
       'This server has no password, so it answers only to this machine: set PASSWORD_HASH',
@@ -3645,9 +3644,17 @@ function sessionCookieName(config: Config): string {
  */
 function cookieName(base: string, config: Config): string {
   if (!config.issuer.startsWith('https:')) return base // the cookie's Path is the issuer's
-  const path = new URL(config.issuer).pathname.replace(/\/$/, '')
-  return path === '' ? `__Host-${base}` : `__Host-${base}-${hash('sha256', path, 'base64url').slice(0, 8)}`
+  let suffix = cookieSuffixes.get(config)
+  if (suffix === undefined) {
+    const path = new URL(config.issuer).pathname.replace(/\/$/, '')
+    suffix = path === '' ? '' : `-${hash('sha256', path, 'base64url').slice(0, 8)}`
+    cookieSuffixes.set(config, suffix)
+  }
+  return `__Host-${base}${suffix}`
 }
+
+/** Each configuration's cookie-name suffix, made once rather than at every request. */
+const cookieSuffixes = new WeakMap<Config, string>()
 
 /** A Set-Cookie value; `maxAgeSeconds` undefined makes a cookie that ends with the browser session. */
 function buildCookie(name: string, value: string, maxAgeSeconds: number | undefined, config: Config): string {
@@ -5520,7 +5527,7 @@ class Journal {
         waiters.forEach((waiter) => waiter.resolve())
       },
       (err: unknown) => {
-        // a journal gone is written anew, and these changes with it (see `FileStore`)
+        // a journal gone is written anew by the store, which then appends these changes again
         if (!(err instanceof JournalGone))
           this.#log(`journal: writing ${this.path} failed, so ${lines.length} changes were not stored: ${String(err)}`)
         waiters.forEach((waiter) => waiter.reject(err))
@@ -5557,7 +5564,8 @@ class Journal {
    * What was written elsewhere would be lost at the next start, so it does not count as stored:
    * - Nothing at the path (removed, its folder too, or moved away): `JournalGone`, and the store
    *   writes the journal anew there.
-   * - Another file there, or this one changed by another hand (a copy put back, an editor's save):
+   * - Another file there, or this one at another size than Latch left it (a copy put back, or
+   *   written over it in place; an edit in place of the same length goes unseen):
    *   `JournalReplaced`, for good. That file is left as it is, for the next start to read, and no
    *   write is stored until then.
    */
@@ -5572,7 +5580,7 @@ class Journal {
 
   /**
    * What is at the journal's path: its file, `size` bytes long (any size when undefined); nothing;
-   * or another file, or this one changed. Synchronous: one call to the kernel, for a path it has
+   * or another file, or this one at another size. Synchronous: one call to the kernel, for a path it has
    * cached, costs less than a trip through libuv's thread pool (`npm run bench`, durability).
    */
   #whatIsThere(size: number | undefined): 'this file' | 'nothing' | 'another' {
@@ -5974,7 +5982,7 @@ export class FileStore implements Store {
       const bytes = await readFile(path)
       // Lines are cut at newline bytes and decoded one by one: a file may hold more than a
       // string can, and a stray byte that is not UTF-8 must not move the cut below.
-      const end = bytes.lastIndexOf(0x0a) + 1 // what follows the last newline is a write cut short, if anything
+      const end = bytes.lastIndexOf(0x0a) + 1 // after it: a write cut short, or a last line lacking only its newline
       const now = (options.now ?? Date.now)()
       let lines = 0
       for (let start = 0; start < end; lines++) {
@@ -6189,7 +6197,11 @@ export class FileStore implements Store {
         this.#compact()
       }
       await this.compaction
-      await this.#journal.append(records) // fails the request if the journal could not be written anew
+      await this.#journal.append(records).catch((again: unknown) => {
+        // the journal could not be written anew: its failure is logged, and this too
+        if (again instanceof JournalGone) this.#log(`journal: ${again.message}, so a change was not stored`)
+        throw again
+      })
     }
     const lines = this.#journal.lines
     // the cheap tests first: counting live entries walks the 64 shards of each map
@@ -6205,7 +6217,8 @@ export class FileStore implements Store {
       .catch((err: unknown) => {
         // not again at every write, on a disk still full
         this.#compactAfterLines = this.#journal.lines + COMPACT_MIN_LINES
-        this.#log(`journal: compacting ${this.#journal.path} failed, so it stays as it was: ${String(err)}`)
+        const left = existsSync(this.#journal.path) ? 'it stays as it was' : 'it is still missing'
+        this.#log(`journal: compacting ${this.#journal.path} failed, so ${left}: ${String(err)}`)
       })
       .finally(() => (this.compaction = undefined))
   }
@@ -6839,7 +6852,7 @@ function readSettings(env: Record<string, string | undefined>, argv: readonly st
   // write it) would be dropped without a word: the password, or the data file, with it
   for (const key of Object.keys(env)) {
     const meant = SETTINGS.find(({ name }) => key !== name && squeeze(key) === squeeze(name))?.name
-    if (meant !== undefined && env[key] !== undefined)
+    if (meant !== undefined && env[key] !== undefined && env[key] !== '')
       throw new ConfigError(`${key} is not a setting: settings are written as ${meant}`)
   }
   for (let i = 0; i < argv.length; i++) {
@@ -7192,8 +7205,9 @@ export function createLatchServer(
  * Stops a server the way Latch's command does at SIGTERM, and resolves once it has: no new
  * connections; requests in flight answered, each with `Connection: close`; idle connections
  * closed as soon as they are idle; and whatever is still open after 5 s (a client that sent half
- * its headers, or never reads its answer) cut off. `server.close()` alone waits for every
- * connection to end, which node:http no longer hastens once closing: up to a minute here.
+ * its headers, or never reads its answer) cut off. `server.close()` alone closes only the
+ * connections idle at that moment and stops node:http's request-timeout checks, so a stalled
+ * connection keeps it open until the idle timeout: a minute here.
  */
 export function closeLatchServer(server: Server): Promise<void> {
   return new Promise((resolve) => {
@@ -7240,6 +7254,7 @@ export function createLineWriter(
   let timer: NodeJS.Timeout | undefined
   let broken = false
   const stream = typeof output === 'number' ? undefined : output
+  const fd = typeof output === 'number' ? output : undefined
   stream?.on('error', () => (broken = true))
   let torn = false // the file ends with part of a line, where the disk filled up
   /** Writes to the file: false when the disk took none of it, or only part (ended on the next write). */
@@ -7261,10 +7276,10 @@ export function createLineWriter(
     if (stream !== undefined && stream.writableLength > MAX_UNREAD_LOG) dropped += lines
     else if ((pending !== '' || dropped > 0) && !broken) {
       // after the lines, so that the times go on rising: the dropped lines came before them all
-      const why = stream === undefined ? 'the disk was full' : "the log's reader was behind"
+      const why = fd !== undefined ? 'the disk was full' : "the log's reader was behind"
       const notice = `log: ${dropped} lines dropped while ${why}`
       const text = dropped === 0 ? pending : `${pending}${format(notice)}\n`
-      const written = typeof output === 'number' ? writeFile(output, text) : output.write(text) || true
+      const written = fd !== undefined ? writeFile(fd, text) : (stream?.write(text), true)
       dropped = written ? 0 : dropped + lines
     }
     pending = ''
@@ -7509,16 +7524,17 @@ function runsAsCommand(): boolean {
     const read = readSync(fd, start)
     closeSync(fd)
     const latch = /^\/\*[*!]\r?\n \* Latch: /
+    const passedOver = /^(\s+|\/\/.*|\/\*[^]*?\*\/|(['"])use strict\2;?)/
     let text = start
       .toString('utf8', 0, read)
       .replace(/^\uFEFF/, '')
       .replace(/^#!.*/, '')
-    for (let before = ''; before !== text;) {
-      before = text
-      text = text.replace(/^(\s+|\/\/.*|(['"])use strict\2;?)/, '')
-      if (!latch.test(text)) text = text.replace(/^\/\*[^]*?\*\//, '')
+    while (!latch.test(text)) {
+      const rest = text.replace(passedOver, '')
+      if (rest === text) return false
+      text = rest
     }
-    return latch.test(text)
+    return true
   } catch {
     return false
   }
