@@ -1749,6 +1749,7 @@ describe('POST /token with grant_type=refresh_token (IndieAuth §5.5, RFC 6749 �
     const refused = await refresh(tokens.refresh_token)
     await assertError(refused, 429, 'slow_down')
     assert.equal(refused.headers.get('retry-after'), '86400')
+    assert.equal(refused.headers.get('access-control-expose-headers'), 'Retry-After') // a browser app may read it
     await assertError(await refresh(tokens.refresh_token), 429, 'slow_down')
     const said = latch.logs.filter((line) => / security: .* refreshed a grant 1000 times in a day/.test(line))
     assert.equal(said.length, 1) // once, not at every refusal
@@ -1998,6 +1999,30 @@ describe('Profile information (IndieAuth §5.3.4) and GET /userinfo', () => {
       Authorization: `Bearer ${access_token}`,
     })
     await assertError(differ, 400, 'invalid_request')
+    assert.equal(differ.headers.get('www-authenticate'), `Bearer realm="${latch.issuer}", error="invalid_request"`)
+  })
+
+  it('answers a malformed Bearer header with 400 invalid_request and a challenge (RFC 6750 §3.1)', async () => {
+    for (const authorization of ['Bearer a b', 'Bearer']) {
+      const response = await userinfo({ Authorization: authorization })
+      await assertError(response, 400, 'invalid_request')
+      assert.equal(response.headers.get('www-authenticate'), `Bearer realm="${latch.issuer}", error="invalid_request"`)
+    }
+  })
+
+  it('reads only a form body for a token: another body is left unread, and a bad form is challenged', async () => {
+    const { access_token } = await tokenFor(['profile'])
+    const json = await fetch(`${latch.base}/userinfo`, {
+      method: 'POST',
+      headers: { Authorization: `Bearer ${access_token}`, 'Content-Type': 'application/json' },
+      body: '{}',
+    })
+    assert.equal(json.status, 200)
+    const latin1 = await post(`${latch.base}/userinfo`, form({ access_token }), {
+      'Content-Type': 'application/x-www-form-urlencoded; charset=iso-8859-1',
+    })
+    await assertError(latin1, 400, 'invalid_request')
+    assert.equal(latin1.headers.get('www-authenticate'), `Bearer realm="${latch.issuer}", error="invalid_request"`)
   })
 })
 
@@ -2028,8 +2053,8 @@ describe('Legacy IndieAuth', () => {
     await assertError(await post(`${latch.base}/token`, form({ action: 'delete', token })), 400, 'invalid_request')
   })
 
-  it('treats response_type=id as a profile-only request', async () => {
-    const consent = await openConsent(latch, { response_type: 'id' })
+  it('treats response_type=id as a profile-only request, with a resource too', async () => {
+    const consent = await openConsent(latch, { response_type: 'id', resource: 'https://service.example/' })
     assert.doesNotMatch(consent.html, /name="scope"/)
     const response = await submitConsent(latch, consent)
     const code = new URL(response.headers.get('location') ?? '').searchParams.get('code') ?? ''

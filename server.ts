@@ -1040,6 +1040,8 @@ function buildPendingRequest(
   const codeChallenge = requireParam(query, 'code_challenge')
   if (!isCodeChallenge(codeChallenge))
     throw new OAuthError('invalid_request', 'code_challenge must be 43 base64url characters')
+  // absent, S256: RFC 7636 §4.3 would default to `plain`, which Latch never takes, so a refusal
+  // would only turn away S256 clients that leave it out; a plain challenge fails at the exchange
   const method = getParam(query, 'code_challenge_method') ?? 'S256'
   if (method !== 'S256') throw new OAuthError('invalid_request', 'code_challenge_method must be S256')
   const state = getParam(query, 'state')
@@ -1048,13 +1050,14 @@ function buildPendingRequest(
   const meHint = getParam(query, 'me')
   if (meHint !== undefined && meHint.length > MAX_URL_LENGTH)
     throw new OAuthError('invalid_request', `me is longer than ${MAX_URL_LENGTH} characters`)
-  // `id`: the profile-only request of older clients
-  const scope = responseType === 'id' ? [] : parseScope(getParam(query, 'scope'))
+  // `id`: the profile-only request of older clients, which no scope or resource turns into more
+  const profileOnly = responseType === 'id'
+  const scope = profileOnly ? [] : parseScope(getParam(query, 'scope'))
   if (scope.length > MAX_SCOPES)
     throw new OAuthError('invalid_scope', `The request asks for more than ${MAX_SCOPES} scopes`)
   if (scope.some((one) => one.length > MAX_SCOPE_LENGTH))
     throw new OAuthError('invalid_scope', `A scope is longer than ${MAX_SCOPE_LENGTH} characters`)
-  const resource = requireResources(query)
+  const resource = profileOnly ? [] : requireResources(query)
   return {
     ...client,
     redirect_uri: detached(client.redirect_uri),
@@ -1693,7 +1696,9 @@ async function issueTokens(
   return {
     access_token: accessToken,
     token_type: 'Bearer',
-    scope: scope.length === 0 ? undefined : scope.join(' '), // a token for a resource alone has none
+    // always: RFC 6749 §5.1 asks for it whenever it is not what the client asked for, which the
+    // owner may have narrowed, down to none (a token for a resource alone: empty)
+    scope: scope.join(' '),
     me: grant.me,
     expires_in: Math.ceil((accessTokenExpiresAt - now) / 1000),
     refresh_token: refreshToken,
@@ -1738,14 +1743,15 @@ async function handleIntrospectionRequest(req: IncomingMessage, res: ServerRespo
 /**
  * What introspection says of a live access token. `aud` names the services it is for (RFC 8707),
  * one as a string, several as a list, as in a JWT; a resource server must check that it is one
- * of them. An IndieAuth token has no audience, and a token for a resource alone has no scope.
+ * of them. An IndieAuth token has no audience; a token for a resource alone has an empty scope,
+ * which a resource server that splits `scope` reads as none.
  * @see https://www.rfc-editor.org/rfc/rfc7662#section-2.2
  */
 function describeToken(token: Token, grant: Grant): Record<string, unknown> {
   return {
     active: true,
     me: grant.me,
-    scope: token.scope.length === 0 ? undefined : token.scope.join(' '),
+    scope: token.scope.join(' '),
     client_id: grant.client_id,
     aud: token.resource.length === 0 ? undefined : token.resource.length === 1 ? token.resource[0] : token.resource,
     exp: Math.floor(token.expiresAt / 1000),
@@ -1763,13 +1769,15 @@ function describeToken(token: Token, grant: Grant): Record<string, unknown> {
  */
 function requireIntrospectionCaller(req: IncomingMessage, config: Config): void {
   if (config.introspectionSecret === undefined) return
-  const realm = `Bearer realm="${config.issuer}"`
   const match = /^Bearer +(\S+) *$/i.exec(req.headers.authorization ?? '')
   if (match === null)
-    throw credentialsMissing('This endpoint needs the introspection secret as a Bearer credential', realm)
+    throw credentialsMissing(
+      'This endpoint needs the introspection secret as a Bearer credential',
+      bearerChallenge(config),
+    )
   if (!safeEqual(match[1], config.introspectionSecret)) {
     throw new OAuthError('invalid_token', 'The Bearer credential is not the introspection secret', {
-      headers: { 'WWW-Authenticate': `${realm}, error="invalid_token"` },
+      headers: { 'WWW-Authenticate': bearerChallenge(config, 'invalid_token') },
     })
   }
 }
@@ -1806,8 +1814,9 @@ async function handleLegacyRevocation(form: Params, res: ServerResponse, ctx: Co
  * token is a refresh token [...] the authorization server SHOULD also invalidate all access
  * tokens based on the same authorization grant". A client that names itself may revoke only
  * its own tokens: "verifies whether the token was issued to the client making the revocation
- * request". The token of another is, for it, a token this server does not know, so the answer
- * is the same 200 and nothing is revoked. IndieAuth clients send no `client_id` here.
+ * request". There the RFC refuses with an error; Latch answers the same 200 as for a token it
+ * does not know, and revokes nothing. A public client's `client_id` proves nothing, so an error
+ * would only tell whoever sent it that the token is live. IndieAuth clients send no `client_id` here.
  * @see https://www.rfc-editor.org/rfc/rfc7009#section-2.1
  */
 async function revokeToken(value: string, clientId: string | undefined, ctx: Context): Promise<void> {
@@ -1834,12 +1843,20 @@ async function revokeToken(value: string, clientId: string | undefined, ctx: Con
  * @see https://www.rfc-editor.org/rfc/rfc6750#section-3.1
  */
 async function handleUserinfoRequest(req: IncomingMessage, res: ServerResponse, ctx: Context): Promise<void> {
-  const form = req.method === 'POST' && req.headers['content-type'] !== undefined ? await readForm(req) : undefined
+  // a token may come in a form body (RFC 6750 §2.2); a body of another type holds none, and is not read
+  const formSent = /^application\/x-www-form-urlencoded *(;|$)/i.test(req.headers['content-type'] ?? '')
+  let form: Params | undefined
+  try {
+    form = req.method === 'POST' && formSent ? await readForm(req) : undefined
+  } catch (err) {
+    // RFC 6750 §3: every refusal of a request for a protected resource carries a challenge
+    if (err instanceof OAuthError) err.headers['WWW-Authenticate'] = bearerChallenge(ctx.config, 'invalid_request')
+    throw err
+  }
   const { token, grant } = await requireAccessToken(req, form, ctx, endpointUrl(ctx.config, '/userinfo'))
   if (!token.scope.includes('profile')) {
-    const challenge = `Bearer realm="${ctx.config.issuer}", error="insufficient_scope", scope="profile"`
     throw new OAuthError('insufficient_scope', 'The access token was not granted the profile scope', {
-      headers: { 'WWW-Authenticate': challenge },
+      headers: { 'WWW-Authenticate': `${bearerChallenge(ctx.config, 'insufficient_scope')}, scope="profile"` },
     })
   }
   // `sub`: what OpenID Connect libraries require
@@ -1871,28 +1888,25 @@ async function requireAccessToken(
   ctx: Context,
   endpoint: string | undefined,
 ) {
-  const realm = `Bearer realm="${ctx.config.issuer}"`
-  const header = /^Bearer +(\S+) *$/i.exec(req.headers.authorization ?? '')?.[1]
+  const refused = (error: string, description: string) =>
+    new OAuthError(error, description, { headers: { 'WWW-Authenticate': bearerChallenge(ctx.config, error) } })
+  const authorization = req.headers.authorization ?? ''
+  const header = /^Bearer +(\S+) *$/i.exec(authorization)?.[1]
+  if (header === undefined && /^Bearer\b/i.test(authorization))
+    throw refused('invalid_request', 'The Authorization header must be Bearer and one token')
   const field = form === undefined ? undefined : getParam(form, 'access_token')
-  if (header !== undefined && field !== undefined && header !== field) {
-    throw new OAuthError('invalid_request', 'The request carries two different access tokens')
-  }
+  if (header !== undefined && field !== undefined && header !== field)
+    throw refused('invalid_request', 'The request carries two different access tokens')
   const value = header ?? field
-  if (value === undefined) throw credentialsMissing('Send an access token as Authorization: Bearer', realm)
+  if (value === undefined)
+    throw credentialsMissing('Send an access token as Authorization: Bearer', bearerChallenge(ctx.config))
   const found = await findLiveToken(hashSecret(value), 'access', ctx)
-  if (found === undefined) {
-    throw new OAuthError('invalid_token', 'The access token is unknown, expired or revoked', {
-      headers: { 'WWW-Authenticate': `${realm}, error="invalid_token"` },
-    })
-  }
+  if (found === undefined) throw refused('invalid_token', 'The access token is unknown, expired or revoked')
   const { resource } = found.token
   // compared as URLs: HTTP://HOST/./userinfo is the same resource as http://host/userinfo
   const names = (one: string) => endpoint !== undefined && URL.canParse(one) && new URL(one).href === endpoint
-  if (resource.length > 0 && !resource.some(names)) {
-    throw new OAuthError('invalid_token', 'The access token is for another service (its audience), not this one', {
-      headers: { 'WWW-Authenticate': `${realm}, error="invalid_token"` },
-    })
-  }
+  if (resource.length > 0 && !resource.some(names))
+    throw refused('invalid_token', 'The access token is for another service (its audience), not this one')
   await ctx.store.touchGrant(found.token.grantId, ctx.now())
   return found
 }
@@ -1902,6 +1916,11 @@ async function requireAccessToken(
  * was wrong with a token it did not send (RFC 6750 §3.1).
  * @see https://www.rfc-editor.org/rfc/rfc6750#section-3.1
  */
+/** The `WWW-Authenticate` challenge of Latch's Bearer endpoints, with an error code when there is one. */
+function bearerChallenge(config: Config, error?: string): string {
+  return error === undefined ? `Bearer realm="${config.issuer}"` : `Bearer realm="${config.issuer}", error="${error}"`
+}
+
 function credentialsMissing(description: string, challenge: string): OAuthError {
   return new OAuthError(NO_ERROR_CODE, description, { status: 401, headers: { 'WWW-Authenticate': challenge } })
 }
@@ -3307,9 +3326,10 @@ function writeAnswer(res: ServerResponse, status: number, headers: OutgoingHttpH
 /** Sends an OAuth error as JSON. */
 function sendJsonError(res: ServerResponse, err: OAuthError): void {
   const error = err.error === NO_ERROR_CODE ? undefined : err.error
-  // a browser app may read a challenge only once told it may
-  const challenged = err.headers?.['WWW-Authenticate'] !== undefined && (res as MarkedResponse)[CORS] === true
-  const headers = challenged ? { ...err.headers, 'Access-Control-Expose-Headers': 'WWW-Authenticate' } : err.headers
+  // a browser app may read a challenge, or when to try again, only once told it may
+  const exposed = Object.keys(err.headers ?? {}).filter((name) => name === 'WWW-Authenticate' || name === 'Retry-After')
+  const cors = exposed.length > 0 && (res as MarkedResponse)[CORS] === true
+  const headers = cors ? { ...err.headers, 'Access-Control-Expose-Headers': exposed.join(', ') } : err.headers
   sendJson(res, err.status, { error, error_description: err.message }, headers)
 }
 

@@ -191,15 +191,15 @@ describe('Interop with oauth4webapi, a real client library', () => {
     assert.deepEqual(tokens.profile, PROFILE)
   })
 
-  it('gets a token for a resource (RFC 8707) without scope, whose introspection names it as aud', async () => {
+  it('gets a token for a resource (RFC 8707) with an empty scope, whose introspection names it as aud', async () => {
     const notes = 'https://notes.example.com/mcp'
     const authorization = await authorize(as, { scope: '', resource: [notes], granted: [] })
     const tokens = await exchangeCode(as, authorization, new URLSearchParams({ resource: notes }))
-    assert.equal(tokens.scope, undefined)
+    assert.equal(tokens.scope, '') // none granted, and said so (RFC 6749 §5.1)
     const introspection = await introspect(as, tokens.access_token)
     assert.equal(introspection.active, true)
     assert.equal(introspection.aud, notes)
-    assert.equal(introspection.scope, undefined)
+    assert.equal(introspection.scope, '')
   })
 
   it('narrows the audience on exchange and refresh, keeps the grant for later refreshes, never widens it', async () => {

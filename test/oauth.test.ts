@@ -398,20 +398,25 @@ describe('Resource indicators (RFC 8707)', () => {
     assert.ok(html.includes(`<code><bdi>${FILES}</bdi></code>`), html)
   })
 
-  it('issues a token for a resource without scope: no scope, and aud the resource', async () => {
+  it('issues a token for a resource without scope: an empty scope, and aud the resource', async () => {
     const code = await obtainCode(latch.base, { resource: API })
     const tokens = await tokensOf(await exchange(latch.base, code))
     assert.equal(tokens.token_type, 'Bearer')
-    assert.equal('scope' in tokens, false)
+    assert.equal(tokens.scope, '')
     const introspection = await introspect(latch.base, tokens.access_token)
     assert.equal(introspection.active, true)
     assert.equal(introspection.aud, API) // one resource: a string
-    assert.equal('scope' in introspection, false)
+    assert.equal(introspection.scope, '')
     assert.equal(introspection.client_id, CLIENT_ID)
 
     const two = await obtainCode(latch.base, { resource: [API, FILES] })
     const both = await tokensOf(await exchange(latch.base, two))
     assert.deepEqual((await introspect(latch.base, both.access_token)).aud, [API, FILES])
+
+    // Asked for a scope the owner did not grant: the answer says so (RFC 6749 §5.1), not nothing.
+    const unticked = await approve(latch.base, await openConsent(latch.base, { scope: 'create', resource: API }), [])
+    const narrowed = await tokensOf(await exchange(latch.base, unticked.searchParams.get('code') ?? ''))
+    assert.equal(narrowed.scope, '')
 
     // Neither scope nor resource: the code only proves identity, as IndieAuth says (not new).
     const identity = await obtainCode(latch.base)
