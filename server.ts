@@ -893,8 +893,11 @@ async function handleAuthorizationRequest(req: IncomingMessage, res: ServerRespo
     throw new OAuthError('invalid_request', `client_id is not a valid client identifier: ${clientProblem}`)
   const redirectUri = requireParam(query, 'redirect_uri')
   const client = await findClient(canonicalizeUrl(clientId), req, ctx)
-  if (client.refused !== undefined)
-    throw new OAuthError('invalid_request', `The app's Client ID Metadata Document cannot be used: ${client.refused}`)
+  // the draft compares the two by "simple string comparison": another spelling of the URL is not it
+  const misspelt = client.info?.metadataDocument === true && client.info.documentClientId !== clientId
+  const refused = misspelt ? `its metadata names another client_id: it must be ${clientId}` : client.refused
+  if (refused !== undefined)
+    throw new OAuthError('invalid_request', `The app's Client ID Metadata Document cannot be used: ${refused}`)
   const redirectProblem = redirectUriProblem(redirectUri, clientId, client)
   if (redirectProblem !== undefined) throw new OAuthError('invalid_request', redirectProblem)
 
@@ -4529,6 +4532,8 @@ export type ClientInfo = {
   logo?: string
   redirectUris: string[]
   metadataDocument: boolean
+  /** The `client_id` a Client ID Metadata Document names, spelt as it spells it. */
+  documentClientId?: string
 }
 
 /** What discovery found: the client's information, nothing, or why its document refuses the request. */
@@ -4779,7 +4784,14 @@ export async function discoverClient(
       : await fetchLogo(document.logoUrl, options).catch(() => void (logoFailed = true))
   const maxAgeSeconds = cacheLifetime(fetched.headers, Date.now())
   return {
-    info: { name: document.name, url: document.url, logo, redirectUris, metadataDocument },
+    info: {
+      name: document.name,
+      url: document.url,
+      logo,
+      redirectUris,
+      metadataDocument,
+      documentClientId: metadataDocument ? document.clientId : undefined,
+    },
     maxAgeSeconds: logoFailed ? Math.min(maxAgeSeconds, FAILED_CLIENT_MEMORY_SECONDS) : maxAgeSeconds,
   }
 }
@@ -4813,13 +4825,13 @@ function isLoopbackClient(url: string): boolean {
   return host === '127.0.0.1' || host === '[::1]' || host === 'localhost'
 }
 
-type ClientDocument = { name?: string; url?: string; logoUrl?: string; redirectUris: string[] }
+type ClientDocument = { clientId?: string; name?: string; url?: string; logoUrl?: string; redirectUris: string[] }
 
 /**
  * Reads a client metadata document: its `client_id` must be the URL it came from, and its
  * `client_uri` a prefix of it. A Client ID Metadata Document (`metadataDocument`, JSON at an
- * https URL) must instead name the URL exactly (its `client_uri`, if not a prefix, is only left
- * unshown), list its `redirect_uris`, and hold no client secret
+ * https URL) must also spell the URL as the request does (its `client_uri`, if not a prefix, is
+ * only left unshown), list its `redirect_uris`, and hold no client secret
  * (§4.1); Latch serves public clients only, so `token_endpoint_auth_method` may only be `none`.
  * Its faults throw `InvalidClientDocument`, which refuses the request.
  * @see https://indieauth.spec.indieweb.org/#client-metadata IndieAuth §4.2.1
@@ -4835,13 +4847,10 @@ export function readClientMetadata(text: string, clientId: string, metadataDocum
   }
   if (!isObject(metadata)) throw fault('its metadata is not a JSON object')
   const { client_id } = metadata
-  if (
-    typeof client_id !== 'string' ||
-    (metadataDocument ? client_id !== clientId : !isClientId(client_id) || canonicalizeUrl(client_id) !== clientId)
-  ) {
-    // "the client_id property MUST match the URL", and in the draft by simple string comparison
+  // "the client_id property MUST match the URL": the URL, however spelt; a Client ID Metadata
+  // Document must spell it as the request does, which the request checks (`documentClientId`)
+  if (typeof client_id !== 'string' || !isClientId(client_id) || canonicalizeUrl(client_id) !== clientId)
     throw fault(`its metadata names another client_id: it must be ${clientId}`)
-  }
   const clientUriIsPrefix = typeof metadata.client_uri === 'string' && clientId.startsWith(metadata.client_uri)
   if (metadata.client_uri !== undefined && !clientUriIsPrefix && !metadataDocument) {
     // "The client_uri MUST be a prefix of the client_id"
@@ -4858,6 +4867,7 @@ export function readClientMetadata(text: string, clientId: string, metadataDocum
       throw fault(`its token_endpoint_auth_method is ${String(method)}, and this server serves public clients: none`)
   }
   return {
+    clientId: client_id,
     name: typeof metadata.client_name === 'string' ? cleanName(metadata.client_name) : undefined,
     // where the draft does not ask it to be a prefix, one that is not is not shown
     url: clientUriIsPrefix ? resolveUrl(metadata.client_uri as string, clientId) : undefined,

@@ -714,6 +714,20 @@ describe('Loopback redirects and Client ID Metadata Documents', () => {
     )
   })
 
+  it('compares the client_id of the request and the document as strings, not as URLs', async () => {
+    const clientId = 'https://app.example/spelt.json'
+    serveClient(clientId)
+    await assertRefusedPage(
+      await authorizeClient(latch, 'https://APP.example/spelt.json', 'https://app.example/callback'),
+      /Client ID Metadata Document cannot be used/,
+      /must be https:\/\/APP\.example\/spelt\.json/,
+    )
+    const withPort = 'https://app.example:443/port.json'
+    serveDocument(withPort, { client_id: withPort, redirect_uris: ['https://app.example/callback'] })
+    const accepted = await authorizeClient(latch, withPort, 'https://app.example/callback')
+    assert.equal(accepted.status, 200, pageError(await accepted.text()))
+  })
+
   it('refuses a document without redirect_uris, even for a redirect on its own host', async () => {
     const clientId = 'https://app.example/no-redirects.json'
     serveDocument(clientId, { client_id: clientId, client_name: 'No redirects' })
