@@ -2643,6 +2643,10 @@ describe('Sign-in sessions and connected apps', () => {
     ]) {
       const response = await makeScriptToken(cookie, fields)
       assert.equal(response.status, 400, JSON.stringify(fields))
+      // the owner's own form: no app sent them here, so the page does not say to go back to one
+      const html = await response.text()
+      assert.match(html, /<h1>This form cannot be used<\/h1>/)
+      assert.match(html, /Go back to your apps page/)
     }
     const signedOut = await post(`${latch.base}/apps/tokens`, form({ csrf, name: 'Hook', scope: 'create' }), {
       Cookie: `latch_csrf=${csrf}`,

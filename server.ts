@@ -3049,7 +3049,7 @@ function renderError(err: unknown, req: IncomingMessage, res: ServerResponse, as
   if (err instanceof OAuthError) {
     // a browser that followed a wrong link gets a page, a program its JSON
     const browser = (err.status === 404 || err.status === 405) && /\btext\/html\b/.test(req.headers.accept ?? '')
-    if (asPage || browser) sendErrorPage(res, err)
+    if (asPage || browser) sendErrorPage(res, err, pathOf(req.url ?? '/').startsWith('/auth'))
     else sendJsonError(res, err)
     return
   }
@@ -3058,6 +3058,7 @@ function renderError(err: unknown, req: IncomingMessage, res: ServerResponse, as
     sendErrorPage(
       res,
       new OAuthError('server_error', 'Something went wrong on the server: try again later', { status: 500 }),
+      false,
     )
   else sendJson(res, 500, { error: 'server_error' })
 }
@@ -3606,9 +3607,13 @@ function sendPage(res: ServerResponse, status: number, html: string, headers: Pa
   res.end(html)
 }
 
-/** Sends an error as a page that names the problem; used where a person, not a client, reads it. */
-function sendErrorPage(res: ServerResponse, err: OAuthError): void {
-  const [title, next] = ERROR_PAGE_WORDS[err.status] ?? ERROR_PAGE_WORDS[400]
+/**
+ * Sends an error as a page that names the problem; used where a person, not a client, reads it:
+ * one an app sent to sign in (`signingIn`), or the owner on a page of their own.
+ */
+function sendErrorPage(res: ServerResponse, err: OAuthError, signingIn: boolean): void {
+  const words = (signingIn ? undefined : OWNER_ERROR_PAGE_WORDS[err.status]) ?? ERROR_PAGE_WORDS[err.status]
+  const [title, next] = words ?? ERROR_PAGE_WORDS[400]
   const detail = err.error === NO_ERROR_CODE ? `HTTP ${err.status}` : `${err.error}, HTTP ${err.status}`
   const body = [
     `<h1>${escapeHtml(title)}</h1>`,
@@ -3630,6 +3635,13 @@ const ERROR_PAGE_WORDS: Record<number, [string, string]> = {
   421: ['This is not the name of this server', 'Use the address this server was set up with.'],
   429: ['Too many attempts', 'Wait, then try again.'],
   500: ['Something went wrong', 'Try again in a moment. If it goes on, the server log says why.'],
+}
+
+/** The same where the owner uses a form of their own (apps, tokens, passkeys): no app sent them. */
+const OWNER_ERROR_PAGE_WORDS: Record<number, [string, string]> = {
+  400: ['This form cannot be used', 'Go back to your apps page, reload it and try again.'],
+  413: ['This form cannot be used', 'Go back to your apps page, reload it and try again.'],
+  414: ['This address is too long', 'Start again from your apps page.'],
 }
 
 /** The password field, with the message of a failed attempt right above it. */
@@ -7059,7 +7071,7 @@ function promptHidden(prompt: string, typed: { ahead: string }): Promise<string>
   process.stdin.setRawMode(true)
   process.stdin.setEncoding('utf8')
   return new Promise((resolve) => {
-    let text = ''
+    const text: string[] = [] // by character, so that Backspace takes a whole one, an emoji too
     const onData = (chunk: string): boolean => {
       const chars = [...chunk]
       for (const [i, char] of chars.entries()) {
@@ -7070,10 +7082,11 @@ function promptHidden(prompt: string, typed: { ahead: string }): Promise<string>
           process.stdin.off('data', onData)
           process.stderr.write('\n')
           typed.ahead = chars.slice(char === '\r' && chars[i + 1] === '\n' ? i + 2 : i + 1).join('') // one Enter
-          resolve(text)
+          resolve(text.join(''))
           return true
         }
-        text = char === '\u007f' || char === '\b' ? text.slice(0, -1) : text + char
+        if (char === '\u007f' || char === '\b') text.pop()
+        else text.push(char)
       }
       return false
     }

@@ -483,26 +483,57 @@ describe('--help', () => {
 })
 
 describe('hash-password', () => {
+  /**
+   * Types into hash-password on a terminal of its own: `keys` at once, or each of `atPrompts` once
+   * its prompt is shown. What it printed, and how it ended.
+   */
+  async function typeIntoHashPassword(
+    keys: string,
+    atPrompts: string[] = [],
+  ): Promise<{ code: unknown; output: string }> {
+    // `script` runs the command on a terminal of its own, and types what it reads from its input
+    const command = `${process.execPath} --import tsx server.ts hash-password`
+    const child = spawn('script', ['-qec', command, '/dev/null'], { cwd: ROOT, env: childEnv({}) })
+    let output = ''
+    let prompted = 0
+    child.stdout.setEncoding('utf8').on('data', (chunk: string) => {
+      output += chunk
+      const prompts = output.match(/(Password|Again): $/gm)?.length ?? 0
+      for (; prompted < prompts && prompted < atPrompts.length; prompted++) child.stdin.write(atPrompts[prompted])
+      if (atPrompts.length > 0 && prompted === atPrompts.length) child.stdin.end()
+    })
+    const timer = setTimeout(() => child.kill('SIGKILL'), CHILD_TIMEOUT_MS)
+    if (atPrompts.length === 0) child.stdin.end(keys)
+    const code = await new Promise((resolve) => child.on('close', resolve))
+    clearTimeout(timer)
+    return { code, output }
+  }
+
+  const noTerminal = spawnSync('script', ['--version']).status !== 0
+
   it(
     'reads both entries on a terminal when they come at once, as a pasted password does',
     { timeout: 30_000 },
     async (t) => {
-      if (spawnSync('script', ['--version']).status !== 0)
-        return t.skip('no `script` (util-linux) to give it a terminal')
-      // `script` runs the command on a terminal of its own, and types what it reads from its input
-      const command = `${process.execPath} --import tsx server.ts hash-password`
-      const child = spawn('script', ['-qec', command, '/dev/null'], { cwd: ROOT, env: childEnv({}) })
-      let output = ''
-      child.stdout.setEncoding('utf8').on('data', (chunk: string) => (output += chunk))
-      const timer = setTimeout(() => child.kill('SIGKILL'), CHILD_TIMEOUT_MS)
-      child.stdin.end('correct horse battery\rcorrect horse battery\r')
-      const code = await new Promise((resolve) => child.on('close', resolve))
-      clearTimeout(timer)
+      if (noTerminal) return t.skip('no `script` (util-linux) to give it a terminal')
+      const { code, output } = await typeIntoHashPassword('correct horse battery\rcorrect horse battery\r')
       assert.equal(code, 0, output)
       const hash = /^scrypt:\S+/m.exec(output)?.[0] ?? ''
       assert.equal(await verifyPassword('correct horse battery', hash), true, output)
     },
   )
+
+  it('erases a whole character at Backspace, an emoji too', { timeout: 30_000 }, async (t) => {
+    if (noTerminal) return t.skip('no `script` (util-linux) to give it a terminal')
+    // each once it asks, as a person types: the terminal is raw by then, and Latch reads every key
+    const { code, output } = await typeIntoHashPassword('', [
+      'correct horse battery\u{1F511}\x7f\r',
+      'correct horse battery\r',
+    ])
+    assert.equal(code, 0, output)
+    const hash = /^scrypt:\S+/m.exec(output)?.[0] ?? ''
+    assert.equal(await verifyPassword('correct horse battery', hash), true, output)
+  })
 
   it('prints its usage for --help, without asking for a password, and refuses another argument', async () => {
     const help = await runLatch(['hash-password', '--help'], {}, { input: 'a password of some length\n' })
