@@ -7466,7 +7466,8 @@ async function main(argv: string[], env: Record<string, string | undefined>): Pr
   if (config.port === 0) config = loadConfig(env, argv, { boundPort: port })
   const log = write
   server.on('request', createHandler({ config, store, log }))
-  for (const signal of ['SIGINT', 'SIGTERM'] as const) {
+  // SIGHUP too: the terminal that started it was closed, or a script meant to have the log reopened
+  for (const signal of ['SIGINT', 'SIGTERM', 'SIGHUP'] as const) {
     process.once(signal, () => {
       // after the lines of requests already answered
       logMessage(`${signal}: finishing requests in flight, then stopping`)

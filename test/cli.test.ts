@@ -681,6 +681,32 @@ describe('LOG_FORMAT=json', () => {
   })
 })
 
+describe('Stopping', () => {
+  it('stops at SIGHUP as at SIGTERM, its log written first: a terminal closed, or a rotation script', async () => {
+    const latch = serve({ LOG_FORMAT: 'json', DATA_FILE: 'memory', PORT: '0' })
+    try {
+      const startLine = await latch.waitForLine((line) => line.includes('"event":"start"'), 'start-up line')
+      const base = String((JSON.parse(startLine) as Record<string, unknown>).listening)
+      assert.equal((await fetch(`${base}/.well-known/oauth-authorization-server`)).status, 200)
+      const closed = new Promise((resolve) => latch.child.on('close', (code, signal) => resolve(signal ?? code)))
+      latch.child.kill('SIGHUP') // at once: the request's line still waits in the log's batch
+      assert.equal(await closed, 0)
+      assert.ok(
+        latch.lines.some(
+          (line) => line.includes('/.well-known/oauth-authorization-server') && line.includes('"status"'),
+        ),
+        latch.lines.join('\n'),
+      )
+      assert.ok(
+        latch.lines.some((line) => /"event":"SIGHUP","message":"finishing requests in flight/.test(line)),
+        latch.lines.join('\n'),
+      )
+    } finally {
+      await latch.stop()
+    }
+  })
+})
+
 // --- The log of requests and security events, in process -----------------------------------
 
 const ISO_TIME = String.raw`\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z`
