@@ -1319,6 +1319,20 @@ describe('POST /auth/consent with a password', () => {
     assert.equal((await submitConsent(latch, consent, { password: 'correct horse' })).status, 303)
   })
 
+  it('keeps a lockout as long as it was, when the clock is set back meanwhile', async () => {
+    latch.advance(86401) // a day of quiet: the counts of earlier tests are forgotten
+    const consent = await openConsent(latch)
+    for (let i = 0; i < 6; i++)
+      assert.equal((await submitConsent(latch, consent, { password: `guess ${i}` })).status, 401)
+    latch.advance(-3600) // the clock is set back an hour, as NTP may do to a clock that ran fast
+    const throttled = await submitConsent(latch, consent, { password: 'correct horse' })
+    assert.equal(throttled.status, 429)
+    assert.equal(throttled.headers.get('retry-after'), '2') // not 3602
+    latch.advance(2)
+    assert.equal((await submitConsent(latch, consent, { password: 'correct horse' })).status, 303)
+    latch.advance(3600)
+  })
+
   it('counts guesses sent in parallel before their hashes are checked', async () => {
     latch.advance(86400)
     const consent = await openConsent(latch)
@@ -1877,6 +1891,16 @@ describe('POST /token with grant_type=refresh_token (IndieAuth ยง5.5, RFC 6749 ย
     await assertError(await rotate(original.refresh_token), 400, 'invalid_grant')
     assert.deepEqual(await introspect(strict, rotated.access_token), { active: false })
     await strict.close()
+  })
+
+  it('takes a refresh token used later than now, on a clock set back, as reused: no grace an hour long', async () => {
+    const first = await firstTokens()
+    const second = (await (await refresh(first.refresh_token)).json()) as Tokens
+    latch.advance(-3600) // the clock is set back an hour
+    latch.advance(60)
+    await assertError(await refresh(first.refresh_token), 400, 'invalid_grant')
+    assert.deepEqual(await introspect(latch, second.access_token), { active: false })
+    latch.advance(3540)
   })
 
   it('serves a retry only of the refresh token rotated last: an older one revokes the grant, even within the grace', async () => {

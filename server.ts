@@ -347,6 +347,12 @@ type Context = {
   config: Config
   store: Store
   now: () => number
+  /**
+   * The time for what Latch times in memory alone (lockouts, the day of refreshes, the apps it
+   * looked up): it follows `now` forward, and stands still while `now` is set back, so that a
+   * wall clock set back an hour does not make a two-second lockout last an hour too.
+   */
+  steadyNow: () => number
   log: (line: string) => void
   passwordAttempts: { byAddress: Map<string, PasswordAttempts>; total: PasswordAttempts }
   passwordSlots: PasswordSlots
@@ -953,7 +959,7 @@ function stateOf(query: Params): string | undefined {
  * name addresses and ports of the server's network.
  */
 async function findClient(clientId: string, req: IncomingMessage, ctx: Context): Promise<ClientLookup> {
-  const now = ctx.now()
+  const now = ctx.steadyNow()
   const cached = ctx.clients.get(clientId)
   if (cached !== undefined && cached.expiresAt > now) return { info: cached.info }
   if (isLoopbackClient(clientId) || (ctx.failedClients.get(clientId) ?? 0) > now) return {}
@@ -997,7 +1003,7 @@ async function fetchClient(clientId: string, ctx: Context): Promise<ClientLookup
     ctx.clients.delete(clientId)
     if (maxAgeSeconds > 0) {
       if (ctx.clients.size >= MAX_CACHED_CLIENTS) ctx.clients.delete(ctx.clients.keys().next().value ?? '')
-      ctx.clients.set(clientId, { info, expiresAt: ctx.now() + maxAgeSeconds * 1000 })
+      ctx.clients.set(clientId, { info, expiresAt: ctx.steadyNow() + maxAgeSeconds * 1000 })
     }
     return { info }
   } catch (err) {
@@ -1010,7 +1016,7 @@ async function fetchClient(clientId: string, ctx: Context): Promise<ClientLookup
       ctx.failedClients.delete(clientId)
       if (ctx.failedClients.size >= MAX_REMEMBERED_FAILURES)
         ctx.failedClients.delete(ctx.failedClients.keys().next().value ?? '')
-      ctx.failedClients.set(clientId, ctx.now() + FAILED_CLIENT_MEMORY_SECONDS * 1000)
+      ctx.failedClients.set(clientId, ctx.steadyNow() + FAILED_CLIENT_MEMORY_SECONDS * 1000)
     }
     return {}
   }
@@ -1561,9 +1567,13 @@ async function refreshGrant(form: Params, ctx: Context) {
   const clientId = requireParam(form, 'client_id')
   const found = await findLiveToken(hash, 'refresh', ctx)
   if (found === undefined) throw new OAuthError('invalid_grant', 'The refresh token is unknown, expired or revoked')
-  const retriedSince = ctx.now() - ctx.config.refreshTokenGraceSeconds * 1000
+  const now = ctx.now()
+  const retriedSince = now - ctx.config.refreshTokenGraceSeconds * 1000
   const { usedAt } = found.token
-  if (usedAt !== undefined && !(ctx.config.refreshTokenGraceSeconds > 0 && usedAt + 1000 > retriedSince)) {
+  // a retry was used within the grace period, and not later than now: a clock set back an hour
+  // must not keep the grace open for an hour
+  const retry = usedAt !== undefined && usedAt + 1000 > retriedSince && usedAt <= now
+  if (usedAt !== undefined && !(ctx.config.refreshTokenGraceSeconds > 0 && retry)) {
     await revokeReusedRefreshToken(found.token.grantId, found.grant.client_id, ctx) // whatever else the request says
   }
   if (!isSameClientId(clientId, found.grant.client_id)) {
@@ -1589,7 +1599,7 @@ async function refreshGrant(form: Params, ctx: Context) {
  * needs 288. Past that, 429 until the day is over; the refresh token is not used up.
  */
 function countRefresh(grantId: string, clientId: string, ctx: Context): void {
-  const now = ctx.now()
+  const now = ctx.steadyNow()
   let day = ctx.refreshes.get(grantId)
   if (day === undefined || day.since + DAY_MS <= now) {
     ctx.refreshes.delete(grantId)
@@ -2842,10 +2852,12 @@ export function createHandler(options: HandlerOptions): (req: IncomingMessage, r
   if (typeof (options.store as { then?: unknown } | undefined)?.then === 'function')
     throw new TypeError('createHandler: store is a Promise: pass await openStore(config)')
   const log = options.log ?? console.log
+  const now = options.now ?? Date.now
   const ctx: Context = {
     config: options.config,
     store: options.store ?? new MemoryStore({ log }),
-    now: options.now ?? Date.now,
+    now,
+    steadyNow: steadyClock(now),
     log,
     passwordAttempts: { byAddress: new Map(), total: NO_ATTEMPTS },
     passwordSlots: { running: 0, waiting: [] },
@@ -2858,7 +2870,7 @@ export function createHandler(options: HandlerOptions): (req: IncomingMessage, r
     trustedProxies: trustedProxiesOf(options.config),
     refreshes: new Map(),
     passkeys: { key: randomBytes(32), used: new Map(), changes: Promise.resolve() },
-    startedAt: (options.now ?? Date.now)(),
+    startedAt: now(),
     scriptGrantsUnderWay: new Set(),
   }
   // expired entries go even while no one writes, without costing a request anything
@@ -2897,6 +2909,18 @@ export function createHandler(options: HandlerOptions): (req: IncomingMessage, r
     const refused = refusalOf(req, own, ctx.config.passwordHash === undefined)
     const checked = refused === undefined ? handler(req, res, ctx) : Promise.reject(refused)
     checked.catch((err: unknown) => renderError(err, req, res, errors === 'page', ctx))
+  }
+}
+
+/** A clock that goes forward as `now` does, and waits while `now` goes back (see `Context.steadyNow`). */
+function steadyClock(now: () => number): () => number {
+  let wall = now()
+  let steady = wall
+  return () => {
+    const next = now()
+    steady += Math.max(0, next - wall)
+    wall = next
+    return steady
   }
 }
 
@@ -3919,7 +3943,7 @@ async function checkSignIn(
   ctx: Context,
 ): Promise<SignInRefusal | undefined> {
   const address = clientAddress(req, ctx.trustedProxies)
-  const now = ctx.now()
+  const now = ctx.steadyNow()
   const attempts = ctx.passwordAttempts
   const byPasskey = getParam(form, 'credential') !== undefined
   const password = getParam(form, 'password')
