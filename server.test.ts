@@ -329,6 +329,18 @@ describe('Configuration', () => {
     ],
     ['a refresh grace period over 10 minutes', { REFRESH_TOKEN_GRACE: '11m' }, [], /REFRESH_TOKEN_GRACE/],
     ['a short introspection secret', { INTROSPECTION_SECRET: 'short' }, [], /INTROSPECTION_SECRET/],
+    [
+      'an introspection secret no Bearer header can carry',
+      { INTROSPECTION_SECRET: 'my introspection passphrase' },
+      [],
+      /INTROSPECTION_SECRET holds a character/,
+    ],
+    [
+      'a refresh token lifetime no longer than the access token one',
+      { ACCESS_TOKEN_TTL: '7d', REFRESH_TOKEN_TTL: '7d' },
+      [],
+      /REFRESH_TOKEN_TTL \(604800 s\) is not longer than ACCESS_TOKEN_TTL/,
+    ],
     ['an unknown flag', {}, ['--colour', 'blue'], /--colour/],
     ['a profile photo that is not a URL', { PROFILE_PHOTO: 'me.jpg' }, [], /PROFILE_PHOTO/],
     ['a profile email that is not an address', { PROFILE_EMAIL: 'me' }, [], /PROFILE_EMAIL/],

@@ -6703,7 +6703,7 @@ export const SETTINGS = [
   {
     name: 'REFRESH_TOKEN_TTL',
     default: '2592000',
-    help: 'A refresh token expires after this long without use (30 days).',
+    help: 'A refresh token expires after this long without use (30 days; longer than ACCESS_TOKEN_TTL).',
   },
   {
     name: 'REFRESH_TOKEN_GRACE',
@@ -6829,6 +6829,13 @@ export function loadConfig(
     'REFRESH_TOKEN_TTL',
     raw.REFRESH_TOKEN_TTL ?? defaultOf('REFRESH_TOKEN_TTL'),
   )
+  if (refreshTokenTtlSeconds <= accessTokenTtlSeconds) {
+    throw new ConfigError(
+      `REFRESH_TOKEN_TTL (${refreshTokenTtlSeconds} s) is not longer than ACCESS_TOKEN_TTL ` +
+        `(${accessTokenTtlSeconds} s): an app that refreshes once its access token runs out would find its ` +
+        'refresh token gone first, and sign-ins approved until revoked would end: make REFRESH_TOKEN_TTL longer',
+    )
+  }
   const refreshTokenGraceSeconds = /^0+[smhd]?$/.test((raw.REFRESH_TOKEN_GRACE ?? '').trim())
     ? 0
     : parseDuration('REFRESH_TOKEN_GRACE', raw.REFRESH_TOKEN_GRACE ?? defaultOf('REFRESH_TOKEN_GRACE'))
@@ -6844,6 +6851,13 @@ export function loadConfig(
     throw new ConfigError(
       `INTROSPECTION_SECRET is shorter than ${MIN_SECRET_LENGTH} characters: ` +
         'use a long random value, such as the output of `openssl rand -base64 32`',
+    )
+  }
+  // what `Authorization: Bearer` can carry (RFC 6750 §2.1): a passphrase with spaces could never be sent
+  if (introspectionSecret !== undefined && !/^[A-Za-z0-9\-._~+/]+=*$/.test(introspectionSecret)) {
+    throw new ConfigError(
+      'INTROSPECTION_SECRET holds a character a Bearer credential cannot carry (a space, say): ' +
+        'use letters, digits and -._~+/ only, such as the output of `openssl rand -base64 32`',
     )
   }
   const clientFetchPrivate = raw.CLIENT_FETCH_PRIVATE === 'allow'
