@@ -2881,7 +2881,7 @@ export function createHandler(options: HandlerOptions): (req: IncomingMessage, r
   }
   const ownHosts = ownHostsOf(ctx.config)
   let lastOwnHost: string | undefined // the Host header that passed last time: nearly every request repeats it
-  let warnOfUnnamedProxy = ctx.trustedProxies === undefined // cleared once said
+  let warnOfUnnamedProxy = true // cleared once said, or once the proxy is seen named
   return (req, res) => {
     const started = process.hrtime.bigint() // not `performance`: its first use loads perf_hooks, on the first request
     if (req.url !== undefined && req.url[0] !== '/') takeAbsoluteForm(req)
@@ -2891,14 +2891,17 @@ export function createHandler(options: HandlerOptions): (req: IncomingMessage, r
     // the address now: once the connection is gone, node:http no longer knows it
     const address = clientAddress(req, ctx.trustedProxies)
     if (warnOfUnnamedProxy && req.headers['x-forwarded-for'] !== undefined && isLoopbackPeer(req)) {
+      const peer = plainAddress(req.socket.remoteAddress ?? '')
       warnOfUnnamedProxy = false
-      logEvent(
-        ctx,
-        'warning',
-        'requests come through a proxy on this machine (X-Forwarded-For) that TRUST_PROXY does not name: ' +
-          "every client is logged, and counted for password tries, under the proxy's address; " +
-          'set TRUST_PROXY=127.0.0.1,::1',
-      )
+      if (ctx.trustedProxies === undefined || !isTrustedProxy(peer, ctx.trustedProxies)) {
+        logEvent(
+          ctx,
+          'warning',
+          'requests come through a proxy on this machine (X-Forwarded-For) that TRUST_PROXY does not name: ' +
+            "every client is logged, and counted for password tries, under the proxy's address; " +
+            'add 127.0.0.1,::1 to TRUST_PROXY',
+        )
+      }
     }
     let answered = false
     res.on('finish', () => (answered = true))

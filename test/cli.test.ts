@@ -924,6 +924,7 @@ describe('The log: one line per request, and security events', () => {
     const path = '/.well-known/oauth-authorization-server'
     const behind = await startLatch({ TRUST_PROXY: '127.0.0.1' })
     const direct = await startLatch()
+    const elsewhere = await startLatch({ TRUST_PROXY: '10.0.0.5' }) // the box's own address, not loopback's
     try {
       const viaProxy = await fetch(`${behind.base}${path}`, { headers })
       const notViaProxy = await fetch(`${direct.base}${path}`, { headers })
@@ -944,11 +945,16 @@ describe('The log: one line per request, and security events', () => {
       await settle(await fetch(`${direct.base}${path}`, { headers }))
       const warnings = direct.logs.filter((line) => / warning: .*X-Forwarded-For/.test(line))
       assert.equal(warnings.length, 1, direct.logs.join('\n'))
-      assert.match(warnings[0], /set TRUST_PROXY=127\.0\.0\.1,::1$/)
+      assert.match(warnings[0], /add 127\.0\.0\.1,::1 to TRUST_PROXY$/)
       assert.ok(!behind.logs.some((line) => / warning: /.test(line)), behind.logs.join('\n'))
+      // TRUST_PROXY set, but not to this proxy: said too
+      await settle(await fetch(`${elsewhere.base}${path}`, { headers }))
+      const missed = elsewhere.logs.filter((line) => / warning: .*X-Forwarded-For/.test(line))
+      assert.equal(missed.length, 1, elsewhere.logs.join('\n'))
     } finally {
       await behind.close()
       await direct.close()
+      await elsewhere.close()
     }
   })
 })
