@@ -7548,6 +7548,14 @@ function dataFileProblem(err: NodeJS.ErrnoException, dataFile: string): ConfigEr
     ERR_FS_FILE_TOO_LARGE: 'is larger than 2 GiB, which Latch cannot read: move it away and start empty',
   }
   const reason = err.code === undefined ? undefined : because[err.code]
+  // a file put back by another user (a restore as root, without its chown): the file is what to fix
+  const owner = err.code === 'EACCES' ? ownerOf(dataFile) : undefined
+  if (owner !== undefined && owner !== process.getuid?.()) {
+    return new ConfigError(
+      `DATA_FILE ${dataFile} belongs to another user (uid ${owner}), so this one cannot read or write it: ` +
+        `give it to this user, as in chown --reference=${dirname(dataFile)} ${dataFile}`,
+    )
+  }
   // its own folder exists (Latch made it): the folder of a symbolic link's target is what is missing
   const target = err.code === 'ENOENT' ? linkTarget(dataFile) : undefined
   if (target !== undefined && !existsSync(dirname(target))) {
@@ -7557,6 +7565,15 @@ function dataFileProblem(err: NodeJS.ErrnoException, dataFile: string): ConfigEr
     )
   }
   return reason === undefined ? undefined : new ConfigError(`DATA_FILE ${dataFile} ${reason}`)
+}
+
+/** The user who owns a file, or undefined when it cannot be looked at. */
+function ownerOf(path: string): number | undefined {
+  try {
+    return statSync(path).uid
+  } catch {
+    return undefined
+  }
 }
 
 /**

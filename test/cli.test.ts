@@ -236,6 +236,22 @@ describe('A start-up failure is one line naming the setting and the fix, and exi
     assertOneLineFailure(result, /DATA_FILE .*read-only\/latch\.jsonl cannot be read or written by this user: give/)
   })
 
+  it('DATA_FILE put back by root in the folder of the user, without its chown: names the fix', async (t) => {
+    const user = unprivilegedUser()
+    if (user.skip !== undefined) return void t.skip(user.skip)
+    if (process.getuid?.() !== 0) return void t.skip('only root can give the folder to the unprivileged user')
+    const folder = join(directory, 'restored')
+    await mkdir(folder, { mode: 0o700 })
+    await chown(folder, NOBODY, NOBODY)
+    const file = join(folder, 'latch.jsonl')
+    await writeFile(file, '', { mode: 0o600 }) // root's, as `install -m 600` leaves a restored copy
+    const result = await runLatch([], { DATA_FILE: file, PORT: '0' }, { as: user.as })
+    assertOneLineFailure(
+      result,
+      /DATA_FILE .*restored\/latch\.jsonl belongs to another user \(uid 0\), so this one cannot .*chown --reference=/,
+    )
+  })
+
   it('DATA_FILE of its own in a folder the user cannot write, where compaction could never replace it', async (t) => {
     const user = unprivilegedUser()
     if (user.skip !== undefined) return void t.skip(user.skip)
