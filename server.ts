@@ -4890,7 +4890,13 @@ export function readClientMetadata(text: string, clientId: string, metadataDocum
   // Document must spell it as the request does, which the request checks (`documentClientId`)
   if (typeof client_id !== 'string' || !isClientId(client_id) || canonicalizeUrl(client_id) !== clientId)
     throw fault(`its metadata names another client_id: it must be ${clientId}`)
-  const clientUriIsPrefix = typeof metadata.client_uri === 'string' && clientId.startsWith(metadata.client_uri)
+  // a prefix, and of the same origin: "http://paypal.com" begins "http://paypal.com.evil.example/" too
+  const clientUri = typeof metadata.client_uri === 'string' ? metadata.client_uri : undefined
+  const clientUriIsPrefix =
+    clientUri !== undefined &&
+    clientId.startsWith(clientUri) &&
+    URL.canParse(clientUri) &&
+    new URL(clientUri).origin === new URL(clientId).origin
   if (metadata.client_uri !== undefined && !clientUriIsPrefix && !metadataDocument) {
     // "The client_uri MUST be a prefix of the client_id"
     throw fault('its client_uri is not a prefix of its client_id')
@@ -4909,7 +4915,7 @@ export function readClientMetadata(text: string, clientId: string, metadataDocum
     clientId: client_id,
     name: typeof metadata.client_name === 'string' ? cleanName(metadata.client_name) : undefined,
     // where the draft does not ask it to be a prefix, one that is not is not shown
-    url: clientUriIsPrefix ? resolveUrl(metadata.client_uri as string, clientId) : undefined,
+    url: clientUriIsPrefix ? resolveUrl(clientUri, clientId) : undefined,
     logoUrl: typeof metadata.logo_uri === 'string' ? resolveUrl(metadata.logo_uri, clientId) : undefined,
     redirectUris: strings(metadata.redirect_uris),
   }

@@ -105,6 +105,13 @@ function site(req: IncomingMessage, res: ServerResponse): void {
         client_uri: 'https://other.example/',
         redirect_uris: ['https://other.example/callback'],
       })
+    case 'pay.example.evil.example':
+      return sendJson(res, {
+        client_id: 'http://pay.example.evil.example/',
+        client_name: 'Pay',
+        client_uri: 'http://pay.example', // begins the client_id, but is another site
+        redirect_uris: ['https://other.example/callback'],
+      })
     case 'html.example':
       return sendHtml(
         res,
@@ -395,9 +402,12 @@ describe('Client discovery (IndieAuth §4.2)', () => {
     assert.doesNotMatch(html, /Impostor/)
   })
 
-  it('refuses metadata whose client_uri is not a prefix of client_id', async () => {
+  it('refuses metadata whose client_uri is not a prefix of client_id, or a prefix on another site', async () => {
     const response = await authorize(latch, 'http://prefix.example/app/', 'https://other.example/callback')
     await assertNotFetched(latch, response, 'http://prefix.example/app/', /client_uri is not a prefix/)
+    const lookalike = 'http://pay.example.evil.example/'
+    const borrowed = await authorize(latch, lookalike, 'https://other.example/callback')
+    await assertNotFetched(latch, borrowed, lookalike, /client_uri is not a prefix/)
   })
 
   it('reads an HTML page: h-app name and logo, rel=redirect_uri in elements and in the Link header', async () => {
