@@ -4990,8 +4990,10 @@ const MAX_OPEN_ELEMENTS = 256
  * when one of its name is open (and each element is closed once), and the scan stops at 10,000
  * start tags or 10,000 closing tags.
  */
+/** Where the raw text of a `<script>` or `<style>` ends. */
+const RAW_TEXT_ENDS = { script: /<\/script/gi, style: /<\/style/gi }
+
 export function scanHtml(html: string): HtmlElement[] {
-  const lower = html.toLowerCase()
   const elements: HtmlElement[] = []
   const open: number[] = [] // the elements not closed yet, outermost first
   const openByName = new Map<string, number>() // how many of `open` have each name
@@ -5037,8 +5039,11 @@ export function scanHtml(html: string): HtmlElement[] {
       end: elements.length + 1,
     })
     if (name === 'script' || name === 'style') {
-      const close = lower.indexOf(`</${name}`, at) // raw text, not markup
-      at = close === -1 ? html.length : close
+      // raw text, not markup, up to its end tag in any case: sought in `html` itself, since a
+      // lower-case copy may be longer (`İ` becomes two characters) and its places not the same
+      const close = RAW_TEXT_ENDS[name]
+      close.lastIndex = at
+      at = close.exec(html)?.index ?? html.length
     } else if (!VOID_ELEMENTS.has(name) && !attributes.endsWith('/') && open.length < MAX_OPEN_ELEMENTS) {
       open.push(elements.length - 1)
       openByName.set(name, (openByName.get(name) ?? 0) + 1)

@@ -709,6 +709,16 @@ describe('Discovery parsers and address rules', () => {
     assert.equal(readClientPage(`<div class="h-app">${'<span>'.repeat(300)}Name`, 'https://a.example/').name, 'Name')
   })
 
+  it('finds the end of a script in any case, after text whose lower case is longer (İ)', () => {
+    const page = readClientPage(
+      `<title>${'İ'.repeat(70)}</title><SCRIPT>var x = 1</Script>` +
+        '<link rel="redirect_uri" href="https://app.example/callback"><div class="h-app"><b class="p-name">Turk</b></div>',
+      'https://a.example/',
+    )
+    assert.deepEqual(page.redirectUris, ['https://app.example/callback'])
+    assert.equal(page.name, 'Turk')
+  })
+
   it('keeps only the attributes discovery reads, so that a tag of hundreds costs little', () => {
     const [element] = scanHtml(`<a ${'data-x=1 '.repeat(300)}CLASS="h-app" rel=me href='/' src=x title="t">`)
     assert.deepEqual(element.attributes, { class: 'h-app', rel: 'me', href: '/', src: 'x' })
