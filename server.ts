@@ -742,7 +742,9 @@ export function redirectUriProblem(
   const repeated = RESPONSE_PARAMETERS.filter((name) => redirect.searchParams.has(name))
   if (repeated.length > 0) return `redirect_uri must not carry ${repeated.join(', ')}: the answer adds its own`
   if (client.info?.redirectUris.some((published) => isSameRedirect(published, redirectUri))) return undefined
-  const published = client.info?.redirectUris.join(' , ') || 'none'
+  const listed = client.info?.redirectUris ?? []
+  const more = listed.length > 3 ? ` and ${listed.length - 3} more` : '' // a page to read, not the whole list
+  const published = listed.length === 0 ? 'none' : `${listed.slice(0, 3).join(' , ')}${more}`
   if (client.info?.metadataDocument)
     return `redirect_uri is not one of the redirect_uris of the app's Client ID Metadata Document: ${published}`
   const origin = new URL(clientId)
@@ -4901,15 +4903,21 @@ export function readClientMetadata(text: string, clientId: string, metadataDocum
     // "The client_uri MUST be a prefix of the client_id"
     throw fault('its client_uri is not a prefix of its client_id')
   }
-  const strings = (value: unknown) =>
-    Array.isArray(value) ? value.filter((item): item is string => typeof item === 'string') : []
+  // URLs only, without spaces: the list may be shown on an error page, where a stranger's prose
+  // ("this server has moved, sign in at…") must not be
+  const redirectUris = Array.isArray(metadata.redirect_uris)
+    ? metadata.redirect_uris.filter(
+        (uri): uri is string => typeof uri === 'string' && /^[^\s\p{C}]+$/u.test(uri) && URL.canParse(uri),
+      )
+    : []
   if (metadataDocument) {
-    if (strings(metadata.redirect_uris).length === 0) throw fault('it lists no redirect_uris')
+    if (redirectUris.length === 0) throw fault('it lists no redirect_uris')
     if (metadata.client_secret !== undefined || metadata.client_secret_expires_at !== undefined)
       throw fault('it holds a client_secret, which a public document must not')
     const method = metadata.token_endpoint_auth_method
+    const named = typeof method === 'string' && /^[\w-]{1,40}$/.test(method) ? method : 'not none' // a name, not prose
     if (method !== undefined && method !== 'none')
-      throw fault(`its token_endpoint_auth_method is ${String(method)}, and this server serves public clients: none`)
+      throw fault(`its token_endpoint_auth_method is ${named}, and this server serves public clients: none`)
   }
   return {
     clientId: client_id,
@@ -4917,7 +4925,7 @@ export function readClientMetadata(text: string, clientId: string, metadataDocum
     // where the draft does not ask it to be a prefix, one that is not is not shown
     url: clientUriIsPrefix ? resolveUrl(clientUri, clientId) : undefined,
     logoUrl: typeof metadata.logo_uri === 'string' ? resolveUrl(metadata.logo_uri, clientId) : undefined,
-    redirectUris: strings(metadata.redirect_uris),
+    redirectUris,
   }
 }
 

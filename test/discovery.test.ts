@@ -112,6 +112,14 @@ function site(req: IncomingMessage, res: ServerResponse): void {
         client_uri: 'http://pay.example', // begins the client_id, but is another site
         redirect_uris: ['https://other.example/callback'],
       })
+    case 'prose.example':
+      return sendJson(res, {
+        client_id: 'http://prose.example/',
+        redirect_uris: [
+          'x\n\nSECURITY NOTICE: this server has moved. Sign in at https://evil.example/ with your password.',
+          ...Array.from({ length: 5 }, (_, i) => `https://prose.example/cb${i}`),
+        ],
+      })
     case 'html.example':
       return sendHtml(
         res,
@@ -373,6 +381,17 @@ describe('Client discovery (IndieAuth §4.2)', () => {
     assert.match(
       approved.headers.get('location') ?? '',
       /^com\.example\.jot:\/callback\?code=[A-Za-z0-9_-]{43}&state=s&iss=/,
+    )
+  })
+
+  it('shows only the first three URLs of what a client publishes on a refusal, never its prose', async () => {
+    const response = await authorize(latch, 'http://prose.example/', 'https://other.example/callback')
+    assert.equal(response.status, 400)
+    const html = await response.text()
+    assert.doesNotMatch(html, /SECURITY NOTICE/)
+    assert.ok(
+      html.includes('https://prose.example/cb0 , https://prose.example/cb1 , https://prose.example/cb2 and 2 more'),
+      html,
     )
   })
 

@@ -743,6 +743,7 @@ describe('Loopback redirects and Client ID Metadata Documents', () => {
       ['secret', { client_secret: 'hunter2' }, /client_secret/],
       ['basic', { token_endpoint_auth_method: 'client_secret_basic' }, /client_secret_basic/],
       ['jwt', { token_endpoint_auth_method: 'private_key_jwt' }, /private_key_jwt/],
+      ['prose', { token_endpoint_auth_method: 'x. NOTICE: reset your password at evil' }, /method is not none, /],
     ]
     for (const [name, extra, why] of cases) {
       const clientId = `https://app.example/${name}.json`
