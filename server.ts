@@ -956,8 +956,8 @@ function stateOf(query: Params): string | undefined {
  * fetch; a failure is remembered for 30 seconds; and at most 8 fetches run at once, with 8 more
  * waiting, so that a flood of made-up clients costs a bounded amount of memory. One address
  * (the request's, as `CONNECTION_LIMITS` groups them; loopback is not counted) may have at most 2
- * of those under way, so that a stranger whose pages never answer cannot hold every slot and
- * keep other people's apps from being looked up. Why a fetch failed goes to the log only: it can
+ * of those under way, host-name lookups they left behind included, so that a stranger whose pages
+ * or names never answer cannot hold every slot and keep other people's apps from being looked up. Why a fetch failed goes to the log only: it can
  * name addresses and ports of the server's network.
  */
 async function findClient(clientId: string, req: IncomingMessage, ctx: Context): Promise<ClientLookup> {
@@ -978,14 +978,20 @@ async function findClient(clientId: string, req: IncomingMessage, ctx: Context):
       return {}
     }
     if (requester !== undefined) ctx.lookupsBy.set(requester, started + 1)
-    lookup = fetchClient(clientId, ctx).finally(() => {
-      ctx.clientLookups.delete(clientId)
-      if (requester === undefined) return
-      const left = (ctx.lookupsBy.get(requester) ?? 1) - 1
-      if (left === 0) ctx.lookupsBy.delete(requester)
-      else ctx.lookupsBy.set(requester, left)
-    })
+    const resolving: Promise<unknown>[] = []
+    lookup = fetchClient(clientId, ctx, resolving).finally(() => ctx.clientLookups.delete(clientId))
     ctx.clientLookups.set(clientId, lookup)
+    // The requester's count lasts as long as its host-name lookups, which may go on long after
+    // the fetch gave up: else one address, trying again at each deadline, would hold them all.
+    if (requester !== undefined) {
+      void lookup
+        .then(() => Promise.allSettled(resolving))
+        .then(() => {
+          const left = (ctx.lookupsBy.get(requester) ?? 1) - 1
+          if (left === 0) ctx.lookupsBy.delete(requester)
+          else ctx.lookupsBy.set(requester, left)
+        })
+    }
   }
   return lookup
 }
@@ -993,9 +999,9 @@ async function findClient(clientId: string, req: IncomingMessage, ctx: Context):
 /** The lookups one address may have under way at once (see `findClient`). */
 const MAX_LOOKUPS_BY_ONE = 2
 
-async function fetchClient(clientId: string, ctx: Context): Promise<ClientLookup> {
+async function fetchClient(clientId: string, ctx: Context, resolving: Promise<unknown>[]): Promise<ClientLookup> {
   try {
-    const options = { allowPrivate: ctx.config.clientFetchPrivate, fetch: ctx.clientFetch }
+    const options = { allowPrivate: ctx.config.clientFetchPrivate, fetch: ctx.clientFetch, resolving }
     const { info, maxAgeSeconds } = await withSlot(
       ctx.clientFetchSlots,
       CLIENT_FETCH_SLOTS,
@@ -4707,15 +4713,22 @@ function lookupAll(hostname: string): Promise<LookupAddress[]> {
 const lookups = { underway: 0 }
 const MAX_LOOKUPS_UNDERWAY = 8
 
-function resolveHost(hostname: string, fetch: ClientFetchOptions, deadline: AbortSignal, timeoutMs: number) {
+function resolveHost(hostname: string, options: FetchRules, deadline: AbortSignal, timeoutMs: number) {
   if (lookups.underway >= MAX_LOOKUPS_UNDERWAY)
     return Promise.reject(new DiscoveryBusy('too many host names are being resolved at once'))
   lookups.underway++
-  const resolving = (fetch.lookup ?? lookupAll)(hostname)
+  const resolving = (options.fetch.lookup ?? lookupAll)(hostname)
   const settled = () => void lookups.underway--
   resolving.then(settled, settled)
+  options.resolving?.push(resolving)
   return withDeadline(resolving, deadline, timeoutMs)
 }
+
+/**
+ * How a client's pages are fetched: whether private addresses may be, and with what. `resolving`
+ * gathers the host-name lookups the fetches start, which may outlive them (see `findClient`).
+ */
+type FetchRules = { allowPrivate: boolean; fetch: ClientFetchOptions; resolving?: Promise<unknown>[] }
 
 type Fetched = { type: string; link: string; headers: IncomingHttpHeaders; body: Buffer }
 
@@ -4723,11 +4736,7 @@ type Fetched = { type: string; link: string; headers: IncomingHttpHeaders; body:
  * Fetches a URL under the rules above: resolve, check every address, connect to the checked
  * one, no redirects, a deadline and a body cap. Throws an Error whose message says why not.
  */
-async function fetchSafely(
-  url: URL,
-  maxBytes: number,
-  options: { allowPrivate: boolean; fetch: ClientFetchOptions },
-): Promise<Fetched> {
+async function fetchSafely(url: URL, maxBytes: number, options: FetchRules): Promise<Fetched> {
   if (url.protocol !== 'https:' && url.protocol !== 'http:') throw new Error('it is not an http or https URL')
   const hostname = url.hostname.replace(/^\[|\]$/g, '')
   const timeoutMs = options.fetch.timeoutMs ?? CLIENT_FETCH_TIMEOUT_MS
@@ -4735,7 +4744,7 @@ async function fetchSafely(
   const addresses =
     isIP(hostname) !== 0
       ? [{ address: hostname, family: isIP(hostname) }]
-      : await resolveHost(hostname, options.fetch, deadline, timeoutMs)
+      : await resolveHost(hostname, options, deadline, timeoutMs)
   if (addresses.length === 0) throw new Error(`its host ${hostname} has no address`)
   for (const { address } of addresses) {
     const problem = addressProblem(address, options.allowPrivate)
@@ -4799,7 +4808,7 @@ function withDeadline<T>(promise: Promise<T>, deadline: AbortSignal, timeoutMs: 
  */
 export async function discoverClient(
   clientId: string,
-  options: { allowPrivate: boolean; fetch: ClientFetchOptions },
+  options: FetchRules,
 ): Promise<{ info: ClientInfo; maxAgeSeconds: number }> {
   const url = new URL(clientId)
   if (isLoopbackClient(clientId)) throw new Error(LOOPBACK_CLIENT)
@@ -5167,10 +5176,7 @@ function plainText(text: string): string {
 }
 
 /** Fetches a logo under the same rules, and inlines it: images only, at most 64 KiB. */
-async function fetchLogo(
-  logoUrl: string,
-  options: { allowPrivate: boolean; fetch: ClientFetchOptions },
-): Promise<string | undefined> {
+async function fetchLogo(logoUrl: string, options: FetchRules): Promise<string | undefined> {
   if (isLoopbackClient(logoUrl)) return undefined
   const fetched = await fetchSafely(new URL(logoUrl), MAX_LOGO_BYTES, options)
   if (!LOGO_TYPES.has(fetched.type)) return undefined

@@ -641,6 +641,33 @@ describe('Discovery for one address', () => {
 })
 
 describe('Discovery while host names do not resolve', () => {
+  it("counts one address's lookups until their host names settle, not only until the fetch gives up", async () => {
+    const stuck: (() => void)[] = []
+    const lookup = (hostname: string) =>
+      hostname.startsWith('stuck')
+        ? new Promise<LookupAddress[]>((_resolve, reject) => stuck.push(() => reject(new Error('timed out'))))
+        : (clientFetch.lookup ?? (() => Promise.resolve([])))(hostname)
+    const latch = await startLatch({ TRUST_PROXY: '127.0.0.1' }, { ...clientFetch, lookup })
+    const stranger = '198.51.100.7'
+    try {
+      for (const i of [1, 2]) {
+        const gaveUp = await authorize(latch, `http://stuck${i}.example/`, `http://stuck${i}.example/cb`, stranger)
+        assert.equal(gaveUp.status, 200) // at its deadline, its host name still being resolved
+      }
+      assert.equal(stuck.length, 2)
+      const third = await authorize(latch, 'http://stuck3.example/', 'https://other.example/callback', stranger)
+      await assertNotFetched(latch, third, 'http://stuck3.example/', /198\.51\.100\.7 has 2 apps being looked up/)
+      assert.equal(stuck.length, 2) // not even resolved
+      for (const settle of stuck.splice(0)) settle()
+      await new Promise((resolve) => setImmediate(resolve)) // the settled lookups count down
+      const later = await authorize(latch, 'http://json.example/', 'https://other.example/callback', stranger)
+      assert.equal(later.status, 200)
+    } finally {
+      for (const settle of stuck.splice(0)) settle()
+      await latch.close()
+    }
+  })
+
   it('counts a lookup until it settles, past the fetch that gave up on it, and refuses a ninth without remembering', async () => {
     // A resolver that never answers: dns.lookup holds one of libuv's few threads until it gives up.
     const stuck: (() => void)[] = []
