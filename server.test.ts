@@ -374,6 +374,22 @@ describe('Configuration', () => {
     )
   })
 
+  it('warns of a variable one letter away from a setting, which is not read, and of no other', () => {
+    const config = loadConfig({})
+    for (const [typo, meant] of [
+      ['ISUER', 'ISSUER'],
+      ['PASSWORD_HSAH', 'PASSWORD_HASH'],
+      ['DATA_FILES', 'DATA_FILE'],
+      ['TRUST_PROXI', 'TRUST_PROXY'],
+    ]) {
+      const warnings = configWarnings(config, { [typo]: 'x' })
+      assert.deepEqual(warnings, [`${typo} is not a setting, and is not read: if it was meant as ${meant}, rename it`])
+    }
+    const unrelated = { PATH: '/usr/bin', HOSTNAME: 'box', NODE_ENV: 'production', ISSUER: 'http://localhost:3000' }
+    assert.deepEqual(configWarnings(config, unrelated), [])
+    assert.deepEqual(configWarnings(config, { ISUER: '' }), []) // empty: as if unset
+  })
+
   it('prints every setting with its flag and default in --help, in 80 columns', () => {
     const help = buildHelp()
     for (const { name } of SETTINGS) {

@@ -7054,14 +7054,37 @@ function parseEmail(value: string): string {
   return value
 }
 
+/** Whether `key` is `name` with one letter added, dropped or changed, or two swapped; names of five or more. */
+function isTypoOf(key: string, name: string): boolean {
+  if (key === name || name.length < 5 || Math.abs(key.length - name.length) > 1) return false
+  let i = 0
+  while (key[i] === name[i]) i++
+  const swapped = key[i] === name[i + 1] && key[i + 1] === name[i] && key.slice(i + 2) === name.slice(i + 2)
+  return (
+    key.slice(i + 1) === name.slice(i + 1) ||
+    key.slice(i) === name.slice(i + 1) ||
+    key.slice(i + 1) === name.slice(i) ||
+    swapped
+  )
+}
+
 /** True when `ME` is the default: the issuer's own home page. */
 function hasDefaultMe(config: Config): boolean {
   return config.me === `${config.issuer}/`
 }
 
-/** Start-up warnings for settings that work but are not right for real use. */
-export function configWarnings(config: Config): string[] {
+/**
+ * Start-up warnings for settings that work but are not right for real use, and for variables of
+ * `env` one letter away from a setting's name (`ISUER`), which are not read.
+ */
+export function configWarnings(config: Config, env: Record<string, string | undefined> = {}): string[] {
   const warnings: string[] = []
+  for (const [key, value] of Object.entries(env)) {
+    const meant =
+      /^[A-Z][A-Z0-9_]{4,}$/.test(key) && value ? SETTINGS.find(({ name }) => isTypoOf(key, name)) : undefined
+    if (meant !== undefined)
+      warnings.push(`${key} is not a setting, and is not read: if it was meant as ${meant.name}, rename it`)
+  }
   const issuer = new URL(config.issuer)
   if (issuer.protocol === 'http:' && !LOOPBACK_HOSTS.has(issuer.hostname.replace(/^\[|\]$/g, ''))) {
     warnings.push(
@@ -7414,7 +7437,12 @@ const MAX_UNREAD_LOG = 16 * 1024 * 1024
 const NO_PASSWORD = 'not set: anyone who can reach this loopback address can approve sign-ins'
 
 /** Prints what the server is doing, once, at start-up. */
-function printStartup(config: Config, listeningUrl: string, store: MemoryStore | FileStore): void {
+function printStartup(
+  config: Config,
+  env: Record<string, string | undefined>,
+  listeningUrl: string,
+  store: MemoryStore | FileStore,
+): void {
   const memory = store instanceof FileStore ? store.memory : store
   const now = Date.now()
   // counted where they are kept: a snapshot (`records`) would copy 100,000 tokens to count them
@@ -7440,13 +7468,13 @@ function printStartup(config: Config, listeningUrl: string, store: MemoryStore |
   const isDefaultMe = hasDefaultMe(config)
   if (config.logFormat === 'json') {
     const time = new Date().toISOString()
-    for (const warning of configWarnings(config))
+    for (const warning of configWarnings(config, env))
       console.log(JSON.stringify({ time, event: 'warning', message: warning }))
     const metadata = `${config.issuer}/.well-known/oauth-authorization-server`
     const start = { issuer: config.issuer, me: config.me, password, data, listening: listeningUrl, metadata }
     return void console.log(JSON.stringify({ time, event: 'start', message: 'Latch is listening', ...start }))
   }
-  for (const warning of configWarnings(config)) console.log(`warning: ${warning}`)
+  for (const warning of configWarnings(config, env)) console.log(`warning: ${warning}`)
   console.log(
     [
       `Latch is listening on ${listeningUrl}`,
@@ -7544,7 +7572,7 @@ async function main(argv: string[], env: Record<string, string | undefined>): Pr
     })
   }
   // last: a supervisor may signal as soon as it reads this
-  printStartup(config, `http://${hostForUrl(config.host)}:${port}`, store)
+  printStartup(config, env, `http://${hostForUrl(config.host)}:${port}`, store)
 }
 
 function isFile(fd: number): boolean {
