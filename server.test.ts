@@ -335,12 +335,6 @@ describe('Configuration', () => {
       [],
       /INTROSPECTION_SECRET holds a character/,
     ],
-    [
-      'a refresh token lifetime no longer than the access token one',
-      { ACCESS_TOKEN_TTL: '7d', REFRESH_TOKEN_TTL: '7d' },
-      [],
-      /REFRESH_TOKEN_TTL \(604800 s\) is not longer than ACCESS_TOKEN_TTL/,
-    ],
     ['an unknown flag', {}, ['--colour', 'blue'], /--colour/],
     ['a profile photo that is not a URL', { PROFILE_PHOTO: 'me.jpg' }, [], /PROFILE_PHOTO/],
     ['a profile email that is not an address', { PROFILE_EMAIL: 'me' }, [], /PROFILE_EMAIL/],
@@ -372,6 +366,19 @@ describe('Configuration', () => {
       ),
       /ISSUER/,
     )
+  })
+
+  it('warns of a refresh token lifetime no longer than the access token one, but at ten years', () => {
+    const warnings = configWarnings(loadConfig({ ACCESS_TOKEN_TTL: '60d' }))
+    assert.match(
+      warnings.join('\n'),
+      /REFRESH_TOKEN_TTL \(2592000 s\) is not longer than ACCESS_TOKEN_TTL \(5184000 s\)/,
+    )
+    assert.deepEqual(configWarnings(loadConfig({ ACCESS_TOKEN_TTL: '3650d', REFRESH_TOKEN_TTL: '3650d' })), [])
+  })
+
+  it('takes an introspection secret of any visible characters', () => {
+    assert.equal(loadConfig({ INTROSPECTION_SECRET: 'p@ss!word#1234567%' }).introspectionSecret, 'p@ss!word#1234567%')
   })
 
   it('warns of a variable one letter away from a setting, which is not read, and of no other', () => {
@@ -1698,6 +1705,12 @@ describe('POST /introspect with INTROSPECTION_SECRET (IndieAuth §6.1)', () => {
       assert.match(response.headers.get('www-authenticate') ?? '', new RegExp(`^Bearer realm="${latch.issuer}"`))
     }
   })
+
+  it('answers a malformed Bearer header with 400 invalid_request, as /userinfo does', async () => {
+    const response = await post(`${latch.base}/introspect`, 'token=x', { Authorization: `Bearer ${secret} ${secret}` })
+    await assertError(response, 400, 'invalid_request')
+    assert.equal(response.headers.get('www-authenticate'), `Bearer realm="${latch.issuer}", error="invalid_request"`)
+  })
 })
 
 describe('POST /revoke (IndieAuth §7, RFC 7009)', () => {
@@ -1921,7 +1934,13 @@ describe('POST /token with grant_type=refresh_token (IndieAuth §5.5, RFC 6749 �
     await strict.close()
   })
 
-  it('takes a refresh token used later than now, on a clock set back, as reused: no grace an hour long', async () => {
+  it('keeps the grace for a clock set back by seconds; set back by more than the grace, no grace an hour long', async () => {
+    const nudged = await firstTokens()
+    await refresh(nudged.refresh_token)
+    latch.advance(-5) // the clock corrected by a few seconds
+    assert.equal((await refresh(nudged.refresh_token)).status, 200) // still a retry
+    latch.advance(5)
+
     const first = await firstTokens()
     const second = (await (await refresh(first.refresh_token)).json()) as Tokens
     latch.advance(-3600) // the clock is set back an hour
@@ -2105,7 +2124,7 @@ describe('Legacy IndieAuth', () => {
     await assertError(await post(`${latch.base}/token`, form({ action: 'delete', token })), 400, 'invalid_request')
   })
 
-  it('treats response_type=id as a profile-only request, with a resource too', async () => {
+  it('treats response_type=id as profile-only, ignoring a resource it names', async () => {
     const consent = await openConsent(latch, { response_type: 'id', resource: 'https://service.example/' })
     assert.doesNotMatch(consent.html, /name="scope"/)
     const response = await submitConsent(latch, consent)

@@ -348,9 +348,9 @@ type Context = {
   store: Store
   now: () => number
   /**
-   * The time for what Latch times in memory alone (lockouts, the day of refreshes, the apps it
-   * looked up): it follows `now` forward, and stands still while `now` is set back, so that a
-   * wall clock set back an hour does not make a two-second lockout last an hour too.
+   * The clock of three limits Latch keeps in memory: lockouts, the day of refreshes, and the apps
+   * it looked up or failed to. It follows `now` forward, and stands still while `now` is set
+   * back, so that a wall clock set back an hour does not make a two-second lockout last an hour.
    */
   steadyNow: () => number
   log: (line: string) => void
@@ -743,8 +743,8 @@ export function redirectUriProblem(
   if (repeated.length > 0) return `redirect_uri must not carry ${repeated.join(', ')}: the answer adds its own`
   if (client.info?.redirectUris.some((published) => isSameRedirect(published, redirectUri))) return undefined
   const listed = client.info?.redirectUris ?? []
-  const more = listed.length > 3 ? ` and ${listed.length - 3} more` : '' // a page to read, not the whole list
-  const published = listed.length === 0 ? 'none' : `${listed.slice(0, 3).join(' , ')}${more}`
+  const shown = listed.slice(0, 3).join(' , ') // a page to read, not the whole list
+  const published = listed.length === 0 ? 'none' : listed.length > 3 ? `${shown} and ${listed.length - 3} more` : shown
   if (client.info?.metadataDocument)
     return `redirect_uri is not one of the redirect_uris of the app's Client ID Metadata Document: ${published}`
   const origin = new URL(clientId)
@@ -901,8 +901,11 @@ async function handleAuthorizationRequest(req: IncomingMessage, res: ServerRespo
     throw new OAuthError('invalid_request', `client_id is not a valid client identifier: ${clientProblem}`)
   const redirectUri = requireParam(query, 'redirect_uri')
   const client = await findClient(canonicalizeUrl(clientId), req, ctx)
-  // the draft compares the two by "simple string comparison": another spelling of the URL is not it
-  const misspelt = client.info?.metadataDocument === true && client.info.documentClientId !== clientId
+  // The draft compares the two by "simple string comparison", and IndieAuth's JSON metadata at an
+  // https URL is read as such a document too: so the document names the client_id as the request
+  // spells it, or in its canonical form (IndieAuth §3.4: `https://app.example` is `…example/`).
+  const spelt = client.info?.documentClientId
+  const misspelt = spelt !== undefined && spelt !== clientId && spelt !== canonicalizeUrl(clientId)
   const refused = misspelt ? `its metadata names another client_id: it must be ${clientId}` : client.refused
   if (refused !== undefined)
     throw new OAuthError('invalid_request', `The app's Client ID Metadata Document cannot be used: ${refused}`)
@@ -956,9 +959,10 @@ function stateOf(query: Params): string | undefined {
  * fetch; a failure is remembered for 30 seconds; and at most 8 fetches run at once, with 8 more
  * waiting, so that a flood of made-up clients costs a bounded amount of memory. One address
  * (the request's, as `CONNECTION_LIMITS` groups them; loopback is not counted) may have at most 2
- * of those under way, host-name lookups they left behind included, so that a stranger whose pages
- * or names never answer cannot hold every slot and keep other people's apps from being looked up. Why a fetch failed goes to the log only: it can
- * name addresses and ports of the server's network.
+ * of those under way, host-name lookups they left behind included, so that a stranger whose
+ * pages or names never answer cannot hold every slot and keep other people's apps from being
+ * looked up. Why a fetch failed goes to the log only: it can name addresses and ports of the
+ * server's network.
  */
 async function findClient(clientId: string, req: IncomingMessage, ctx: Context): Promise<ClientLookup> {
   const now = ctx.steadyNow()
@@ -978,14 +982,15 @@ async function findClient(clientId: string, req: IncomingMessage, ctx: Context):
       return {}
     }
     if (requester !== undefined) ctx.lookupsBy.set(requester, started + 1)
-    const resolving: Promise<unknown>[] = []
-    lookup = fetchClient(clientId, ctx, resolving).finally(() => ctx.clientLookups.delete(clientId))
+    const hostLookups: Promise<unknown>[] = []
+    lookup = fetchClient(clientId, ctx, hostLookups).finally(() => ctx.clientLookups.delete(clientId))
     ctx.clientLookups.set(clientId, lookup)
     // The requester's count lasts as long as its host-name lookups, which may go on long after
-    // the fetch gave up: else one address, trying again at each deadline, would hold them all.
+    // the fetch gave up: else one address, trying again at each deadline, would hold all
+    // MAX_LOOKUPS_UNDERWAY of them.
     if (requester !== undefined) {
       void lookup
-        .then(() => Promise.allSettled(resolving))
+        .then(() => Promise.allSettled(hostLookups))
         .then(() => {
           const left = (ctx.lookupsBy.get(requester) ?? 1) - 1
           if (left === 0) ctx.lookupsBy.delete(requester)
@@ -999,9 +1004,9 @@ async function findClient(clientId: string, req: IncomingMessage, ctx: Context):
 /** The lookups one address may have under way at once (see `findClient`). */
 const MAX_LOOKUPS_BY_ONE = 2
 
-async function fetchClient(clientId: string, ctx: Context, resolving: Promise<unknown>[]): Promise<ClientLookup> {
+async function fetchClient(clientId: string, ctx: Context, hostLookups: Promise<unknown>[]): Promise<ClientLookup> {
   try {
-    const options = { allowPrivate: ctx.config.clientFetchPrivate, fetch: ctx.clientFetch, resolving }
+    const options = { allowPrivate: ctx.config.clientFetchPrivate, fetch: ctx.clientFetch, hostLookups }
     const { info, maxAgeSeconds } = await withSlot(
       ctx.clientFetchSlots,
       CLIENT_FETCH_SLOTS,
@@ -1057,8 +1062,9 @@ function buildPendingRequest(
   const codeChallenge = requireParam(query, 'code_challenge')
   if (!isCodeChallenge(codeChallenge))
     throw new OAuthError('invalid_request', 'code_challenge must be 43 base64url characters')
-  // absent, S256: RFC 7636 §4.3 would default to `plain`, which Latch never takes, so a refusal
-  // would only turn away S256 clients that leave it out; a plain challenge fails at the exchange
+  // Absent means `plain` in RFC 7636 §4.3, which Latch never takes. Refusing it would only turn
+  // away S256 clients that leave it out, so absent is taken as S256: a plain challenge then fails
+  // at the exchange.
   const method = getParam(query, 'code_challenge_method') ?? 'S256'
   if (method !== 'S256') throw new OAuthError('invalid_request', 'code_challenge_method must be S256')
   const state = getParam(query, 'state')
@@ -1576,12 +1582,13 @@ async function refreshGrant(form: Params, ctx: Context) {
   const found = await findLiveToken(hash, 'refresh', ctx)
   if (found === undefined) throw new OAuthError('invalid_grant', 'The refresh token is unknown, expired or revoked')
   const now = ctx.now()
-  const retriedSince = now - ctx.config.refreshTokenGraceSeconds * 1000
+  const graceMs = ctx.config.refreshTokenGraceSeconds * 1000
+  const retriedSince = now - graceMs
   const { usedAt } = found.token
-  // a retry was used within the grace period, and not later than now: a clock set back an hour
-  // must not keep the grace open for an hour
-  const retry = usedAt !== undefined && usedAt + 1000 > retriedSince && usedAt <= now
-  if (usedAt !== undefined && !(ctx.config.refreshTokenGraceSeconds > 0 && retry)) {
+  // A retry comes within the grace period of the rotation (kept to the whole second). A clock
+  // set back by more than the grace makes it a reuse: else the set-back would hold the grace open.
+  const retry = graceMs > 0 && usedAt !== undefined && usedAt + 1000 > retriedSince && usedAt <= now + graceMs
+  if (usedAt !== undefined && !retry) {
     await revokeReusedRefreshToken(found.token.grantId, found.grant.client_id, ctx) // whatever else the request says
   }
   if (!isSameClientId(clientId, found.grant.client_id)) {
@@ -1595,7 +1602,7 @@ async function refreshGrant(form: Params, ctx: Context) {
   const redeemed = {
     kind: 'refresh',
     hash,
-    retriedSince: ctx.config.refreshTokenGraceSeconds > 0 ? retriedSince : undefined,
+    retriedSince: graceMs > 0 ? retriedSince : undefined,
   } as const
   return await issueTokens(redeemed, found.token.grantId, found.grant, access, ctx)
 }
@@ -1717,8 +1724,8 @@ async function issueTokens(
   return {
     access_token: accessToken,
     token_type: 'Bearer',
-    // always: RFC 6749 §5.1 asks for it whenever it is not what the client asked for, which the
-    // owner may have narrowed, down to none (a token for a resource alone: empty)
+    // always, "" for none: RFC 6749 §5.1 requires it when the owner narrowed what was asked for,
+    // down to none; §3.3 has no empty scope, but "" is the one way to say none that clients read
     scope: scope.join(' '),
     me: grant.me,
     expires_in: Math.ceil((accessTokenExpiresAt - now) / 1000),
@@ -1764,8 +1771,8 @@ async function handleIntrospectionRequest(req: IncomingMessage, res: ServerRespo
 /**
  * What introspection says of a live access token. `aud` names the services it is for (RFC 8707),
  * one as a string, several as a list, as in a JWT; a resource server must check that it is one
- * of them. An IndieAuth token has no audience; a token for a resource alone has an empty scope,
- * which a resource server that splits `scope` reads as none.
+ * of them. An IndieAuth token has no audience; a token without scope has "" as its scope, in
+ * which no scope is found.
  * @see https://www.rfc-editor.org/rfc/rfc7662#section-2.2
  */
 function describeToken(token: Token, grant: Grant): Record<string, unknown> {
@@ -1790,13 +1797,13 @@ function describeToken(token: Token, grant: Grant): Record<string, unknown> {
  */
 function requireIntrospectionCaller(req: IncomingMessage, config: Config): void {
   if (config.introspectionSecret === undefined) return
-  const match = /^Bearer +(\S+) *$/i.exec(req.headers.authorization ?? '')
-  if (match === null)
+  const credential = bearerCredential(req, config)
+  if (credential === undefined)
     throw credentialsMissing(
       'This endpoint needs the introspection secret as a Bearer credential',
       bearerChallenge(config),
     )
-  if (!safeEqual(match[1], config.introspectionSecret)) {
+  if (!safeEqual(credential, config.introspectionSecret)) {
     throw new OAuthError('invalid_token', 'The Bearer credential is not the introspection secret', {
       headers: { 'WWW-Authenticate': bearerChallenge(config, 'invalid_token') },
     })
@@ -1835,9 +1842,10 @@ async function handleLegacyRevocation(form: Params, res: ServerResponse, ctx: Co
  * token is a refresh token [...] the authorization server SHOULD also invalidate all access
  * tokens based on the same authorization grant". A client that names itself may revoke only
  * its own tokens: "verifies whether the token was issued to the client making the revocation
- * request". There the RFC refuses with an error; Latch answers the same 200 as for a token it
- * does not know, and revokes nothing. A public client's `client_id` proves nothing, so an error
- * would only tell whoever sent it that the token is live. IndieAuth clients send no `client_id` here.
+ * request". When it was not, the RFC refuses with an error; Latch answers the same 200 as for a
+ * token it does not know, and revokes nothing. A public client's `client_id` proves nothing, so
+ * an error would only tell whoever sent it that the token is live. IndieAuth clients send no
+ * `client_id` here.
  * @see https://www.rfc-editor.org/rfc/rfc7009#section-2.1
  */
 async function revokeToken(value: string, clientId: string | undefined, ctx: Context): Promise<void> {
@@ -1865,13 +1873,12 @@ async function revokeToken(value: string, clientId: string | undefined, ctx: Con
  */
 async function handleUserinfoRequest(req: IncomingMessage, res: ServerResponse, ctx: Context): Promise<void> {
   // a token may come in a form body (RFC 6750 §2.2); a body of another type holds none, and is not read
-  const formSent = /^application\/x-www-form-urlencoded *(;|$)/i.test(req.headers['content-type'] ?? '')
   let form: Params | undefined
   try {
-    form = req.method === 'POST' && formSent ? await readForm(req) : undefined
+    form = req.method === 'POST' && mediaTypeOf(req) === FORM_TYPE ? await readForm(req) : undefined
   } catch (err) {
     // RFC 6750 §3: every refusal of a request for a protected resource carries a challenge
-    if (err instanceof OAuthError) err.headers['WWW-Authenticate'] = bearerChallenge(ctx.config, 'invalid_request')
+    if (err instanceof OAuthError) err.headers['WWW-Authenticate'] = bearerChallenge(ctx.config, err.error)
     throw err
   }
   const { token, grant } = await requireAccessToken(req, form, ctx, endpointUrl(ctx.config, '/userinfo'))
@@ -1911,10 +1918,7 @@ async function requireAccessToken(
 ) {
   const refused = (error: string, description: string) =>
     new OAuthError(error, description, { headers: { 'WWW-Authenticate': bearerChallenge(ctx.config, error) } })
-  const authorization = req.headers.authorization ?? ''
-  const header = /^Bearer +(\S+) *$/i.exec(authorization)?.[1]
-  if (header === undefined && /^Bearer\b/i.test(authorization))
-    throw refused('invalid_request', 'The Authorization header must be Bearer and one token')
+  const header = bearerCredential(req, ctx.config)
   const field = form === undefined ? undefined : getParam(form, 'access_token')
   if (header !== undefined && field !== undefined && header !== field)
     throw refused('invalid_request', 'The request carries two different access tokens')
@@ -1933,15 +1937,30 @@ async function requireAccessToken(
 }
 
 /**
- * A 401 for a request that sent no credentials: a challenge, and no error code, since nothing
- * was wrong with a token it did not send (RFC 6750 §3.1).
- * @see https://www.rfc-editor.org/rfc/rfc6750#section-3.1
+ * The credential of an `Authorization: Bearer` header, or undefined when there is none (or
+ * another scheme). A Bearer header that is not one token is 400 `invalid_request` (RFC 6750 §3.1).
  */
+function bearerCredential(req: IncomingMessage, config: Config): string | undefined {
+  const authorization = req.headers.authorization ?? ''
+  const credential = /^Bearer +(\S+) *$/i.exec(authorization)?.[1]
+  if (credential === undefined && /^Bearer\b/i.test(authorization)) {
+    throw new OAuthError('invalid_request', 'The Authorization header must be Bearer, a space and one token', {
+      headers: { 'WWW-Authenticate': bearerChallenge(config, 'invalid_request') },
+    })
+  }
+  return credential
+}
+
 /** The `WWW-Authenticate` challenge of Latch's Bearer endpoints, with an error code when there is one. */
 function bearerChallenge(config: Config, error?: string): string {
   return error === undefined ? `Bearer realm="${config.issuer}"` : `Bearer realm="${config.issuer}", error="${error}"`
 }
 
+/**
+ * A 401 for a request that sent no credentials: a challenge, and no error code, since nothing
+ * was wrong with a token it did not send (RFC 6750 §3.1).
+ * @see https://www.rfc-editor.org/rfc/rfc6750#section-3.1
+ */
 function credentialsMissing(description: string, challenge: string): OAuthError {
   return new OAuthError(NO_ERROR_CODE, description, { status: 401, headers: { 'WWW-Authenticate': challenge } })
 }
@@ -2889,7 +2908,8 @@ export function createHandler(options: HandlerOptions): (req: IncomingMessage, r
   }
   const ownHosts = ownHostsOf(ctx.config)
   let lastOwnHost: string | undefined // the Host header that passed last time: nearly every request repeats it
-  let warnOfUnnamedProxy = true // cleared once said, or once the proxy is seen named
+  let warnOfUnnamedProxy = true // cleared once said
+  let namedProxy: string | undefined // the last proxy on loopback seen named, not looked up again
   return (req, res) => {
     const started = process.hrtime.bigint() // not `performance`: its first use loads perf_hooks, on the first request
     if (req.url !== undefined && req.url[0] !== '/') takeAbsoluteForm(req)
@@ -2900,8 +2920,10 @@ export function createHandler(options: HandlerOptions): (req: IncomingMessage, r
     const address = clientAddress(req, ctx.trustedProxies)
     if (warnOfUnnamedProxy && req.headers['x-forwarded-for'] !== undefined && isLoopbackPeer(req)) {
       const peer = plainAddress(req.socket.remoteAddress ?? '')
-      warnOfUnnamedProxy = false
-      if (ctx.trustedProxies === undefined || !isTrustedProxy(peer, ctx.trustedProxies)) {
+      if (peer !== namedProxy && ctx.trustedProxies !== undefined && isTrustedProxy(peer, ctx.trustedProxies))
+        namedProxy = peer
+      if (peer !== namedProxy) {
+        warnOfUnnamedProxy = false
         logEvent(
           ctx,
           'warning',
@@ -2920,18 +2942,6 @@ export function createHandler(options: HandlerOptions): (req: IncomingMessage, r
     const refused = refusalOf(req, own, ctx.config.passwordHash === undefined)
     const checked = refused === undefined ? handler(req, res, ctx) : Promise.reject(refused)
     checked.catch((err: unknown) => renderError(err, req, res, errors === 'page', ctx))
-  }
-}
-
-/** A clock that goes forward as `now` does, and waits while `now` goes back (see `Context.steadyNow`). */
-function steadyClock(now: () => number): () => number {
-  let wall = now()
-  let steady = wall
-  return () => {
-    const next = now()
-    steady += Math.max(0, next - wall)
-    wall = next
-    return steady
   }
 }
 
@@ -3084,7 +3094,7 @@ function renderError(err: unknown, req: IncomingMessage, res: ServerResponse, as
   if (err instanceof OAuthError) {
     // a browser that followed a wrong link gets a page, a program its JSON
     const browser = (err.status === 404 || err.status === 405) && /\btext\/html\b/.test(req.headers.accept ?? '')
-    if (asPage || browser) sendErrorPage(res, err, pathOf(req.url ?? '/').startsWith('/auth'))
+    if (asPage || browser) sendErrorPage(res, err, isOwnersForm(pathOf(req.url ?? '/')))
     else sendJsonError(res, err)
     return
   }
@@ -3093,7 +3103,6 @@ function renderError(err: unknown, req: IncomingMessage, res: ServerResponse, as
     sendErrorPage(
       res,
       new OAuthError('server_error', 'Something went wrong on the server: try again later', { status: 500 }),
-      false,
     )
   else sendJson(res, 500, { error: 'server_error' })
 }
@@ -3181,15 +3190,20 @@ const MAX_BODY_BYTES = 64 * 1024
  */
 export async function readForm(req: IncomingMessage): Promise<Params> {
   const contentType = req.headers['content-type'] ?? ''
-  if (contentType === 'application/x-www-form-urlencoded') return parseForm((await readBody(req)).toString('latin1'))
+  if (contentType === FORM_TYPE) return parseForm((await readBody(req)).toString('latin1'))
   const [mediaType, ...parameters] = contentType.split(';').map((part) => part.trim().toLowerCase())
-  if (mediaType !== 'application/x-www-form-urlencoded') {
-    throw new OAuthError('invalid_request', 'The body must be application/x-www-form-urlencoded')
-  }
+  if (mediaType !== FORM_TYPE) throw new OAuthError('invalid_request', `The body must be ${FORM_TYPE}`)
   if (parameters.some((parameter) => parameter.startsWith('charset=') && !/^charset="?utf-8"?$/.test(parameter))) {
     throw new OAuthError('invalid_request', 'The body must be UTF-8')
   }
   return parseForm((await readBody(req)).toString('latin1'))
+}
+
+const FORM_TYPE = 'application/x-www-form-urlencoded'
+
+/** The media type of a request's body, in lower case, without its parameters. */
+function mediaTypeOf(req: IncomingMessage): string {
+  return (req.headers['content-type'] ?? '').split(';')[0].trim().toLowerCase()
 }
 
 function readBody(req: IncomingMessage): Promise<Buffer> {
@@ -3644,10 +3658,10 @@ function sendPage(res: ServerResponse, status: number, html: string, headers: Pa
 
 /**
  * Sends an error as a page that names the problem; used where a person, not a client, reads it:
- * one an app sent to sign in (`signingIn`), or the owner on a page of their own.
+ * one an app sent to sign in, or the owner on a form of their own (`ownersForm`).
  */
-function sendErrorPage(res: ServerResponse, err: OAuthError, signingIn: boolean): void {
-  const words = (signingIn ? undefined : OWNER_ERROR_PAGE_WORDS[err.status]) ?? ERROR_PAGE_WORDS[err.status]
+function sendErrorPage(res: ServerResponse, err: OAuthError, ownersForm = false): void {
+  const words = (ownersForm ? OWNER_ERROR_PAGE_WORDS[err.status] : undefined) ?? ERROR_PAGE_WORDS[err.status]
   const [title, next] = words ?? ERROR_PAGE_WORDS[400]
   const detail = err.error === NO_ERROR_CODE ? `HTTP ${err.status}` : `${err.error}, HTTP ${err.status}`
   const body = [
@@ -3672,11 +3686,16 @@ const ERROR_PAGE_WORDS: Record<number, [string, string]> = {
   500: ['Something went wrong', 'Try again in a moment. If it goes on, the server log says why.'],
 }
 
-/** The same where the owner uses a form of their own (apps, tokens, passkeys): no app sent them. */
-const OWNER_ERROR_PAGE_WORDS: Record<number, [string, string]> = {
-  400: ['This form cannot be used', 'Go back to your apps page, reload it and try again.'],
-  413: ['This form cannot be used', 'Go back to your apps page, reload it and try again.'],
-  414: ['This address is too long', 'Start again from your apps page.'],
+/** What an error page says instead on the owner's own forms (apps, tokens, passkeys), to which no app sent them. */
+const FORM_REFUSED: [string, string] = [
+  'This form cannot be used',
+  'Go back to your apps page, reload it and try again.',
+]
+const OWNER_ERROR_PAGE_WORDS: Record<number, [string, string]> = { 400: FORM_REFUSED, 413: FORM_REFUSED }
+
+/** Whether a path is one of the owner's pages or forms, as opposed to the sign-in an app asked for. */
+function isOwnersForm(path: string): boolean {
+  return /^\/(apps|passkeys|sign-in|sign-out)(\/|-|$)/.test(path)
 }
 
 /** The password field, with the message of a failed attempt right above it. */
@@ -3876,6 +3895,18 @@ const FORGET_PASSWORD_FAILURES_SECONDS = 86400
 const MAX_TRACKED_ADDRESSES = 10_000
 const MAX_PARALLEL_PASSWORD_CHECKS = 2
 const MAX_WAITING_PASSWORD_CHECKS = 32
+
+/** A clock that goes forward as `now` does, and waits while `now` goes back (see `Context.steadyNow`). */
+function steadyClock(now: () => number): () => number {
+  let wall = now()
+  let steady = wall
+  return () => {
+    const next = now()
+    steady += Math.max(0, next - wall)
+    wall = next
+    return steady
+  }
+}
 
 /**
  * The client's address: the connection's, or, when that is a proxy of `TRUST_PROXY`, the one its
@@ -4705,6 +4736,13 @@ function lookupAll(hostname: string): Promise<LookupAddress[]> {
 }
 
 /**
+ * How a client's pages are fetched: whether private addresses may be, and with what.
+ * `hostLookups` gathers the host-name lookups the fetches start, which may outlive them (see
+ * `findClient`).
+ */
+type FetchRules = { allowPrivate: boolean; fetch: ClientFetchOptions; hostLookups?: Promise<unknown>[] }
+
+/**
  * Host names being resolved. `dns.lookup` cannot be cancelled, and holds one of the few threads
  * libuv gives it until the system's resolver gives up, which may be long after a fetch gave up
  * on it: made-up names on a resolver that never answers would queue every later lookup behind
@@ -4720,15 +4758,9 @@ function resolveHost(hostname: string, options: FetchRules, deadline: AbortSigna
   const resolving = (options.fetch.lookup ?? lookupAll)(hostname)
   const settled = () => void lookups.underway--
   resolving.then(settled, settled)
-  options.resolving?.push(resolving)
+  options.hostLookups?.push(resolving)
   return withDeadline(resolving, deadline, timeoutMs)
 }
-
-/**
- * How a client's pages are fetched: whether private addresses may be, and with what. `resolving`
- * gathers the host-name lookups the fetches start, which may outlive them (see `findClient`).
- */
-type FetchRules = { allowPrivate: boolean; fetch: ClientFetchOptions; resolving?: Promise<unknown>[] }
 
 type Fetched = { type: string; link: string; headers: IncomingHttpHeaders; body: Buffer }
 
@@ -4880,7 +4912,8 @@ type ClientDocument = { clientId?: string; name?: string; url?: string; logoUrl?
 /**
  * Reads a client metadata document: its `client_id` must be the URL it came from, and its
  * `client_uri` a prefix of it. A Client ID Metadata Document (`metadataDocument`, JSON at an
- * https URL) must also spell the URL as the request does (its `client_uri`, if not a prefix, is
+ * https URL) must also spell the URL as the request does, or canonically (checked by
+ * `handleAuthorizationRequest`, with `documentClientId`; its `client_uri`, if not a prefix, is
  * only left unshown), list its `redirect_uris`, and hold no client secret
  * (§4.1); Latch serves public clients only, so `token_endpoint_auth_method` may only be `none`.
  * Its faults throw `InvalidClientDocument`, which refuses the request.
@@ -4924,9 +4957,9 @@ export function readClientMetadata(text: string, clientId: string, metadataDocum
     if (metadata.client_secret !== undefined || metadata.client_secret_expires_at !== undefined)
       throw fault('it holds a client_secret, which a public document must not')
     const method = metadata.token_endpoint_auth_method
-    const named = typeof method === 'string' && /^[\w-]{1,40}$/.test(method) ? method : 'not none' // a name, not prose
+    const named = typeof method === 'string' && /^[\w-]{1,40}$/.test(method) ? ` (${method})` : '' // a name, not prose
     if (method !== undefined && method !== 'none')
-      throw fault(`its token_endpoint_auth_method is ${named}, and this server serves public clients: none`)
+      throw fault(`its token_endpoint_auth_method is not none${named}: this server serves public clients only`)
   }
   return {
     clientId: client_id,
@@ -4998,6 +5031,8 @@ const VOID_ELEMENTS = new Set([
 const MAX_HTML_ELEMENTS = 10_000
 const MAX_HTML_CLOSING_TAGS = 10_000
 const MAX_OPEN_ELEMENTS = 256
+/** Where the raw text of a `<script>` or `<style>` ends, in upper or lower case. */
+const RAW_TEXT_ENDS = { script: /<\/script/gi, style: /<\/style/gi }
 
 /**
  * A small HTML scanner, enough for microformats: every start tag in order, with its attributes,
@@ -5007,9 +5042,6 @@ const MAX_OPEN_ELEMENTS = 256
  * when one of its name is open (and each element is closed once), and the scan stops at 10,000
  * start tags or 10,000 closing tags.
  */
-/** Where the raw text of a `<script>` or `<style>` ends. */
-const RAW_TEXT_ENDS = { script: /<\/script/gi, style: /<\/style/gi }
-
 export function scanHtml(html: string): HtmlElement[] {
   const elements: HtmlElement[] = []
   const open: number[] = [] // the elements not closed yet, outermost first
@@ -5056,8 +5088,8 @@ export function scanHtml(html: string): HtmlElement[] {
       end: elements.length + 1,
     })
     if (name === 'script' || name === 'style') {
-      // raw text, not markup, up to its end tag in any case: sought in `html` itself, since a
-      // lower-case copy may be longer (`İ` becomes two characters) and its places not the same
+      // raw text, not markup, up to its end tag: sought in `html` itself, since a lower-case
+      // copy may be longer (`İ` becomes two characters), and its places not the same
       const close = RAW_TEXT_ENDS[name]
       close.lastIndex = at
       at = close.exec(html)?.index ?? html.length
@@ -6857,13 +6889,6 @@ export function loadConfig(
     'REFRESH_TOKEN_TTL',
     raw.REFRESH_TOKEN_TTL ?? defaultOf('REFRESH_TOKEN_TTL'),
   )
-  if (refreshTokenTtlSeconds <= accessTokenTtlSeconds) {
-    throw new ConfigError(
-      `REFRESH_TOKEN_TTL (${refreshTokenTtlSeconds} s) is not longer than ACCESS_TOKEN_TTL ` +
-        `(${accessTokenTtlSeconds} s): an app that refreshes once its access token runs out would find its ` +
-        'refresh token gone first, and sign-ins approved until revoked would end: make REFRESH_TOKEN_TTL longer',
-    )
-  }
   const refreshTokenGraceSeconds = /^0+[smhd]?$/.test((raw.REFRESH_TOKEN_GRACE ?? '').trim())
     ? 0
     : parseDuration('REFRESH_TOKEN_GRACE', raw.REFRESH_TOKEN_GRACE ?? defaultOf('REFRESH_TOKEN_GRACE'))
@@ -6881,11 +6906,11 @@ export function loadConfig(
         'use a long random value, such as the output of `openssl rand -base64 32`',
     )
   }
-  // what `Authorization: Bearer` can carry (RFC 6750 §2.1): a passphrase with spaces could never be sent
-  if (introspectionSecret !== undefined && !/^[A-Za-z0-9\-._~+/]+=*$/.test(introspectionSecret)) {
+  // one word of visible ASCII, as `Authorization: Bearer` carries it: a passphrase with spaces could never be sent
+  if (introspectionSecret !== undefined && !/^[\x21-\x7e]+$/.test(introspectionSecret)) {
     throw new ConfigError(
-      'INTROSPECTION_SECRET holds a character a Bearer credential cannot carry (a space, say): ' +
-        'use letters, digits and -._~+/ only, such as the output of `openssl rand -base64 32`',
+      'INTROSPECTION_SECRET holds a character an Authorization header cannot carry (a space, say): ' +
+        'use a long random value, such as the output of `openssl rand -base64 32`',
     )
   }
   const clientFetchPrivate = raw.CLIENT_FETCH_PRIVATE === 'allow'
@@ -7092,6 +7117,14 @@ export function configWarnings(config: Config, env: Record<string, string | unde
         'so put Latch behind TLS and set ISSUER to the https URL',
     )
   }
+  const { refreshTokenTtlSeconds: refresh, accessTokenTtlSeconds: access } = config
+  if (refresh <= access && refresh < MAX_DURATION_SECONDS) {
+    warnings.push(
+      `REFRESH_TOKEN_TTL (${refresh} s) is not longer than ACCESS_TOKEN_TTL (${access} s): a refresh token ` +
+        'runs out before the access token it renews, so apps must sign in again, even those approved until ' +
+        'revoked; make REFRESH_TOKEN_TTL longer',
+    )
+  }
   const me = new URL(config.me)
   // the default, the issuer's home page, is said in the start-up block instead
   if (!hasDefaultMe(config) && (me.port !== '' || isIpAddress(me.hostname))) {
@@ -7160,7 +7193,7 @@ function promptHidden(prompt: string, typed: { ahead: string }): Promise<string>
   process.stdin.setRawMode(true)
   process.stdin.setEncoding('utf8')
   return new Promise((resolve) => {
-    const text: string[] = [] // by character, so that Backspace takes a whole one, an emoji too
+    const text: string[] = [] // by code point, so that Backspace never leaves half of one (🔑 is two halves)
     const onData = (chunk: string): boolean => {
       const chars = [...chunk]
       for (const [i, char] of chars.entries()) {
@@ -7379,7 +7412,7 @@ export function createLineWriter(
   output: Writable | number,
   everyMs = 100,
   format = (line: string) => line,
-): (line: string) => void {
+): ((line: string) => void) & { flush: () => void } {
   let pending = ''
   let lines = 0
   let dropped = 0
@@ -7419,13 +7452,14 @@ export function createLineWriter(
   }
   stream?.on('drain', () => dropped > 0 && flush()) // the reader has caught up: say so now
   process.on('exit', flush)
-  return (line) => {
+  const write = (line: string) => {
     if (broken) return
     pending += `${line}\n`
     lines++
     if (pending.length >= 65_536) flush()
     else timer ??= setTimeout(flush, everyMs).unref() // the exit handler writes what is left
   }
+  return Object.assign(write, { flush })
 }
 
 /**
@@ -7561,13 +7595,25 @@ async function main(argv: string[], env: Record<string, string | undefined>): Pr
   const log = write
   server.on('request', createHandler({ config, store, log }))
   // SIGHUP too: the terminal that started it was closed, or a script meant to have the log reopened
+  let stopping = false
   for (const signal of ['SIGINT', 'SIGTERM', 'SIGHUP'] as const) {
-    process.once(signal, () => {
+    process.on(signal, () => {
+      if (stopping) {
+        if (signal === 'SIGHUP') return // a terminal closing sends two
+        process.removeAllListeners(signal) // a second Ctrl-C: stop at once, as without a handler
+        return void process.kill(process.pid, signal)
+      }
+      stopping = true
       // after the lines of requests already answered
       logMessage(`${signal}: finishing requests in flight, then stopping`)
       void closeLatchServer(server).then(async () => {
         if (store instanceof FileStore) await store.close()
-        process.exit(0)
+        if (signal !== 'SIGHUP') process.exit(0)
+        // A hang-up ends as one, the log written first: Node's own exit resets the terminal's
+        // modes, and aborts when the terminal is gone.
+        write.flush()
+        process.removeAllListeners('SIGHUP')
+        process.kill(process.pid, 'SIGHUP')
       })
     })
   }
@@ -7603,10 +7649,11 @@ function dataFileProblem(err: NodeJS.ErrnoException, dataFile: string): ConfigEr
   const reason = err.code === undefined ? undefined : because[err.code]
   // a file put back by another user (a restore as root, without its chown): the file is what to fix
   const owner = err.code === 'EACCES' ? ownerOf(dataFile) : undefined
-  if (owner !== undefined && owner !== process.getuid?.()) {
+  const self = process.getuid?.()
+  if (owner !== undefined && self !== undefined && owner !== self) {
     return new ConfigError(
       `DATA_FILE ${dataFile} belongs to another user (uid ${owner}), so this one cannot read or write it: ` +
-        `give it to this user, as in chown --reference=${dirname(dataFile)} ${dataFile}`,
+        `give it to this user (uid ${self}), as in chown ${self} ${dataFile}`,
     )
   }
   // its own folder exists (Latch made it): the folder of a symbolic link's target is what is missing

@@ -755,7 +755,7 @@ describe('Discovery parsers and address rules', () => {
     assert.equal(readClientPage(`<div class="h-app">${'<span>'.repeat(300)}Name`, 'https://a.example/').name, 'Name')
   })
 
-  it('finds the end of a script in any case, after text whose lower case is longer (İ)', () => {
+  it("finds a script's end tag in upper or lower case, after text that grows when lower-cased (İ)", () => {
     const page = readClientPage(
       `<title>${'İ'.repeat(70)}</title><SCRIPT>var x = 1</Script>` +
         '<link rel="redirect_uri" href="https://app.example/callback"><div class="h-app"><b class="p-name">Turk</b></div>',

@@ -16,7 +16,7 @@ export type TestServer = {
   port: number
   issuer: string
   logs: string[]
-  /** Moves the server's clock forward. */
+  /** Moves the server's clock, forward or (negative) back. */
   advance: (seconds: number) => void
   close: () => Promise<void>
 }

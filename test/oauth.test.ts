@@ -398,7 +398,7 @@ describe('Resource indicators (RFC 8707)', () => {
     assert.ok(html.includes(`<code><bdi>${FILES}</bdi></code>`), html)
   })
 
-  it('issues a token for a resource without scope: an empty scope, and aud the resource', async () => {
+  it('issues a token for a resource without scope: an empty scope, and aud the resource; all scopes unticked gives an empty scope too', async () => {
     const code = await obtainCode(latch.base, { resource: API })
     const tokens = await tokensOf(await exchange(latch.base, code))
     assert.equal(tokens.token_type, 'Bearer')
@@ -714,18 +714,28 @@ describe('Loopback redirects and Client ID Metadata Documents', () => {
     )
   })
 
-  it('compares the client_id of the request and the document as strings, not as URLs', async () => {
-    const clientId = 'https://app.example/spelt.json'
-    serveClient(clientId)
-    await assertRefusedPage(
-      await authorizeClient(latch, 'https://APP.example/spelt.json', 'https://app.example/callback'),
-      /Client ID Metadata Document cannot be used/,
-      /must be https:\/\/APP\.example\/spelt\.json/,
-    )
+  it("takes a document's client_id spelt as the request's, or canonically; no other spelling", async () => {
     const withPort = 'https://app.example:443/port.json'
     serveDocument(withPort, { client_id: withPort, redirect_uris: ['https://app.example/callback'] })
-    const accepted = await authorizeClient(latch, withPort, 'https://app.example/callback')
-    assert.equal(accepted.status, 200, pageError(await accepted.text()))
+    const asSent = await authorizeClient(latch, withPort, 'https://app.example/callback')
+    assert.equal(asSent.status, 200, pageError(await asSent.text()))
+    // canonically (IndieAuth §3.4): a path-less client_id, or another case of its host
+    serveClient('https://app.example/')
+    for (const spelling of ['https://app.example', 'https://APP.example/']) {
+      const canonical = await authorizeClient(latch, spelling, 'https://app.example/callback')
+      assert.equal(canonical.status, 200, `${spelling}: ${pageError(await canonical.text())}`)
+    }
+    // the document spells it otherwise: neither as sent nor canonical
+    const spelt = 'https://app.example/spelt.json'
+    serveDocument(spelt, {
+      client_id: 'https://app.example:443/spelt.json',
+      redirect_uris: ['https://app.example/callback'],
+    })
+    await assertRefusedPage(
+      await authorizeClient(latch, spelt, 'https://app.example/callback'),
+      /Client ID Metadata Document cannot be used/,
+      /must be https:\/\/app\.example\/spelt\.json/,
+    )
   })
 
   it('refuses a document without redirect_uris, even for a redirect on its own host', async () => {
@@ -743,7 +753,7 @@ describe('Loopback redirects and Client ID Metadata Documents', () => {
       ['secret', { client_secret: 'hunter2' }, /client_secret/],
       ['basic', { token_endpoint_auth_method: 'client_secret_basic' }, /client_secret_basic/],
       ['jwt', { token_endpoint_auth_method: 'private_key_jwt' }, /private_key_jwt/],
-      ['prose', { token_endpoint_auth_method: 'x. NOTICE: reset your password at evil' }, /method is not none, /],
+      ['prose', { token_endpoint_auth_method: 'x. NOTICE: reset your password at evil' }, /method is not none: /],
     ]
     for (const [name, extra, why] of cases) {
       const clientId = `https://app.example/${name}.json`
