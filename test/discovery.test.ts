@@ -641,12 +641,21 @@ describe('Discovery for one address', () => {
 })
 
 describe('Discovery while host names do not resolve', () => {
-  it("counts one address's lookups until their host names settle, not only until the fetch gives up", async () => {
+  /**
+   * A resolver that never answers names beginning `stuck`, until the test settles them: as
+   * dns.lookup, which holds one of libuv's few threads until the system's resolver gives up.
+   */
+  function stuckResolver() {
     const stuck: (() => void)[] = []
     const lookup = (hostname: string) =>
       hostname.startsWith('stuck')
         ? new Promise<LookupAddress[]>((_resolve, reject) => stuck.push(() => reject(new Error('timed out'))))
         : (clientFetch.lookup ?? (() => Promise.resolve([])))(hostname)
+    return { stuck, lookup }
+  }
+
+  it("counts one address's lookups until their host names settle, not only until the fetch gives up", async () => {
+    const { stuck, lookup } = stuckResolver()
     const latch = await startLatch({ TRUST_PROXY: '127.0.0.1' }, { ...clientFetch, lookup })
     const stranger = '198.51.100.7'
     try {
@@ -669,12 +678,7 @@ describe('Discovery while host names do not resolve', () => {
   })
 
   it('counts a lookup until it settles, past the fetch that gave up on it, and refuses a ninth without remembering', async () => {
-    // A resolver that never answers: dns.lookup holds one of libuv's few threads until it gives up.
-    const stuck: (() => void)[] = []
-    const lookup = (hostname: string) =>
-      hostname.startsWith('stuck')
-        ? new Promise<LookupAddress[]>((_resolve, reject) => stuck.push(() => reject(new Error('timed out'))))
-        : (clientFetch.lookup ?? (() => Promise.resolve([])))(hostname)
+    const { stuck, lookup } = stuckResolver()
     const latch = await startLatch({}, { ...clientFetch, lookup })
     try {
       const stalled = await Promise.all(
