@@ -101,6 +101,7 @@ import {
 import type { FileHandle } from 'node:fs/promises'
 import type { Writable } from 'node:stream'
 import { basename, dirname, join, resolve } from 'node:path'
+import { isatty } from 'node:tty'
 import { fileURLToPath } from 'node:url'
 
 // --- Types ----------------------------------------------------------------------
@@ -3691,7 +3692,11 @@ const FORM_REFUSED: [string, string] = [
   'This form cannot be used',
   'Go back to your apps page, reload it and try again.',
 ]
-const OWNER_ERROR_PAGE_WORDS: Record<number, [string, string]> = { 400: FORM_REFUSED, 413: FORM_REFUSED }
+const OWNER_ERROR_PAGE_WORDS: Record<number, [string, string]> = {
+  400: FORM_REFUSED,
+  413: FORM_REFUSED,
+  414: ['This address is too long', 'Start again from your apps page.'],
+}
 
 /** Whether a path is one of the owner's pages or forms, as opposed to the sign-in an app asked for. */
 function isOwnersForm(path: string): boolean {
@@ -7121,8 +7126,8 @@ export function configWarnings(config: Config, env: Record<string, string | unde
   if (refresh <= access && refresh < MAX_DURATION_SECONDS) {
     warnings.push(
       `REFRESH_TOKEN_TTL (${refresh} s) is not longer than ACCESS_TOKEN_TTL (${access} s): a refresh token ` +
-        'runs out before the access token it renews, so apps must sign in again, even those approved until ' +
-        'revoked; make REFRESH_TOKEN_TTL longer',
+        'runs out no later than the access token it renews, so apps must sign in again, even those approved ' +
+        'until revoked; make REFRESH_TOKEN_TTL longer',
     )
   }
   const me = new URL(config.me)
@@ -7595,25 +7600,33 @@ async function main(argv: string[], env: Record<string, string | undefined>): Pr
   const log = write
   server.on('request', createHandler({ config, store, log }))
   // SIGHUP too: the terminal that started it was closed, or a script meant to have the log reopened
-  let stopping = false
+  // A stop ends by exit 0, or, where a terminal may have gone (a hang-up, or one started on a
+  // terminal), by the signal itself, the log written first: Node's own exit resets the
+  // terminal's modes, and aborts when the terminal is gone.
+  const onTerminal = [0, 1, 2].some((fd) => isatty(fd))
+  let stopping: NodeJS.Signals | undefined
+  let hungUp = false
+  const end = (signal: NodeJS.Signals) => {
+    write.flush()
+    if (signal !== 'SIGHUP' && !hungUp && !onTerminal) process.exit(0)
+    const last = hungUp ? 'SIGHUP' : signal
+    process.removeAllListeners(last)
+    process.kill(process.pid, last)
+  }
   for (const signal of ['SIGINT', 'SIGTERM', 'SIGHUP'] as const) {
     process.on(signal, () => {
-      if (stopping) {
-        if (signal === 'SIGHUP') return // a terminal closing sends two
-        process.removeAllListeners(signal) // a second Ctrl-C: stop at once, as without a handler
-        return void process.kill(process.pid, signal)
+      if (stopping !== undefined) {
+        hungUp ||= signal === 'SIGHUP' // a terminal closing sends two, and may close mid-stop
+        if (signal === 'SIGINT' && stopping === 'SIGINT') end('SIGINT') // a second Ctrl-C: stop at once
+        return // else the stop under way goes on
       }
-      stopping = true
+      stopping = signal
+      hungUp = signal === 'SIGHUP'
       // after the lines of requests already answered
       logMessage(`${signal}: finishing requests in flight, then stopping`)
       void closeLatchServer(server).then(async () => {
         if (store instanceof FileStore) await store.close()
-        if (signal !== 'SIGHUP') process.exit(0)
-        // A hang-up ends as one, the log written first: Node's own exit resets the terminal's
-        // modes, and aborts when the terminal is gone.
-        write.flush()
-        process.removeAllListeners('SIGHUP')
-        process.kill(process.pid, 'SIGHUP')
+        end(signal)
       })
     })
   }

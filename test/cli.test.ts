@@ -10,6 +10,7 @@ import { EventEmitter } from 'node:events'
 import { chmod, chown, mkdir, mkdtemp, rm, symlink, writeFile } from 'node:fs/promises'
 import { existsSync, readFileSync } from 'node:fs'
 import { request as httpRequest } from 'node:http'
+import { connect } from 'node:net'
 import { tmpdir } from 'node:os'
 import { join } from 'node:path'
 import { fileURLToPath } from 'node:url'
@@ -699,16 +700,29 @@ describe('LOG_FORMAT=json', () => {
 })
 
 describe('Stopping', () => {
-  it('stops at SIGHUP, even two, as at SIGTERM, its log written first: a terminal closed, or a rotation script', async () => {
+  it('stops at SIGHUP, even two and a SIGTERM, as at SIGTERM, its log written first: a terminal closed, or a rotation script', async () => {
     const latch = serve({ LOG_FORMAT: 'json', DATA_FILE: 'memory', PORT: '0' })
     try {
       const startLine = await latch.waitForLine((line) => line.includes('"event":"start"'), 'start-up line')
       const base = String((JSON.parse(startLine) as Record<string, unknown>).listening)
       assert.equal((await fetch(`${base}/.well-known/oauth-authorization-server`)).status, 200)
+      // a request in flight, its body held back, so that the stop takes until it is answered
+      const { port } = new URL(base)
+      const inFlight = connect(Number(port), '127.0.0.1')
+      let answer = ''
+      inFlight.setEncoding('latin1').on('data', (chunk: string) => (answer += chunk))
+      const body = 'token=x'
+      inFlight.write('POST /revoke HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/x-www-form-urlencoded\r\n')
+      inFlight.write(`Content-Length: ${body.length}\r\n\r\ntok`)
+      await fetch(`${base}/`) // a round trip: the server has read the request in flight meanwhile
       const closed = new Promise((resolve) => latch.child.on('close', (code, signal) => resolve(signal ?? code)))
       latch.child.kill('SIGHUP') // at once: the request's line still waits in the log's batch
+      await latch.waitForLine((line) => line.includes('"event":"SIGHUP"'), 'the SIGHUP line')
       latch.child.kill('SIGHUP') // a terminal closing sends two
+      latch.child.kill('SIGTERM') // and a session manager then a SIGTERM: the stop goes on
+      inFlight.end(body.slice(3))
       assert.equal(await closed, 'SIGHUP') // it ends as a hang-up does, once stopped
+      assert.match(answer, /^HTTP\/1\.1 200 /) // the request in flight was answered
       assert.ok(
         latch.lines.some(
           (line) => line.includes('/.well-known/oauth-authorization-server') && line.includes('"status"'),
