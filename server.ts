@@ -7408,6 +7408,8 @@ export function closeLatchServer(server: Server): Promise<void> {
  * dropped; as soon as the reader has caught up, a line of the writer's own (in the log's
  * format, by `format`) says how many.
  *
+ * The writer's `flush` writes at once what waits, as before the process ends by a signal.
+ *
  * `output` may also be the descriptor of a file (standard output sent to one: `>> latch.log`),
  * written directly. A stream that fails a write is done for good, and a full disk is not: its
  * lines are counted and dropped the same way, and once there is room the log goes on, with the
@@ -7599,16 +7601,16 @@ async function main(argv: string[], env: Record<string, string | undefined>): Pr
   if (config.port === 0) config = loadConfig(env, argv, { boundPort: port })
   const log = write
   server.on('request', createHandler({ config, store, log }))
-  // SIGHUP too: the terminal that started it was closed, or a script meant to have the log reopened
-  // A stop ends by exit 0, or, where a terminal may have gone (a hang-up, or one started on a
-  // terminal), by the signal itself, the log written first: Node's own exit resets the
-  // terminal's modes, and aborts when the terminal is gone.
+  // SIGINT, SIGTERM, and SIGHUP too: the terminal that started it was closed, or a script meant
+  // to have the log reopened. A stop ends by exit 0, or, where a terminal may have gone (a
+  // hang-up, or one started on a terminal), by the signal itself, the log written first: Node's
+  // own exit resets the terminal's modes, and aborts when the terminal is gone.
   const onTerminal = [0, 1, 2].some((fd) => isatty(fd))
   let stopping: NodeJS.Signals | undefined
   let hungUp = false
   const end = (signal: NodeJS.Signals) => {
     write.flush()
-    if (signal !== 'SIGHUP' && !hungUp && !onTerminal) process.exit(0)
+    if (!hungUp && !onTerminal) process.exit(0)
     const last = hungUp ? 'SIGHUP' : signal
     process.removeAllListeners(last)
     process.kill(process.pid, last)
