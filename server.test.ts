@@ -2811,7 +2811,7 @@ describe('Passkeys only (PASSWORD_SIGN_IN=off), and passkeys in the journal', ()
   }
   const onLocalhost = { PASSWORD_HASH, ISSUER: 'http://localhost:3000' }
 
-  it('is a setting that needs a password, a host name, and on or off', () => {
+  it('is a setting that needs a password, a host name where passkeys work, and on or off', () => {
     assert.equal(loadConfig(onLocalhost).passwordSignIn, true)
     assert.equal(loadConfig({ ...onLocalhost, PASSWORD_SIGN_IN: 'off' }).passwordSignIn, false)
     assert.throws(
@@ -2820,7 +2820,16 @@ describe('Passkeys only (PASSWORD_SIGN_IN=off), and passkeys in the journal', ()
     )
     assert.throws(
       () => loadConfig({ PASSWORD_HASH, PASSWORD_SIGN_IN: 'off' }),
-      (err: Error) => err instanceof ConfigError && /WebAuthn needs a host name/.test(err.message),
+      (err: Error) => err instanceof ConfigError && /need this server to be reached by a host name/.test(err.message),
+    )
+    // plain http on a name other than localhost: no browser offers passkeys there
+    assert.throws(
+      () => loadConfig({ PASSWORD_HASH, PASSWORD_SIGN_IN: 'off', ISSUER: 'http://latch.test:3000' }),
+      (err: Error) => err instanceof ConfigError && /Passkeys need https, or http on localhost/.test(err.message),
+    )
+    assert.equal(
+      loadConfig({ PASSWORD_HASH, PASSWORD_SIGN_IN: 'off', ISSUER: 'http://auth.localhost:3000' }).passwordSignIn,
+      false,
     )
     assert.throws(
       () => loadConfig({ ...onLocalhost, PASSWORD_SIGN_IN: 'no' }),

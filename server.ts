@@ -2276,7 +2276,7 @@ async function handlePasskeyChallenge(req: IncomingMessage, res: ServerResponse,
   // only the owner adds a passkey; anyone may try to sign in
   const visitor = purpose === 'register' ? await requireOwner(form, req, ctx) : await requireFormToken(form, req, ctx)
   const rp = relyingParty(ctx.config)
-  if (rp === undefined) throw new OAuthError('invalid_request', PASSKEYS_NEED_A_NAME)
+  if (rp === undefined) throw new OAuthError('invalid_request', noPasskeysHere(ctx.config))
   if (purpose === 'register' && !signedInWithin(RECENT_SIGN_IN_SECONDS, visitor, ctx))
     throw new OAuthError('access_denied', `${SIGN_IN_AGAIN} Reload this page to do so.`, { status: 403 })
   const id = getParam(form, 'request')
@@ -2327,7 +2327,7 @@ async function handlePasskeyAddition(req: IncomingMessage, res: ServerResponse, 
   const now = ctx.now()
   try {
     const rp = relyingParty(ctx.config)
-    if (rp === undefined) throw new PasskeyError(PASSKEYS_NEED_A_NAME)
+    if (rp === undefined) throw new PasskeyError(noPasskeysHere(ctx.config))
     const sent = readPasskeyFields(form, ['client_data', 'attestation'])
     const challenge = takeChallenge(ctx, sent.client_data, { purpose: 'register', browser: browserOf(visitor) })
     const response = { clientDataJSON: sent.client_data, attestationObject: sent.attestation }
@@ -2400,9 +2400,32 @@ async function handlePasskeyScript(_req: IncomingMessage, res: ServerResponse): 
 }
 
 const MAX_PASSKEYS = 20
-const PASSKEYS_NEED_A_NAME =
-  'Passkeys need this server to be reached by a host name, not an IP address: set ISSUER to one, ' +
-  'such as http://localhost:3000'
+/**
+ * Why an issuer cannot have passkeys, or undefined when it can. WebAuthn refuses an IP address
+ * as RP ID, and browsers offer it only in a secure context: https, or http on localhost.
+ * @see https://www.w3.org/TR/webauthn-3/#sctn-api
+ */
+function passkeyHostProblem(issuer: string): string | undefined {
+  const { protocol, hostname } = new URL(issuer)
+  if (isIpAddress(hostname)) {
+    return (
+      'Passkeys need this server to be reached by a host name, not an IP address: set ISSUER to one, ' +
+      'such as http://localhost:3000'
+    )
+  }
+  if (protocol === 'http:' && hostname !== 'localhost' && !hostname.endsWith('.localhost')) {
+    return (
+      'Passkeys need https, or http on localhost: browsers offer them nowhere else. ' +
+      'Put Latch behind TLS and set ISSUER to its https URL'
+    )
+  }
+  return undefined
+}
+
+/** What a page or a refusal says where passkeys cannot work (without a password, none are offered at all). */
+function noPasskeysHere(config: Config): string {
+  return passkeyHostProblem(config.issuer) ?? 'Passkeys need PASSWORD_HASH to be set'
+}
 
 /** Whether the sign-in and consent pages offer a passkey: when passkeys work here and the owner has one for here. */
 async function offersPasskeys(ctx: Context): Promise<boolean> {
@@ -2594,7 +2617,7 @@ ${renderButton(config, '/passkeys/remove', field, 'danger', 'Remove', passkey.na
     .join('\n')
   const add =
     relyingParty(config) === undefined
-      ? `<p class="muted">${escapeHtml(PASSKEYS_NEED_A_NAME)}.</p>`
+      ? `<p class="muted">${escapeHtml(noPasskeysHere(config))}.</p>`
       : signInAgain
         ? `<p class="muted">${escapeHtml(SIGN_IN_AGAIN)}</p>
 ${renderSignInForm(config, csrf, {
@@ -4464,12 +4487,12 @@ const MAX_USED_CHALLENGES = 10_000
 
 /**
  * The relying party a passkey is made for: the issuer's host name (its RP ID) and origin. None
- * without a password, where no one signs in, nor on an IP address, which WebAuthn refuses.
+ * without a password, where no one signs in, nor where passkeys cannot work (`passkeyHostProblem`).
  * @see https://www.w3.org/TR/webauthn-3/#rp-id
  */
 function relyingParty(config: Config): { id: string; origin: string } | undefined {
   const issuer = new URL(config.issuer)
-  if (config.passwordHash === undefined || isIpAddress(issuer.hostname)) return undefined
+  if (config.passwordHash === undefined || passkeyHostProblem(config.issuer) !== undefined) return undefined
   return { id: issuer.hostname, origin: issuer.origin }
 }
 
@@ -4558,7 +4581,7 @@ async function checkPasskeySignIn(
 ): Promise<string | undefined> {
   try {
     const rp = relyingParty(ctx.config)
-    if (rp === undefined) throw new PasskeyError(PASSKEYS_NEED_A_NAME)
+    if (rp === undefined) throw new PasskeyError(noPasskeysHere(ctx.config))
     const sent = readPasskeyFields(form, ['client_data', 'authenticator_data', 'signature'])
     const browser = browserOf(on.visitor)
     const challenge = takeChallenge(ctx, sent.client_data, { purpose: 'sign-in', browser, request: on.request })
@@ -6879,10 +6902,10 @@ export function loadConfig(
       'PASSWORD_SIGN_IN=off turns off a password that is not set: set PASSWORD_HASH (sessions are tied to it), ' +
         'or leave PASSWORD_SIGN_IN unset',
     )
-  if (!passwordSignIn && isIpAddress(new URL(issuer).hostname))
+  const noPasskeys = passkeyHostProblem(issuer)
+  if (!passwordSignIn && noPasskeys !== undefined)
     throw new ConfigError(
-      `PASSWORD_SIGN_IN=off leaves only passkeys, which cannot work on ISSUER ${issuer}: ` +
-        'WebAuthn needs a host name, such as http://localhost:3000',
+      `PASSWORD_SIGN_IN=off leaves only passkeys, which cannot work on ISSUER ${issuer}. ${noPasskeys}`,
     )
   const dataFile = raw.DATA_FILE ?? defaultOf('DATA_FILE')
   const codeTtlSeconds = parseDuration('CODE_TTL', raw.CODE_TTL ?? defaultOf('CODE_TTL'))
@@ -7562,12 +7585,13 @@ async function main(argv: string[], env: Record<string, string | undefined>): Pr
   const passkeys = await store.listPasskeys()
   if (!config.passwordSignIn && passkeys.length === 0) throw noPasskey()
   if (!config.passwordSignIn && passkeysForHere(passkeys, config).length === 0) {
-    const hosts = [...new Set(passkeys.map(([, passkey]) => passkey.rpId))].join(', ')
+    const hosts = [...new Set(passkeys.map(([, passkey]) => passkey.rpId))]
     const counted = passkeys.length === 1 ? 'the 1 passkey' : `the ${passkeys.length} passkeys`
     throw new ConfigError(
       `PASSWORD_SIGN_IN=off, and ${counted} in ${config.dataFile} ` +
-        `${passkeys.length === 1 ? 'was' : 'were'} made for ${hosts}, ` +
-        `not ${new URL(config.issuer).hostname}, so no one could sign in: set ISSUER back to that host, ` +
+        `${passkeys.length === 1 ? 'was' : 'were'} made for ${hosts.join(', ')}, ` +
+        `not ${new URL(config.issuer).hostname}, so no one could sign in: ` +
+        `set ISSUER back to ${hosts.length === 1 ? 'that host' : 'one of those hosts'}, ` +
         'or unset PASSWORD_SIGN_IN, sign in with the password and add a passkey for this one',
     )
   }
