@@ -2644,7 +2644,8 @@ function renderPasskeyButton(config: Config, label: string, purpose: 'register' 
   const challenge = escapeHtml(endpointUrl(config, '/passkeys/challenge'))
   const decision = approve ? ' name="decision" value="approve"' : ''
   const data = `data-passkey="${purpose}" data-challenge="${challenge}"`
-  return `<button type="button" ${data}${decision} hidden>${label}</button>`
+  // a submit button, so that Enter where it comes first (passwords off) presses it, not Deny
+  return `<button ${data}${decision} hidden>${label}</button>`
 }
 
 /** In place of the password field once password sign-in is off. */
@@ -3604,10 +3605,12 @@ if (window.PublicKeyCredential) {
         })
         .finally(() => (button.disabled = false))
     })
-    // Enter in a form whose only button is this one (a passkey's name) sends the form as it is,
-    // without a passkey: let it press the button instead
+    // Pressed, by a click or by Enter where it is the first button, it uses a passkey rather than
+    // send the form as it is; and so does Enter in a form without a button of its own (a name)
     button.form.addEventListener('submit', (event) => {
-      if (event.submitter !== null || button.form.elements.namedItem('client_data') !== null) return
+      if (button.form.elements.namedItem('client_data') !== null) return // the passkey's answer
+      if (event.submitter === button) return event.preventDefault()
+      if (event.submitter !== null) return // another button: Approve, Deny, Sign in
       event.preventDefault()
       button.click()
     })

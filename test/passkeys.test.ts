@@ -21,7 +21,7 @@ import type { ClientApp } from './client-app.ts'
 import { close, listen } from './harness.ts'
 import type { Listening } from './harness.ts'
 import type { Browser, BrowserContext, Locator, Page, Response } from 'playwright-core'
-import { createHandler, hashPassword, loadConfig } from '../server.ts'
+import { MemoryStore, createHandler, hashPassword, loadConfig } from '../server.ts'
 
 // --- Harness ----------------------------------------------------------------------
 
@@ -33,7 +33,13 @@ const PASSKEY_NAME = 'Laptop key'
 /** The WebAuthn user.id Latch registers: the first 16 bytes of sha256("latch user " + ME). */
 const USER_HANDLE = createHash('sha256').update(`latch user ${ME}`).digest().subarray(0, 16)
 
-type Latch = Listening & { issuer: string; logs: string[]; advance: (seconds: number) => void }
+type Latch = Listening & {
+  issuer: string
+  logs: string[]
+  advance: (seconds: number) => void
+  /** Serves on with PASSWORD_SIGN_IN on or off, the same store kept. */
+  passwordSignIn: (on: boolean) => void
+}
 
 /**
  * Starts Latch on 127.0.0.1 and a free port, with the owner's password set, and with its issuer
@@ -54,8 +60,19 @@ async function startLatch(): Promise<Latch> {
   }
   const config = loadConfig(env, [], { boundPort: port })
   let skipped = 0 // the server's clock runs ahead of the real one by this much, never by sleeping
-  handler = createHandler({ config, log: (line) => logs.push(line), now: () => Date.now() + skipped })
-  return { ...latch, issuer: config.issuer, logs, advance: (seconds) => (skipped += seconds * 1000) }
+  const store = new MemoryStore({ log: (line) => logs.push(line) })
+  const serve = (passwordSignIn: boolean) => {
+    const log = (line: string) => logs.push(line)
+    handler = createHandler({ config: { ...config, passwordSignIn }, store, log, now: () => Date.now() + skipped })
+  }
+  serve(true)
+  return {
+    ...latch,
+    issuer: config.issuer,
+    logs,
+    advance: (seconds) => (skipped += seconds * 1000),
+    passwordSignIn: serve,
+  }
 }
 
 async function introspect(latch: Latch, token: string): Promise<Record<string, unknown>> {
@@ -252,6 +269,36 @@ describe('The owner signs in with a passkey (WebAuthn) in a browser', () => {
     assert.equal(await heading(page), 'Connected apps', await describePage(page, seen))
     assert.equal(await page.locator('section.app').count(), 1)
   })
+
+  it(
+    'approves with the passkey at Enter on the consent page with passwords off, never denies',
+    { skip: SKIP },
+    async () => {
+      await signOut(page, seen)
+      latch.passwordSignIn(false)
+      try {
+        await page.goto(client.base)
+        await page.getByRole('link', { name: 'Sign in with your website' }).click()
+        await page.waitForURL((url) => url.origin === latch.issuer && url.pathname === '/auth')
+        // shown by the script: Enter before it would send the form as it is
+        await page.getByRole('button', { name: 'Approve with a passkey' }).waitFor()
+        const [response] = await Promise.all([
+          page.waitForResponse(
+            (r) => r.request().method() === 'POST' && new URL(r.url()).pathname === '/auth/consent',
+            { timeout: WAIT },
+          ),
+          page.locator('input[type=checkbox]').first().press('Enter'),
+        ])
+        assert.equal(response.status(), 303, await describePage(page, seen))
+        assert.match(response.request().postData() ?? '', /decision=approve/)
+        await page.waitForURL((url) => url.origin === client.base && url.pathname === '/callback')
+        assert.equal(await page.getByRole('heading').innerText(), 'Signed in', await describePage(page, seen))
+        signCount = (await credentialsOf(authenticator))[0].signCount
+      } finally {
+        latch.passwordSignIn(true)
+      }
+    },
+  )
 
   it(
     'asks for a sign-in again before adding a passkey after 15 minutes, which the passkey gives',
