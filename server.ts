@@ -2324,6 +2324,10 @@ async function handlePasskeyAddition(req: IncomingMessage, res: ServerResponse, 
     const notice = 'No passkey was added: press Add a passkey, in a browser that makes passkeys.'
     return sendAppsPage(res, ctx, visitor, { notice, status: 400 })
   }
+  // the page that said it was added, reloaded: its challenge is used, and its passkey is there
+  const credential = getParam(form, 'credential')
+  if (credential !== undefined && (await ctx.store.findPasskey(credential)) !== undefined)
+    return sendAppsPage(res, ctx, visitor, { notice: 'That passkey was added before.' })
   const now = ctx.now()
   try {
     const rp = relyingParty(ctx.config)

@@ -1095,6 +1095,35 @@ describe('Passkeys over HTTP', () => {
     assert.deepEqual(next.excludeCredentials, [{ type: 'public-key', id: base64url(owner.id) }])
   })
 
+  it('answers the page that added a passkey, sent again by a reload, with 200 and no refusal logged', async () => {
+    const browser = openBrowser(latch)
+    await signInWithPassword(browser)
+    const tablet = createCredential(ES256)
+    const options = await askChallenge(browser, 'register')
+    const made = register(tablet, {
+      challenge: options.challenge,
+      origin: latch.issuer,
+      rpId: options.rp.id,
+      userHandle: Buffer.from(options.user.id, 'base64url'),
+    })
+    const fields = {
+      csrf: await formToken(browser),
+      name: 'Tablet',
+      credential: made.id,
+      client_data: base64url(made.clientDataJSON),
+      attestation: base64url(made.attestationObject),
+    }
+    assert.equal((await browser.post('/passkeys/add', fields)).status, 200)
+    const logged = latch.logs.length
+    const again = await browser.post('/passkeys/add', fields) // its challenge is used now
+    assert.equal(again.status, 200)
+    assert.match(await again.text(), /That passkey was added before\./)
+    assert.deepEqual(
+      latch.logs.slice(logged).filter((line) => / security: /.test(line)),
+      [],
+    )
+  })
+
   it('refuses to add a passkey whose answer fails a check, with 400', async () => {
     const browser = openBrowser(latch)
     await signInWithPassword(browser)
