@@ -1059,7 +1059,7 @@ function buildPendingRequest(
   }
   const responseType = getParam(query, 'response_type') ?? 'code' // older clients omit it
   if (responseType !== 'code' && responseType !== 'id')
-    throw new OAuthError('unsupported_response_type', 'response_type must be code')
+    throw new OAuthError('unsupported_response_type', 'response_type must be code (or id, for the profile only)')
   const codeChallenge = requireParam(query, 'code_challenge')
   if (!isCodeChallenge(codeChallenge))
     throw new OAuthError('invalid_request', 'code_challenge must be 43 base64url characters')
@@ -7257,8 +7257,8 @@ function promptHidden(prompt: string, typed: { ahead: string }): Promise<string>
 
 const HASH_PASSWORD_HELP = `Usage: npx tsx server.ts hash-password
 
-Asks for a password twice (${MIN_PASSWORD_LENGTH} characters or more), without showing it, and prints
-the line to set as PASSWORD_HASH. Piped in, the first line is the password.`
+Asks for a password twice (${MIN_PASSWORD_LENGTH} characters or more), without showing it, and
+prints the line to set as PASSWORD_HASH. Piped in, the first line is the password.`
 
 async function runHashPassword(): Promise<void> {
   const password = await readPassword()
@@ -7403,11 +7403,11 @@ export function createLatchServer(
 
 /**
  * Stops a server the way Latch's command does at SIGTERM, and resolves once it has: no new
- * connections; requests in flight answered, each with `Connection: close`; idle connections
- * closed as soon as they are idle; and whatever is still open after 5 s (a client that sent half
- * its headers, or never reads its answer) cut off. `server.close()` alone closes only the
- * connections idle at that moment and stops node:http's request-timeout checks, so a stalled
- * connection keeps it open until the idle timeout: a minute here.
+ * connections; requests in flight answered, and those that come meanwhile with `Connection:
+ * close`; connections closed as soon as they are idle; and whatever is still open after 5 s (a
+ * client that sent half its headers, or never reads its answer) cut off. `server.close()` alone
+ * closes only the connections idle at that moment and stops node:http's request-timeout checks,
+ * so a stalled connection keeps it open until the idle timeout: a minute here.
  */
 export function closeLatchServer(server: Server): Promise<void> {
   return new Promise((resolve) => {
