@@ -2827,10 +2827,8 @@ describe('Passkeys only (PASSWORD_SIGN_IN=off), and passkeys in the journal', ()
       () => loadConfig({ PASSWORD_HASH, PASSWORD_SIGN_IN: 'off', ISSUER: 'http://latch.test:3000' }),
       (err: Error) => err instanceof ConfigError && /Passkeys need https, or http on localhost/.test(err.message),
     )
-    assert.equal(
-      loadConfig({ PASSWORD_HASH, PASSWORD_SIGN_IN: 'off', ISSUER: 'http://auth.localhost:3000' }).passwordSignIn,
-      false,
-    )
+    for (const issuer of ['http://auth.localhost:3000', 'http://localhost.:3000', 'https://latch.test'])
+      assert.equal(loadConfig({ PASSWORD_HASH, PASSWORD_SIGN_IN: 'off', ISSUER: issuer }).passwordSignIn, false, issuer)
     assert.throws(
       () => loadConfig({ ...onLocalhost, PASSWORD_SIGN_IN: 'no' }),
       (err: Error) => err instanceof ConfigError && /PASSWORD_SIGN_IN no is not a choice/.test(err.message),

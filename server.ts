@@ -2410,7 +2410,8 @@ const MAX_PASSKEYS = 20
  * @see https://www.w3.org/TR/webauthn-3/#sctn-api
  */
 function passkeyHostProblem(issuer: string): string | undefined {
-  const { protocol, hostname } = new URL(issuer)
+  const { protocol } = new URL(issuer)
+  const hostname = new URL(issuer).hostname.replace(/\.$/, '') // `localhost.` is localhost too
   if (isIpAddress(hostname)) {
     return (
       'Passkeys need this server to be reached by a host name, not an IP address: set ISSUER to one, ' +
