@@ -984,8 +984,8 @@ async function askChallenge(browser: Browser, purpose: string): Promise<unknown>
   return JSON.parse(text)
 }
 
-/** Registers `credential` from a signed-in browser, as the script does after navigator.credentials.create(). */
-async function addPasskey(latch: Latch, browser: Browser, credential: Credential, name: string): Promise<Response> {
+/** The fields of POST /passkeys/add, as the script sends them after navigator.credentials.create(). */
+async function additionFields(latch: Latch, browser: Browser, credential: Credential, name: string) {
   const options = await askChallenge(browser, 'register')
   const response = register(credential, {
     challenge: options.challenge,
@@ -993,13 +993,18 @@ async function addPasskey(latch: Latch, browser: Browser, credential: Credential
     rpId: options.rp.id,
     userHandle: Buffer.from(options.user.id, 'base64url'),
   })
-  return browser.post('/passkeys/add', {
+  return {
     csrf: await formToken(browser),
     name,
     credential: response.id,
     client_data: base64url(response.clientDataJSON),
     attestation: base64url(response.attestationObject),
-  })
+  }
+}
+
+/** Registers `credential` from a signed-in browser. */
+async function addPasskey(latch: Latch, browser: Browser, credential: Credential, name: string): Promise<Response> {
+  return browser.post('/passkeys/add', await additionFields(latch, browser, credential, name))
 }
 
 /** The fields of POST /sign-in for a passkey: a fresh challenge, answered by `credential` with `changes`. */
@@ -1098,21 +1103,7 @@ describe('Passkeys over HTTP', () => {
   it('answers the page that added a passkey, sent again by a reload, with 200 and no refusal logged', async () => {
     const browser = openBrowser(latch)
     await signInWithPassword(browser)
-    const tablet = createCredential(ES256)
-    const options = await askChallenge(browser, 'register')
-    const made = register(tablet, {
-      challenge: options.challenge,
-      origin: latch.issuer,
-      rpId: options.rp.id,
-      userHandle: Buffer.from(options.user.id, 'base64url'),
-    })
-    const fields = {
-      csrf: await formToken(browser),
-      name: 'Tablet',
-      credential: made.id,
-      client_data: base64url(made.clientDataJSON),
-      attestation: base64url(made.attestationObject),
-    }
+    const fields = await additionFields(latch, browser, createCredential(ES256), 'Tablet')
     assert.equal((await browser.post('/passkeys/add', fields)).status, 200)
     const logged = latch.logs.length
     const again = await browser.post('/passkeys/add', fields) // its challenge is used now
