@@ -1853,10 +1853,11 @@ async function revokeToken(value: string, clientId: string | undefined, ctx: Con
   const hash = hashSecret(value)
   const token = await ctx.store.findToken(hash, ctx.now())
   if (token === undefined) return // unknown or expired: anyone may send one, and it costs no write
-  if (clientId !== undefined) {
-    const grant = await ctx.store.findGrant(token.grantId, ctx.now())
-    if (grant !== undefined && !isSameClientId(clientId, grant.client_id)) return
-  }
+  // a token whose grant was revoked is dead already: revoking it again, as often as its holder
+  // likes, costs no write either
+  const grant = await ctx.store.findGrant(token.grantId, ctx.now())
+  if (grant === undefined) return
+  if (clientId !== undefined && !isSameClientId(clientId, grant.client_id)) return
   // one write either way, so that a failed one revokes nothing: a refresh token dies with its grant
   if (token.kind === 'refresh') await ctx.store.revokeGrant(token.grantId, ctx.now())
   else await ctx.store.deleteToken(hash)
@@ -5342,8 +5343,17 @@ export class MemoryStore implements Store {
     return grants.sort(([, a], [, b]) => a.approvedAt - b.approvedAt)
   }
 
-  async revokeGrant(id: string, now: number): Promise<void> {
-    const expiresAt = Math.max(this.grants.get(id)?.expiresAt ?? 0, toSeconds(now) + REVOKED_GRANT_MEMORY_SECONDS)
+  /**
+   * `until`, in milliseconds, is how long a journal's compacted line says to remember the grant:
+   * the grant's own line is gone by then. A grant revoked again is remembered no shorter.
+   */
+  async revokeGrant(id: string, now: number, until = 0): Promise<void> {
+    const expiresAt = Math.max(
+      this.grants.get(id)?.expiresAt ?? 0,
+      this.revokedGrants.get(id)?.expiresAt ?? 0,
+      toSeconds(now) + REVOKED_GRANT_MEMORY_SECONDS,
+      toSeconds(until),
+    )
     this.revokedGrants.set(id, { expiresAt })
     this.grants.delete(id) // its tokens die with it: every lookup checks the grant, and the sweep removes them
   }
@@ -5481,7 +5491,8 @@ export class MemoryStore implements Store {
     }
     for (const [key, stored] of this.grants)
       if (stored.expiresAt * 1000 > now) yield { set: 'grant', key, value: stored.toGrant() }
-    for (const [key, revoked] of this.revokedGrants) if (revoked.expiresAt * 1000 > now) yield { delete: 'grant', key }
+    for (const [key, revoked] of this.revokedGrants)
+      if (revoked.expiresAt * 1000 > now) yield { delete: 'grant', key, until: revoked.expiresAt * 1000 }
     for (const [key, stored] of this.tokens) {
       if (stored.expiresAt * 1000 <= now || !this.grants.has(stored.grantId)) continue
       yield {
@@ -5612,7 +5623,7 @@ type JournalRecord =
   | { set: 'token'; key: string; value: Token }
   | { set: 'session'; key: string; value: Session }
   | { set: 'passkey'; key: string; value: Passkey }
-  | { delete: 'grant' | 'token' | 'session' | 'passkey'; key: string }
+  | { delete: 'grant' | 'token' | 'session' | 'passkey'; key: string; until?: number }
 
 /**
  * A line of the journal: one change, or `{"all": [...]}`, changes that count together or not
@@ -6465,9 +6476,11 @@ function journalRecordProblem(record: unknown): string | undefined {
   if (!isObject(record)) return 'a change is not a JSON object'
   if (!isJournalKey(record.key)) return 'a change has no valid key'
   if (record.delete !== undefined) {
-    return ['grant', 'token', 'session', 'passkey'].includes(record.delete as string)
+    if (!['grant', 'token', 'session', 'passkey'].includes(record.delete as string))
+      return `it deletes an unknown kind ${String(record.delete)}`
+    return FIELD_CHECKS['number?'](record.until)
       ? undefined
-      : `it deletes an unknown kind ${String(record.delete)}`
+      : 'a revoked grant is kept until a time that is not a number'
   }
   if (typeof record.set !== 'string' || !Object.hasOwn(JOURNAL_FIELDS, record.set))
     return 'a change neither sets nor deletes a known kind of entry'
@@ -6519,7 +6532,7 @@ function isObject(value: unknown): value is Record<string, unknown> {
 async function applyRecord(memory: MemoryStore, record: JournalRecord, now: number): Promise<void> {
   const key = currentKey(record.key)
   if ('delete' in record) {
-    if (record.delete === 'grant') await memory.revokeGrant(key, now)
+    if (record.delete === 'grant') await memory.revokeGrant(key, now, record.until)
     else if (record.delete === 'token') await memory.deleteToken(key)
     else if (record.delete === 'session') await memory.deleteSession(key)
     else await memory.deletePasskey(record.key) // a credential id, not a hash

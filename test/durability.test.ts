@@ -434,6 +434,7 @@ describe('DATA_FILE: damaged files', () => {
     ],
     ['a code whose me is a number', { set: 'code', key: 'x', value: { client_id: CLIENT_ID, me: 7 } }, /code's/],
     ['a session whose value is null', { set: 'session', key: 'x', value: null }, /session has no value/],
+    ['a revoked grant kept until a time that is text', { delete: 'grant', key: 'x', until: 'soon' }, /not a number/],
     ['a change inside a group without a key', { all: [{ set: 'token', value: token }] }, /no valid key/],
   ]
   for (const [what, record, why] of wrongFields) {
@@ -759,6 +760,20 @@ describe('DATA_FILE: one process, one file', () => {
     await running.stop()
   })
 
+  it('writes nothing for the revocation of a token whose grant was revoked, however often it comes', async () => {
+    const file = join(directory, 'revoked-again.jsonl')
+    const running = await startOn(file)
+    const tokens = await obtainTokens(running.base)
+    assert.equal((await post(`${running.base}/revoke`, form({ token: tokens.refresh_token }))).status, 200)
+    const before = (await stat(file)).size
+    for (const token of [tokens.refresh_token, tokens.access_token, tokens.refresh_token]) {
+      assert.equal((await post(`${running.base}/revoke`, form({ token }))).status, 200)
+      assert.equal(await isActive(running.base, tokens.access_token), false)
+    }
+    assert.equal((await stat(file)).size, before)
+    await running.stop()
+  })
+
   it('writes nothing for the deletion of a session it does not hold', async () => {
     const file = join(directory, 'made-up-sessions.jsonl')
     const store = await FileStore.open(file, { now: () => START, log: () => {} })
@@ -829,6 +844,23 @@ describe('DATA_FILE: compaction and failures', () => {
     assert.ok(reopened.memory.tokens.has('late49'))
     assert.ok(reopened.memory.tokens.has('t11999'))
     await reopened.close()
+  })
+
+  it('remembers a revoked grant after a compaction until its tokens would have expired, so no late save revives it', async () => {
+    const file = join(directory, 'revoked-compacted', 'data.jsonl')
+    const running = await startOn(file)
+    const tokens = await obtainTokens(running.base)
+    const [[id, grant]] = await running.store.listGrants(time)
+    assert.equal((await post(`${running.base}/revoke`, form({ token: tokens.refresh_token }))).status, 200)
+    await rm(file) // the next write writes the journal anew from memory: a compaction
+    assert.equal((await exchange(running.base, await obtainCode(running.base))).status, 200)
+    await running.stop()
+    const restarted = await startOn(file)
+    restarted.advance(2 * 86_400) // past a day, within the refresh token's 30
+    restarted.store.memory.sweep(time)
+    await restarted.store.saveGrant(id, grant, time) // as a refresh that read it before the revocation would
+    assert.equal(await restarted.store.findGrant(id, time), undefined)
+    await restarted.stop()
   })
 
   it('keeps an exchange that was being written when a compaction began', async () => {
