@@ -1311,6 +1311,21 @@ describe('POST /auth/consent with a password', () => {
     assert.ok(new URL(response.headers.get('location') ?? '').searchParams.get('code'))
   })
 
+  it('signs in a second press of Approve with the right password too, and says the request was answered', async () => {
+    const consent = await openConsent(latch)
+    const answers = await Promise.all([1, 2].map(() => submitConsent(latch, consent, { password: 'correct horse' })))
+    const statuses = answers.map((answer) => answer.status).sort()
+    assert.deepEqual(statuses, [303, 400])
+    const second = answers.find((answer) => answer.status === 400)
+    assert.match(await (second?.text() ?? ''), /answered already, or has expired meanwhile/)
+    // the browser keeps the cookie of the answer it shows: the session the right password made
+    const session = /latch_session=([^;]+)/.exec(second?.headers.get('set-cookie') ?? '')?.[1]
+    assert.ok(session, 'the second answer signs the owner in')
+    const signedIn = await fetch(`${latch.base}/apps`, { headers: { Cookie: `latch_session=${session}` } })
+    assert.equal(signedIn.status, 200)
+    assert.match(await signedIn.text(), /Sign out/)
+  })
+
   it('answers a wrong or missing password with 401 and the page again, keeping the request usable', async () => {
     const consent = await openConsent(latch)
     const wrong = await submitConsent(latch, consent, { password: 'wrong horse' })

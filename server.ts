@@ -1320,7 +1320,12 @@ async function handleConsent(req: IncomingMessage, res: ServerResponse, ctx: Con
     headers['Set-Cookie'] = await startSession(ctx)
   }
   if ((await ctx.store.takePending(hashSecret(id), ctx.now())) === undefined) {
-    throw new OAuthError('invalid_request', 'This sign-in request was already answered: start again from the app')
+    // pressed twice, or pushed out while the password was checked: a right password still signs in
+    throw new OAuthError(
+      'invalid_request',
+      'This sign-in request was answered already, or has expired meanwhile: start again from the app',
+      { headers },
+    )
   }
   const iss = ctx.config.issuer
   if (decision === 'deny') {
