@@ -3013,6 +3013,30 @@ describe('Pages that explain themselves', () => {
     assert.match(response.headers.get('retry-after') ?? '', /^\d+$/)
   })
 
+  it('counts the wrong passwords of an IPv6 /64 together, as one host may use any address in it', async () => {
+    const proxied = await startLatch({
+      PASSWORD_HASH: await hashPassword(password, FAST_COST),
+      TRUST_PROXY: '127.0.0.1',
+    })
+    try {
+      const consent = await openConsent(proxied)
+      const from = (address: string) =>
+        post(
+          `${proxied.base}/auth/consent`,
+          form({ request: consent.request, csrf: consent.csrf, decision: 'approve', password: 'wrong guess' }),
+          { Cookie: consent.cookie, 'X-Forwarded-For': address },
+        )
+      const statuses: number[] = []
+      for (let attempt = 1; attempt <= 7; attempt++) statuses.push((await from(`2001:db8:1:2::${attempt}`)).status)
+      assert.deepEqual(statuses, [401, 401, 401, 401, 401, 401, 429]) // five free, the sixth locks
+      assert.equal((await from('2001:db8:1:2:ffff::8')).status, 429)
+      assert.equal((await from('2001:db8:1:3::1')).status, 401) // another /64: another host
+      assert.match(proxied.logs.join('\n'), /security: too many wrong passwords from 2001:db8:1:2::\/64/)
+    } finally {
+      await proxied.close()
+    }
+  })
+
   it('answers a browser with a page for 404 and 405, and a program with JSON', async () => {
     const html = { Accept: 'text/html,application/xhtml+xml,*/*;q=0.8' }
     const missing = await fetch(`${open.base}/nothing-here`, { headers: html })

@@ -4027,11 +4027,12 @@ async function checkSignIn(
   ctx: Context,
 ): Promise<SignInRefusal | undefined> {
   const address = clientAddress(req, ctx.trustedProxies)
+  const group = addressGroup(address) // an IPv6 /64 is one host's: its addresses share their tries
   const now = ctx.steadyNow()
   const attempts = ctx.passwordAttempts
   const byPasskey = getParam(form, 'credential') !== undefined
   const password = getParam(form, 'password')
-  const lockedUntil = Math.max(attempts.byAddress.get(address)?.lockedUntil ?? 0, attempts.total.lockedUntil)
+  const lockedUntil = Math.max(attempts.byAddress.get(group)?.lockedUntil ?? 0, attempts.total.lockedUntil)
   if (lockedUntil > now) {
     const retryAfter = String(Math.ceil((lockedUntil - now) / 1000))
     noteError(res, 'too_many_requests')
@@ -4041,11 +4042,11 @@ async function checkSignIn(
   if (!byPasskey && !ctx.config.passwordSignIn)
     return { status: 401, message: 'Password sign-in is off: sign in with a passkey', headers: {} }
   if (!byPasskey && password === undefined) return { status: 401, message: 'Enter your password', headers: {} }
-  const previous = attempts.byAddress.get(address)
-  attempts.byAddress.delete(address) // re-inserted last, so the map stays ordered oldest first
+  const previous = attempts.byAddress.get(group)
+  attempts.byAddress.delete(group) // re-inserted last, so the map stays ordered oldest first
   if (attempts.byAddress.size >= MAX_TRACKED_ADDRESSES)
     attempts.byAddress.delete(attempts.byAddress.keys().next().value ?? '')
-  attempts.byAddress.set(address, countAttempt(previous, now, FREE_ATTEMPTS_PER_ADDRESS))
+  attempts.byAddress.set(group, countAttempt(previous, now, FREE_ATTEMPTS_PER_ADDRESS))
   attempts.total = countAttempt(attempts.total, now, FREE_ATTEMPTS_IN_TOTAL)
   const passwordHash = ctx.config.passwordHash ?? ''
   const refused = byPasskey
@@ -4054,9 +4055,9 @@ async function checkSignIn(
       ? undefined
       : 'Wrong password'
   if (refused !== undefined) {
-    const wait = Math.max(attempts.byAddress.get(address)?.lockedUntil ?? 0, attempts.total.lockedUntil) - now
+    const wait = Math.max(attempts.byAddress.get(group)?.lockedUntil ?? 0, attempts.total.lockedUntil) - now
     if (wait > 0) {
-      const from = attempts.total.lockedUntil - now === wait ? 'in total' : `from ${address}`
+      const from = attempts.total.lockedUntil - now === wait ? 'in total' : `from ${group}`
       logEvent(
         ctx,
         'security',
@@ -4067,7 +4068,7 @@ async function checkSignIn(
     }
     return { status: 401, message: refused, headers: {} }
   }
-  attempts.byAddress.delete(address)
+  attempts.byAddress.delete(group)
   attempts.total = NO_ATTEMPTS
   return undefined
 }
