@@ -53,7 +53,16 @@ import {
   verifyPassword,
   withPasswordSlot,
 } from './server.ts'
-import type { AuthorizationCode, Grant, Passkey, PasswordAttempts, PasswordSlots, Store, Token } from './server.ts'
+import type {
+  AuthorizationCode,
+  Grant,
+  Passkey,
+  PasswordAttempts,
+  PasswordSlots,
+  PendingRequest,
+  Store,
+  Token,
+} from './server.ts'
 import { START, startLatch, until } from './test/harness.ts'
 import type { TestServer } from './test/harness.ts'
 
@@ -834,6 +843,18 @@ describe('MemoryStore', () => {
     for (const hash of ['a', 'b', 'c', 'd', 'e']) await store.saveCode(hash, code(9000), 0)
     assert.deepEqual([...store.codes.keys()], ['c', 'd', 'e'])
     assert.equal(logs.length, 1)
+  })
+
+  it('logs the first drop of each kind, so that a dropped code is not hidden behind dropped requests', async () => {
+    const logs: string[] = []
+    const store = new MemoryStore({ maxPendingRequests: 2, maxCodes: 2, log: (line) => logs.push(line) })
+    const request: PendingRequest = { ...code(9000), state: undefined, meHint: undefined, csrfHash: 'c' }
+    for (const id of ['a', 'b', 'c', 'd']) await store.savePending(id, request, 0)
+    for (const hash of ['a', 'b', 'c']) await store.saveCode(hash, code(9000), 0)
+    assert.deepEqual(
+      logs.map((line) => line.replace(/ was reached.*/, '')),
+      ['store: the cap of 2 pending authorization requests', 'store: the cap of 2 authorization codes'],
+    )
   })
 })
 

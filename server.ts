@@ -5296,7 +5296,7 @@ export class MemoryStore implements Store {
   #lastApp: GrantedApp | undefined
   #lastScope: string[] | undefined
   #lastResource: string[] | undefined
-  #dropped = 0
+  readonly #dropped = new Map<string, number>()
   /** Grants and tokens saved that the sweep has not yet walked twice as many entries for. */
   #savedSinceSweep = 0
 
@@ -5580,8 +5580,10 @@ export class MemoryStore implements Store {
     if (map.size < max) return
     const oldest = map.keys().next().value
     if (oldest !== undefined) map.delete(oldest)
-    if (this.#dropped++ % 1000 === 0)
-      this.#log(`store: the cap of ${max} ${what} was reached; dropped the oldest (${this.#dropped} so far)`)
+    const dropped = (this.#dropped.get(what) ?? 0) + 1 // counted by kind: a dropped code is not one of many requests
+    this.#dropped.set(what, dropped)
+    if (dropped % 1000 === 1)
+      this.#log(`store: the cap of ${max} ${what} was reached; dropped the oldest (${dropped} so far)`)
   }
 }
 
