@@ -288,10 +288,16 @@ describe('Configuration', () => {
     ['10m', 600],
     ['12h', 43200],
     ['7d', 604800],
+    ['0000000000000060', 60],
   ]
   for (const [value, seconds] of durations) {
     it(`reads the duration ${value} as ${seconds} seconds`, () => assert.equal(parseDuration('X', value), seconds))
   }
+
+  it('says a duration of many digits is too long, not that it is not one', () => {
+    assert.throws(() => parseDuration('ACCESS_TOKEN_TTL', '9999999999999'), /is longer than ten years: use 3650d/)
+    assert.throws(() => parseDuration('ACCESS_TOKEN_TTL', '9'.repeat(400)), /is longer than ten years/)
+  })
 
   it('reads a refresh grace of 0 with spaces around it, as every duration is read', () => {
     assert.equal(loadConfig({ REFRESH_TOKEN_GRACE: ' 0 ' }).refreshTokenGraceSeconds, 0)

@@ -7078,7 +7078,7 @@ function parsePort(value: string): number {
 
 /** Parses plain seconds or a number with a unit (`90s`, `10m`, `12h`, `7d`) into seconds. */
 export function parseDuration(name: string, value: string): number {
-  const match = /^(\d{1,12})([smhd]?)$/.exec(value.trim())
+  const match = /^(\d+)([smhd]?)$/.exec(value.trim()) // as many digits as come: too many is too long
   const unitSeconds = { '': 1, s: 1, m: 60, h: 3600, d: 86400 }
   const seconds = match === null ? NaN : Number(match[1]) * unitSeconds[match[2] as keyof typeof unitSeconds]
   if (!(seconds > 0))
