@@ -392,6 +392,14 @@ describe('Configuration', () => {
     assert.deepEqual(configWarnings(loadConfig({ ACCESS_TOKEN_TTL: '3650d', REFRESH_TOKEN_TTL: '3650d' })), [])
   })
 
+  it('warns of an access token lifetime too short for the refreshes a grant may make in a day', () => {
+    assert.match(
+      configWarnings(loadConfig({ ACCESS_TOKEN_TTL: '60' })).join('\n'),
+      /ACCESS_TOKEN_TTL \(60 s\) is so short .* more than the 1000 times a day .* make it 87 seconds or more/,
+    )
+    assert.deepEqual(configWarnings(loadConfig({ ACCESS_TOKEN_TTL: '87' })), [])
+  })
+
   it('takes an introspection secret of any visible characters', () => {
     assert.equal(loadConfig({ INTROSPECTION_SECRET: 'p@ss!word#1234567%' }).introspectionSecret, 'p@ss!word#1234567%')
   })
@@ -2966,6 +2974,21 @@ describe('Token lifetime on the consent page', () => {
       ['31536000', '1 year', false],
       ['0', 'until you revoke it', true],
     ])
+  })
+
+  it('names an ACCESS_TOKEN_TTL of hours or minutes as people say them', async () => {
+    for (const [ttl, label] of [
+      ['1h', '1 hour'],
+      ['90m', '90 minutes'],
+      ['100', '100 seconds'],
+    ]) {
+      const other = await startLatch({ ACCESS_TOKEN_TTL: ttl })
+      try {
+        assert.match((await openConsent(other)).html, new RegExp(`<option value="\\d+">${label}</option>`))
+      } finally {
+        await other.close()
+      }
+    }
   })
 
   const refresh = (refreshToken: string) =>

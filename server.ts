@@ -1246,8 +1246,7 @@ function lifetimeChoices(config: Config): [string, number][] {
   const ttl = config.accessTokenTtlSeconds
   const revoked: [string, number] = ['until you revoke it', UNTIL_REVOKED]
   if (LIFETIME_CHOICES.some(([, seconds]) => seconds === ttl)) return [...LIFETIME_CHOICES, revoked]
-  const label = ttl % 86400 === 0 ? `${ttl / 86400} days` : ttl % 3600 === 0 ? `${ttl / 3600} hours` : `${ttl} seconds`
-  return [...[...LIFETIME_CHOICES, [label, ttl] as [string, number]].sort((a, b) => a[1] - b[1]), revoked]
+  return [...[...LIFETIME_CHOICES, [formatPeriod(ttl), ttl] as [string, number]].sort((a, b) => a[1] - b[1]), revoked]
 }
 
 /**
@@ -7180,6 +7179,13 @@ export function configWarnings(config: Config, env: Record<string, string | unde
       `REFRESH_TOKEN_TTL (${refresh} s) is not longer than ACCESS_TOKEN_TTL (${access} s): a refresh token ` +
         'runs out no later than the access token it renews, so apps must sign in again, even those approved ' +
         'until revoked; make REFRESH_TOKEN_TTL longer',
+    )
+  }
+  if (access * MAX_REFRESHES_A_DAY < DAY_MS / 1000) {
+    warnings.push(
+      `ACCESS_TOKEN_TTL (${access} s) is so short that an app renewing its token as it runs out refreshes ` +
+        `more than the ${MAX_REFRESHES_A_DAY} times a day a grant may, and is refused until the day is over; ` +
+        `make it ${Math.ceil(DAY_MS / 1000 / MAX_REFRESHES_A_DAY)} seconds or more`,
     )
   }
   const me = new URL(config.me)
