@@ -2537,6 +2537,26 @@ describe('Sign-in sessions and connected apps', () => {
     assert.equal((await introspect(latch, later)).active, true)
   })
 
+  it('revokes with Revoke all an app approved before it asked, whose code is redeemed only after', async () => {
+    const csrf = createSecret()
+    const cookie = `latch_csrf=${csrf}; ${await signIn(csrf)}`
+    const listed = await obtainToken(latch, { password })
+    const approved = await obtainCode(latch, {}, { password }) // the app has its code, and has not redeemed it yet
+    const token = await formTokenOf(cookie)
+    const question = await (
+      await post(`${latch.base}/apps/revoke-all`, form({ csrf: token }), { Cookie: cookie })
+    ).text()
+    const asked = /name="asked" value="(\d+)"/.exec(question)?.[1] ?? ''
+    latch.advance(60)
+    const yes = await post(`${latch.base}/apps/revoke-all`, form({ csrf: token, confirm: 'yes', asked }), {
+      Cookie: cookie,
+    })
+    assert.match(await yes.text(), /class="notice" role="status">Revoked \d+ apps?: their tokens stopped working/)
+    assert.deepEqual(await introspect(latch, listed), { active: false })
+    await assertError(await exchange(latch, approved), 400, 'invalid_grant')
+    assert.match(await appsPage(cookie), /No app holds a token/)
+  })
+
   it('refuses app revocation without the CSRF value (403) or without a session (401)', async () => {
     const csrf = createSecret()
     const session = await signIn(csrf)

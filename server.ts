@@ -277,9 +277,10 @@ export type Passkey = {
  * AND expires_at > ? AND (used_at IS NULL OR (used_at >= <retriedSince> AND hash = <its grant's
  * last_rotated>))`, with `SET used_at = COALESCE(used_at, ?)` so that a retry does not move it;
  * each first redemption of a refresh token sets its grant's `last_rotated`. `revokeGrant`
- * deletes the grant and inserts it into a table of revoked ids. On
- * Redis, each entry is a key with a TTL, and the same step is a `WATCH`/`MULTI` or a small Lua
- * script.
+ * deletes the grant and inserts it into a table of revoked ids; `revokeApprovedBy` does that for
+ * every grant approved by a time and every code issued by then, and deletes those codes, in one
+ * transaction. On Redis, each entry is a key with a TTL, and the same step is a `WATCH`/`MULTI`
+ * or a small Lua script.
  */
 export interface Store {
   savePending(id: string, request: PendingRequest, now: number): Promise<void>
@@ -301,6 +302,13 @@ export interface Store {
    * a refresh or an exchange that read it just before must not bring it back.
    */
   revokeGrant(id: string, now: number): Promise<void>
+  /**
+   * The owner's "Revoke all", in one step: revokes every grant approved at or before
+   * `approvedBy`, to the second, and deletes every code issued by then, used or not, revoking
+   * its grant's id too (a grant's id is its code's hash), so that no code approved before
+   * becomes a grant after. Returns how many grants it revoked.
+   */
+  revokeApprovedBy(approvedBy: number, now: number): Promise<number>
   /** Notes that a token of the grant was used; a store may keep this in memory only. */
   touchGrant(id: string, now: number): Promise<void>
   saveToken(hash: string, token: Token, now: number): Promise<void>
@@ -2144,21 +2152,20 @@ async function handleAllAppsRevocation(req: IncomingMessage, res: ServerResponse
   const form = await readForm(req)
   const visitor = await requireOwner(form, req, ctx)
   const now = ctx.now()
-  const grants = await ctx.store.listGrants(now)
   if (getParam(form, 'confirm') !== 'yes') {
+    const grants = await ctx.store.listGrants(now)
     return sendPage(res, 200, renderRevokeAllPage(grants, { csrf: formToken(visitor), config: ctx.config, asked: now }))
   }
   // Every app approved by the time the owner was asked, to the second the store keeps: those
-  // listed, and one approved before whose code was redeemed meanwhile, which the owner approved
-  // too. Not one approved later, when the answer is sent again (a reload) or late.
+  // listed, and those approved before whose codes are redeemed meanwhile or later, which the
+  // owner approved too. Not one approved later, when the answer is sent again (a reload) or late.
   const sent = getParam(form, 'asked') ?? ''
   const asked = /^\d{1,16}$/.test(sent) ? Number(sent) : now
-  const approved = grants.filter(([, grant]) => grant.approvedAt <= asked)
-  for (const [id] of approved) await ctx.store.revokeGrant(id, now)
+  const revoked = await ctx.store.revokeApprovedBy(asked, now)
   const notice =
-    approved.length === 0
+    revoked === 0
       ? 'Nothing was left to revoke: the apps on that list had lost their access already.'
-      : `Revoked ${countApps(approved.length)}: their tokens stopped working.`
+      : `Revoked ${countApps(revoked)}: their tokens stopped working.`
   await sendAppsPage(res, ctx, visitor, { notice })
 }
 
@@ -5266,7 +5273,7 @@ async function fetchLogo(logoUrl: string, options: FetchRules): Promise<string |
 // requests, codes and sessions all live equally long, so a Map's insertion order is already
 // their order of expiry: the sweep takes them from the front. Grants and tokens need not; the
 // sweep walks them in turn, a few thousand steps a time.
-// To put SQLite or Redis behind Latch, implement `Store`: twenty-three small methods.
+// To put SQLite or Redis behind Latch, implement `Store`: twenty-four small methods.
 
 /** Options of the in-memory store: caps so that a flood cannot grow memory without limit. */
 export type MemoryStoreOptions = {
@@ -5361,6 +5368,31 @@ export class MemoryStore implements Store {
     )
     this.revokedGrants.set(id, { expiresAt })
     this.grants.delete(id) // its tokens die with it: every lookup checks the grant, and the sweep removes them
+  }
+
+  async revokeApprovedBy(approvedBy: number, now: number): Promise<number> {
+    const { records, grants } = this.approvedBy(approvedBy, now)
+    for (const record of records) await applyRecord(this, record, now)
+    return grants
+  }
+
+  /** What `revokeApprovedBy` deletes, as journal records, and how many live grants are among them. */
+  approvedBy(approvedBy: number, now: number): { records: JournalRecord[]; grants: number } {
+    const by = toSeconds(approvedBy)
+    const codes: JournalRecord[] = []
+    const grants = new Set<string>()
+    for (const [hash, code] of this.codes) {
+      if (code.expiresAt <= now || toSeconds(code.issuedAt) > by) continue
+      codes.push({ delete: 'code', key: hash })
+      grants.add(hash) // the grant an exchange of it is making now, or will
+    }
+    let live = 0
+    for (const [id, stored] of this.grants) {
+      if (stored.expiresAt * 1000 <= now || stored.approvedAt > by) continue
+      live++
+      grants.add(id)
+    }
+    return { records: [...codes, ...[...grants].map((key) => ({ delete: 'grant', key }) as const)], grants: live }
   }
 
   async touchGrant(id: string, now: number): Promise<void> {
@@ -5630,7 +5662,7 @@ type JournalRecord =
   | { set: 'token'; key: string; value: Token }
   | { set: 'session'; key: string; value: Session }
   | { set: 'passkey'; key: string; value: Passkey }
-  | { delete: 'grant' | 'token' | 'session' | 'passkey'; key: string; until?: number }
+  | { delete: 'code' | 'grant' | 'token' | 'session' | 'passkey'; key: string; until?: number }
 
 /**
  * A line of the journal: one change, or `{"all": [...]}`, changes that count together or not
@@ -6290,6 +6322,15 @@ export class FileStore implements Store {
     await this.memory.revokeGrant(id, now)
   }
 
+  /** One line, and so one fsync, however many apps: on a full disk, nothing is revoked. */
+  async revokeApprovedBy(approvedBy: number, now: number): Promise<number> {
+    const { records, grants } = this.memory.approvedBy(approvedBy, now)
+    if (records.length === 0) return 0
+    await this.#append(records)
+    for (const record of records) await applyRecord(this.memory, record, now)
+    return grants
+  }
+
   /** Last use is kept in memory only: after a restart it is the last time a token was issued. */
   touchGrant(id: string, now: number): Promise<void> {
     return this.memory.touchGrant(id, now)
@@ -6483,7 +6524,7 @@ function journalRecordProblem(record: unknown): string | undefined {
   if (!isObject(record)) return 'a change is not a JSON object'
   if (!isJournalKey(record.key)) return 'a change has no valid key'
   if (record.delete !== undefined) {
-    if (!['grant', 'token', 'session', 'passkey'].includes(record.delete as string))
+    if (!['code', 'grant', 'token', 'session', 'passkey'].includes(record.delete as string))
       return `it deletes an unknown kind ${String(record.delete)}`
     return FIELD_CHECKS['number?'](record.until)
       ? undefined
@@ -6540,6 +6581,7 @@ async function applyRecord(memory: MemoryStore, record: JournalRecord, now: numb
   const key = currentKey(record.key)
   if ('delete' in record) {
     if (record.delete === 'grant') await memory.revokeGrant(key, now, record.until)
+    else if (record.delete === 'code') memory.codes.delete(key)
     else if (record.delete === 'token') await memory.deleteToken(key)
     else if (record.delete === 'session') await memory.deleteSession(key)
     else await memory.deletePasskey(record.key) // a credential id, not a hash

@@ -863,6 +863,42 @@ describe('DATA_FILE: compaction and failures', () => {
     await restarted.stop()
   })
 
+  it('writes Revoke all as one line, which a restart reads back: grants revoked, codes approved by then gone', async () => {
+    const file = join(directory, 'revoke-all', 'data.jsonl')
+    const running = await startOn(file)
+    const tokens = [await obtainTokens(running.base), await obtainTokens(running.base)]
+    const code = await obtainCode(running.base)
+    const lines = (await readFile(file, 'utf8')).split('\n').length
+    assert.equal(await running.store.revokeApprovedBy(time, time), 2)
+    assert.equal((await readFile(file, 'utf8')).split('\n').length, lines + 1)
+    await running.stop()
+    const restarted = await startOn(file)
+    for (const { access_token } of tokens) assert.equal(await isActive(restarted.base, access_token), false)
+    assert.equal((await exchange(restarted.base, code)).status, 400)
+    await restarted.stop()
+  })
+
+  it('revokes with Revoke all the grants of codes approved before it that are redeemed while it is written', async () => {
+    const file = join(directory, 'revoke-all-race', 'data.jsonl')
+    const running = await startOn(file)
+    const codes: string[] = []
+    for (let i = 0; i < 10; i++) codes.push(await obtainCode(running.base))
+    const [, ...exchanges] = await Promise.all([
+      running.store.revokeApprovedBy(time, time),
+      ...codes.map((code) => exchange(running.base, code)),
+    ])
+    for (const response of exchanges) {
+      if (response.status !== 200) continue // redeemed after: the code is gone
+      const { access_token } = (await response.json()) as { access_token: string }
+      assert.equal(await isActive(running.base, access_token), false)
+    }
+    assert.deepEqual(await running.store.listGrants(time), [])
+    await running.stop()
+    const restarted = await startOn(file)
+    assert.deepEqual(await restarted.store.listGrants(time), [])
+    await restarted.stop()
+  })
+
   it('keeps an exchange that was being written when a compaction began', async () => {
     const file = join(directory, 'compact-race.jsonl')
     await writeFile(file, `${JSON.stringify({ delete: 'session', key: 'old' })}\n`.repeat(9_999))
