@@ -2358,6 +2358,10 @@ async function handlePasskeyAddition(req: IncomingMessage, res: ServerResponse, 
     })
   } catch (err) {
     if (!(err instanceof PasskeyError)) throw err
+    // the form sent twice at once: the first press takes the challenge and is saving the passkey
+    await ctx.passkeys.changes
+    if (credential !== undefined && (await ctx.store.findPasskey(credential)) !== undefined)
+      return sendAppsPage(res, ctx, visitor, { notice: 'That passkey was added before.' })
     logEvent(ctx, 'security', `a passkey was not added: ${err.message}`, req)
     return sendAppsPage(res, ctx, visitor, {
       notice: `The passkey was not added: ${escapeHtml(err.message)}.`,

@@ -1441,6 +1441,34 @@ describe('Passkeys under attack', () => {
     }
   })
 
+  it('adds a passkey once when its form is sent twice at once, and answers both without a refusal', async () => {
+    const file = join(await mkdtemp(join(tmpdir(), 'latch-passkey-twice-')), 'data.jsonl')
+    const store = await FileStore.open(file, { log: () => {} }) // a write that takes a while, as on a disk
+    const passwordHash = await hashPassword(PASSWORD, { ln: 10, r: 8, p: 1 })
+    const latch = await startTestLatch({ HOST: 'localhost', ME, PASSWORD_HASH: passwordHash }, { store })
+    try {
+      const browser = openBrowser(latch)
+      await signInWithPassword(browser)
+      const fields = await additionFields(latch, browser, createCredential(ES256), 'Phone')
+      const answers = await Promise.all([1, 2, 3].map(() => browser.post('/passkeys/add', fields)))
+      assert.deepEqual(
+        answers.map((answer) => answer.status),
+        [200, 200, 200],
+      )
+      const pages = await Promise.all(answers.map((answer) => answer.text()))
+      assert.equal(pages.filter((page) => /Added the passkey/.test(page)).length, 1)
+      assert.equal(pages.filter((page) => /That passkey was added before\./.test(page)).length, 2)
+      assert.equal((await store.listPasskeys()).length, 1)
+      assert.deepEqual(
+        latch.logs.filter((line) => /passkey was not added/.test(line)),
+        [],
+      )
+    } finally {
+      await latch.close()
+      await store.close()
+    }
+  })
+
   it('keeps the last passkey when two removals race while password sign-in is off', async () => {
     const file = join(await mkdtemp(join(tmpdir(), 'latch-passkey-race-')), 'data.jsonl')
     const store = await FileStore.open(file, { log: () => {} })
