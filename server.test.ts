@@ -1346,6 +1346,31 @@ describe('POST /auth/consent with a password', () => {
     assert.ok(new URL(response.headers.get('location') ?? '').searchParams.get('code'))
   })
 
+  it("keeps the owner's consent page through one stranger's flood of requests, which pushes out only its own", async () => {
+    const store = new MemoryStore({ maxPendingRequests: 60, log: () => {} })
+    const flooded = await startLatch(
+      { PASSWORD_HASH: await hashPassword('correct horse', FAST_COST), TRUST_PROXY: '127.0.0.1' },
+      { store },
+    )
+    try {
+      const consent = await openConsent(flooded) // the owner, on this machine
+      const stranger = { 'X-Forwarded-For': '198.51.100.7' }
+      let first: string | undefined
+      for (let i = 0; i < 100; i++) {
+        const response = await fetch(authorizationUrl(flooded), { headers: stranger })
+        const html = await response.text()
+        assert.equal(response.status, 200)
+        first ??= /name="request" value="([^"]+)"/.exec(html)?.[1]
+      }
+      assert.ok(store.pending.size <= 51, `${store.pending.size} pending`) // the stranger's 50, and the owner's
+      const approved = await submitConsent(flooded, consent, { password: 'correct horse' })
+      assert.equal(approved.status, 303)
+      assert.equal(await store.findPending(hashSecret(first ?? ''), START), undefined) // its own oldest went
+    } finally {
+      await flooded.close()
+    }
+  })
+
   it('signs in a second press of Approve with the right password too, and says the request was answered', async () => {
     const consent = await openConsent(latch)
     const answers = await Promise.all([1, 2].map(() => submitConsent(latch, consent, { password: 'correct horse' })))

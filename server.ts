@@ -374,6 +374,8 @@ type Context = {
   clientLookups: Map<string, Promise<ClientLookup>>
   /** The lookups under way that each address started, by `CONNECTION_LIMITS.groupOf`. */
   lookupsBy: Map<string, number>
+  /** The pending requests each address opened, by `CONNECTION_LIMITS.groupOf`: their ids and ends, oldest first. */
+  pendingBy: Map<string, [string, number][]>
   clientFetchSlots: Slots
   /** The proxies of `TRUST_PROXY`, whose forwarding headers are believed. */
   trustedProxies: BlockList | undefined
@@ -939,7 +941,10 @@ async function handleAuthorizationRequest(req: IncomingMessage, res: ServerRespo
   const visitor = await readVisitor(req, ctx)
   request.csrfHash = hashSecret(visitor.csrf) // the request is answered from this browser only
   const id = createSecret()
-  if (req.method !== 'HEAD') await ctx.store.savePending(hashSecret(id), request, ctx.now())
+  if (req.method !== 'HEAD') {
+    await keepPendingShare(hashSecret(id), req, ctx)
+    await ctx.store.savePending(hashSecret(id), request, ctx.now())
+  }
   const passkeys = !visitor.signedIn && (await offersPasskeys(ctx))
   const page = renderConsentPage(request, {
     id,
@@ -955,6 +960,28 @@ async function handleAuthorizationRequest(req: IncomingMessage, res: ServerRespo
     'Set-Cookie': csrfCookie(visitor, ctx.config),
   })
 }
+
+/**
+ * The store keeps at most 1,000 pending requests, dropping the oldest, so that a flood costs a
+ * bounded amount of memory. Alone, that let one stranger, with a thousand requests, push out the
+ * consent page the owner was about to answer. So one address (as `CONNECTION_LIMITS` groups
+ * them; loopback is not counted) may have MAX_PENDING_BY_ONE of them: past that, its own oldest
+ * goes. Only as many addresses as the store holds requests are followed.
+ */
+async function keepPendingShare(idHash: string, req: IncomingMessage, ctx: Context): Promise<void> {
+  const group = CONNECTION_LIMITS.groupOf(clientAddress(req, ctx.trustedProxies))
+  if (group === undefined) return
+  const now = ctx.now()
+  const opened = (ctx.pendingBy.get(group) ?? []).filter(([, expiresAt]) => expiresAt > now)
+  if (opened.length >= MAX_PENDING_BY_ONE) await ctx.store.takePending(opened.shift()?.[0] ?? '', now)
+  opened.push([idHash, now + PENDING_TTL_SECONDS * 1000])
+  ctx.pendingBy.delete(group) // set again last, so that the map stays ordered by last request
+  if (ctx.pendingBy.size >= MAX_PENDING_ADDRESSES) ctx.pendingBy.delete(ctx.pendingBy.keys().next().value ?? '')
+  ctx.pendingBy.set(group, opened)
+}
+
+const MAX_PENDING_BY_ONE = 50
+const MAX_PENDING_ADDRESSES = 1_000
 
 /** The `state` to send back on an error redirect: none when it was sent twice or is too long. */
 function stateOf(query: Params): string | undefined {
@@ -2939,6 +2966,7 @@ export function createHandler(options: HandlerOptions): (req: IncomingMessage, r
     failedClients: new Map(),
     clientLookups: new Map(),
     lookupsBy: new Map(),
+    pendingBy: new Map(),
     clientFetchSlots: { running: 0, waiting: [] },
     trustedProxies: trustedProxiesOf(options.config),
     refreshes: new Map(),
