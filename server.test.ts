@@ -1346,29 +1346,62 @@ describe('POST /auth/consent with a password', () => {
     assert.ok(new URL(response.headers.get('location') ?? '').searchParams.get('code'))
   })
 
-  it("keeps the owner's consent page through one stranger's flood of requests, which pushes out only its own", async () => {
+  /** A Latch whose store holds 60 pending requests, behind a proxy on this machine that TRUST_PROXY names. */
+  async function withFullStore(test: (latch: TestServer, store: MemoryStore) => Promise<void>) {
     const store = new MemoryStore({ maxPendingRequests: 60, log: () => {} })
-    const flooded = await startLatch(
+    const proxied = await startLatch(
       { PASSWORD_HASH: await hashPassword('correct horse', FAST_COST), TRUST_PROXY: '127.0.0.1' },
       { store },
     )
     try {
-      const consent = await openConsent(flooded) // the owner, on this machine
-      const stranger = { 'X-Forwarded-For': '198.51.100.7' }
-      let first: string | undefined
-      for (let i = 0; i < 100; i++) {
-        const response = await fetch(authorizationUrl(flooded), { headers: stranger })
-        const html = await response.text()
-        assert.equal(response.status, 200)
-        first ??= /name="request" value="([^"]+)"/.exec(html)?.[1]
-      }
-      assert.ok(store.pending.size <= 51, `${store.pending.size} pending`) // the stranger's 50, and the owner's
-      const approved = await submitConsent(flooded, consent, { password: 'correct horse' })
-      assert.equal(approved.status, 303)
-      assert.equal(await store.findPending(hashSecret(first ?? ''), START), undefined) // its own oldest went
+      await test(proxied, store)
     } finally {
-      await flooded.close()
+      await proxied.close()
     }
+  }
+
+  /** Opens `count` consent pages as the address, and returns the first one's request id. */
+  async function flood(latch: TestServer, address: string, count: number): Promise<string | undefined> {
+    let first: string | undefined
+    for (let i = 0; i < count; i++) {
+      const response = await fetch(authorizationUrl(latch), { headers: { 'X-Forwarded-For': address } })
+      const html = await response.text()
+      assert.equal(response.status, 200)
+      first ??= /name="request" value="([^"]+)"/.exec(html)?.[1]
+    }
+    return first
+  }
+
+  it("keeps the owner's consent page through one stranger's flood of requests, which pushes out its own", async () => {
+    await withFullStore(async (latch, store) => {
+      const consent = await openConsent(latch) // the owner, on this machine
+      const first = await flood(latch, '198.51.100.7', 100)
+      assert.equal(store.pending.size, 60)
+      assert.equal((await submitConsent(latch, consent, { password: 'correct horse' })).status, 303)
+      assert.equal(await store.findPending(hashSecret(first ?? ''), START), undefined) // its own oldest went
+    })
+  })
+
+  it('keeps a consent page as long as before when the owner shares an address with the flood', async () => {
+    await withFullStore(async (latch) => {
+      // a proxy on another machine, or a carrier's NAT: one address for the owner and the stranger
+      const shared = '10.0.0.5'
+      const response = await fetch(authorizationUrl(latch), { headers: { 'X-Forwarded-For': shared } })
+      const html = await response.text()
+      const consent: Consent = {
+        request: /name="request" value="([^"]+)"/.exec(html)?.[1] ?? '',
+        csrf: /name="csrf" value="([^"]+)"/.exec(html)?.[1] ?? '',
+        cookie: (response.headers.get('set-cookie') ?? '').split(';')[0],
+        html,
+      }
+      await flood(latch, shared, 59) // the store is full, nothing dropped yet
+      const approved = await post(
+        `${latch.base}/auth/consent`,
+        form({ request: consent.request, csrf: consent.csrf, decision: 'approve', password: 'correct horse' }),
+        { Cookie: consent.cookie, 'X-Forwarded-For': shared },
+      )
+      assert.equal(approved.status, 303)
+    })
   })
 
   it('signs in a second press of Approve with the right password too, and says the request was answered', async () => {

@@ -162,6 +162,11 @@ export type PendingRequest = {
   meHint: string | undefined
   /** The hash (`hashSecret`) of the CSRF cookie of the browser that opened the request. */
   csrfHash: string
+  /**
+   * Who opened it: an address as `CONNECTION_LIMITS` groups them (an IPv6 /64), or undefined for
+   * loopback. A full store drops a request of the address that holds the most (`MemoryStore`).
+   */
+  openedBy?: string
   expiresAt: number
 }
 
@@ -306,7 +311,8 @@ export interface Store {
    * The owner's "Revoke all", in one step: revokes every grant approved at or before
    * `approvedBy`, to the second, and deletes every code issued by then, used or not, revoking
    * its grant's id too (a grant's id is its code's hash), so that no code approved before
-   * becomes a grant after. Returns how many grants it revoked.
+   * becomes a grant after. Returns how many apps lost their access: the grants, and the codes
+   * that were not redeemed yet.
    */
   revokeApprovedBy(approvedBy: number, now: number): Promise<number>
   /** Notes that a token of the grant was used; a store may keep this in memory only. */
@@ -374,8 +380,6 @@ type Context = {
   clientLookups: Map<string, Promise<ClientLookup>>
   /** The lookups under way that each address started, by `CONNECTION_LIMITS.groupOf`. */
   lookupsBy: Map<string, number>
-  /** The pending requests each address opened, by `CONNECTION_LIMITS.groupOf`: their ids and ends, oldest first. */
-  pendingBy: Map<string, [string, number][]>
   clientFetchSlots: Slots
   /** The proxies of `TRUST_PROXY`, whose forwarding headers are believed. */
   trustedProxies: BlockList | undefined
@@ -941,10 +945,8 @@ async function handleAuthorizationRequest(req: IncomingMessage, res: ServerRespo
   const visitor = await readVisitor(req, ctx)
   request.csrfHash = hashSecret(visitor.csrf) // the request is answered from this browser only
   const id = createSecret()
-  if (req.method !== 'HEAD') {
-    await keepPendingShare(hashSecret(id), req, ctx)
-    await ctx.store.savePending(hashSecret(id), request, ctx.now())
-  }
+  request.openedBy = CONNECTION_LIMITS.groupOf(clientAddress(req, ctx.trustedProxies))
+  if (req.method !== 'HEAD') await ctx.store.savePending(hashSecret(id), request, ctx.now())
   const passkeys = !visitor.signedIn && (await offersPasskeys(ctx))
   const page = renderConsentPage(request, {
     id,
@@ -960,28 +962,6 @@ async function handleAuthorizationRequest(req: IncomingMessage, res: ServerRespo
     'Set-Cookie': csrfCookie(visitor, ctx.config),
   })
 }
-
-/**
- * The store keeps at most 1,000 pending requests, dropping the oldest, so that a flood costs a
- * bounded amount of memory. Alone, that let one stranger, with a thousand requests, push out the
- * consent page the owner was about to answer. So one address (as `CONNECTION_LIMITS` groups
- * them; loopback is not counted) may have MAX_PENDING_BY_ONE of them: past that, its own oldest
- * goes. Only as many addresses as the store holds requests are followed.
- */
-async function keepPendingShare(idHash: string, req: IncomingMessage, ctx: Context): Promise<void> {
-  const group = CONNECTION_LIMITS.groupOf(clientAddress(req, ctx.trustedProxies))
-  if (group === undefined) return
-  const now = ctx.now()
-  const opened = (ctx.pendingBy.get(group) ?? []).filter(([, expiresAt]) => expiresAt > now)
-  if (opened.length >= MAX_PENDING_BY_ONE) await ctx.store.takePending(opened.shift()?.[0] ?? '', now)
-  opened.push([idHash, now + PENDING_TTL_SECONDS * 1000])
-  ctx.pendingBy.delete(group) // set again last, so that the map stays ordered by last request
-  if (ctx.pendingBy.size >= MAX_PENDING_ADDRESSES) ctx.pendingBy.delete(ctx.pendingBy.keys().next().value ?? '')
-  ctx.pendingBy.set(group, opened)
-}
-
-const MAX_PENDING_BY_ONE = 50
-const MAX_PENDING_ADDRESSES = 1_000
 
 /** The `state` to send back on an error redirect: none when it was sent twice or is too long. */
 function stateOf(query: Params): string | undefined {
@@ -2966,7 +2946,6 @@ export function createHandler(options: HandlerOptions): (req: IncomingMessage, r
     failedClients: new Map(),
     clientLookups: new Map(),
     lookupsBy: new Map(),
-    pendingBy: new Map(),
     clientFetchSlots: { running: 0, waiting: [] },
     trustedProxies: trustedProxiesOf(options.config),
     refreshes: new Map(),
@@ -5345,8 +5324,28 @@ export class MemoryStore implements Store {
   }
 
   async savePending(id: string, request: PendingRequest, _now: number): Promise<void> {
-    this.#makeRoom(this.pending, this.#maxPendingRequests, 'pending authorization requests')
+    this.#makeRoom(this.pending, this.#maxPendingRequests, 'pending authorization requests', this.#busiestOldest)
     this.pending.set(id, request)
+  }
+
+  /**
+   * The request a full store drops: the oldest of the address that opened the most. Dropping the
+   * oldest of all let one stranger, with a thousand requests, push out the consent page the owner
+   * was answering; now a flood pushes out its own, unless it comes from as many addresses as the
+   * store holds requests. Behind a proxy that TRUST_PROXY does not name, every request is the
+   * proxy's, and the oldest of all goes, as before. One walk of the map, when it is full.
+   */
+  readonly #busiestOldest = (): string | undefined => {
+    const opened = new Map<string | undefined, number>()
+    let busiest: string | undefined
+    let most = 0
+    for (const { openedBy } of this.pending.values()) {
+      const count = (opened.get(openedBy) ?? 0) + 1
+      opened.set(openedBy, count)
+      if (count > most) [busiest, most] = [openedBy, count]
+    }
+    for (const [id, { openedBy }] of this.pending) if (openedBy === busiest) return id
+    return undefined
   }
 
   async findPending(id: string, now: number): Promise<PendingRequest | undefined> {
@@ -5388,43 +5387,44 @@ export class MemoryStore implements Store {
   }
 
   /**
-   * `until`, in milliseconds, is how long a journal's compacted line says to remember the grant:
-   * the grant's own line is gone by then. A grant revoked again is remembered no shorter.
+   * `until`, in milliseconds, is how long a journal's compacted line says to remember the grant,
+   * whose own line is gone by then: that long, not a day from each start that reads it. A grant
+   * revoked again is remembered no shorter.
    */
-  async revokeGrant(id: string, now: number, until = 0): Promise<void> {
+  async revokeGrant(id: string, now: number, until?: number): Promise<void> {
     const expiresAt = Math.max(
       this.grants.get(id)?.expiresAt ?? 0,
       this.revokedGrants.get(id)?.expiresAt ?? 0,
-      toSeconds(now) + REVOKED_GRANT_MEMORY_SECONDS,
-      toSeconds(until),
+      until === undefined ? toSeconds(now) + REVOKED_GRANT_MEMORY_SECONDS : toSeconds(until),
     )
     this.revokedGrants.set(id, { expiresAt })
     this.grants.delete(id) // its tokens die with it: every lookup checks the grant, and the sweep removes them
   }
 
   async revokeApprovedBy(approvedBy: number, now: number): Promise<number> {
-    const { records, grants } = this.approvedBy(approvedBy, now)
+    const { records, apps } = this.approvedBy(approvedBy, now)
     for (const record of records) await applyRecord(this, record, now)
-    return grants
+    return apps
   }
 
-  /** What `revokeApprovedBy` deletes, as journal records, and how many live grants are among them. */
-  approvedBy(approvedBy: number, now: number): { records: JournalRecord[]; grants: number } {
+  /** What `revokeApprovedBy` deletes, as journal records, and how many apps lose their access by it. */
+  approvedBy(approvedBy: number, now: number): { records: JournalRecord[]; apps: number } {
     const by = toSeconds(approvedBy)
     const codes: JournalRecord[] = []
     const grants = new Set<string>()
+    let apps = 0
     for (const [hash, code] of this.codes) {
       if (code.expiresAt <= now || toSeconds(code.issuedAt) > by) continue
       codes.push({ delete: 'code', key: hash })
       grants.add(hash) // the grant an exchange of it is making now, or will
+      if (code.usedAt === undefined) apps++ // an app yet to redeem its code
     }
-    let live = 0
     for (const [id, stored] of this.grants) {
       if (stored.expiresAt * 1000 <= now || stored.approvedAt > by) continue
-      live++
+      apps++
       grants.add(id)
     }
-    return { records: [...codes, ...[...grants].map((key) => ({ delete: 'grant', key }) as const)], grants: live }
+    return { records: [...codes, ...[...grants].map((key) => ({ delete: 'grant', key }) as const)], apps }
   }
 
   async touchGrant(id: string, now: number): Promise<void> {
@@ -5639,14 +5639,13 @@ export class MemoryStore implements Store {
   }
 
   /** Drops the oldest entry of a capped map so that one more fits. */
-  #makeRoom(map: Map<string, unknown>, max: number, what: string): void {
+  #makeRoom(map: Map<string, unknown>, max: number, what: string, pick = () => map.keys().next().value): void {
     if (map.size < max) return
-    const oldest = map.keys().next().value
-    if (oldest !== undefined) map.delete(oldest)
-    const dropped = (this.#dropped.get(what) ?? 0) + 1 // counted by kind: a dropped code is not one of many requests
-    this.#dropped.set(what, dropped)
-    if (dropped % 1000 === 1)
-      this.#log(`store: the cap of ${max} ${what} was reached; dropped the oldest (${dropped} so far)`)
+    const dropped = pick()
+    if (dropped !== undefined) map.delete(dropped)
+    const count = (this.#dropped.get(what) ?? 0) + 1 // counted by kind: a dropped code is not one of many requests
+    this.#dropped.set(what, count)
+    if (count % 1000 === 1) this.#log(`store: the cap of ${max} ${what} was reached; dropped one (${count} so far)`)
   }
 }
 
@@ -6356,11 +6355,11 @@ export class FileStore implements Store {
 
   /** One line, and so one fsync, however many apps: on a full disk, nothing is revoked. */
   async revokeApprovedBy(approvedBy: number, now: number): Promise<number> {
-    const { records, grants } = this.memory.approvedBy(approvedBy, now)
+    const { records, apps } = this.memory.approvedBy(approvedBy, now)
     if (records.length === 0) return 0
     await this.#append(records)
     for (const record of records) await applyRecord(this.memory, record, now)
-    return grants
+    return apps
   }
 
   /** Last use is kept in memory only: after a restart it is the last time a token was issued. */
@@ -6558,9 +6557,9 @@ function journalRecordProblem(record: unknown): string | undefined {
   if (record.delete !== undefined) {
     if (!['code', 'grant', 'token', 'session', 'passkey'].includes(record.delete as string))
       return `it deletes an unknown kind ${String(record.delete)}`
-    return FIELD_CHECKS['number?'](record.until)
-      ? undefined
-      : 'a revoked grant is kept until a time that is not a number'
+    if (record.until === undefined) return undefined
+    if (record.delete !== 'grant') return `a deleted ${String(record.delete)} has an until, which only a grant has`
+    return Number.isFinite(record.until) ? undefined : 'a revoked grant is kept until a time that is not a number'
   }
   if (typeof record.set !== 'string' || !Object.hasOwn(JOURNAL_FIELDS, record.set))
     return 'a change neither sets nor deletes a known kind of entry'

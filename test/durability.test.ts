@@ -435,6 +435,7 @@ describe('DATA_FILE: damaged files', () => {
     ['a code whose me is a number', { set: 'code', key: 'x', value: { client_id: CLIENT_ID, me: 7 } }, /code's/],
     ['a session whose value is null', { set: 'session', key: 'x', value: null }, /session has no value/],
     ['a revoked grant kept until a time that is text', { delete: 'grant', key: 'x', until: 'soon' }, /not a number/],
+    ['a deleted passkey kept until a time', { delete: 'passkey', key: 'x', until: 1 }, /only a grant has/],
     ['a change inside a group without a key', { all: [{ set: 'token', value: token }] }, /no valid key/],
   ]
   for (const [what, record, why] of wrongFields) {
@@ -869,7 +870,7 @@ describe('DATA_FILE: compaction and failures', () => {
     const tokens = [await obtainTokens(running.base), await obtainTokens(running.base)]
     const code = await obtainCode(running.base)
     const lines = (await readFile(file, 'utf8')).split('\n').length
-    assert.equal(await running.store.revokeApprovedBy(time, time), 2)
+    assert.equal(await running.store.revokeApprovedBy(time, time), 3) // two grants, and an app yet to redeem its code
     assert.equal((await readFile(file, 'utf8')).split('\n').length, lines + 1)
     await running.stop()
     const restarted = await startOn(file)
@@ -897,6 +898,30 @@ describe('DATA_FILE: compaction and failures', () => {
     const restarted = await startOn(file)
     assert.deepEqual(await restarted.store.listGrants(time), [])
     await restarted.stop()
+  })
+
+  it('forgets a revoked grant when its compacted line says, however often Latch restarts before', async () => {
+    const file = join(directory, 'revoked-restarts', 'data.jsonl')
+    const running = await startOn(file)
+    const tokens = await obtainTokens(running.base)
+    const [[id, grant]] = await running.store.listGrants(time)
+    assert.equal((await post(`${running.base}/revoke`, form({ token: tokens.refresh_token }))).status, 200)
+    await running.store.revokeGrant('a code hash', time) // no grant of its own: remembered a day
+    await running.stop()
+    for (let restart = 0; restart < 3; restart++) {
+      const again = await startOn(file)
+      await rm(file) // the next write writes the journal anew from memory: a compaction
+      await again.store.saveSession('s', { createdAt: time, expiresAt: time + 60_000, passwordTag: 't' }, time)
+      again.advance(10 * 3600)
+      await again.stop()
+    }
+    const last = await startOn(file)
+    last.store.memory.sweep(time) // 30 hours on: past the day
+    await last.store.saveGrant('a code hash', grant, time)
+    assert.ok(await last.store.findGrant('a code hash', time), 'forgotten after its day, as it was first remembered')
+    await last.store.saveGrant(id, grant, time) // a grant revoked with its tokens: remembered as long as they last
+    assert.equal(await last.store.findGrant(id, time), undefined)
+    await last.stop()
   })
 
   it('keeps an exchange that was being written when a compaction began', async () => {
