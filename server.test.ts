@@ -2988,6 +2988,36 @@ describe('Passkeys only (PASSWORD_SIGN_IN=off), and passkeys in the journal', ()
     }
   })
 
+  it('refuses every form of the owner to a visitor without a session with 401, and shows or changes nothing', async () => {
+    const store = new MemoryStore()
+    await store.savePasskey('credential-1', PHONE, START)
+    const session = createSecret()
+    const passwordTag = hashSecret(`latch session ${PASSWORD_HASH}`)
+    await store.saveSession(hashSecret(session), { createdAt: START, expiresAt: START + 3_600_000, passwordTag }, START)
+    const latch = await startLatch(onLocalhost, { store })
+    try {
+      const token = await obtainToken(latch, { password: 'correct horse' })
+      const [[grant]] = await store.listGrants(START)
+      const csrf = createSecret() // the stranger's own CSRF cookie, and the form value that goes with it
+      for (const [path, fields] of [
+        ['/apps/revoke', { grant }],
+        ['/apps/revoke', { grant: 'nonsense' }],
+        ['/apps/revoke-all', { confirm: 'yes' }],
+        ['/passkeys/remove', { credential: 'credential-1' }],
+        ['/sign-out-everywhere', {}],
+      ] as const) {
+        const response = await post(`${latch.base}${path}`, form({ csrf, ...fields }), { Cookie: `latch_csrf=${csrf}` })
+        assert.equal(response.status, 401, path)
+        assert.doesNotMatch(await response.text(), new RegExp(`credential-1|${grant}`), path)
+      }
+      assert.equal((await introspect(latch, token)).active, true)
+      assert.ok(await store.findPasskey('credential-1'))
+      assert.ok(await store.findSession(hashSecret(session), START))
+    } finally {
+      await latch.close()
+    }
+  })
+
   it('keeps the last passkey while password sign-in is off', async () => {
     const store = new MemoryStore()
     await store.savePasskey('credential-1', PHONE, START)
