@@ -2299,6 +2299,32 @@ describe('The log', () => {
   })
 })
 
+describe('The log: what a client sends', () => {
+  it("writes a client_id that holds a line break as JSON, on the request's one line", async () => {
+    const latch = await startLatch()
+    try {
+      const forged = 'x\n2027-01-01T00:00:00.000Z 127.0.0.1 security: a line of my own'
+      await (await fetch(authorizationUrl(latch, { client_id: forged }))).text()
+      await new Promise((resolve) => setImmediate(resolve))
+      assert.equal(latch.logs.length, 1)
+      assert.ok(latch.logs[0].endsWith(`client_id=${JSON.stringify(forged)}`), latch.logs[0])
+    } finally {
+      await latch.close()
+    }
+  })
+
+  it('believes X-Forwarded-For only from a proxy TRUST_PROXY names', async () => {
+    const latch = await startLatch({ TRUST_PROXY: '10.0.0.5' }) // a proxy elsewhere: this request is not its
+    try {
+      await (await fetch(`${latch.base}/nothing`, { headers: { 'X-Forwarded-For': '203.0.113.9' } })).text()
+      await new Promise((resolve) => setImmediate(resolve))
+      assert.match(latch.logs.at(-1) ?? '', /^\S+ 127\.0\.0\.1 GET /)
+    } finally {
+      await latch.close()
+    }
+  })
+})
+
 describe('CORS for browser clients', () => {
   let latch: TestServer
   before(async () => (latch = await startLatch()))
