@@ -171,6 +171,22 @@ describe('DATA_FILE: restarts', () => {
     await third.stop()
   })
 
+  it('keeps the tokens a refresh retried within its grace gave, after a restart', async () => {
+    const file = join(directory, 'retried', 'data.jsonl')
+    const first = await startOn(file)
+    const { refresh_token } = await obtainTokens(first.base)
+    const refresh = () =>
+      post(`${first.base}/token`, form({ grant_type: 'refresh_token', refresh_token, client_id: CLIENT_ID }))
+    assert.equal((await refresh()).status, 200)
+    const retried = await refresh() // its answer was lost on the way: the client sends it again
+    assert.equal(retried.status, 200)
+    const { access_token } = (await retried.json()) as { access_token: string }
+    await first.stop()
+    const second = await startOn(file)
+    assert.equal(await isActive(second.base, access_token), true, 'a retry answered 200 is lost after a restart')
+    await second.stop()
+  })
+
   it('keeps a grant revoked while a refresh of it is under way, in memory and after a restart', async () => {
     const file = join(directory, 'race', 'data.jsonl')
     const first = await startOn(file)
