@@ -334,6 +334,12 @@ describe('Configuration', () => {
       /PASSWORD_HASH .*r of 8 to 16/,
     ],
     ['a non-loopback host without a password', { HOST: '0.0.0.0' }, [], /PASSWORD_HASH.*hash-password/],
+    [
+      'a non-loopback host without a password, whatever the issuer',
+      { HOST: '0.0.0.0', ISSUER: 'http://127.0.0.1:3000' },
+      [],
+      /PASSWORD_HASH.*hash-password/,
+    ],
     ['a host that is not an address', { HOST: '999.1.1.1' }, [], /^HOST 999\.1\.1\.1 is not an IP address/],
     ['a host with a space', { HOST: 'bad host' }, [], /^HOST bad host is not an IP address or a host name/],
     [
@@ -1417,6 +1423,16 @@ describe('POST /auth/consent with a password', () => {
     const signedIn = await fetch(`${latch.base}/apps`, { headers: { Cookie: `latch_session=${session}` } })
     assert.equal(signedIn.status, 200)
     assert.match(await signedIn.text(), /Sign out/)
+  })
+
+  it('takes the password however its accents are encoded (NFC or NFD), as keyboards differ', async () => {
+    const accented = await startLatch({ PASSWORD_HASH: await hashPassword('caf\u00e9 horse', FAST_COST) })
+    try {
+      const response = await submitConsent(accented, await openConsent(accented), { password: 'cafe\u0301 horse' })
+      assert.equal(response.status, 303)
+    } finally {
+      await accented.close()
+    }
   })
 
   it('answers a wrong or missing password with 401 and the page again, keeping the request usable', async () => {
@@ -3108,6 +3124,17 @@ describe('Token lifetime on the consent page', () => {
       ['31536000', '1 year', false],
       ['0', 'until you revoke it', true],
     ])
+  })
+
+  it('refuses a code redeemed after the lifetime the owner chose has ended, though the code still lives', async () => {
+    const short = await startLatch({ ACCESS_TOKEN_TTL: '100', CODE_TTL: '600' })
+    try {
+      const code = await obtainCode(short, {}, { lifetime: '100' })
+      short.advance(200)
+      await assertError(await exchange(short, code), 400, 'invalid_grant')
+    } finally {
+      await short.close()
+    }
   })
 
   it('names an ACCESS_TOKEN_TTL of hours or minutes as people say them', async () => {
