@@ -1255,6 +1255,20 @@ describe('Passkeys over HTTP', () => {
     assert.equal(browser.cookies.has('latch_session'), false)
   })
 
+  it('refuses the same answer posted again from a passkey that keeps no counter, as synced passkeys send 0', async () => {
+    quietDay()
+    const synced = createCredential(ES256)
+    const owner = openBrowser(latch)
+    await signInWithPassword(owner)
+    assert.equal((await addPasskey(latch, owner, synced, 'Synced')).status, 200)
+    const browser = openBrowser(latch)
+    await formToken(browser)
+    const fields = await passkeyFields(latch, browser, synced, { counter: 0 })
+    assert.equal((await browser.post('/sign-in', fields)).status, 303)
+    browser.cookies.delete('latch_session') // signed out again, with the same CSRF cookie
+    assert.equal((await browser.post('/sign-in', fields)).status, 401) // only the challenge's single use stops it
+  })
+
   for (const [what, changes] of [
     ['made for another origin', { origin: 'https://evil.example' }],
     ['for another RP ID', { rpId: 'example.com' }],
