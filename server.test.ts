@@ -925,6 +925,14 @@ describe('GET /auth (IndieAuth §5.2)', () => {
   before(async () => (latch = await startLatch()))
   after(() => latch.close())
 
+  it('sends the redirect that carries a code uncached, and with no Referer for the app to pass on', async () => {
+    const response = await submitConsent(latch, await openConsent(latch))
+    assert.equal(response.status, 303)
+    assert.ok(new URL(response.headers.get('location') ?? '').searchParams.get('code'))
+    assert.equal(response.headers.get('cache-control'), 'no-store')
+    assert.equal(response.headers.get('referrer-policy'), 'no-referrer')
+  })
+
   it('shows the consent page with its security headers and a CSRF cookie', async () => {
     const response = await fetch(authorizationUrl(latch), { redirect: 'manual' })
     assert.equal(response.status, 200)
@@ -935,6 +943,7 @@ describe('GET /auth (IndieAuth §5.2)', () => {
     assert.doesNotMatch(csp, /form-action/)
     assert.equal(response.headers.get('x-frame-options'), 'DENY')
     assert.equal(response.headers.get('referrer-policy'), 'no-referrer')
+    assert.equal(response.headers.get('x-content-type-options'), 'nosniff')
     assert.equal(response.headers.get('cache-control'), 'no-store')
     assert.equal(response.headers.get('pragma'), 'no-cache')
     const cookie = response.headers.get('set-cookie') ?? ''
