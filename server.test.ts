@@ -49,6 +49,7 @@ import {
   parseForm,
   parseScope,
   profileUrlProblem,
+  redirectUriProblem,
   safeEqual,
   verifyPassword,
   withPasswordSlot,
@@ -315,6 +316,9 @@ describe('Configuration', () => {
     ['a port out of range', { PORT: '70000' }, [], /PORT/],
     ['an issuer with a query', { ISSUER: 'https://a.example/?x=1' }, [], /ISSUER/],
     ['an issuer with a fragment', { ISSUER: 'https://a.example/#x' }, [], /ISSUER/],
+    ['an issuer ending in a bare ?', { ISSUER: 'https://a.example/?' }, [], /ISSUER .* has a query or fragment/],
+    ['an issuer ending in a bare #', { ISSUER: 'https://a.example/#' }, [], /ISSUER .* has a query or fragment/],
+    ['an issuer with a user name', { ISSUER: 'https://me:pw@a.example/' }, [], /ISSUER .* user name or password/],
     ['an issuer that is not http(s)', { ISSUER: 'ftp://a.example' }, [], /ISSUER/],
     ['a profile URL with a fragment', { ME: 'https://example.com/#me' }, [], /ME/],
     ['a profile URL with a user name', { ME: 'https://user@example.com/' }, [], /ME/],
@@ -638,6 +642,18 @@ describe('Identifiers (IndieAuth §3.2, §3.3)', () => {
   it('canonicalizes scheme and host to lowercase and an empty path to /', () => {
     assert.equal(canonicalizeUrl('HTTPS://App.Example.COM'), 'https://app.example.com/')
     assert.equal(canonicalizeUrl('https://app.example.com/Path'), 'https://app.example.com/Path')
+  })
+
+  it('refuses a redirect_uri whose scheme runs in the browser or reads its files, even one the app publishes', () => {
+    for (const uri of ['javascript:alert(1)//', 'JavaScript:alert(1)//', 'data:text/html,hi', 'file:///etc/passwd']) {
+      const client = { info: { redirectUris: [uri], metadataDocument: true } }
+      assert.match(
+        redirectUriProblem(uri, 'https://app.example/client.json', client) ?? '',
+        /must not use the \w+ scheme/,
+      )
+    }
+    const app = { info: { redirectUris: ['com.example.app:/callback'], metadataDocument: true } }
+    assert.equal(redirectUriProblem('com.example.app:/callback', 'https://app.example/client.json', app), undefined)
   })
 })
 
