@@ -1115,6 +1115,27 @@ describe('Passkeys over HTTP', () => {
     )
   })
 
+  it('refuses a new key under the id of a passkey already added, and keeps the stored key', async () => {
+    const store = new MemoryStore()
+    const passwordHash = await hashPassword(PASSWORD, { ln: 10, r: 8, p: 1 })
+    const own = await startTestLatch({ HOST: 'localhost', ME, PASSWORD_HASH: passwordHash }, { store })
+    try {
+      const browser = openBrowser(own)
+      await signInWithPassword(browser)
+      const first = createCredential(ES256)
+      assert.equal((await addPasskey(own, browser, first, 'Watch')).status, 200)
+      const stored = (await store.findPasskey(base64url(first.id)))?.publicKey
+      const same = createCredential(ES256, first.id)
+      const { credential: _sent, ...fields } = await additionFields(own, browser, same, 'Fake') // the script sends none
+      const refused = await browser.post('/passkeys/add', fields)
+      assert.equal(refused.status, 400)
+      assert.match(await refused.text(), /The passkey was not added: this passkey was added before/)
+      assert.equal((await store.findPasskey(base64url(first.id)))?.publicKey, stored)
+    } finally {
+      await own.close()
+    }
+  })
+
   it('refuses to add a passkey whose answer fails a check, with 400', async () => {
     const browser = openBrowser(latch)
     await signInWithPassword(browser)
