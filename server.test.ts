@@ -1984,6 +1984,7 @@ describe('POST /token with grant_type=refresh_token (IndieAuth ยง5.5, RFC 6749 ย
   it('never widens the scope: invalid_scope, and the refresh token still works', async () => {
     const first = await firstTokens()
     await assertError(await refresh(first.refresh_token, { scope: 'create delete' }), 400, 'invalid_scope')
+    await assertError(await refresh(first.refresh_token, { scope: ' ' }), 400, 'invalid_scope') // no scope is not a narrowing
     assert.equal((await refresh(first.refresh_token)).status, 200)
   })
 
