@@ -1084,10 +1084,13 @@ describe('GET /auth (IndieAuth §5.2)', () => {
     assert.equal(response.status, 200)
   })
 
-  it('answers a request URL longer than 8,192 characters with 414 and a page', async () => {
-    const response = await fetch(`${authorizationUrl(latch)}&padding=${'p'.repeat(8_192)}`, { redirect: 'manual' })
+  it('answers a request URL longer than 8,192 characters with 414 and a page, and takes one of 8,192', async () => {
+    const url = new URL(authorizationUrl(latch))
+    const target = (length: number) => `${url.pathname}${url.search}&padding=`.padEnd(length, 'p')
+    const response = await fetch(`${latch.base}${target(8_193)}`, { redirect: 'manual' })
     assert.equal(response.status, 414)
     assert.equal(response.headers.get('content-type'), 'text/html; charset=utf-8')
+    assert.equal((await fetch(`${latch.base}${target(8_192)}`, { redirect: 'manual' })).status, 200)
   })
 
   it('sends no state back when state itself was repeated', async () => {
@@ -1760,6 +1763,9 @@ describe('POST /token (IndieAuth §5.3.3)', () => {
 
   it('answers a body over 64 KiB with 413, however it is sent', async () => {
     await assertError(await post(`${latch.base}/token`, `code=${'a'.repeat(1024 * 1024)}`), 413, 'invalid_request')
+    const body = (length: number) => 'grant_type=authorization_code&code=x&code='.padEnd(length, 'a')
+    await assertError(await post(`${latch.base}/token`, body(64 * 1024 + 1)), 413, 'invalid_request')
+    await assertError(await post(`${latch.base}/token`, body(64 * 1024)), 400, 'invalid_request') // read, then refused
     const chunked = new ReadableStream({
       start(controller) {
         for (let i = 0; i < 32; i++) controller.enqueue(new Uint8Array(32 * 1024).fill(0x61))
