@@ -1115,6 +1115,25 @@ describe('Passkeys over HTTP', () => {
     )
   })
 
+  it('adds a twentieth passkey, and refuses a twenty-first until one is removed', async () => {
+    const store = new MemoryStore()
+    const passwordHash = await hashPassword(PASSWORD, { ln: 10, r: 8, p: 1 })
+    const own = await startTestLatch({ HOST: 'localhost', ME, PASSWORD_HASH: passwordHash }, { store })
+    try {
+      const browser = openBrowser(own)
+      await signInWithPassword(browser)
+      for (let i = 1; i < 20; i++)
+        assert.equal((await addPasskey(own, browser, createCredential(), `Key ${i}`)).status, 200)
+      assert.equal((await addPasskey(own, browser, createCredential(), 'Key 20')).status, 200)
+      const refused = await addPasskey(own, browser, createCredential(), 'Key 21')
+      assert.equal(refused.status, 400)
+      assert.match(await refused.text(), /there are 20 passkeys already: remove one first/)
+      assert.equal((await store.listPasskeys()).length, 20)
+    } finally {
+      await own.close()
+    }
+  })
+
   it('refuses a new key under the id of a passkey already added, and keeps the stored key', async () => {
     const store = new MemoryStore()
     const passwordHash = await hashPassword(PASSWORD, { ln: 10, r: 8, p: 1 })
