@@ -337,6 +337,20 @@ describe('Configuration', () => {
       [],
       /PASSWORD_HASH .*r of 8 to 16/,
     ],
+    ...(
+      [
+        ['ln=9', 'ln=9,r=8,p=1'],
+        ['r=7', 'ln=10,r=7,p=1'],
+        ['r=17', 'ln=10,r=17,p=1'],
+        ['p=0', 'ln=10,r=8,p=0'],
+        ['p=5', 'ln=10,r=8,p=5'],
+      ] as const
+    ).map(([what, cost]): [string, Record<string, string>, string[], RegExp] => [
+      `a password hash of a cost outside the bounds (${what})`,
+      { PASSWORD_HASH: `scrypt:${cost}:AAAAAAAAAAAAAAAAAAAAAA:BBBBBBBBBBBBBBBBBBBBBBBBBBBBBBBBBBBBBBBBBBB` },
+      [],
+      /PASSWORD_HASH .*ln of 10 or more, r of 8 to 16, p of 1 to 4/,
+    ]),
     ['a non-loopback host without a password', { HOST: '0.0.0.0' }, [], /PASSWORD_HASH.*hash-password/],
     [
       'a non-loopback host without a password, whatever the issuer',
@@ -353,6 +367,7 @@ describe('Configuration', () => {
       /ISSUER.*PASSWORD_HASH.*hash-password/,
     ],
     ['a refresh grace period over 10 minutes', { REFRESH_TOKEN_GRACE: '11m' }, [], /REFRESH_TOKEN_GRACE/],
+    ['a refresh grace period a second over 10 minutes', { REFRESH_TOKEN_GRACE: '601' }, [], /REFRESH_TOKEN_GRACE/],
     ['a short introspection secret', { INTROSPECTION_SECRET: 'short' }, [], /INTROSPECTION_SECRET/],
     [
       'an introspection secret no Bearer header can carry',
