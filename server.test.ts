@@ -670,6 +670,15 @@ describe('Identifiers (IndieAuth §3.2, §3.3)', () => {
     const app = { info: { redirectUris: ['com.example.app:/callback'], metadataDocument: true } }
     assert.equal(redirectUriProblem('com.example.app:/callback', 'https://app.example/client.json', app), undefined)
   })
+
+  it('takes a redirect_uri of 2,048 characters, not 2,049, and none with a backslash', () => {
+    const clientId = 'https://app.example/'
+    const uri = (length: number) => `${clientId}callback?x=`.padEnd(length, 'x')
+    assert.equal(redirectUriProblem(uri(2_048), clientId), undefined)
+    assert.match(redirectUriProblem(uri(2_049), clientId) ?? '', /longer than 2048 characters/)
+    // parsers disagree on it: a browser reads it as /, another as the end of a user name before @evil.example
+    assert.match(redirectUriProblem('https://app.example\\@evil.example/', clientId) ?? '', /not an absolute URL/)
+  })
 })
 
 // --- Storage --------------------------------------------------------------------------
