@@ -26,6 +26,7 @@ import {
   FLAGS,
   RS256,
   authenticate,
+  authenticatorData as authenticatorDataOf,
   coseKey,
   createCredential,
   encodeCbor,
@@ -784,6 +785,8 @@ for (const [name, algorithm] of [
       const truncated = response.attestationObject.subarray(0, response.attestationObject.length - 1)
       refuses(() => verifyRegistration({ ...response, attestationObject: truncated }, expected))
       refuses(() => verifyRegistration({ ...response, attestationObject: encodeCbor([1, 2]) }, expected))
+      const trailing = Buffer.concat([response.attestationObject, Buffer.from([0])])
+      refuses(() => verifyRegistration({ ...response, attestationObject: trailing }, expected), /one CBOR map/)
     })
   })
 
@@ -872,6 +875,19 @@ for (const [name, algorithm] of [
 
     it('refuses a stored algorithm it does not know', () => {
       refuses(() => verifyAuthentication(assertion(), { ...expected, algorithm: -35 }))
+    })
+
+    it('refuses a sign-in whose authenticator data carries a new credential, signed as it is', () => {
+      const response = assertion()
+      const flags = FLAGS.UP | FLAGS.UV | FLAGS.AT
+      const attested = {
+        aaguid: Buffer.alloc(16),
+        id: randomBytes(16),
+        publicKey: coseKey(createCredential(algorithm)),
+      }
+      const authenticatorData = authenticatorDataOf({ rpId: SITE.rpId, flags, counter: 9, attested })
+      const signature = signWith(credential, Buffer.concat([authenticatorData, sha256(response.clientDataJSON)]))
+      refuses(() => verifyAuthentication({ ...response, authenticatorData, signature }, expected), /new credential/)
     })
 
     it('refuses authenticator data shorter than 37 bytes', () => {
