@@ -2937,6 +2937,8 @@ describe('Sign-in sessions and connected apps', () => {
       { name: '', scope: 'create' },
       { name: 'x'.repeat(101), scope: 'create' },
       { name: 'Hook', scope: '' },
+      { name: 'Hook', scope: Array.from({ length: 51 }, (_, i) => `s${i}`).join(' ') },
+      { name: 'Hook', scope: `create ${'x'.repeat(101)}` },
     ]) {
       const response = await makeScriptToken(cookie, fields)
       assert.equal(response.status, 400, JSON.stringify(fields))
