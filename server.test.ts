@@ -1151,6 +1151,20 @@ describe('GET /auth (IndieAuth §5.2)', () => {
     assert.equal(await status(`[::1]:${new URL(latch.base).port}`), 200)
   })
 
+  it('refuses a request without a Host header while no password is set, even the first after a start', async () => {
+    const fresh = await startLatch()
+    try {
+      const socket = connect(fresh.port, '127.0.0.1')
+      socket.end('GET / HTTP/1.0\r\n\r\n') // HTTP/1.0 needs no Host: node:http lets it through
+      let answer = ''
+      socket.on('data', (chunk) => (answer += chunk))
+      await once(socket, 'close')
+      assert.match(answer, /^HTTP\/1\.1 421 /)
+    } finally {
+      await fresh.close()
+    }
+  })
+
   it('answers only this machine while no password is set, wherever an embedding app listens', async () => {
     // an app that embeds Latch may listen on every interface: a peer on the network, naming a
     // loopback host in its Host header, must not approve sign-ins without a password
