@@ -338,6 +338,19 @@ describe('A start-up failure is one line naming the setting and the fix, and exi
     )
   })
 
+  it('DATA_FILE below a folder of another user, who could rename it away', async (t) => {
+    if (process.getuid?.() !== 0) return void t.skip('only root can give a folder to another user')
+    const theirs = join(directory, 'theirs')
+    await mkdir(join(theirs, 'mine'), { recursive: true })
+    await chown(theirs, NOBODY, NOBODY)
+    await chmod(theirs, 0o755) // not writable by others: only its owner could move what is in it
+    await chmod(join(theirs, 'mine'), 0o700)
+    assertOneLineFailure(
+      await runLatch([], { DATA_FILE: join(theirs, 'mine', 'latch.jsonl'), PORT: '0' }),
+      new RegExp(`latch\\.jsonl has on its path a folder of another user \\(.*/theirs, uid ${NOBODY}\\)`),
+    )
+  })
+
   it('HOST with an interface, which a URL cannot carry, and a link-local one without', async () => {
     const zoned = await runLatch([], { HOST: 'fe80::1%lo', PASSWORD_HASH, DATA_FILE: 'memory', PORT: '0' })
     assertOneLineFailure(zoned, /HOST fe80::1%lo names an interface \(%lo\), which a URL cannot carry: use an address/)
