@@ -7,8 +7,9 @@ import { after, before, describe, it } from 'node:test'
 import assert from 'node:assert/strict'
 import { Agent, createServer } from 'node:http'
 import type { IncomingMessage, Server, ServerResponse } from 'node:http'
-import { connect } from 'node:net'
-import type { AddressInfo, Socket } from 'node:net'
+import { Socket, connect } from 'node:net'
+import type { AddressInfo } from 'node:net'
+import { lookup as dnsLookup } from 'node:dns'
 import type { LookupAddress } from 'node:dns'
 import { performance } from 'node:perf_hooks'
 import { setFlagsFromString } from 'node:v8'
@@ -498,6 +499,35 @@ describe('Client discovery (IndieAuth §4.2)', () => {
       await assertNotFetched(latch, response, `http://${host}/`, /loopback, link-local or special-use/)
     }
     assert.equal(requests.length, count)
+  })
+
+  it('connects to the address it checked, never to a second answer for the name (DNS rebinding)', async () => {
+    // An agent that connects where the request's own lookup says, as node:net does: the site
+    // server stands for the checked public address. Without a lookup of its own, the request
+    // would ask the system's resolver again, which could answer 127.0.0.1 by then.
+    const reached: string[] = []
+    class ResolvingAgent extends Agent {
+      createConnection(options: { host?: string; lookup?: typeof dnsLookup }): Socket {
+        const socket = new Socket()
+        const lookup = options.lookup ?? dnsLookup
+        lookup(options.host ?? '', { all: false }, (err: Error | null, address: unknown) => {
+          if (err) return socket.destroy(err)
+          reached.push(String(address))
+          if (address === PUBLIC_ADDRESS) socket.connect(sitesPort, '127.0.0.1')
+          else socket.destroy(new Error(`connected to ${String(address)}`))
+        })
+        sockets.add(socket)
+        return socket
+      }
+    }
+    const pinned = await startLatch({}, { ...clientFetch, agent: new ResolvingAgent() })
+    try {
+      const response = await authorize(pinned, 'http://json.example/', 'https://other.example/callback')
+      assert.equal(response.status, 200, await response.text())
+      assert.ok(reached.length > 0 && reached.every((address) => address === PUBLIC_ADDRESS), reached.join()) // page and logo
+    } finally {
+      await pinned.close()
+    }
   })
 
   it('never fetches a private address unless CLIENT_FETCH_PRIVATE=allow', async () => {
