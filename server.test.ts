@@ -1087,7 +1087,7 @@ describe('GET /auth (IndieAuth §5.2)', () => {
     ['a scope longer than 100 characters', { scope: `create ${'x'.repeat(101)}` }, 'invalid_scope', 'state-1234'],
     [
       'a me longer than 2,048 characters',
-      { me: `https://example.com/${'m'.repeat(2_048)}` },
+      { me: 'https://example.com/'.padEnd(2_049, 'm') },
       'invalid_request',
       'state-1234',
     ],
@@ -1106,6 +1106,11 @@ describe('GET /auth (IndieAuth §5.2)', () => {
       redirect: 'manual',
     })
     assert.equal(response.status, 200)
+  })
+
+  it('accepts a me of 2,048 characters', async () => {
+    const me = 'https://example.com/'.padEnd(2_048, 'm')
+    assert.equal((await fetch(authorizationUrl(latch, { me }), { redirect: 'manual' })).status, 200)
   })
 
   it('answers a request URL longer than 8,192 characters with 414 and a page, and takes one of 8,192', async () => {
