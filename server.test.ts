@@ -1353,9 +1353,14 @@ describe('POST /auth/consent (IndieAuth §5.2.1)', () => {
     assert.equal(body.scope, 'create')
   })
 
-  it('answers the same request only once', async () => {
+  it('answers a request once: the same answer again only within a minute, as a double click sends it', async () => {
     const consent = await openConsent(latch)
     assert.equal((await submitConsent(latch, consent)).status, 303)
+    const other = await submitConsent(latch, consent, { decision: 'deny' })
+    assert.equal(other.status, 400)
+    assert.equal(other.headers.get('location'), null)
+    assert.equal((await submitConsent(latch, consent)).status, 303)
+    latch.advance(61)
     const again = await submitConsent(latch, consent)
     assert.equal(again.status, 400)
     assert.equal(again.headers.get('location'), null)
@@ -1481,18 +1486,33 @@ describe('POST /auth/consent with a password', () => {
     })
   })
 
-  it('signs in a second press of Approve with the right password too, and says the request was answered', async () => {
+  it('answers a second press of Approve (a double click) as the first: signed in, and a code the app can redeem', async () => {
     const consent = await openConsent(latch)
     const answers = await Promise.all([1, 2].map(() => submitConsent(latch, consent, { password: 'correct horse' })))
-    const statuses = answers.map((answer) => answer.status).sort()
-    assert.deepEqual(statuses, [303, 400])
-    const second = answers.find((answer) => answer.status === 400)
-    assert.match(await (second?.text() ?? ''), /answered already, or has expired meanwhile/)
-    // the browser keeps the cookie of the answer it shows: the session the right password made
-    const session = /latch_session=([^;]+)/.exec(second?.headers.get('set-cookie') ?? '')?.[1]
-    assert.ok(session, 'the second answer signs the owner in')
+    assert.deepEqual(
+      answers.map((answer) => answer.status),
+      [303, 303],
+    )
+    for (const answer of answers) {
+      assert.match(answer.headers.get('set-cookie') ?? '', /^latch_session=/)
+      const code = new URL(answer.headers.get('location') ?? '').searchParams.get('code') ?? ''
+      assert.equal((await exchange(latch, code)).status, 200) // the browser brings the app the second
+    }
+    latch.advance(61)
+    const late = await submitConsent(latch, consent, { password: 'correct horse' })
+    assert.equal(late.status, 400)
+    assert.match(await late.text(), /unknown or has expired/)
+  })
+
+  it('refuses the other decision after an answer, and still signs in a right password given with it', async () => {
+    const consent = await openConsent(latch)
+    assert.equal((await submitConsent(latch, consent, { decision: 'deny' })).status, 303)
+    const changed = await submitConsent(latch, consent, { password: 'correct horse' })
+    assert.equal(changed.status, 400)
+    assert.match(await changed.text(), /answered already, or has expired meanwhile/)
+    const session = /latch_session=([^;]+)/.exec(changed.headers.get('set-cookie') ?? '')?.[1]
+    assert.ok(session, 'the right password signs the owner in')
     const signedIn = await fetch(`${latch.base}/apps`, { headers: { Cookie: `latch_session=${session}` } })
-    assert.equal(signedIn.status, 200)
     assert.match(await signedIn.text(), /Sign out/)
   })
 

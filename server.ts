@@ -394,6 +394,8 @@ type Context = {
   startedAt: number
   /** The grants of tokens for scripts being made: one form sent twice at once makes one token. */
   scriptGrantsUnderWay: Set<string>
+  /** Consent answered lately, by the hash of its request id: a second press of the same button (see `handleConsent`). */
+  answered: Map<string, { request: PendingRequest; decision: string; until: number }>
 }
 
 /** Password attempts from one address, or from all: how many, the last, and until when the next must wait. */
@@ -1289,7 +1291,8 @@ function requireLifetime(value: string | undefined, config: Config): number {
 async function handleConsent(req: IncomingMessage, res: ServerResponse, ctx: Context): Promise<void> {
   const form = await readForm(req)
   const id = requireParam(form, 'request')
-  const request = await ctx.store.findPending(hashSecret(id), ctx.now())
+  const idHash = hashSecret(id)
+  const request = (await ctx.store.findPending(idHash, ctx.now())) ?? answeredLately(idHash, ctx)?.request
   if (request === undefined)
     throw new OAuthError('invalid_request', 'This sign-in request is unknown or has expired: start again from the app')
   noteClient(res, request.client_id)
@@ -1310,7 +1313,7 @@ async function handleConsent(req: IncomingMessage, res: ServerResponse, ctx: Con
   const granted = request.scope.filter((scope) => (form.get('scope') ?? []).includes(scope))
   const headers: Record<string, string> = {}
   if (decision === 'approve' && !visitor.signedIn) {
-    const refused = await checkSignIn(form, { visitor, request: hashSecret(id) }, req, res, ctx)
+    const refused = await checkSignIn(form, { visitor, request: idHash }, req, res, ctx)
     if (refused !== undefined) {
       const info = ctx.clients.get(request.client_id)?.info
       const passkeys = await offersPasskeys(ctx)
@@ -1333,8 +1336,9 @@ async function handleConsent(req: IncomingMessage, res: ServerResponse, ctx: Con
     }
     headers['Set-Cookie'] = await startSession(ctx)
   }
-  if ((await ctx.store.takePending(hashSecret(id), ctx.now())) === undefined) {
-    // pressed twice, or pushed out while the password was checked: a right password still signs in
+  if ((await ctx.store.takePending(idHash, ctx.now())) !== undefined) rememberAnswer(idHash, request, decision, ctx)
+  else if (answeredLately(idHash, ctx)?.decision !== decision) {
+    // answered otherwise, or pushed out while the password was checked: a right password still signs in
     throw new OAuthError(
       'invalid_request',
       'This sign-in request was answered already, or has expired meanwhile: start again from the app',
@@ -1355,6 +1359,26 @@ async function handleConsent(req: IncomingMessage, res: ServerResponse, ctx: Con
   const code = await issueCode(request, { scope: granted, resource: request.resource, lifetime }, ctx)
   redirect(res, 303, buildRedirectUrl(request.redirect_uri, { code, state: request.state, iss }), headers)
 }
+
+/**
+ * A button pressed twice (a double click) sends the form twice, and the browser shows the answer
+ * to the second press, for a request the first one took: an error page, and the app never got its
+ * code. So an answered request is remembered for ANSWER_REPEAT_SECONDS, and the same decision sent
+ * again from the same browser is answered as the first was: the same redirect for Deny, another
+ * code for Approve. The first code is still single-use; the app redeems the one its browser brings.
+ */
+function rememberAnswer(idHash: string, request: PendingRequest, decision: string, ctx: Context): void {
+  if (ctx.answered.size >= MAX_ANSWERS_REMEMBERED) ctx.answered.delete(ctx.answered.keys().next().value ?? '')
+  ctx.answered.set(idHash, { request, decision, until: ctx.steadyNow() + ANSWER_REPEAT_SECONDS * 1000 })
+}
+
+function answeredLately(idHash: string, ctx: Context): { request: PendingRequest; decision: string } | undefined {
+  const answer = ctx.answered.get(idHash)
+  return answer !== undefined && answer.until > ctx.steadyNow() ? answer : undefined
+}
+
+const ANSWER_REPEAT_SECONDS = 60
+const MAX_ANSWERS_REMEMBERED = 100
 
 /** Issues a code bound to the request, the granted scopes and the chosen lifetime, and returns its value. */
 async function issueCode(
@@ -2952,6 +2976,7 @@ export function createHandler(options: HandlerOptions): (req: IncomingMessage, r
     passkeys: { key: randomBytes(32), used: new Map(), changes: Promise.resolve() },
     startedAt: now(),
     scriptGrantsUnderWay: new Set(),
+    answered: new Map(),
   }
   // expired entries go even while no one writes, without costing a request anything
   const { store } = ctx
