@@ -1498,6 +1498,11 @@ describe('POST /auth/consent with a password', () => {
       const code = new URL(answer.headers.get('location') ?? '').searchParams.get('code') ?? ''
       assert.equal((await exchange(latch, code)).status, 200) // the browser brings the app the second
     }
+    const narrowed = await openConsent(latch)
+    assert.equal((await submitConsent(latch, narrowed, { password: 'correct horse', scope: 'create' })).status, 303)
+    const wider = await submitConsent(latch, narrowed, { password: 'correct horse' }) // both scopes ticked
+    const code = new URL(wider.headers.get('location') ?? '').searchParams.get('code') ?? ''
+    assert.equal(((await (await exchange(latch, code)).json()) as { scope: string }).scope, 'create') // the first's
     latch.advance(61)
     const late = await submitConsent(latch, consent, { password: 'correct horse' })
     assert.equal(late.status, 400)

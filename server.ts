@@ -395,7 +395,7 @@ type Context = {
   /** The grants of tokens for scripts being made: one form sent twice at once makes one token. */
   scriptGrantsUnderWay: Set<string>
   /** Consent answered lately, by the hash of its request id: a second press of the same button (see `handleConsent`). */
-  answered: Map<string, { request: PendingRequest; decision: string; until: number }>
+  answered: Map<string, Answer & { until: number }>
 }
 
 /** Password attempts from one address, or from all: how many, the last, and until when the next must wait. */
@@ -1309,8 +1309,11 @@ async function handleConsent(req: IncomingMessage, res: ServerResponse, ctx: Con
   }
   const decision = getParam(form, 'decision')
   if (decision !== 'approve' && decision !== 'deny') throw new OAuthError('invalid_request', 'Choose Approve or Deny')
-  const lifetime = requireLifetime(getParam(form, 'lifetime'), ctx.config)
-  const granted = request.scope.filter((scope) => (form.get('scope') ?? []).includes(scope))
+  const chosen = {
+    granted: request.scope.filter((scope) => (form.get('scope') ?? []).includes(scope)),
+    lifetime: requireLifetime(getParam(form, 'lifetime'), ctx.config),
+  }
+  const { granted, lifetime } = chosen
   const headers: Record<string, string> = {}
   if (decision === 'approve' && !visitor.signedIn) {
     const refused = await checkSignIn(form, { visitor, request: idHash }, req, res, ctx)
@@ -1336,14 +1339,18 @@ async function handleConsent(req: IncomingMessage, res: ServerResponse, ctx: Con
     }
     headers['Set-Cookie'] = await startSession(ctx)
   }
-  if ((await ctx.store.takePending(idHash, ctx.now())) !== undefined) rememberAnswer(idHash, request, decision, ctx)
-  else if (answeredLately(idHash, ctx)?.decision !== decision) {
+  let answer: Answer = { request, decision, ...chosen }
+  if ((await ctx.store.takePending(idHash, ctx.now())) !== undefined) rememberAnswer(idHash, answer, ctx)
+  else {
+    const first = answeredLately(idHash, ctx)
     // answered otherwise, or pushed out while the password was checked: a right password still signs in
-    throw new OAuthError(
-      'invalid_request',
-      'This sign-in request was answered already, or has expired meanwhile: start again from the app',
-      { headers },
-    )
+    if (first?.decision !== decision)
+      throw new OAuthError(
+        'invalid_request',
+        'This sign-in request was answered already, or has expired meanwhile: start again from the app',
+        { headers },
+      )
+    answer = first // what the first press chose, whatever this one's form says
   }
   const iss = ctx.config.issuer
   if (decision === 'deny') {
@@ -1356,7 +1363,11 @@ async function handleConsent(req: IncomingMessage, res: ServerResponse, ctx: Con
     }
     return redirect(res, 303, buildRedirectUrl(request.redirect_uri, params))
   }
-  const code = await issueCode(request, { scope: granted, resource: request.resource, lifetime }, ctx)
+  const code = await issueCode(
+    request,
+    { scope: answer.granted, resource: request.resource, lifetime: answer.lifetime },
+    ctx,
+  )
   redirect(res, 303, buildRedirectUrl(request.redirect_uri, { code, state: request.state, iss }), headers)
 }
 
@@ -1365,14 +1376,18 @@ async function handleConsent(req: IncomingMessage, res: ServerResponse, ctx: Con
  * to the second press, for a request the first one took: an error page, and the app never got its
  * code. So an answered request is remembered for ANSWER_REPEAT_SECONDS, and the same decision sent
  * again from the same browser is answered as the first was: the same redirect for Deny, another
- * code for Approve. The first code is still single-use; the app redeems the one its browser brings.
+ * code for Approve, with the scopes and lifetime the first press chose. The first code is still
+ * single-use; the app redeems the one its browser brings.
  */
-function rememberAnswer(idHash: string, request: PendingRequest, decision: string, ctx: Context): void {
+function rememberAnswer(idHash: string, answer: Answer, ctx: Context): void {
   if (ctx.answered.size >= MAX_ANSWERS_REMEMBERED) ctx.answered.delete(ctx.answered.keys().next().value ?? '')
-  ctx.answered.set(idHash, { request, decision, until: ctx.steadyNow() + ANSWER_REPEAT_SECONDS * 1000 })
+  ctx.answered.set(idHash, { ...answer, until: ctx.steadyNow() + ANSWER_REPEAT_SECONDS * 1000 })
 }
 
-function answeredLately(idHash: string, ctx: Context): { request: PendingRequest; decision: string } | undefined {
+/** An answer to a consent page: the request, the decision, and what the owner chose with it. */
+type Answer = { request: PendingRequest; decision: string; granted: string[]; lifetime: number }
+
+function answeredLately(idHash: string, ctx: Context): Answer | undefined {
   const answer = ctx.answered.get(idHash)
   return answer !== undefined && answer.until > ctx.steadyNow() ? answer : undefined
 }
