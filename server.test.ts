@@ -965,6 +965,30 @@ describe('GET /auth (IndieAuth §5.2)', () => {
   before(async () => (latch = await startLatch()))
   after(() => latch.close())
 
+  it('keeps nothing for a request a browser makes for an image, a frame or a script, and shows a navigation the page', async () => {
+    const store = new MemoryStore()
+    const own = await startLatch({}, { store })
+    try {
+      for (const headers of [
+        { 'Sec-Fetch-Mode': 'no-cors', 'Sec-Fetch-Dest': 'image' }, // another site's <img src=…/auth>
+        { 'Sec-Fetch-Mode': 'navigate', 'Sec-Fetch-Dest': 'iframe' },
+        { 'Sec-Fetch-Mode': 'no-cors', 'Sec-Fetch-Dest': 'empty' }, // a script's fetch
+      ]) {
+        const response = await fetch(authorizationUrl(own), { headers, redirect: 'manual' })
+        assert.equal(response.status, 400, JSON.stringify(headers))
+        assert.match(await response.text(), /opens only as a page of its own/)
+      }
+      assert.equal(store.pending.size, 0)
+      const page = await fetch(authorizationUrl(own), {
+        headers: { 'Sec-Fetch-Mode': 'navigate', 'Sec-Fetch-Dest': 'document' },
+      })
+      assert.equal(page.status, 200)
+      assert.equal(store.pending.size, 1)
+    } finally {
+      await own.close()
+    }
+  })
+
   it('sends the redirect that carries a code uncached, and with no Referer for the app to pass on', async () => {
     const response = await submitConsent(latch, await openConsent(latch))
     assert.equal(response.status, 303)
@@ -1519,6 +1543,65 @@ describe('POST /auth/consent with a password', () => {
     assert.ok(session, 'the right password signs the owner in')
     const signedIn = await fetch(`${latch.base}/apps`, { headers: { Cookie: `latch_session=${session}` } })
     assert.match(await signedIn.text(), /Sign out/)
+  })
+
+  it('answers no second press after Revoke all, and counts a double-clicked app as one app', async () => {
+    const own = await startLatch({ PASSWORD_HASH: await hashPassword('correct horse', FAST_COST) })
+    try {
+      const consent = await openConsent(own)
+      const [, second] = await Promise.all([1, 2].map(() => submitConsent(own, consent, { password: 'correct horse' })))
+      const code = new URL(second.headers.get('location') ?? '').searchParams.get('code') ?? ''
+      assert.equal((await exchange(own, code)).status, 200) // the first press's code is left unredeemed
+      const session = /latch_session=([^;]+)/.exec(second.headers.get('set-cookie') ?? '')?.[1] ?? ''
+      const cookie = `${consent.cookie}; latch_session=${session}`
+      const apps = await (await fetch(`${own.base}/apps`, { headers: { Cookie: cookie } })).text()
+      const csrf = /name="csrf" value="([^"]+)"/.exec(apps)?.[1] ?? ''
+      const revoked = await post(`${own.base}/apps/revoke-all`, form({ csrf, confirm: 'yes' }), { Cookie: cookie })
+      assert.match(await revoked.text(), /Revoked 1 app: their tokens stopped working/)
+      assert.equal((await submitConsent(own, consent, { password: 'correct horse' })).status, 400)
+    } finally {
+      await own.close()
+    }
+  })
+
+  it('answers no second press after Sign out everywhere', async () => {
+    const consent = await openConsent(latch)
+    const approved = await submitConsent(latch, consent, { password: 'correct horse' })
+    const session = /latch_session=([^;]+)/.exec(approved.headers.get('set-cookie') ?? '')?.[1] ?? ''
+    const cookie = `${consent.cookie}; latch_session=${session}`
+    const apps = await (await fetch(`${latch.base}/apps`, { headers: { Cookie: cookie } })).text()
+    const csrf = /name="csrf" value="([^"]+)"/.exec(apps)?.[1] ?? ''
+    assert.equal((await post(`${latch.base}/sign-out-everywhere`, form({ csrf }), { Cookie: cookie })).status, 200)
+    assert.equal((await submitConsent(latch, consent, { password: 'correct horse' })).status, 400)
+  })
+
+  it("remembers the owner's answer through a stranger's hundred answers, which push out their own", async () => {
+    const own = await startLatch({
+      PASSWORD_HASH: await hashPassword('correct horse', FAST_COST),
+      TRUST_PROXY: '127.0.0.1',
+    })
+    try {
+      const consent = await openConsent(own)
+      assert.equal((await submitConsent(own, consent, { password: 'correct horse' })).status, 303)
+      const stranger = { 'X-Forwarded-For': '198.51.100.7' }
+      for (let i = 0; i < 100; i++) {
+        const page = await fetch(authorizationUrl(own), { headers: stranger })
+        const html = await page.text()
+        const fields = {
+          request: /name="request" value="([^"]+)"/.exec(html)?.[1] ?? '',
+          csrf: /name="csrf" value="([^"]+)"/.exec(html)?.[1] ?? '',
+          decision: 'deny',
+        }
+        const cookie = (page.headers.get('set-cookie') ?? '').split(';')[0]
+        assert.equal(
+          (await post(`${own.base}/auth/consent`, form(fields), { Cookie: cookie, ...stranger })).status,
+          303,
+        )
+      }
+      assert.equal((await submitConsent(own, consent, { password: 'correct horse' })).status, 303)
+    } finally {
+      await own.close()
+    }
   })
 
   it('takes the password however its accents are encoded (NFC or NFD), as keyboards differ', async () => {

@@ -910,6 +910,13 @@ export function createMetadataHandler(config: Config): (req: IncomingMessage, re
  * @see https://indieauth.spec.indieweb.org/#authorization-request IndieAuth §5.2
  */
 async function handleAuthorizationRequest(req: IncomingMessage, res: ServerResponse, ctx: Context): Promise<void> {
+  // A person starts a sign-in by going to a page. A browser that says this request is for an
+  // image, a frame, a script or a script's fetch (another site's `<img src=…/auth>`) is not one:
+  // nothing is looked up or kept for it, and it cannot fill the store under the owner's address.
+  // (Sec-Fetch-Mode would not do: Node's own fetch sends `cors` on every request.)
+  const destination = req.headers['sec-fetch-dest']
+  if (destination !== undefined && destination !== 'document')
+    throw new OAuthError('invalid_request', 'The sign-in page opens only as a page of its own: go back to the app')
   const query = queryOf(req.url ?? '/')
   const clientId = requireParam(query, 'client_id')
   noteClient(res, clientId)
@@ -1380,7 +1387,9 @@ async function handleConsent(req: IncomingMessage, res: ServerResponse, ctx: Con
  * single-use; the app redeems the one its browser brings.
  */
 function rememberAnswer(idHash: string, answer: Answer, ctx: Context): void {
-  if (ctx.answered.size >= MAX_ANSWERS_REMEMBERED) ctx.answered.delete(ctx.answered.keys().next().value ?? '')
+  // full: one of the address that answered the most goes, so that a stranger's answers push out their own
+  if (ctx.answered.size >= MAX_ANSWERS_REMEMBERED)
+    ctx.answered.delete(oldestOfBusiest(ctx.answered, ({ request }) => request.openedBy) ?? '')
   ctx.answered.set(idHash, { ...answer, until: ctx.steadyNow() + ANSWER_REPEAT_SECONDS * 1000 })
 }
 
@@ -2162,6 +2171,7 @@ async function handleSignOut(req: IncomingMessage, res: ServerResponse, ctx: Con
 async function handleSignOutEverywhere(req: IncomingMessage, res: ServerResponse, ctx: Context): Promise<void> {
   await requireOwner(await readForm(req), req, ctx)
   await ctx.store.deleteAllSessions()
+  ctx.answered.clear() // no consent answered before may be answered again
   logEvent(ctx, 'security', 'the owner signed out everywhere, so every session ended', req)
   // the sign-in page at once, saying what happened: after a lost phone, the owner wants to know
   const visitor = await readVisitor(req, ctx)
@@ -2208,6 +2218,7 @@ async function handleAllAppsRevocation(req: IncomingMessage, res: ServerResponse
   const sent = getParam(form, 'asked') ?? ''
   const asked = /^\d{1,16}$/.test(sent) ? Number(sent) : now
   const revoked = await ctx.store.revokeApprovedBy(asked, now)
+  ctx.answered.clear() // nor answered again, as a second press would: no approval from before gives access
   const notice =
     revoked === 0
       ? 'Nothing was left to revoke: the apps on that list had lost their access already.'
@@ -5375,18 +5386,7 @@ export class MemoryStore implements Store {
    * store holds requests. Behind a proxy that TRUST_PROXY does not name, every request is the
    * proxy's, and the oldest of all goes, as before. One walk of the map, when it is full.
    */
-  readonly #busiestOldest = (): string | undefined => {
-    const opened = new Map<string | undefined, number>()
-    let busiest: string | undefined
-    let most = 0
-    for (const { openedBy } of this.pending.values()) {
-      const count = (opened.get(openedBy) ?? 0) + 1
-      opened.set(openedBy, count)
-      if (count > most) [busiest, most] = [openedBy, count]
-    }
-    for (const [id, { openedBy }] of this.pending) if (openedBy === busiest) return id
-    return undefined
-  }
+  readonly #busiestOldest = (): string | undefined => oldestOfBusiest(this.pending, (request) => request.openedBy)
 
   async findPending(id: string, now: number): Promise<PendingRequest | undefined> {
     return live(this.pending.get(id), now)
@@ -5450,19 +5450,23 @@ export class MemoryStore implements Store {
   /** What `revokeApprovedBy` deletes, as journal records, and how many apps lose their access by it. */
   approvedBy(approvedBy: number, now: number): { records: JournalRecord[]; apps: number } {
     const by = toSeconds(approvedBy)
-    const codes: JournalRecord[] = []
     const grants = new Set<string>()
+    const clients = new Set<string>() // of the apps yet to redeem a code: one of them may hold several
     let apps = 0
-    for (const [hash, code] of this.codes) {
-      if (code.expiresAt <= now || toSeconds(code.issuedAt) > by) continue
-      codes.push({ delete: 'code', key: hash })
-      grants.add(hash) // the grant an exchange of it is making now, or will
-      if (code.usedAt === undefined) apps++ // an app yet to redeem its code
-    }
     for (const [id, stored] of this.grants) {
       if (stored.expiresAt * 1000 <= now || stored.approvedAt > by) continue
       apps++
       grants.add(id)
+      clients.add(stored.app.client_id)
+    }
+    const codes: JournalRecord[] = []
+    for (const [hash, code] of this.codes) {
+      if (code.expiresAt <= now || toSeconds(code.issuedAt) > by) continue
+      codes.push({ delete: 'code', key: hash })
+      grants.add(hash) // the grant an exchange of it is making now, or will
+      // an app yet to redeem its code, unless it is counted: a double click leaves one unredeemed
+      if (code.usedAt === undefined && !clients.has(code.client_id)) apps++
+      clients.add(code.client_id)
     }
     return { records: [...codes, ...[...grants].map((key) => ({ delete: 'grant', key }) as const)], apps }
   }
@@ -5687,6 +5691,21 @@ export class MemoryStore implements Store {
     this.#dropped.set(what, count)
     if (count % 1000 === 1) this.#log(`store: the cap of ${max} ${what} was reached; dropped one (${count} so far)`)
   }
+}
+
+/** The first key, in the map's order, of the group that holds the most entries: one walk of the map. */
+function oldestOfBusiest<V>(map: Map<string, V>, groupOf: (value: V) => string | undefined): string | undefined {
+  const counts = new Map<string | undefined, number>()
+  let busiest: string | undefined
+  let most = 0
+  for (const value of map.values()) {
+    const group = groupOf(value)
+    const count = (counts.get(group) ?? 0) + 1
+    counts.set(group, count)
+    if (count > most) [busiest, most] = [group, count]
+  }
+  for (const [key, value] of map) if (groupOf(value) === busiest) return key
+  return undefined
 }
 
 /** The audience of every IndieAuth token: none. */
