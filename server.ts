@@ -394,7 +394,7 @@ type Context = {
   startedAt: number
   /** The grants of tokens for scripts being made: one form sent twice at once makes one token. */
   scriptGrantsUnderWay: Set<string>
-  /** Consent answered lately, by the hash of its request id: a second press of the same button (see `handleConsent`). */
+  /** Consent answered lately, by the hash of its request id, for a second press of its button (`rememberAnswer`). */
   answered: Map<string, Answer & { until: number }>
 }
 

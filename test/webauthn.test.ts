@@ -972,6 +972,15 @@ async function signInWithPassword(browser: Browser): Promise<void> {
   assert.ok(browser.cookies.has('latch_session'))
 }
 
+/** Latch on a store of the test's own, and a browser signed in there with the password. */
+async function signedInOnStore(store: Store): Promise<{ latch: Latch; browser: Browser }> {
+  const passwordHash = await hashPassword(PASSWORD, { ln: 10, r: 8, p: 1 })
+  const latch = await startTestLatch({ HOST: 'localhost', ME, PASSWORD_HASH: passwordHash }, { store })
+  const browser = openBrowser(latch)
+  await signInWithPassword(browser)
+  return { latch, browser }
+}
+
 async function signOut(browser: Browser): Promise<void> {
   const response = await browser.post('/sign-out', { csrf: await formToken(browser) })
   assert.equal(response.status, 303)
@@ -1133,11 +1142,8 @@ describe('Passkeys over HTTP', () => {
 
   it('adds a twentieth passkey, and refuses a twenty-first until one is removed', async () => {
     const store = new MemoryStore()
-    const passwordHash = await hashPassword(PASSWORD, { ln: 10, r: 8, p: 1 })
-    const own = await startTestLatch({ HOST: 'localhost', ME, PASSWORD_HASH: passwordHash }, { store })
+    const { latch: own, browser } = await signedInOnStore(store)
     try {
-      const browser = openBrowser(own)
-      await signInWithPassword(browser)
       for (let i = 1; i < 20; i++)
         assert.equal((await addPasskey(own, browser, createCredential(), `Key ${i}`)).status, 200)
       assert.equal((await addPasskey(own, browser, createCredential(), 'Key 20')).status, 200)
@@ -1152,11 +1158,8 @@ describe('Passkeys over HTTP', () => {
 
   it('refuses a new key under the id of a passkey already added, and keeps the stored key', async () => {
     const store = new MemoryStore()
-    const passwordHash = await hashPassword(PASSWORD, { ln: 10, r: 8, p: 1 })
-    const own = await startTestLatch({ HOST: 'localhost', ME, PASSWORD_HASH: passwordHash }, { store })
+    const { latch: own, browser } = await signedInOnStore(store)
     try {
-      const browser = openBrowser(own)
-      await signInWithPassword(browser)
       const first = createCredential(ES256)
       assert.equal((await addPasskey(own, browser, first, 'Watch')).status, 200)
       const stored = (await store.findPasskey(base64url(first.id)))?.publicKey
@@ -1514,11 +1517,8 @@ describe('Passkeys under attack', () => {
   it('adds a passkey once when its form is sent twice at once, and answers both without a refusal', async () => {
     const file = join(await mkdtemp(join(tmpdir(), 'latch-passkey-twice-')), 'data.jsonl')
     const store = await FileStore.open(file, { log: () => {} }) // a write that takes a while, as on a disk
-    const passwordHash = await hashPassword(PASSWORD, { ln: 10, r: 8, p: 1 })
-    const latch = await startTestLatch({ HOST: 'localhost', ME, PASSWORD_HASH: passwordHash }, { store })
+    const { latch, browser } = await signedInOnStore(store)
     try {
-      const browser = openBrowser(latch)
-      await signInWithPassword(browser)
       const fields = await additionFields(latch, browser, createCredential(ES256), 'Phone')
       const answers = await Promise.all([1, 2, 3].map(() => browser.post('/passkeys/add', fields)))
       assert.deepEqual(
