@@ -5361,6 +5361,8 @@ export class MemoryStore implements Store {
   readonly #maxCodes: number
   readonly #log: (line: string) => void
   readonly #shared = new Map<string, string[] | GrantedApp>()
+  /** How many pending requests each address opened (`PendingRequest.openedBy`), for a full store to choose from. */
+  readonly #pendingBy = new Map<string | undefined, number>()
   #lastApp: GrantedApp | undefined
   #lastScope: string[] | undefined
   #lastResource: string[] | undefined
@@ -5375,8 +5377,13 @@ export class MemoryStore implements Store {
   }
 
   async savePending(id: string, request: PendingRequest, _now: number): Promise<void> {
-    this.#makeRoom(this.pending, this.#maxPendingRequests, 'pending authorization requests', this.#busiestOldest)
+    if (this.pending.size >= this.#maxPendingRequests) {
+      this.#forgetPending(this.#busiestOldest() ?? '')
+      this.#countDrop(this.#maxPendingRequests, 'pending authorization requests')
+    }
+    this.#forgetPending(id)
     this.pending.set(id, request)
+    this.#pendingBy.set(request.openedBy, (this.#pendingBy.get(request.openedBy) ?? 0) + 1)
   }
 
   /**
@@ -5384,9 +5391,26 @@ export class MemoryStore implements Store {
    * oldest of all let one stranger, with a thousand requests, push out the consent page the owner
    * was answering; now a flood pushes out its own, unless it comes from as many addresses as the
    * store holds requests. Behind a proxy that TRUST_PROXY does not name, every request is the
-   * proxy's, and the oldest of all goes, as before. One walk of the map, when it is full.
+   * proxy's, and the oldest of all goes, as before. It walks the addresses' counts, then the
+   * requests up to the first of that address: most often the first of all.
    */
-  readonly #busiestOldest = (): string | undefined => oldestOfBusiest(this.pending, (request) => request.openedBy)
+  #busiestOldest(): string | undefined {
+    let busiest: string | undefined
+    let most = 0
+    for (const [openedBy, count] of this.#pendingBy) if (count > most) [busiest, most] = [openedBy, count]
+    for (const [id, { openedBy }] of this.pending) if (openedBy === busiest) return id
+    return undefined
+  }
+
+  /** Deletes a pending request, and counts it off the address that opened it. */
+  #forgetPending(id: string): void {
+    const request = this.pending.get(id)
+    if (request === undefined) return
+    this.pending.delete(id)
+    const left = (this.#pendingBy.get(request.openedBy) ?? 1) - 1
+    if (left === 0) this.#pendingBy.delete(request.openedBy)
+    else this.#pendingBy.set(request.openedBy, left)
+  }
 
   async findPending(id: string, now: number): Promise<PendingRequest | undefined> {
     return live(this.pending.get(id), now)
@@ -5394,7 +5418,7 @@ export class MemoryStore implements Store {
 
   async takePending(id: string, now: number): Promise<PendingRequest | undefined> {
     const request = live(this.pending.get(id), now)
-    this.pending.delete(id)
+    this.#forgetPending(id)
     return request
   }
 
@@ -5583,7 +5607,11 @@ export class MemoryStore implements Store {
    */
   sweep(now: number, budget = this.#sweepBudget()): void {
     this.#savedSinceSweep = Math.max(0, this.#savedSinceSweep - budget / 2)
-    sweepOldest(this.pending, now, budget)
+    let swept = 0
+    for (const [id, request] of this.pending) {
+      if (request.expiresAt > now || swept++ === budget) break
+      this.#forgetPending(id)
+    }
     sweepOldest(this.codes, now, budget)
     sweepOldest(this.sessions, now, budget)
     this.grants.sweep(now, budget)
@@ -5683,10 +5711,13 @@ export class MemoryStore implements Store {
   }
 
   /** Drops the oldest entry of a capped map so that one more fits. */
-  #makeRoom(map: Map<string, unknown>, max: number, what: string, pick = () => map.keys().next().value): void {
+  #makeRoom(map: Map<string, unknown>, max: number, what: string): void {
     if (map.size < max) return
-    const dropped = pick()
-    if (dropped !== undefined) map.delete(dropped)
+    map.delete(map.keys().next().value ?? '')
+    this.#countDrop(max, what)
+  }
+
+  #countDrop(max: number, what: string): void {
     const count = (this.#dropped.get(what) ?? 0) + 1 // counted by kind: a dropped code is not one of many requests
     this.#dropped.set(what, count)
     if (count % 1000 === 1) this.#log(`store: the cap of ${max} ${what} was reached; dropped one (${count} so far)`)
