@@ -7415,8 +7415,9 @@ async function readPassword(): Promise<string> {
 }
 
 function promptHidden(prompt: string, typed: { ahead: string }): Promise<string> {
-  process.stderr.write(prompt)
+  // raw first, then the prompt: a key typed the moment it shows must not be echoed by the terminal
   process.stdin.setRawMode(true)
+  process.stderr.write(prompt)
   process.stdin.setEncoding('utf8')
   return new Promise((resolve) => {
     const text: string[] = [] // by code point, so that Backspace never leaves half of one (🔑 is two halves)
