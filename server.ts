@@ -1316,11 +1316,8 @@ async function handleConsent(req: IncomingMessage, res: ServerResponse, ctx: Con
   }
   const decision = getParam(form, 'decision')
   if (decision !== 'approve' && decision !== 'deny') throw new OAuthError('invalid_request', 'Choose Approve or Deny')
-  const chosen = {
-    granted: request.scope.filter((scope) => (form.get('scope') ?? []).includes(scope)),
-    lifetime: requireLifetime(getParam(form, 'lifetime'), ctx.config),
-  }
-  const { granted, lifetime } = chosen
+  const lifetime = requireLifetime(getParam(form, 'lifetime'), ctx.config)
+  const granted = request.scope.filter((scope) => (form.get('scope') ?? []).includes(scope))
   const headers: Record<string, string> = {}
   if (decision === 'approve' && !visitor.signedIn) {
     const refused = await checkSignIn(form, { visitor, request: idHash }, req, res, ctx)
@@ -1346,19 +1343,18 @@ async function handleConsent(req: IncomingMessage, res: ServerResponse, ctx: Con
     }
     headers['Set-Cookie'] = await startSession(ctx)
   }
-  let answer: Answer = { request, decision, ...chosen }
-  if ((await ctx.store.takePending(idHash, ctx.now())) !== undefined) rememberAnswer(idHash, answer, ctx)
-  else {
-    const first = answeredLately(idHash, ctx)
+  const taken = (await ctx.store.takePending(idHash, ctx.now())) !== undefined
+  // a second press is answered as the first was: with what the first chose, whatever its own form says
+  const answer = taken ? { request, decision, granted, lifetime } : answeredLately(idHash, ctx)
+  if (answer?.decision !== decision) {
     // answered otherwise, or pushed out while the password was checked: a right password still signs in
-    if (first?.decision !== decision)
-      throw new OAuthError(
-        'invalid_request',
-        'This sign-in request was answered already, or has expired meanwhile: start again from the app',
-        { headers },
-      )
-    answer = first // what the first press chose, whatever this one's form says
+    throw new OAuthError(
+      'invalid_request',
+      'This sign-in request was answered already, or has expired meanwhile: start again from the app',
+      { headers },
+    )
   }
+  if (taken) rememberAnswer(idHash, answer, ctx)
   const iss = ctx.config.issuer
   if (decision === 'deny') {
     noteError(res, 'access_denied')
