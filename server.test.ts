@@ -23,6 +23,7 @@ import {
   ConfigError,
   FileStore,
   MemoryStore,
+  NotStored,
   OAuthError,
   buildHelp,
   SETTINGS,
@@ -3704,6 +3705,23 @@ describe('Router and errors', () => {
     assert.equal(await response.text(), '{"error":"server_error"}')
     assert.ok(broken.logs.some((line) => line.includes('disk on fire')))
     await broken.close()
+  })
+
+  it('answers a change the data file did not take with a 503 page, and logs no failure of its own', async () => {
+    const store = new MemoryStore()
+    store.saveCode = async () => {
+      throw new NotStored(new Error('ENOSPC: no space left on device'))
+    }
+    const password = 'correct horse battery staple'
+    const latch = await startLatch({ PASSWORD_HASH: await hashPassword(password, FAST_COST) }, { store })
+    const refused = await submitConsent(latch, await openConsent(latch), { password })
+    assert.equal(refused.status, 503)
+    const page = await refused.text()
+    assert.match(page, /<h1>This could not be saved<\/h1>/)
+    assert.match(page, /temporarily_unavailable, HTTP 503/)
+    assert.doesNotMatch(page, /ENOSPC/)
+    assert.ok(!latch.logs.some((line) => line.includes('ENOSPC')), 'logged as a failure of Latch, not of the disk')
+    await latch.close()
   })
 
   it('refuses at once a store that is still a Promise: openStore not awaited', () => {

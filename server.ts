@@ -285,7 +285,8 @@ export type Passkey = {
  * deletes the grant and inserts it into a table of revoked ids; `revokeApprovedBy` does that for
  * every grant approved by a time and every code issued by then, and deletes those codes, in one
  * transaction. On Redis, each entry is a key with a TTL, and the same step is a `WATCH`/`MULTI`
- * or a small Lua script.
+ * or a small Lua script. A write the database refused (full, or unreachable) is best thrown as
+ * `NotStored`, once its cause is logged: the client is told 503, to try again later.
  */
 export interface Store {
   savePending(id: string, request: PendingRequest, now: number): Promise<void>
@@ -411,7 +412,8 @@ export type Params = Map<string, string[]>
 
 // --- Errors ---------------------------------------------------------------------
 // RFC 6749 §5.2  https://www.rfc-editor.org/rfc/rfc6749#section-5.2
-// Handlers throw OAuthError; one catch in the router renders it. Anything else is a 500.
+// Handlers throw OAuthError; one catch in the router renders it. A store's `NotStored` is a 503,
+// anything else a 500.
 
 const ERROR_STATUS: Record<string, number> = {
   invalid_request: 400,
@@ -3183,8 +3185,13 @@ function describePath(path: string, handler: Handler): string {
   return handler === rejectUnknownPath ? '(unknown path)' : path
 }
 
-/** The router's one catch: an `OAuthError` is rendered; anything else is a logged 500. */
-function renderError(err: unknown, req: IncomingMessage, res: ServerResponse, asPage: boolean, ctx: Context): void {
+/**
+ * The router's one catch: an `OAuthError` is rendered; a change the data file could not take
+ * (`NotStored`: a full disk, say) is a 503, as it may succeed later and the journal has logged
+ * why; anything else is a logged 500.
+ */
+function renderError(error: unknown, req: IncomingMessage, res: ServerResponse, asPage: boolean, ctx: Context): void {
+  const err = error instanceof NotStored ? NOT_STORED : error
   ;(res as MarkedResponse)[LOGGED_ERROR] = err instanceof OAuthError ? err.error || undefined : 'server_error'
   if (err instanceof OAuthError && err.event !== undefined) logEvent(ctx, 'security', err.event, req)
   if (res.headersSent) {
@@ -3786,6 +3793,7 @@ const ERROR_PAGE_WORDS: Record<number, [string, string]> = {
   421: ['This is not the name of this server', 'Use the address this server was set up with.'],
   429: ['Too many attempts', 'Wait, then try again.'],
   500: ['Something went wrong', 'Try again in a moment. If it goes on, the server log says why.'],
+  503: ['This could not be saved', 'Try again later. If it goes on, the server log says why.'],
 }
 
 /** What an error page says instead on the owner's own forms (apps, tokens, passkeys), to which no app sent them. */
@@ -6027,6 +6035,26 @@ class Journal {
   }
 }
 
+/**
+ * A change the data file did not take, so it did not happen: the disk is full, say, or the
+ * journal was replaced by another hand. The journal has logged why; the request is answered 503
+ * `temporarily_unavailable` (`NOT_STORED`), without the cause, since a client can try again once
+ * the disk has room.
+ */
+export class NotStored extends Error {
+  constructor(cause: unknown) {
+    super(`a change could not be stored: ${String(cause)}`, { cause })
+  }
+}
+
+const NOT_STORED = new OAuthError(
+  'temporarily_unavailable',
+  'The change could not be stored, so it did not happen: try again later',
+  {
+    status: 503,
+  },
+)
+
 /** The journal's file is no longer at its path: removed, or moved away, while Latch ran. */
 class JournalGone extends Error {
   constructor(path: string) {
@@ -6529,7 +6557,7 @@ export class FileStore implements Store {
     try {
       await this.#journal.append(records)
     } catch (err) {
-      if (!(err instanceof JournalGone)) throw err
+      if (!(err instanceof JournalGone)) throw new NotStored(err)
       if (this.compaction === undefined) {
         this.#log(`journal: ${err.message}: writing it anew from memory`)
         this.#compact()
@@ -6538,7 +6566,7 @@ export class FileStore implements Store {
       await this.#journal.append(records).catch((again: unknown) => {
         // the journal could not be written anew: its failure is logged, and this too
         if (again instanceof JournalGone) this.#log(`journal: ${again.message}, so a change was not stored`)
-        throw again
+        throw new NotStored(again)
       })
     }
     const lines = this.#journal.lines
