@@ -2718,6 +2718,14 @@ describe('Sign-in sessions and connected apps', () => {
     assert.doesNotMatch(html, /type="password"/)
   })
 
+  it('reads sixteen session cookies of the name, and no more: a sixteenth that is live signs in, a seventeenth not', async () => {
+    const csrf = createSecret()
+    const session = await signIn(csrf)
+    const planted = (count: number) => Array.from({ length: count }, () => `latch_session=${createSecret()}`).join('; ')
+    assert.match(await appsPage(`${planted(15)}; latch_csrf=${csrf}; ${session}`), /action="[^"]*\/sign-out"/)
+    assert.match(await appsPage(`${planted(16)}; latch_csrf=${csrf}; ${session}`), /type="password"/)
+  })
+
   it('signs in and approves among CSRF cookies of the same name that a page on another port set for longer paths', async () => {
     const csrf = createSecret()
     // sent first, as the browser does for a longer path: each of Latch's posts would be refused
