@@ -149,13 +149,14 @@ function site(req: IncomingMessage, res: ServerResponse): void {
         redirect_uris: ['https://other.example/callback'],
       })
     case 'biglogo.example':
+    case 'fulllogo.example': // a logo of 64 KiB and one byte, and one of 64 KiB exactly
       if (req.url === '/huge.png') {
         res.writeHead(200, { 'Content-Type': 'image/png' })
-        return void res.end(Buffer.alloc(65 * 1024))
+        return void res.end(Buffer.alloc(64 * 1024 + (host === 'biglogo.example' ? 1 : 0)))
       }
       return sendJson(res, {
-        client_id: 'http://biglogo.example/',
-        client_name: 'Big Logo',
+        client_id: `http://${host}/`,
+        client_name: host === 'biglogo.example' ? 'Big Logo' : 'Full Logo',
         logo_uri: '/huge.png',
         redirect_uris: ['https://other.example/callback'],
       })
@@ -454,6 +455,8 @@ describe('Client discovery (IndieAuth §4.2)', () => {
       assert.match(html, /<strong><bdi>(Bad|Big) Logo<\/bdi><\/strong>/)
       assert.doesNotMatch(html, /<img/)
     }
+    const full = await authorize(latch, 'http://fulllogo.example/', 'https://other.example/callback')
+    assert.match(await full.text(), /<img class="logo" src="data:image\/png;base64,/)
   })
 
   it('keeps a page whose logo could not be fetched for 30 seconds only, not for its own day', async () => {
