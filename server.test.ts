@@ -3547,6 +3547,39 @@ describe('Slow clients', () => {
     },
   )
 
+  it('answers nine requests sent at once on one connection, and closes one that sends ten, answering none past them', async () => {
+    const logs: string[] = []
+    const store = new MemoryStore()
+    const server = createLatchServer(undefined, CONNECTION_LIMITS, (line) => logs.push(line))
+    server.on('request', createHandler({ config: loadConfig({ DATA_FILE: 'memory' }), store, log: () => {} }))
+    await new Promise<void>((resolve) => server.listen(0, '127.0.0.1', resolve))
+    const port = (server.address() as AddressInfo).port
+    const consent = new URL(authorizationUrl({ base: `http://127.0.0.1:${port}` } as TestServer))
+    const pipeline = async (count: number) => {
+      const socket = connect(port, '127.0.0.1')
+      let received = ''
+      socket.on('data', (chunk: Buffer) => (received += chunk.toString('latin1')))
+      const request = `GET ${consent.pathname}${consent.search} HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n` // a page each
+      socket.write(request.repeat(count)) // one write: node:http reads them all before answering one
+      const closed = once(socket, 'close')
+      await until(() => (received.match(/HTTP\/1\.1 200 /g) ?? []).length === count || socket.closed, 10_000)
+      socket.destroy()
+      await closed
+      return (received.match(/HTTP\/1\.1 200 /g) ?? []).length
+    }
+    try {
+      assert.equal(await pipeline(9), 9)
+      assert.deepEqual(logs, [])
+      assert.equal(store.pending.size, 9)
+      assert.ok((await pipeline(200)) < 10)
+      assert.deepEqual(logs, ['security: a connection from 127.0.0.1 was closed at once, past 8 answers waiting'])
+      assert.equal(store.pending.size, 9 + 9, 'requests on the closed connection were opened all the same')
+    } finally {
+      server.closeAllConnections()
+      await new Promise((resolve) => server.close(resolve))
+    }
+  })
+
   it('says the first connection closed for a limit at once, then how many a minute while more come', async (t) => {
     t.mock.timers.enable({ apis: ['setTimeout'] })
     const logs: string[] = []

@@ -3013,6 +3013,7 @@ export function createHandler(options: HandlerOptions): (req: IncomingMessage, r
   let warnOfUnnamedProxy = true // cleared once said
   let namedProxy: string | undefined // the last proxy on loopback seen named, not looked up again
   return (req, res) => {
+    if (req.socket.destroyed) return // a connection closed already (see `MAX_QUEUED_ANSWERS`): no one to answer
     const started = process.hrtime.bigint() // not `performance`: its first use loads perf_hooks, on the first request
     if (req.url !== undefined && req.url[0] !== '/') takeAbsoluteForm(req)
     const path = pathOf(req.url ?? '/')
@@ -7533,6 +7534,16 @@ export const CONNECTION_LIMITS: ConnectionLimits = {
 }
 
 /**
+ * The most answers one connection may have waiting behind one not yet sent whole. A client may
+ * send its next requests without waiting for the answers (HTTP/1.1 pipelining; no browser does),
+ * and node:http answers them all, each kept in memory until the ones before it are sent: a
+ * consent page with its logo weighs some 90 KB, and a client that never reads had gigabytes
+ * piled up within seconds. Past this, the connection is closed. Requests that came in the same
+ * read go to the handler all the same, on a closed connection: it answers none of them.
+ */
+const MAX_QUEUED_ANSWERS = 8
+
+/**
  * What one client's connections count as: an IPv4 address itself, and for IPv6 its /64, since
  * one host is given a whole /64 and may use any address in it.
  */
@@ -7554,8 +7565,9 @@ function addressGroup(address: string): string {
  * within 10 s, the whole request within 30 s, 5 s idle between requests, checked every second.
  * A client that stops reading its answers stalls node:http's writes, and then none of those
  * apply: a connection on which nothing moves for a minute, while it waits on its client, is
- * closed. And no more connections than `limits` allow. Connections closed for a limit
- * are said in `log`, at most once a minute. Attach the handler with `server.on('request', handler)`.
+ * closed. And no more connections than `limits` allow, nor more than 8 answers waiting on one of
+ * them (see `MAX_QUEUED_ANSWERS`). Connections closed for a limit are said in `log`, at most once
+ * a minute. Attach the handler with `server.on('request', handler)`.
  */
 export function createLatchServer(
   timeouts: ServerTimeouts = SERVER_TIMEOUTS,
@@ -7572,23 +7584,41 @@ export function createLatchServer(
   // or that has no request under way. One whose answer the server is still making (a journal
   // write on a slow disk) is left alone; the next write starts its clock again.
   const answers = new WeakMap<Socket, ServerResponse>()
-  server.on('request', (req: IncomingMessage, res: ServerResponse) => answers.set(req.socket, res))
+  const queued = new WeakMap<Socket, number>() // answers made behind one not yet sent whole
+  server.on('request', (req: IncomingMessage, res: ServerResponse) => {
+    const socket = req.socket
+    if (socket.destroyed) return // the rest of what a connection closed below had sent at once
+    const before = answers.get(socket)
+    answers.set(socket, res)
+    if (before === undefined || before.writableFinished) return // the usual case: one at a time
+    const count = (queued.get(socket) ?? 0) + 1
+    if (count > MAX_QUEUED_ANSWERS) {
+      drop('queued', socket.remoteAddress)
+      return void socket.destroy()
+    }
+    queued.set(socket, count)
+    res.once('close', () => queued.set(socket, (queued.get(socket) ?? 1) - 1))
+  })
   server.setTimeout(timeouts.idleMs, (socket: Socket) => {
     if (answers.get(socket)?.writableEnded !== false) socket.destroy()
   })
   server.maxConnections = limits.total
   // A flood closes thousands a second: the first is said at once; then, for as long as more
   // come, one line a minute says how many were closed in it, for each limit.
-  const pastLimit = { perAddress: `past ${limits.perAddress} from one client`, total: `past ${limits.total} in all` }
-  const dropped = { perAddress: 0, total: 0, last: '', minute: undefined as NodeJS.Timeout | undefined }
+  const pastLimit = {
+    perAddress: `past ${limits.perAddress} from one client`,
+    total: `past ${limits.total} in all`,
+    queued: `past ${MAX_QUEUED_ANSWERS} answers waiting`,
+  }
+  const dropped = { perAddress: 0, total: 0, queued: 0, last: '', minute: undefined as NodeJS.Timeout | undefined }
   const endMinute = () => {
-    const counts = (['perAddress', 'total'] as const).filter((limit) => dropped[limit] > 0)
+    const counts = (['perAddress', 'total', 'queued'] as const).filter((limit) => dropped[limit] > 0)
     if (counts.length === 0) return void (dropped.minute = undefined)
     const said = counts.map((limit) => `${dropped[limit]} ${pastLimit[limit]}`).join(', ')
     log(`security: connections closed at once in the last minute: ${said} (the last from ${dropped.last})`)
-    Object.assign(dropped, { perAddress: 0, total: 0, minute: setTimeout(endMinute, 60_000).unref() })
+    Object.assign(dropped, { perAddress: 0, total: 0, queued: 0, minute: setTimeout(endMinute, 60_000).unref() })
   }
-  const drop = (limit: 'perAddress' | 'total', address = 'an unknown address') => {
+  const drop = (limit: 'perAddress' | 'total' | 'queued', address = 'an unknown address') => {
     if (dropped.minute === undefined) {
       log(`security: a connection from ${address} was closed at once, ${pastLimit[limit]}`)
       dropped.minute = setTimeout(endMinute, 60_000).unref()
