@@ -1249,7 +1249,7 @@ describe('GET /auth (IndieAuth §5.2)', () => {
     assert.equal(status, 200)
   })
 
-  it('refuses a request that names no host while no password is set, and one that names two with 400', async () => {
+  it('refuses a request that names no host while no password is set, one that names two, and one of 1,001 header lines', async () => {
     const port = Number(new URL(latch.base).port)
     const statusOf = async (head: string) => {
       const socket = connect(port, '127.0.0.1')
@@ -1261,6 +1261,14 @@ describe('GET /auth (IndieAuth §5.2)', () => {
     assert.equal(await statusOf('GET /apps HTTP/1.0'), 421)
     assert.equal(await statusOf(`GET /apps HTTP/1.1\r\nHost: localhost:${port}\r\nHost: evil.example`), 400)
     assert.equal(await statusOf(`GET /apps HTTP/1.0\r\nHost: localhost:${port}`), 200)
+    // node:http keeps 2,000 header lines and drops the rest unseen, a second Host among them
+    const lines = (count: number) => 'a: 1\r\n'.repeat(count)
+    assert.equal(
+      await statusOf(`GET /apps HTTP/1.1\r\nHost: localhost:${port}\r\n${lines(2000)}Host: evil.example`),
+      431,
+    )
+    assert.equal(await statusOf(`GET /apps HTTP/1.1\r\nHost: localhost:${port}\r\n${lines(1000)}`), 431)
+    assert.equal(await statusOf(`GET /apps HTTP/1.1\r\nHost: localhost:${port}\r\n${lines(999)}`), 200)
   })
 
   it('routes a target in absolute form by its path, and takes its authority for the host', async () => {

@@ -3050,6 +3050,11 @@ export function createHandler(options: HandlerOptions): (req: IncomingMessage, r
 
 /** Why a request is refused before any handler reads it, or undefined. */
 function refusalOf(req: IncomingMessage, own: boolean, passwordless: boolean): OAuthError | undefined {
+  if (req.rawHeaders.length > 2 * MAX_HEADER_LINES) {
+    return new OAuthError('invalid_request', `The request has more than ${MAX_HEADER_LINES} header lines`, {
+      status: 431,
+    })
+  }
   if (!own) {
     return new OAuthError(
       'invalid_request',
@@ -3090,6 +3095,13 @@ function takeAbsoluteForm(req: IncomingMessage): void {
 
 /** The longest request target (path and query) Latch reads: what it keeps of a request is bounded by it. */
 const MAX_REQUEST_TARGET = 8_192
+
+/**
+ * The most header lines Latch reads. node:http keeps the first 2,000 (`maxHeadersCount`) and
+ * drops the rest unseen, 16 KiB holds 4,000 short ones, and a second `Host` or a
+ * `Content-Encoding` past the 2,000th would go unchecked: a request with more is refused whole.
+ */
+const MAX_HEADER_LINES = 1_000
 
 /**
  * Without a password, anyone who can load a page from this server can approve a sign-in. A web
