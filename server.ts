@@ -1590,7 +1590,12 @@ function readPublicClient(req: IncomingMessage, form: Params, config: Config): v
   if (colon === -1) throw basicRefused('The Basic credentials are malformed', config)
   if (colon !== credentials.length - 1)
     throw basicRefused('This server issues no client secrets: send the client_id with an empty password', config)
-  const clientId = decodeFormComponent(credentials.slice(0, colon))
+  let clientId: string
+  try {
+    clientId = decodeFormComponent(credentials.slice(0, colon))
+  } catch {
+    throw basicRefused('The Basic credentials are malformed: the client_id in them is not form-encoded', config)
+  }
   const sent = getParam(form, 'client_id')
   if (sent !== undefined && sent !== clientId)
     throw new OAuthError('invalid_request', 'The client_id in the body is not the one in the Authorization header')

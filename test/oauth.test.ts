@@ -299,7 +299,11 @@ describe('HTTP Basic with an empty password, for public clients (RFC 6749 §2.3.
 
   it('refuses malformed Basic credentials with 401 invalid_client', async () => {
     const code = await obtainCode(latch.base, { scope: 'create' })
-    for (const authorization of ['Basic !!!', `Basic ${Buffer.from('no-colon').toString('base64')}`, 'Basic a b c']) {
+    const base64 = (user: string | Buffer) =>
+      `Basic ${Buffer.concat([Buffer.from(user), Buffer.from(':')]).toString('base64')}`
+    const malformed = ['Basic !!!', `Basic ${Buffer.from('no-colon').toString('base64')}`, 'Basic a b c']
+    malformed.push(base64('%zz'), base64(Buffer.from([0xff, 0xfe]))) // not form-encoded: a bad escape, not UTF-8
+    for (const authorization of malformed) {
       const response = await exchange(latch.base, code, {}, { Authorization: authorization })
       await assertError(response, 401, 'invalid_client')
       assert.equal(response.headers.get('www-authenticate'), `Basic realm="${latch.issuer}"`, authorization)
