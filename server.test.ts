@@ -3588,6 +3588,22 @@ describe('Slow clients', () => {
     }
   })
 
+  it('answers CONNECT, which asks for a tunnel, with 405 instead of closing the connection without a word', async () => {
+    const server = createLatchServer()
+    server.on('request', createHandler({ config: loadConfig({ DATA_FILE: 'memory' }), log: () => {} }))
+    await new Promise<void>((resolve) => server.listen(0, '127.0.0.1', resolve))
+    try {
+      const socket = connect((server.address() as AddressInfo).port, '127.0.0.1')
+      socket.end('CONNECT example.com:443 HTTP/1.1\r\nHost: example.com:443\r\n\r\n')
+      let text = ''
+      for await (const chunk of socket) text += String(chunk)
+      assert.match(text, /^HTTP\/1\.1 405 Method Not Allowed\r\n/)
+      assert.match(text, /\r\nAllow: GET, POST, OPTIONS\r\n/)
+    } finally {
+      await new Promise((resolve) => server.close(resolve))
+    }
+  })
+
   it('says the first connection closed for a limit at once, then how many a minute while more come', async (t) => {
     t.mock.timers.enable({ apis: ['setTimeout'] })
     const logs: string[] = []

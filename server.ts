@@ -7645,6 +7645,14 @@ export function createLatchServer(
     }
   }
   server.on('drop', (data?: { remoteAddress?: string }) => drop('total', data?.remoteAddress)) // past maxConnections
+  // CONNECT asks a proxy for a tunnel, and node:http hands it here instead of to the handler:
+  // without this, it would close the connection without a word
+  server.on('connect', (_req: IncomingMessage, socket: Socket) => {
+    socket.on('error', () => {})
+    socket.end(
+      'HTTP/1.1 405 Method Not Allowed\r\nAllow: GET, POST, OPTIONS\r\nContent-Length: 0\r\nConnection: close\r\n\r\n',
+    )
+  })
   const open = new Map<string, number>() // connections by address group, for those limited
   server.on('connection', (socket: Socket) => {
     const group = socket.remoteAddress === undefined ? undefined : limits.groupOf(socket.remoteAddress)
