@@ -3491,6 +3491,36 @@ describe('closeLatchServer, as an embedding app stops', () => {
   })
 })
 
+describe('closeLatchServer: a request in flight', () => {
+  it('answers a request in flight at the stop with Connection: close, and then closes its connection', async () => {
+    const store = new MemoryStore()
+    let release = () => {}
+    let reached = () => {}
+    const held = new Promise<void>((resolve) => (release = resolve))
+    const asked = new Promise<void>((resolve) => (reached = resolve))
+    const findToken = store.findToken.bind(store)
+    store.findToken = async (...args) => (reached(), await held, findToken(...args)) // the answer is still being made
+    const server = createLatchServer()
+    server.on('request', createHandler({ config: loadConfig({ DATA_FILE: 'memory' }), store, log: () => {} }))
+    await new Promise<void>((resolve) => server.listen(0, '127.0.0.1', resolve))
+    const socket = connect((server.address() as AddressInfo).port, '127.0.0.1')
+    const body = `token=${createSecret()}`
+    socket.write(
+      'POST /introspect HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/x-www-form-urlencoded\r\n' +
+        `Content-Length: ${body.length}\r\n\r\n${body}`,
+    )
+    let answer = ''
+    socket.on('data', (chunk) => (answer += chunk))
+    await asked
+    const stopping = closeLatchServer(server)
+    release()
+    await once(socket, 'close') // closed by the server once answered, not left waiting to be idle
+    await stopping
+    assert.match(answer, /^HTTP\/1\.1 200 /)
+    assert.match(answer, /\r\nConnection: close\r\n/i)
+  })
+})
+
 describe('Slow clients', () => {
   // Node's own timers close these connections, so these tests wait for real, briefly.
   const timeouts = { headersMs: 300, requestMs: 600, keepAliveMs: 200, checkEveryMs: 50, idleMs: 1_000 }

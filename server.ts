@@ -7653,8 +7653,19 @@ export function createLatchServer(
       'HTTP/1.1 405 Method Not Allowed\r\nAllow: GET, POST, OPTIONS\r\nContent-Length: 0\r\nConnection: close\r\n\r\n',
     )
   })
+  const connections = new Set<Socket>()
+  // at a stop, an answer still being made goes out with `Connection: close`: its client sends no
+  // further request on a connection about to be closed under it
+  answersInFlight.set(server, () => {
+    for (const socket of connections) {
+      const answer = answers.get(socket)
+      if (answer !== undefined && !answer.headersSent) answer.shouldKeepAlive = false
+    }
+  })
   const open = new Map<string, number>() // connections by address group, for those limited
   server.on('connection', (socket: Socket) => {
+    connections.add(socket)
+    socket.once('close', () => connections.delete(socket))
     const group = socket.remoteAddress === undefined ? undefined : limits.groupOf(socket.remoteAddress)
     if (group === undefined) return
     const count = (open.get(group) ?? 0) + 1
@@ -7672,11 +7683,15 @@ export function createLatchServer(
   return server
 }
 
+/** For each server made by `createLatchServer`: marks the answers it is making to close their connection. */
+const answersInFlight = new WeakMap<Server, () => void>()
+
 /**
  * Stops a server the way Latch's command does at SIGTERM, and resolves once it has: no new
- * connections; requests in flight answered, and those that come meanwhile with `Connection:
- * close`; connections closed as soon as they are idle; and whatever is still open after 5 s (a
- * client that sent half its headers, or never reads its answer) cut off. `server.close()` alone
+ * connections; requests in flight answered, and they and those that come meanwhile with
+ * `Connection: close` (those in flight, on a server made by `createLatchServer`); connections
+ * closed as soon as they are idle; and whatever is still open after 5 s (a client that sent half
+ * its headers, or never reads its answer) cut off. `server.close()` alone
  * closes only the connections idle at that moment and stops node:http's request-timeout checks,
  * so a stalled connection keeps it open until the idle timeout: a minute here.
  */
@@ -7688,6 +7703,7 @@ export function closeLatchServer(server: Server): Promise<void> {
     server.prependListener('request', (_req: IncomingMessage, res: ServerResponse) => {
       res.shouldKeepAlive = false
     })
+    answersInFlight.get(server)?.()
     server.closeIdleConnections()
     const idle = setInterval(() => server.closeIdleConnections(), 100).unref()
     const cut = setTimeout(() => server.closeAllConnections(), 5_000).unref()
