@@ -7496,6 +7496,12 @@ prints the line to set as PASSWORD_HASH. Piped in, the first line is the passwor
 
 async function runHashPassword(): Promise<void> {
   const password = await readPassword()
+  if (password === '') {
+    throw new ConfigError(
+      `No password was given (its input was empty): type one of ${MIN_PASSWORD_LENGTH} characters or more, ` +
+        'or pipe it in as the first line',
+    )
+  }
   if ([...password].length < MIN_PASSWORD_LENGTH) {
     throw new ConfigError(
       `The password is shorter than ${MIN_PASSWORD_LENGTH} characters, the least NIST SP 800-63B-4 allows ` +

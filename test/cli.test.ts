@@ -582,6 +582,14 @@ describe('hash-password', () => {
     assert.equal(long.code, 0, long.stderr)
     assert.match(long.stdout, /^scrypt:\S+\n$/)
   })
+
+  it('says no password was given when its input is empty, not that the password is short', async () => {
+    for (const input of ['', '\n']) {
+      const empty = await runLatch(['hash-password'], {}, { input })
+      assertOneLineFailure(empty, /^latch: No password was given \(its input was empty\)/)
+      assert.equal(empty.stdout, '')
+    }
+  })
 })
 
 // --- The start-up block --------------------------------------------------------------------
