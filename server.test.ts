@@ -3089,7 +3089,7 @@ describe('Sign-in sessions and connected apps', () => {
       // the owner's own form: no app sent them here, so the page does not say to go back to one
       const html = await response.text()
       assert.match(html, /<h1>This form cannot be used<\/h1>/)
-      assert.match(html, /Go back to your apps page/)
+      assert.match(html, /Go back and correct what the line below names/)
     }
     const signedOut = await post(`${latch.base}/apps/tokens`, form({ csrf, name: 'Hook', scope: 'create' }), {
       Cookie: `latch_csrf=${csrf}`,

@@ -3817,7 +3817,7 @@ const ERROR_PAGE_WORDS: Record<number, [string, string]> = {
 /** What an error page says instead on the owner's own forms (apps, tokens, passkeys), to which no app sent them. */
 const FORM_REFUSED: [string, string] = [
   'This form cannot be used',
-  'Go back to your apps page, reload it and try again.',
+  'Go back and correct what the line below names; if the page is an old one, reload your apps page first.',
 ]
 const OWNER_ERROR_PAGE_WORDS: Record<number, [string, string]> = {
   400: FORM_REFUSED,
