@@ -1566,7 +1566,7 @@ describe('POST /auth/consent with a password', () => {
       const apps = await (await fetch(`${own.base}/apps`, { headers: { Cookie: cookie } })).text()
       const csrf = /name="csrf" value="([^"]+)"/.exec(apps)?.[1] ?? ''
       const revoked = await post(`${own.base}/apps/revoke-all`, form({ csrf, confirm: 'yes' }), { Cookie: cookie })
-      assert.match(await revoked.text(), /Revoked 1 app: their tokens stopped working/)
+      assert.match(await revoked.text(), /Revoked 1 app: its tokens stopped working/)
       assert.equal((await submitConsent(own, consent, { password: 'correct horse' })).status, 400)
     } finally {
       await own.close()
@@ -2829,7 +2829,7 @@ describe('Sign-in sessions and connected apps', () => {
     const later = await obtainToken(latch, { password }) // approved while the question was open
     const yes = form({ csrf: token, confirm: 'yes', asked })
     const answered = await post(`${latch.base}/apps/revoke-all`, yes, { Cookie: cookie })
-    assert.match(await answered.text(), /class="notice" role="status">Revoked 1 app: their tokens stopped working/)
+    assert.match(await answered.text(), /class="notice" role="status">Revoked 1 app: its tokens stopped working/)
     assert.deepEqual(await introspect(latch, listed), { active: false })
     assert.equal((await introspect(latch, later)).active, true)
     const again = await post(`${latch.base}/apps/revoke-all`, yes, { Cookie: cookie }) // a reload
@@ -2847,14 +2847,42 @@ describe('Sign-in sessions and connected apps', () => {
       await post(`${latch.base}/apps/revoke-all`, form({ csrf: token }), { Cookie: cookie })
     ).text()
     const asked = /name="asked" value="(\d+)"/.exec(question)?.[1] ?? ''
+    assert.match(question, /So does an app you approved in the last 5 minutes that has not collected its access yet/)
     latch.advance(60)
     const yes = await post(`${latch.base}/apps/revoke-all`, form({ csrf: token, confirm: 'yes', asked }), {
       Cookie: cookie,
     })
-    assert.match(await yes.text(), /class="notice" role="status">Revoked \d+ apps?: their tokens stopped working/)
+    assert.match(await yes.text(), /class="notice" role="status">Revoked 2 apps: their tokens stopped working/)
     assert.deepEqual(await introspect(latch, listed), { active: false })
     await assertError(await exchange(latch, approved), 400, 'invalid_grant')
     assert.match(await appsPage(cookie), /No app holds a token/)
+  })
+
+  it('offers Revoke all while no app holds a token, for an approved app that has not redeemed its code yet', async () => {
+    const own = await startLatch({ PASSWORD_HASH: await hashPassword(password, FAST_COST) })
+    try {
+      const csrf = createSecret()
+      const signedIn = await post(`${own.base}/sign-in`, form({ csrf, password }), { Cookie: `latch_csrf=${csrf}` })
+      const cookie = `latch_csrf=${csrf}; ${(signedIn.headers.get('set-cookie') ?? '').split(';')[0]}`
+      const approved = await obtainCode(own, {}, { password }) // the app has its code, and no token yet
+      const apps = await (await fetch(`${own.base}/apps`, { headers: { Cookie: cookie } })).text()
+      const token = /name="csrf" value="([^"]+)"/.exec(apps)?.[1] ?? ''
+      const asked = await post(`${own.base}/apps/revoke-all`, form({ csrf: token }), { Cookie: cookie })
+      const question = await asked.text()
+      assert.match(
+        question,
+        /No app holds a token right now\. This would still stop an app you approved in the last 5 minutes/,
+      )
+      const sent = /name="asked" value="(\d+)"/.exec(question)?.[1] ?? ''
+      const yes = form({ csrf: token, confirm: 'yes', asked: sent })
+      assert.match(
+        await (await post(`${own.base}/apps/revoke-all`, yes, { Cookie: cookie })).text(),
+        /Revoked 1 app: its/,
+      )
+      await assertError(await exchange(own, approved), 400, 'invalid_grant')
+    } finally {
+      await own.close()
+    }
   })
 
   it('refuses app revocation without the CSRF value (403) or without a session (401)', async () => {

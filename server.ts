@@ -2213,7 +2213,8 @@ async function handleAllAppsRevocation(req: IncomingMessage, res: ServerResponse
   const now = ctx.now()
   if (getParam(form, 'confirm') !== 'yes') {
     const grants = await ctx.store.listGrants(now)
-    return sendPage(res, 200, renderRevokeAllPage(grants, { csrf: formToken(visitor), config: ctx.config, asked: now }))
+    const page = { csrf: formToken(visitor), config: ctx.config, asked: now }
+    return sendPage(res, 200, renderRevokeAllPage(grants, page))
   }
   // Every app approved by the time the owner was asked, to the second the store keeps: those
   // listed, and those approved before whose codes are redeemed meanwhile or later, which the
@@ -2225,7 +2226,7 @@ async function handleAllAppsRevocation(req: IncomingMessage, res: ServerResponse
   const notice =
     revoked === 0
       ? 'Nothing was left to revoke: the apps on that list had lost their access already.'
-      : `Revoked ${countApps(revoked)}: their tokens stopped working.`
+      : `Revoked ${countApps(revoked)}: ${revoked === 1 ? 'its' : 'their'} tokens stopped working.`
   await sendAppsPage(res, ctx, visitor, { notice })
 }
 
@@ -2745,11 +2746,23 @@ function renderPasskeyScript(config: Config): string {
 function renderRevokeAllPage(grants: [string, Grant][], page: { csrf: string; config: Config; asked: number }): string {
   const { config } = page
   const back = `<p><a href="${escapeHtml(endpointUrl(config, '/apps'))}">Back to your apps</a></p>`
-  if (grants.length === 0)
-    return renderPage('Revoke all apps', `<h1>Revoke all apps</h1>\n<p>No app holds a token right now.</p>\n${back}`)
   const csrfField = `<input type="hidden" name="csrf" value="${escapeHtml(page.csrf)}">`
   const asked = `<input type="hidden" name="asked" value="${page.asked}">`
   const confirm = `${csrfField}<input type="hidden" name="confirm" value="yes">${asked}`
+  const yes = renderButton(config, '/apps/revoke-all', confirm, 'danger', 'Yes, revoke all')
+  const button = `<div class="actions">${yes}</div>`
+  // an app approved a moment ago whose code is not redeemed yet holds no token, and is not listed
+  const codeLife = formatPeriod(config.codeTtlSeconds)
+  if (grants.length === 0) {
+    return renderPage(
+      'Revoke all apps?',
+      `<h1>Revoke all apps?</h1>
+<p>No app holds a token right now. This would still stop an app you approved in the last ${codeLife} that has
+not collected its access yet.</p>
+${button}
+${back}`,
+    )
+  }
   const names = grants.map(([, grant]) => `<li>${appName(grant)}</li>`).join('\n')
   return renderPage(
     'Revoke all apps?',
@@ -2759,7 +2772,8 @@ tokens for scripts included. An app that still needs access will have to ask you
 <ul>
 ${names}
 </ul>
-<div class="actions">${renderButton(config, '/apps/revoke-all', confirm, 'danger', 'Yes, revoke all')}</div>
+<p>So does an app you approved in the last ${codeLife} that has not collected its access yet.</p>
+${button}
 ${back}`,
   )
 }
