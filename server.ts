@@ -7621,12 +7621,15 @@ export function createLatchServer(
   // or that has no request under way. One whose answer the server is still making (a journal
   // write on a slow disk) is left alone; the next write starts its clock again.
   const answers = new WeakMap<Socket, ServerResponse>()
+  const closing = new WeakSet<ServerResponse>() // answers under way at a stop, marked to close their connection
   const queued = new WeakMap<Socket, number>() // answers made behind one not yet sent whole
   server.on('request', (req: IncomingMessage, res: ServerResponse) => {
     const socket = req.socket
     if (socket.destroyed) return // the rest of what a connection closed below had sent at once
     const before = answers.get(socket)
     answers.set(socket, res)
+    // a request behind one marked at the stop: this one's answer closes the connection instead
+    if (before !== undefined && closing.has(before) && !before.headersSent) before.shouldKeepAlive = true
     if (before === undefined || before.writableFinished) return // the usual case: one at a time
     const count = (queued.get(socket) ?? 0) + 1
     if (count > MAX_QUEUED_ANSWERS) {
@@ -7679,7 +7682,9 @@ export function createLatchServer(
   answersInFlight.set(server, () => {
     for (const socket of connections) {
       const answer = answers.get(socket)
-      if (answer !== undefined && !answer.headersSent) answer.shouldKeepAlive = false
+      if (answer === undefined || answer.headersSent || !answer.shouldKeepAlive) continue
+      answer.shouldKeepAlive = false
+      closing.add(answer)
     }
   })
   const open = new Map<string, number>() // connections by address group, for those limited
