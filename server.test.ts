@@ -392,8 +392,16 @@ describe('Configuration', () => {
   }
 
   it('starts on a non-loopback host once a password hash is set', async () => {
-    const config = loadConfig({ HOST: '0.0.0.0', PASSWORD_HASH: await hashPassword('correct horse', FAST_COST) })
+    const passwordHash = await hashPassword('correct horse', FAST_COST)
+    const config = loadConfig({ HOST: '0.0.0.0', ISSUER: 'http://192.168.1.10:3000', PASSWORD_HASH: passwordHash })
     assert.equal(config.host, '0.0.0.0')
+    // listening on every address, it cannot tell its URL: http://0.0.0.0:3000 is no browser's
+    for (const HOST of ['0.0.0.0', '::', '[::]'])
+      assert.throws(
+        () => loadConfig({ HOST, PASSWORD_HASH: passwordHash }),
+        (err: unknown) => err instanceof ConfigError && /listens on every address.*set ISSUER/.test(err.message),
+        HOST,
+      )
   })
 
   it('warns about a profile URL with a port or an IP address, and about http off loopback', () => {

@@ -7134,6 +7134,13 @@ export function loadConfig(
         'create a hash with `npx tsx server.ts hash-password` and set PASSWORD_HASH, or bind HOST=127.0.0.1',
     )
   }
+  // every address: no browser can use http://0.0.0.0, and a form posted to it from a page opened elsewhere is refused
+  if (raw.ISSUER === undefined && (host === '0.0.0.0' || host === '::')) {
+    throw new ConfigError(
+      `HOST ${written} listens on every address, so Latch cannot tell the URL browsers will use: set ISSUER to it, ` +
+        `as in ISSUER=http://192.168.1.10:${port}, or to the https URL of the proxy in front`,
+    )
+  }
   if (passwordHash === undefined && !LOOPBACK_HOSTS.has(new URL(issuer).hostname.replace(/^\[|\]$/g, ''))) {
     throw new ConfigError(
       `ISSUER ${issuer} is not on a loopback host, and behind a proxy anyone could approve sign-ins ` +
