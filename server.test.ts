@@ -1185,8 +1185,29 @@ describe('GET /auth (IndieAuth §5.2)', () => {
       })
     assert.equal(await status('evil.example'), 421)
     assert.equal(await status('evil.example:80'), 421)
-    assert.equal(await status(`localhost:${new URL(latch.base).port}`), 200)
-    assert.equal(await status(`[::1]:${new URL(latch.base).port}`), 200)
+    assert.equal(await status(`localhost:${new URL(latch.base).port}`), 307) // to the issuer's name: see below
+    assert.equal(await status(`[::1]:${new URL(latch.base).port}`), 307)
+  })
+
+  it('sends a page asked for under another loopback name of the issuer to the issuer, and nothing else', async () => {
+    const port = new URL(latch.base).port
+    const answer = (host: string, path: string, method = 'GET') =>
+      new Promise<{ status?: number; location?: string }>((resolve) => {
+        request({ host: '127.0.0.1', port, path, method, headers: { Host: host } }, (response) => {
+          response.resume()
+          resolve({ status: response.statusCode, location: response.headers.location })
+        }).end()
+      })
+    const auth = new URL(authorizationUrl(latch))
+    const target = `${auth.pathname}${auth.search}`
+    // its forms post to the issuer, where this browser's cookies are not: they would all be refused
+    assert.deepEqual(await answer(`localhost:${port}`, target), { status: 307, location: `${latch.issuer}${target}` })
+    assert.deepEqual(await answer(`[::1]:${port}`, '/apps'), { status: 307, location: `${latch.issuer}/apps` })
+    assert.equal((await answer(`LOCALHOST:${port}`, '/', 'HEAD')).status, 307)
+    assert.equal((await answer(`127.0.0.1:${port}`, target)).status, 200) // the issuer's own name
+    assert.equal((await answer(`localhost:${Number(port) + 1}`, target)).status, 200) // another port: a proxy's, say
+    assert.equal((await answer(`localhost:${port}`, '/.well-known/oauth-authorization-server')).status, 200) // no page
+    assert.equal((await answer(`localhost:${port}`, '/token', 'POST')).status, 400)
   })
 
   it('refuses a request without a Host header while no password is set, even the first after a start', async () => {
@@ -1267,16 +1288,16 @@ describe('GET /auth (IndieAuth §5.2)', () => {
       return Number(/^HTTP\/1\.1 (\d{3})/.exec(text)?.[1])
     }
     assert.equal(await statusOf('GET /apps HTTP/1.0'), 421)
-    assert.equal(await statusOf(`GET /apps HTTP/1.1\r\nHost: localhost:${port}\r\nHost: evil.example`), 400)
-    assert.equal(await statusOf(`GET /apps HTTP/1.0\r\nHost: localhost:${port}`), 200)
+    assert.equal(await statusOf(`GET /apps HTTP/1.1\r\nHost: 127.0.0.1:${port}\r\nHost: evil.example`), 400)
+    assert.equal(await statusOf(`GET /apps HTTP/1.0\r\nHost: 127.0.0.1:${port}`), 200)
     // node:http keeps 2,000 header lines and drops the rest unseen, a second Host among them
     const lines = (count: number) => 'a: 1\r\n'.repeat(count)
     assert.equal(
-      await statusOf(`GET /apps HTTP/1.1\r\nHost: localhost:${port}\r\n${lines(2000)}Host: evil.example`),
+      await statusOf(`GET /apps HTTP/1.1\r\nHost: 127.0.0.1:${port}\r\n${lines(2000)}Host: evil.example`),
       431,
     )
-    assert.equal(await statusOf(`GET /apps HTTP/1.1\r\nHost: localhost:${port}\r\n${lines(1000)}`), 431)
-    assert.equal(await statusOf(`GET /apps HTTP/1.1\r\nHost: localhost:${port}\r\n${lines(999)}`), 200)
+    assert.equal(await statusOf(`GET /apps HTTP/1.1\r\nHost: 127.0.0.1:${port}\r\n${lines(1000)}`), 431)
+    assert.equal(await statusOf(`GET /apps HTTP/1.1\r\nHost: 127.0.0.1:${port}\r\n${lines(999)}`), 200)
   })
 
   it('routes a target in absolute form by its path, and takes its authority for the host', async () => {
@@ -1291,11 +1312,11 @@ describe('GET /auth (IndieAuth §5.2)', () => {
     const metadata = await answer(`http://localhost:${port}/.well-known/oauth-authorization-server`, 'evil.example')
     assert.match(metadata, /^HTTP\/1\.1 200[^]*"issuer"/)
     const consent = new URL(authorizationUrl(latch))
-    const page = await answer(`HTTP://localhost:${port}${consent.pathname}${consent.search}`, 'evil.example')
+    const page = await answer(`HTTP://127.0.0.1:${port}${consent.pathname}${consent.search}`, 'evil.example')
     assert.match(page, /^HTTP\/1\.1 200/)
     const foreign = await answer(`http://evil.example${consent.pathname}${consent.search}`, `localhost:${port}`)
     assert.match(foreign, /^HTTP\/1\.1 421/) // the DNS-rebinding defence reads the target's host
-    assert.match(await answer(`http://localhost:${port}`, 'x'), /^HTTP\/1\.1 200[^]*<a href/) // no path: the home page
+    assert.match(await answer(`http://127.0.0.1:${port}`, 'x'), /^HTTP\/1\.1 200[^]*<a href/) // no path: the home page
   })
 
   it('answers a malformed query with a 400 page', async () => {

@@ -3028,6 +3028,9 @@ export function createHandler(options: HandlerOptions): (req: IncomingMessage, r
     options.signal?.addEventListener('abort', () => clearInterval(sweeping), { once: true })
   }
   const ownHosts = ownHostsOf(ctx.config)
+  // the issuer's host and port, when on loopback: a page asked for under another loopback name is sent there
+  const issuerUrl = new URL(ctx.config.issuer)
+  const issuerHost = LOOPBACK_HOSTS.has(issuerUrl.hostname.replace(/^\[(.*)\]$/, '$1')) ? issuerUrl.host : undefined
   let lastOwnHost: string | undefined // the Host header that passed last time: nearly every request repeats it
   let warnOfUnnamedProxy = true // cleared once said
   let namedProxy: string | undefined // the last proxy on loopback seen named, not looked up again
@@ -3062,9 +3065,29 @@ export function createHandler(options: HandlerOptions): (req: IncomingMessage, r
     const own = ownHosts === undefined || (host !== undefined && (host === lastOwnHost || isOwnHost(host, ownHosts)))
     if (own) lastOwnHost = host
     const refused = refusalOf(req, own, ctx.config.passwordHash === undefined)
+    if (refused === undefined && issuerHost !== undefined && host !== issuerHost && errors === 'page') {
+      const there = issuerAliasUrl(req, issuerHost, ctx.config)
+      if (there !== undefined) return redirect(res, 307, there)
+    }
     const checked = refused === undefined ? handler(req, res, ctx) : Promise.reject(refused)
     checked.catch((err: unknown) => renderError(err, req, res, errors === 'page', ctx))
   }
+}
+
+/**
+ * Where to send a page asked for under another loopback name of this machine than `ISSUER`'s,
+ * on its port: `http://127.0.0.1:3000/auth?…` for an issuer of `http://localhost:3000`. The page
+ * would show, but its forms post to the issuer, where the browser holds other cookies, and they
+ * would be refused (and a passkey works only under the issuer's name). Behind a proxy the Host
+ * header may name anything, so only an issuer on loopback (`issuerHost`) is checked at all.
+ */
+function issuerAliasUrl(req: IncomingMessage, issuerHost: string, config: Config): string | undefined {
+  if (req.method !== 'GET' && req.method !== 'HEAD') return undefined
+  const [, name, port] = /^(.*?)(:\d*)?$/.exec((req.headers.host ?? '').toLowerCase()) ?? []
+  const [, issuerName, issuerPort] = /^(.*?)(:\d*)?$/.exec(issuerHost) ?? []
+  if (name === issuerName || port !== issuerPort || !LOOPBACK_HOSTS.has(name.replace(/^\[(.*)\]$/, '$1')))
+    return undefined
+  return endpointUrl(config, req.url ?? '/')
 }
 
 /** Why a request is refused before any handler reads it, or undefined. */

@@ -932,7 +932,8 @@ function openBrowser(latch: Latch): Browser {
   const cookies = new Map<string, string>()
   const send = async (path: string, init: RequestInit) => {
     const cookie = [...cookies].map(([name, value]) => `${name}=${value}`).join('; ')
-    const response = await fetch(`${latch.base}${path}`, {
+    const response = await fetch(`${latch.issuer}${path}`, {
+      // under its name, as a browser must for passkeys
       ...init,
       redirect: 'manual',
       headers: { ...(init.headers as Record<string, string>), ...(cookie ? { Cookie: cookie } : {}) },
@@ -1281,7 +1282,7 @@ describe('Passkeys over HTTP', () => {
     const other = openBrowser(latch)
     await signInWithPassword(other)
     const sessions = [browser.cookies.get('latch_session'), other.cookies.get('latch_session')]
-    const again = await fetch(`${latch.base}/sign-in`, {
+    const again = await fetch(`${latch.issuer}/sign-in`, {
       method: 'POST',
       headers: {
         'Content-Type': 'application/x-www-form-urlencoded',
@@ -1294,7 +1295,7 @@ describe('Passkeys over HTTP', () => {
     const renewed = /^latch_session=([A-Za-z0-9_-]{43});/.exec(again.headers.get('set-cookie') ?? '')?.[1] ?? ''
     assert.ok(renewed)
     for (const session of sessions) {
-      const old = await fetch(`${latch.base}/apps`, { headers: { Cookie: `latch_session=${session}` } })
+      const old = await fetch(`${latch.issuer}/apps`, { headers: { Cookie: `latch_session=${session}` } })
       assert.doesNotMatch(await old.text(), /Connected apps/)
     }
     browser.cookies.set('latch_session', renewed)
