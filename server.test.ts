@@ -2975,6 +2975,24 @@ describe('Sign-in sessions and connected apps', () => {
     assert.equal(response.headers.get('location'), null)
   })
 
+  it('names the address a refused form came from, and the issuer, when it came from a page under another name', async () => {
+    const consent = await openConsent(latch)
+    const sent = form({ request: consent.request, csrf: createSecret(), scope: 'create', decision: 'approve' })
+    const page = async (origin: string) => {
+      const response = await post(`${latch.base}/auth/consent`, sent, { Origin: origin, 'Sec-Fetch-Site': 'same-site' })
+      assert.equal(response.status, 403)
+      return response.text()
+    }
+    const issuer = new URL(latch.issuer).origin
+    const elsewhere = await page('https://auth.example.com') // a proxy's name, while ISSUER says another
+    assert.match(
+      elsewhere,
+      new RegExp(`sent from a page at https://auth\\.example\\.com, but this server is at ${issuer}`),
+    )
+    assert.match(await page(issuer), /not sent from a page of this server in this browser/)
+    assert.match(await page('null'), /not sent from a page of this server in this browser/)
+  })
+
   it('refuses a form whose browser says it came from another origin (Sec-Fetch-Site), even with the right value', async () => {
     const csrf = createSecret()
     const session = await signIn(csrf)

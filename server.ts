@@ -3980,9 +3980,16 @@ async function requireFormToken(form: Params, req: IncomingMessage, ctx: Context
         'This page is out of date: you signed in or out since it was opened. Go back, reload it and try again'
       throw new OAuthError('access_denied', stale, { status: 401 })
     }
+    // a page of this server opened under another name (a proxy's, an address): reloading it cannot help
+    const origin = req.headers.origin ?? ''
+    const issuer = new URL(ctx.config.issuer).origin
+    const elsewhere = /^https?:\/\/[\w.:[\]-]{1,300}$/.test(origin) && origin !== issuer
     throw new OAuthError(
       'access_denied',
-      'This form was not sent from a page of this server in this browser: go back, reload the page and try again',
+      elsewhere
+        ? `This form was sent from a page at ${origin}, but this server is at ${issuer}: ` +
+            'open it there (go back to the app and start again), or set ISSUER to the address you use'
+        : 'This form was not sent from a page of this server in this browser: go back, reload the page and try again',
       {
         status: 403,
         event: `a form sent to ${pathOf(req.url ?? '/')} was refused: it did not come from this server's page`,
