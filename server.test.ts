@@ -3704,6 +3704,15 @@ describe('Slow clients', () => {
       for await (const chunk of socket) text += String(chunk)
       assert.match(text, /^HTTP\/1\.1 405 Method Not Allowed\r\n/)
       assert.match(text, /\r\nAllow: GET, POST, OPTIONS\r\n/)
+      // a client that keeps its side open: node:http no longer watches the socket, so Latch closes it
+      const held = connect({ port: (server.address() as AddressInfo).port, host: '127.0.0.1', allowHalfOpen: true })
+      held.write('CONNECT example.com:443 HTTP/1.1\r\nHost: example.com:443\r\n\r\n')
+      held.resume()
+      await once(held, 'end')
+      let open = -1
+      const closed = await until(() => (void server.getConnections((_err, count) => (open = count)), open === 0))
+      held.destroy()
+      assert.ok(closed, 'the tunnel asked for is still open on the server')
     } finally {
       await new Promise((resolve) => server.close(resolve))
     }

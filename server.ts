@@ -7706,11 +7706,16 @@ export function createLatchServer(
   }
   server.on('drop', (data?: { remoteAddress?: string }) => drop('total', data?.remoteAddress)) // past maxConnections
   // CONNECT asks a proxy for a tunnel, and node:http hands it here instead of to the handler:
-  // without this, it would close the connection without a word
+  // without this, it would close the connection without a word. node:http no longer watches such
+  // a socket (no timeout, and `closeAllConnections` does not reach it): it is closed here, whole,
+  // once the answer is out, or after 5 s for a client that does not read it
   server.on('connect', (_req: IncomingMessage, socket: Socket) => {
     socket.on('error', () => {})
+    const cut = setTimeout(() => socket.destroy(), 5_000).unref()
+    socket.once('close', () => clearTimeout(cut))
     socket.end(
       'HTTP/1.1 405 Method Not Allowed\r\nAllow: GET, POST, OPTIONS\r\nContent-Length: 0\r\nConnection: close\r\n\r\n',
+      () => socket.destroy(),
     )
   })
   const connections = new Set<Socket>()
