@@ -2157,6 +2157,25 @@ describe('POST /token with grant_type=refresh_token (IndieAuth §5.5, RFC 6749 �
     assert.equal((await refresh(tokens.refresh_token)).status, 200) // not used by the refusal
   })
 
+  it('does not count toward the 1,000 a day a refresh that could not be stored', async () => {
+    const store = new MemoryStore()
+    const own = await startLatch({ ME: 'https://example.com/' }, { store })
+    try {
+      const tokens = (await (await exchange(own, await obtainCode(own))).json()) as Tokens
+      const redeemForTokens = store.redeemForTokens.bind(store)
+      store.redeemForTokens = async () => {
+        throw new NotStored(new Error('ENOSPC: no space left on device'))
+      }
+      const fields = { grant_type: 'refresh_token', refresh_token: tokens.refresh_token, client_id: CLIENT_ID }
+      const again = () => post(`${own.base}/token`, form(fields))
+      for (let i = 0; i < 1000; i++) assert.equal((await again()).status, 503)
+      store.redeemForTokens = redeemForTokens // the disk has room again
+      assert.equal((await again()).status, 200)
+    } finally {
+      await own.close()
+    }
+  })
+
   it('revokes the whole family when a rotated refresh token comes back (RFC 9700 §4.14.2)', async () => {
     const first = await firstTokens()
     const second = (await (await refresh(first.refresh_token)).json()) as Tokens

@@ -1669,13 +1669,18 @@ async function refreshGrant(form: Params, ctx: Context) {
     scope: narrowScope(getParam(form, 'scope'), found.token.scope),
     resource: narrowResource(form, found.token.resource),
   }
-  countRefresh(found.token.grantId, found.grant.client_id, ctx)
+  const day = countRefresh(found.token.grantId, found.grant.client_id, ctx)
   const redeemed = {
     kind: 'refresh',
     hash,
     retriedSince: graceMs > 0 ? retriedSince : undefined,
   } as const
-  return await issueTokens(redeemed, found.token.grantId, found.grant, access, ctx)
+  try {
+    return await issueTokens(redeemed, found.token.grantId, found.grant, access, ctx)
+  } catch (err) {
+    day.count-- // nothing was stored (a full disk, a race lost): not a refresh
+    throw err
+  }
 }
 
 /**
@@ -1684,7 +1689,7 @@ async function refreshGrant(form: Params, ctx: Context) {
  * refreshed MAX_REFRESHES_A_DAY times in a day: a client whose access tokens last five minutes
  * needs 288. Past that, 429 until the day is over; the refresh token is not used up.
  */
-function countRefresh(grantId: string, clientId: string, ctx: Context): void {
+function countRefresh(grantId: string, clientId: string, ctx: Context): { count: number } {
   const now = ctx.steadyNow()
   let day = ctx.refreshes.get(grantId)
   if (day === undefined || day.since + DAY_MS <= now) {
@@ -1703,6 +1708,7 @@ function countRefresh(grantId: string, clientId: string, ctx: Context): void {
         : undefined,
     })
   }
+  return day
 }
 
 const MAX_REFRESHES_A_DAY = 1_000
