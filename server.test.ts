@@ -3922,6 +3922,57 @@ describe('Router and errors', () => {
     await latch.close()
   })
 
+  it('makes the token a form asked for when sent again, after its first try stored the grant but not the token', async () => {
+    const store = new MemoryStore()
+    const password = 'correct horse battery staple'
+    const latch = await startLatch({ PASSWORD_HASH: await hashPassword(password, FAST_COST) }, { store })
+    try {
+      const csrf = createSecret()
+      const signedIn = await post(`${latch.base}/sign-in`, form({ csrf, password }), { Cookie: `latch_csrf=${csrf}` })
+      const cookie = `latch_csrf=${csrf}; ${(signedIn.headers.get('set-cookie') ?? '').split(';')[0]}`
+      const apps = await (await fetch(`${latch.base}/apps`, { headers: { Cookie: cookie } })).text()
+      const token = /name="csrf" value="([^"]+)"/.exec(apps)?.[1] ?? ''
+      const once = /name="once" value="([^"]+)"/.exec(apps)?.[1] ?? ''
+      const saveToken = store.saveToken.bind(store)
+      store.saveToken = async () => {
+        throw new NotStored(new Error('ENOSPC: no space left on device'))
+      }
+      const sent = form({ csrf: token, once, name: 'Deploy', scope: 'create', lifetime: '604800' })
+      assert.equal((await post(`${latch.base}/apps/tokens`, sent, { Cookie: cookie })).status, 503)
+      store.saveToken = saveToken // the disk has room again
+      const again = await post(`${latch.base}/apps/tokens`, sent, { Cookie: cookie })
+      assert.equal(again.status, 200)
+      const made = /<pre class="token">([A-Za-z0-9_-]{43})<\/pre>/.exec(await again.text())?.[1] ?? ''
+      assert.ok(made)
+      const answer = await post(`${latch.base}/introspect`, form({ token: made }))
+      assert.equal(((await answer.json()) as { active: boolean }).active, true)
+      assert.equal((await post(`${latch.base}/apps/tokens`, sent, { Cookie: cookie })).status, 409) // made, and shown
+    } finally {
+      await latch.close()
+    }
+  })
+
+  it('keeps a consent request open when its code could not be stored, to be approved once there is room', async () => {
+    const store = new MemoryStore()
+    const password = 'correct horse battery staple'
+    const latch = await startLatch({ PASSWORD_HASH: await hashPassword(password, FAST_COST) }, { store })
+    try {
+      const consent = await openConsent(latch)
+      const saveCode = store.saveCode.bind(store)
+      store.saveCode = async () => {
+        throw new NotStored(new Error('ENOSPC: no space left on device'))
+      }
+      assert.equal((await submitConsent(latch, consent, { password })).status, 503)
+      store.saveCode = saveCode
+      latch.advance(120) // past the minute a second press is answered in
+      const approved = await submitConsent(latch, consent, { password })
+      assert.equal(approved.status, 303)
+      assert.ok(new URL(approved.headers.get('location') ?? '').searchParams.get('code'))
+    } finally {
+      await latch.close()
+    }
+  })
+
   it('refuses at once a store that is still a Promise: openStore not awaited', () => {
     const config = loadConfig({ PORT: '0', DATA_FILE: 'memory' })
     const store = openStore(config) as unknown as Store

@@ -395,6 +395,8 @@ type Context = {
   startedAt: number
   /** The grants of tokens for scripts being made: one form sent twice at once makes one token. */
   scriptGrantsUnderWay: Set<string>
+  /** Grants of tokens for scripts stored without their token (a full disk): the form sent again makes it. */
+  scriptGrantsWithoutToken: Set<string>
   /** Consent answered lately, by the hash of its request id, for a second press of its button (`rememberAnswer`). */
   answered: Map<string, Answer & { until: number }>
 }
@@ -1368,11 +1370,15 @@ async function handleConsent(req: IncomingMessage, res: ServerResponse, ctx: Con
     }
     return redirect(res, 303, buildRedirectUrl(request.redirect_uri, params))
   }
-  const code = await issueCode(
-    request,
-    { scope: answer.granted, resource: request.resource, lifetime: answer.lifetime },
-    ctx,
-  )
+  const chosen = { scope: answer.granted, resource: request.resource, lifetime: answer.lifetime }
+  const code = await issueCode(request, chosen, ctx).catch(async (err: unknown) => {
+    // not stored (a full disk): the request is open again, to be answered once there is room
+    if (taken) {
+      ctx.answered.delete(idHash)
+      await ctx.store.savePending(idHash, request, ctx.now())
+    }
+    throw err
+  })
   redirect(res, 303, buildRedirectUrl(request.redirect_uri, { code, state: request.state, iss }), headers)
 }
 
@@ -2265,8 +2271,10 @@ async function handleScriptToken(req: IncomingMessage, res: ServerResponse, ctx:
   if (ctx.scriptGrantsUnderWay.has(grantId)) return sendTokenMadeBefore(res, name, ctx.config)
   ctx.scriptGrantsUnderWay.add(grantId)
   try {
-    if ((await ctx.store.findGrant(grantId, now)) !== undefined) return sendTokenMadeBefore(res, name, ctx.config)
-    const token = await makeScriptToken(grantId, { name, scope, resource, lifetime }, ctx)
+    const stored = await ctx.store.findGrant(grantId, now)
+    if (stored !== undefined && !ctx.scriptGrantsWithoutToken.has(grantId))
+      return sendTokenMadeBefore(res, name, ctx.config)
+    const token = await makeScriptToken(grantId, stored ?? { name, scope, resource, lifetime }, ctx)
     if (token === undefined) return sendTokenMadeBefore(res, name, ctx.config) // revoked since it was made
     logEvent(ctx, 'security', `the owner made a token for scripts named ${JSON.stringify(name)}`, req)
     sendPage(res, 200, renderScriptTokenPage(name, token, ctx.config))
@@ -2275,35 +2283,53 @@ async function handleScriptToken(req: IncomingMessage, res: ServerResponse, ctx:
   }
 }
 
-/** Saves the grant of a token for scripts, then its token, and returns the token; none if the grant was revoked. */
+/**
+ * Saves the grant of a token for scripts, then its token, and returns the token; none if the grant
+ * was revoked. Given a grant stored before without its token, makes the token for it.
+ */
 async function makeScriptToken(
   grantId: string,
-  chosen: { name: string; scope: string[]; resource: string[]; lifetime: number },
+  chosen: Grant | { name: string; scope: string[]; resource: string[]; lifetime: number },
   ctx: Context,
 ): Promise<string | undefined> {
-  const { name, scope, resource, lifetime } = chosen
   const now = ctx.now()
-  const expiresAt = now + (lifetime === UNTIL_REVOKED ? MAX_DURATION_SECONDS : lifetime) * 1000
-  const grant: Grant = {
-    client_id: scriptClientId(ctx.config),
-    client_name: name,
-    me: ctx.config.me,
-    scope,
-    resource,
-    accessTokenTtlSeconds: (expiresAt - now) / 1000,
-    approvedAt: now,
-    lastUsedAt: 0,
-    endsAt: lifetime === UNTIL_REVOKED ? undefined : expiresAt,
-    expiresAt,
+  let grant: Grant
+  if ('client_id' in chosen) grant = chosen
+  else {
+    const { name, scope, resource, lifetime } = chosen
+    const expiresAt = now + (lifetime === UNTIL_REVOKED ? MAX_DURATION_SECONDS : lifetime) * 1000
+    grant = {
+      client_id: scriptClientId(ctx.config),
+      client_name: name,
+      me: ctx.config.me,
+      scope,
+      resource,
+      accessTokenTtlSeconds: (expiresAt - now) / 1000,
+      approvedAt: now,
+      lastUsedAt: 0,
+      endsAt: lifetime === UNTIL_REVOKED ? undefined : expiresAt,
+      expiresAt,
+    }
+    // The grant first: a snapshot of the journal keeps a token only with its grant. A write that
+    // fails between the two (a full disk) leaves a grant without a token, which the same form,
+    // sent again, gives its token; after a restart (or a kill), it is on /apps, to revoke.
+    await ctx.store.saveGrant(grantId, grant, now)
+    if ((await ctx.store.findGrant(grantId, now)) === undefined) return undefined
   }
+  const { scope, resource, expiresAt } = grant
   const token = createSecret()
   const access = { kind: 'access', grantId, scope, resource, issuedAt: now, expiresAt, usedAt: undefined } as const
-  // The grant first: a snapshot of the journal keeps a token only with its grant. A write that
-  // fails between the two (a full disk, a kill) leaves a grant without a token on /apps, to revoke.
-  await ctx.store.saveGrant(grantId, grant, now)
-  if ((await ctx.store.findGrant(grantId, now)) === undefined) return undefined
+  rememberGrantWithoutToken(grantId, ctx)
   await ctx.store.saveToken(hashSecret(token), access, now)
+  ctx.scriptGrantsWithoutToken.delete(grantId)
   return token
+}
+
+/** Remembers a grant for scripts until its token is stored: at most a hundred, the oldest forgotten first. */
+function rememberGrantWithoutToken(grantId: string, ctx: Context): void {
+  const waiting = ctx.scriptGrantsWithoutToken
+  if (waiting.size >= 100) waiting.delete(waiting.values().next().value ?? '')
+  waiting.add(grantId)
 }
 
 /** The answer to a token form sent again: its token was made, and shown, the first time. */
@@ -3025,6 +3051,7 @@ export function createHandler(options: HandlerOptions): (req: IncomingMessage, r
     passkeys: { key: randomBytes(32), used: new Map(), changes: Promise.resolve() },
     startedAt: now(),
     scriptGrantsUnderWay: new Set(),
+    scriptGrantsWithoutToken: new Set(),
     answered: new Map(),
   }
   // expired entries go even while no one writes, without costing a request anything
