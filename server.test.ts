@@ -3008,6 +3008,10 @@ describe('Sign-in sessions and connected apps', () => {
       elsewhere,
       new RegExp(`sent from a page at https://auth\\.example\\.com, but this server is at ${issuer}`),
     )
+    assert.match(elsewhere, new RegExp(`start again from the app, or open the page at ${issuer}</p>`))
+    assert.doesNotMatch(elsewhere, /reload/) // reloading that page cannot help
+    const local = await page(`http://localhost:${latch.port}`) // a name of this machine
+    assert.match(local, /, or set ISSUER to the address you use<\/p>/)
     assert.match(await page(issuer), /not sent from a page of this server in this browser/)
     assert.match(await page('null'), /not sent from a page of this server in this browser/)
   })

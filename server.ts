@@ -3874,7 +3874,7 @@ function sendErrorPage(res: ServerResponse, err: OAuthError, ownersForm = false)
 const ERROR_PAGE_WORDS: Record<number, [string, string]> = {
   400: ['This sign-in cannot continue', 'Go back to the app you came from and start again.'],
   401: ['Sign in first', 'Your session has ended: sign in again on your apps page.'],
-  403: ['This was refused', 'Go back, reload the page and try again.'],
+  403: ['This was refused', 'The line below says why, and what to do.'],
   404: ['There is nothing here', 'Check the address, or start from the home page of this server.'],
   405: ['This page cannot be used that way', 'Go back and follow a link or a button of this server.'],
   414: ['This address is too long', 'Go back to the app you came from and start again.'],
@@ -4013,15 +4013,18 @@ async function requireFormToken(form: Params, req: IncomingMessage, ctx: Context
         'This page is out of date: you signed in or out since it was opened. Go back, reload it and try again'
       throw new OAuthError('access_denied', stale, { status: 401 })
     }
-    // a page of this server opened under another name (a proxy's, an address): reloading it cannot help
+    // a page of this server opened under another name (a proxy's, an address): reloading it cannot
+    // help. Any site can send a form, so only a name of this machine is offered as one for ISSUER.
     const origin = req.headers.origin ?? ''
     const issuer = new URL(ctx.config.issuer).origin
     const elsewhere = /^https?:\/\/[\w.:[\]-]{1,300}$/.test(origin) && origin !== issuer
+    const local = elsewhere && LOOPBACK_HOSTS.has(new URL(origin).hostname.replace(/^\[(.*)\]$/, '$1'))
     throw new OAuthError(
       'access_denied',
       elsewhere
         ? `This form was sent from a page at ${origin}, but this server is at ${issuer}: ` +
-            'open it there (go back to the app and start again), or set ISSUER to the address you use'
+            `start again from the app, or open the page at ${issuer}` +
+            (local ? ', or set ISSUER to the address you use' : '')
         : 'This form was not sent from a page of this server in this browser: go back, reload the page and try again',
       {
         status: 403,
