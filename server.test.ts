@@ -1595,7 +1595,7 @@ describe('POST /auth/consent with a password', () => {
       const apps = await (await fetch(`${own.base}/apps`, { headers: { Cookie: cookie } })).text()
       const csrf = /name="csrf" value="([^"]+)"/.exec(apps)?.[1] ?? ''
       const revoked = await post(`${own.base}/apps/revoke-all`, form({ csrf, confirm: 'yes' }), { Cookie: cookie })
-      assert.match(await revoked.text(), /Revoked 1 app: its tokens stopped working/)
+      assert.match(await revoked.text(), /Revoked 1 app: it has lost its access/)
       assert.equal((await submitConsent(own, consent, { password: 'correct horse' })).status, 400)
     } finally {
       await own.close()
@@ -2858,7 +2858,7 @@ describe('Sign-in sessions and connected apps', () => {
       Cookie: `latch_csrf=${csrf}; ${session}`,
     })
     assert.equal(response.status, 200)
-    assert.match(await response.text(), /class="notice" role="status">Revoked \d+ apps: their tokens stopped working/)
+    assert.match(await response.text(), /class="notice" role="status">Revoked \d+ apps: they have lost their access/)
     for (const token of tokens) assert.deepEqual(await introspect(latch, token), { active: false })
     assert.match(await appsPage(`latch_csrf=${csrf}; ${session}`), /No app holds a token/)
   })
@@ -2877,7 +2877,7 @@ describe('Sign-in sessions and connected apps', () => {
     const later = await obtainToken(latch, { password }) // approved while the question was open
     const yes = form({ csrf: token, confirm: 'yes', asked })
     const answered = await post(`${latch.base}/apps/revoke-all`, yes, { Cookie: cookie })
-    assert.match(await answered.text(), /class="notice" role="status">Revoked 1 app: its tokens stopped working/)
+    assert.match(await answered.text(), /class="notice" role="status">Revoked 1 app: it has lost its access/)
     assert.deepEqual(await introspect(latch, listed), { active: false })
     assert.equal((await introspect(latch, later)).active, true)
     const again = await post(`${latch.base}/apps/revoke-all`, yes, { Cookie: cookie }) // a reload
@@ -2900,7 +2900,7 @@ describe('Sign-in sessions and connected apps', () => {
     const yes = await post(`${latch.base}/apps/revoke-all`, form({ csrf: token, confirm: 'yes', asked }), {
       Cookie: cookie,
     })
-    assert.match(await yes.text(), /class="notice" role="status">Revoked 2 apps: their tokens stopped working/)
+    assert.match(await yes.text(), /class="notice" role="status">Revoked 2 apps: they have lost their access/)
     assert.deepEqual(await introspect(latch, listed), { active: false })
     await assertError(await exchange(latch, approved), 400, 'invalid_grant')
     assert.match(await appsPage(cookie), /No app holds a token/)
@@ -2914,6 +2914,8 @@ describe('Sign-in sessions and connected apps', () => {
       const cookie = `latch_csrf=${csrf}; ${(signedIn.headers.get('set-cookie') ?? '').split(';')[0]}`
       const approved = await obtainCode(own, {}, { password }) // the app has its code, and no token yet
       const apps = await (await fetch(`${own.base}/apps`, { headers: { Cookie: cookie } })).text()
+      assert.match(apps, /No app holds a token right now/)
+      assert.match(apps, /action="[^"]*\/apps\/revoke-all"/) // the button is there all the same
       const token = /name="csrf" value="([^"]+)"/.exec(apps)?.[1] ?? ''
       const asked = await post(`${own.base}/apps/revoke-all`, form({ csrf: token }), { Cookie: cookie })
       const question = await asked.text()
@@ -2925,7 +2927,7 @@ describe('Sign-in sessions and connected apps', () => {
       const yes = form({ csrf: token, confirm: 'yes', asked: sent })
       assert.match(
         await (await post(`${own.base}/apps/revoke-all`, yes, { Cookie: cookie })).text(),
-        /Revoked 1 app: its/,
+        /Revoked 1 app: it has lost its access/,
       )
       await assertError(await exchange(own, approved), 400, 'invalid_grant')
     } finally {
@@ -3003,7 +3005,7 @@ describe('Sign-in sessions and connected apps', () => {
       return response.text()
     }
     const issuer = new URL(latch.issuer).origin
-    const elsewhere = await page('https://auth.example.com') // a proxy's name, while ISSUER says another
+    const elsewhere = await page('https://auth.example.com') // a proxy's name, while ISSUER says another; or a forger's
     assert.match(
       elsewhere,
       new RegExp(`sent from a page at https://auth\\.example\\.com, but this server is at ${issuer}`),

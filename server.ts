@@ -2237,8 +2237,8 @@ async function handleAllAppsRevocation(req: IncomingMessage, res: ServerResponse
   ctx.answered.clear() // nor answered again, as a second press would: no approval from before gives access
   const notice =
     revoked === 0
-      ? 'Nothing was left to revoke: the apps on that list had lost their access already.'
-      : `Revoked ${countApps(revoked)}: ${revoked === 1 ? 'its' : 'their'} tokens stopped working.`
+      ? 'Nothing was left to revoke: no app approved by then still had access.'
+      : `Revoked ${countApps(revoked)}: ${revoked === 1 ? 'it has lost its' : 'they have lost their'} access.`
   await sendAppsPage(res, ctx, visitor, { notice })
 }
 
@@ -2699,7 +2699,8 @@ ${renderButton(config, '/apps/revoke', `${csrfField}${grantField(id)}`, 'danger'
 <h1>Connected apps</h1>
 ${notice}<p>These apps can act as you. Revoking one ends its access at once; otherwise it ends when
 you chose on the consent page.</p>
-${apps === '' ? '<p class="muted">No app holds a token right now.</p>' : `${apps}\n${actions}`}
+${apps === '' ? '<p class="muted">No app holds a token right now.</p>' : apps}
+${actions}
 ${renderScriptTokenForm(config, csrfField)}
 ${renderPasskeys(page, csrfField)}
 ${everywhere}`,

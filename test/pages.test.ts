@@ -405,7 +405,7 @@ describe("The owner's pages, at a phone's width and a desktop's, in light and da
     await capture(page, 'revoke-all')
 
     assert.equal(await press(page, yes), 200)
-    assert.equal(await page.getByRole('status').innerText(), 'Revoked 2 apps: their tokens stopped working.')
+    assert.equal(await page.getByRole('status').innerText(), 'Revoked 2 apps: they have lost their access.')
     await page.getByText('No app holds a token right now.').waitFor()
     assert.deepEqual(await introspect(latch, appToken), { active: false })
     assert.deepEqual(await introspect(latch, scriptTokens[1]), { active: false })
