@@ -2162,14 +2162,11 @@ describe('POST /token with grant_type=refresh_token (IndieAuth ยง5.5, RFC 6749 ย
     const own = await startLatch({ ME: 'https://example.com/' }, { store })
     try {
       const tokens = (await (await exchange(own, await obtainCode(own))).json()) as Tokens
-      const redeemForTokens = store.redeemForTokens.bind(store)
-      store.redeemForTokens = async () => {
-        throw new NotStored(new Error('ENOSPC: no space left on device'))
-      }
+      const roomAgain = fillDisk(store, 'redeemForTokens')
       const fields = { grant_type: 'refresh_token', refresh_token: tokens.refresh_token, client_id: CLIENT_ID }
       const again = () => post(`${own.base}/token`, form(fields))
       for (let i = 0; i < 1000; i++) assert.equal((await again()).status, 503)
-      store.redeemForTokens = redeemForTokens // the disk has room again
+      roomAgain()
       assert.equal((await again()).status, 200)
     } finally {
       await own.close()
@@ -3913,9 +3910,7 @@ describe('Router and errors', () => {
 
   it('answers a change the data file did not take with a 503 page, and logs no failure of its own', async () => {
     const store = new MemoryStore()
-    store.saveCode = async () => {
-      throw new NotStored(new Error('ENOSPC: no space left on device'))
-    }
+    fillDisk(store, 'saveCode')
     const password = 'correct horse battery staple'
     const latch = await startLatch({ PASSWORD_HASH: await hashPassword(password, FAST_COST) }, { store })
     const refused = await submitConsent(latch, await openConsent(latch), { password })
@@ -3939,13 +3934,10 @@ describe('Router and errors', () => {
       const apps = await (await fetch(`${latch.base}/apps`, { headers: { Cookie: cookie } })).text()
       const token = /name="csrf" value="([^"]+)"/.exec(apps)?.[1] ?? ''
       const once = /name="once" value="([^"]+)"/.exec(apps)?.[1] ?? ''
-      const saveToken = store.saveToken.bind(store)
-      store.saveToken = async () => {
-        throw new NotStored(new Error('ENOSPC: no space left on device'))
-      }
+      const roomAgain = fillDisk(store, 'saveToken')
       const sent = form({ csrf: token, once, name: 'Deploy', scope: 'create', lifetime: '604800' })
       assert.equal((await post(`${latch.base}/apps/tokens`, sent, { Cookie: cookie })).status, 503)
-      store.saveToken = saveToken // the disk has room again
+      roomAgain()
       const again = await post(`${latch.base}/apps/tokens`, sent, { Cookie: cookie })
       assert.equal(again.status, 200)
       const made = /<pre class="token">([A-Za-z0-9_-]{43})<\/pre>/.exec(await again.text())?.[1] ?? ''
@@ -3964,12 +3956,9 @@ describe('Router and errors', () => {
     const latch = await startLatch({ PASSWORD_HASH: await hashPassword(password, FAST_COST) }, { store })
     try {
       const consent = await openConsent(latch)
-      const saveCode = store.saveCode.bind(store)
-      store.saveCode = async () => {
-        throw new NotStored(new Error('ENOSPC: no space left on device'))
-      }
+      const roomAgain = fillDisk(store, 'saveCode')
       assert.equal((await submitConsent(latch, consent, { password })).status, 503)
-      store.saveCode = saveCode
+      roomAgain()
       latch.advance(120) // past the minute a second press is answered in
       const approved = await submitConsent(latch, consent, { password })
       assert.equal(approved.status, 303)
@@ -4047,6 +4036,15 @@ describe('Router and errors', () => {
     )
   })
 })
+
+/** Makes one method of `store` fail as on a full disk (`NotStored`); the function returned gives the room back. */
+function fillDisk(store: MemoryStore, method: 'saveCode' | 'saveToken' | 'redeemForTokens'): () => void {
+  const full = async () => {
+    throw new NotStored(new Error('ENOSPC: no space left on device'))
+  }
+  Object.defineProperty(store, method, { value: full, configurable: true }) // over the class's own method
+  return () => void Reflect.deleteProperty(store, method)
+}
 
 // --- A full flow ------------------------------------------------------------------------
 
