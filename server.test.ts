@@ -3012,7 +3012,9 @@ describe('Sign-in sessions and connected apps', () => {
     const local = await page(`http://localhost:${latch.port}`) // a name of this machine
     assert.match(local, /, or set ISSUER to the address you use<\/p>/)
     assert.match(await page(issuer), /not sent from a page of this server in this browser/)
-    assert.match(await page('null'), /not sent from a page of this server in this browser/)
+    for (const origin of ['null', 'http://[::1', 'http://a:99999'])
+      // not an origin: not named
+      assert.match(await page(origin), /not sent from a page of this server in this browser/)
   })
 
   it('refuses a form whose browser says it came from another origin (Sec-Fetch-Site), even with the right value', async () => {

@@ -4018,7 +4018,7 @@ async function requireFormToken(form: Params, req: IncomingMessage, ctx: Context
     // help. Any site can send a form, so only a name of this machine is offered as one for ISSUER.
     const origin = req.headers.origin ?? ''
     const issuer = new URL(ctx.config.issuer).origin
-    const elsewhere = /^https?:\/\/[\w.:[\]-]{1,300}$/.test(origin) && origin !== issuer
+    const elsewhere = /^https?:\/\/[\w.:[\]-]{1,300}$/.test(origin) && URL.canParse(origin) && origin !== issuer
     const local = elsewhere && LOOPBACK_HOSTS.has(new URL(origin).hostname.replace(/^\[(.*)\]$/, '$1'))
     throw new OAuthError(
       'access_denied',
