@@ -396,7 +396,7 @@ describe('Configuration', () => {
     const config = loadConfig({ HOST: '0.0.0.0', ISSUER: 'http://192.168.1.10:3000', PASSWORD_HASH: passwordHash })
     assert.equal(config.host, '0.0.0.0')
     // listening on every address, it cannot tell its URL: http://0.0.0.0:3000 is no browser's
-    for (const HOST of ['0.0.0.0', '::', '[::]', '0', '::0', '0:0:0:0:0:0:0:0'])
+    for (const HOST of ['0.0.0.0', '::', '[::]', '0', '::0', '0:0:0:0:0:0:0:0', '::ffff:0.0.0.0'])
       assert.throws(
         () => loadConfig({ HOST, PASSWORD_HASH: passwordHash }),
         (err: unknown) => err instanceof ConfigError && /listens on every address.*set ISSUER/.test(err.message),

@@ -7202,7 +7202,8 @@ export function loadConfig(
     )
   }
   // every address: no browser can use http://0.0.0.0, and a form posted to it from a page opened elsewhere is refused
-  if (raw.ISSUER === undefined && ['0.0.0.0', '[::]'].includes(new URL(`http://${hostForUrl(host)}/`).hostname)) {
+  const listensOn = new URL(`http://${hostForUrl(host)}/`).hostname
+  if (raw.ISSUER === undefined && ['0.0.0.0', '[::]', '[::ffff:0:0]'].includes(listensOn)) {
     throw new ConfigError(
       `HOST ${written} listens on every address, so Latch cannot tell the URL browsers will use: set ISSUER to it, ` +
         `as in ISSUER=http://192.168.1.10:${port}, or to the https URL of the proxy in front`,
