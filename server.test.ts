@@ -3940,6 +3940,10 @@ describe('Router and errors', () => {
       const sent = form({ csrf: token, once, name: 'Deploy', scope: 'create', lifetime: '604800' })
       assert.equal((await post(`${latch.base}/apps/tokens`, sent, { Cookie: cookie })).status, 503)
       roomAgain()
+      const other = form({ csrf: token, once, name: 'Deploy', scope: 'read', lifetime: '86400' })
+      const refused = await post(`${latch.base}/apps/tokens`, other, { Cookie: cookie }) // the same form, changed
+      assert.equal(refused.status, 400)
+      assert.match(await refused.text(), /This form was sent before with other values/)
       const again = await post(`${latch.base}/apps/tokens`, sent, { Cookie: cookie })
       assert.equal(again.status, 200)
       const made = /<pre class="token">([A-Za-z0-9_-]{43})<\/pre>/.exec(await again.text())?.[1] ?? ''

@@ -2272,8 +2272,19 @@ async function handleScriptToken(req: IncomingMessage, res: ServerResponse, ctx:
   ctx.scriptGrantsUnderWay.add(grantId)
   try {
     const stored = await ctx.store.findGrant(grantId, now)
-    if (stored !== undefined && !ctx.scriptGrantsWithoutToken.has(grantId))
-      return sendTokenMadeBefore(res, name, ctx.config)
+    if (stored !== undefined) {
+      if (!ctx.scriptGrantsWithoutToken.has(grantId)) return sendTokenMadeBefore(res, name, ctx.config)
+      // stored before without its token (a full disk): the form sent again makes it, if it asks for the same
+      const ttl = lifetime === UNTIL_REVOKED ? MAX_DURATION_SECONDS : lifetime
+      const same = stored.client_name === name && stored.accessTokenTtlSeconds === ttl
+      if (!same || !sameWords(stored.scope, scope) || !sameWords(stored.resource, resource)) {
+        throw new OAuthError(
+          'invalid_request',
+          'This form was sent before with other values, and its token could not be made then: ' +
+            'revoke the token it made on your apps page, then make a new one',
+        )
+      }
+    }
     const token = await makeScriptToken(grantId, stored ?? { name, scope, resource, lifetime }, ctx)
     if (token === undefined) return sendTokenMadeBefore(res, name, ctx.config) // revoked since it was made
     logEvent(ctx, 'security', `the owner made a token for scripts named ${JSON.stringify(name)}`, req)
@@ -2323,6 +2334,11 @@ async function makeScriptToken(
   await ctx.store.saveToken(hashSecret(token), access, now)
   ctx.scriptGrantsWithoutToken.delete(grantId)
   return token
+}
+
+/** Whether two lists of scopes or resources hold the same words, in whatever order. */
+function sameWords(a: string[], b: string[]): boolean {
+  return a.length === b.length && a.every((word) => b.includes(word))
 }
 
 /** Remembers a grant for scripts until its token is stored: at most a hundred, the oldest forgotten first. */
