@@ -7666,8 +7666,9 @@ export const CONNECTION_LIMITS: ConnectionLimits = {
  * send its next requests without waiting for the answers (HTTP/1.1 pipelining; no browser does),
  * and node:http answers them all, each kept in memory until the ones before it are sent: a
  * consent page with its logo weighs some 90 KB, and a client that never reads had gigabytes
- * piled up within seconds. Past this, the connection is closed. Requests that came in the same
- * read go to the handler all the same, on a closed connection: it answers none of them.
+ * piled up within seconds. Past this, the connection is closed at once, answers unsent. The
+ * requests that came in the same read go to the handler all the same, on a closed connection: it
+ * answers none of them.
  */
 const MAX_QUEUED_ANSWERS = 8
 
