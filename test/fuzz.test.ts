@@ -634,6 +634,10 @@ function buildCase(index: number, target: Target, random: Random): Case {
       ['Content-Length', 'abc'],
       ['Transfer-Encoding', 'gzip'],
       ['Origin', 'https://evil.example'],
+      ['Origin', 'http://[::1'], // the shape of an origin, which no URL parser takes
+      ['Origin', `http://localhost:${target.port}`],
+      ['Sec-Fetch-Site', 'cross-site'],
+      ['Sec-Fetch-Dest', 'image'],
     ])
     if (header === 'no-host') headers = headers.filter(([name]) => name !== 'Host')
     else if (header === 'http/1.0') version = 'HTTP/1.0'
