@@ -2497,6 +2497,29 @@ describe('Legacy IndieAuth', () => {
 })
 
 describe('The log', () => {
+  it('logs the path a client asked for under an ISSUER with a path, as where an app mounts Latch', async () => {
+    const server = createServer()
+    await new Promise<void>((resolve) => server.listen(0, '127.0.0.1', resolve))
+    const port = (server.address() as AddressInfo).port
+    const lines: string[] = []
+    const config = loadConfig({ DATA_FILE: 'memory', ISSUER: `http://127.0.0.1:${port}/latch` })
+    const handler = createHandler({ config, log: (line) => lines.push(line) })
+    server.on('request', (req: IncomingMessage, res: ServerResponse) => {
+      req.url = (req.url ?? '/').slice('/latch'.length) || '/' // as Express's app.use('/latch', handler)
+      handler(req, res)
+    })
+    try {
+      for (const path of ['/.well-known/oauth-authorization-server', '/nothing-here'])
+        await (await fetch(`http://127.0.0.1:${port}/latch${path}`)).arrayBuffer()
+      await until(() => lines.length === 2)
+      assert.match(lines[0], / GET \/latch\/\.well-known\/oauth-authorization-server 200 /)
+      assert.match(lines[1], / GET \(unknown path\) 404 /)
+    } finally {
+      server.closeAllConnections()
+      await new Promise((resolve) => server.close(resolve))
+    }
+  })
+
   it('writes lines in batches: after the interval, or at once past 64 KiB', (t) => {
     t.mock.timers.enable({ apis: ['setTimeout'] })
     const writes: string[] = []

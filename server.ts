@@ -3081,6 +3081,7 @@ export function createHandler(options: HandlerOptions): (req: IncomingMessage, r
   // the issuer's host and port, when on loopback: a page asked for under another loopback name is sent there
   const issuerUrl = new URL(ctx.config.issuer)
   const issuerHost = LOOPBACK_HOSTS.has(issuerUrl.hostname.replace(/^\[(.*)\]$/, '$1')) ? issuerUrl.host : undefined
+  const mountedAt = issuerUrl.pathname === '/' ? '' : issuerUrl.pathname // the path of ISSUER, in the log
   let lastOwnHost: string | undefined // the Host header that passed last time: nearly every request repeats it
   let warnOfUnnamedProxy = true // cleared once said
   let namedProxy: string | undefined // the last proxy on loopback seen named, not looked up again
@@ -3110,7 +3111,8 @@ export function createHandler(options: HandlerOptions): (req: IncomingMessage, r
     }
     let answered = false
     res.on('finish', () => (answered = true))
-    res.on('close', () => logRequest(req, res, { address, path: describePath(path, handler), started, answered }, ctx))
+    const logged = describePath(path, handler, mountedAt)
+    res.on('close', () => logRequest(req, res, { address, path: logged, started, answered }, ctx))
     const host = req.headers.host
     const own = ownHosts === undefined || (host !== undefined && (host === lastOwnHost || isOwnHost(host, ownHosts)))
     if (own) lastOwnHost = host
@@ -3285,9 +3287,12 @@ function logTime(now: number): string {
   return lastLogTime.text
 }
 
-/** The path as logged: an unknown path is not, since a client may have put anything in it. */
-function describePath(path: string, handler: Handler): string {
-  return handler === rejectUnknownPath ? '(unknown path)' : path
+/**
+ * The path as logged, under the path of `ISSUER` (where an app mounts Latch, or a proxy strips):
+ * the one the client asked for. An unknown path is not, since a client may have put anything in it.
+ */
+function describePath(path: string, handler: Handler, mountedAt: string): string {
+  return handler === rejectUnknownPath ? '(unknown path)' : mountedAt + path
 }
 
 /**
