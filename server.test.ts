@@ -2511,9 +2511,13 @@ describe('The log', () => {
     try {
       for (const path of ['/.well-known/oauth-authorization-server', '/nothing-here'])
         await (await fetch(`http://127.0.0.1:${port}/latch${path}`)).arrayBuffer()
-      await until(() => lines.length === 2)
+      const forged = await post(`http://127.0.0.1:${port}/latch/apps/revoke-all`, form({ csrf: 'x' }))
+      assert.equal(forged.status, 403)
+      await until(() => lines.length === 4)
       assert.match(lines[0], / GET \/latch\/\.well-known\/oauth-authorization-server 200 /)
       assert.match(lines[1], / GET \(unknown path\) 404 /)
+      assert.match(lines[2], / security: a form sent to \/latch\/apps\/revoke-all was refused/)
+      assert.match(lines[3], / POST \/latch\/apps\/revoke-all 403 /)
     } finally {
       server.closeAllConnections()
       await new Promise((resolve) => server.close(resolve))

@@ -3081,7 +3081,7 @@ export function createHandler(options: HandlerOptions): (req: IncomingMessage, r
   // the issuer's host and port, when on loopback: a page asked for under another loopback name is sent there
   const issuerUrl = new URL(ctx.config.issuer)
   const issuerHost = LOOPBACK_HOSTS.has(issuerUrl.hostname.replace(/^\[(.*)\]$/, '$1')) ? issuerUrl.host : undefined
-  const mountedAt = issuerUrl.pathname === '/' ? '' : issuerUrl.pathname // the path of ISSUER, in the log
+  const mountedAt = mountPath(ctx.config)
   let lastOwnHost: string | undefined // the Host header that passed last time: nearly every request repeats it
   let warnOfUnnamedProxy = true // cleared once said
   let namedProxy: string | undefined // the last proxy on loopback seen named, not looked up again
@@ -3293,6 +3293,12 @@ function logTime(now: number): string {
  */
 function describePath(path: string, handler: Handler, mountedAt: string): string {
   return handler === rejectUnknownPath ? '(unknown path)' : mountedAt + path
+}
+
+/** The path of `ISSUER`, where an app mounts Latch or a proxy strips: the log shows paths under it. */
+function mountPath(config: Config): string {
+  const { pathname } = new URL(config.issuer)
+  return pathname === '/' ? '' : pathname
 }
 
 /**
@@ -4035,6 +4041,7 @@ async function requireFormToken(form: Params, req: IncomingMessage, ctx: Context
         'This page is out of date: you signed in or out since it was opened. Go back, reload it and try again'
       throw new OAuthError('access_denied', stale, { status: 401 })
     }
+    const sentTo = `${mountPath(ctx.config)}${pathOf(req.url ?? '/')}` // as the request's own log line says
     // a page of this server opened under another name (a proxy's, an address): reloading it cannot
     // help. Any site can send a form, so only a name of this machine is offered as one for ISSUER.
     const origin = req.headers.origin ?? ''
@@ -4050,7 +4057,7 @@ async function requireFormToken(form: Params, req: IncomingMessage, ctx: Context
         : 'This form was not sent from a page of this server in this browser: go back, reload the page and try again',
       {
         status: 403,
-        event: `a form sent to ${pathOf(req.url ?? '/')} was refused: it did not come from this server's page`,
+        event: `a form sent to ${sentTo} was refused: it did not come from this server's page`,
       },
     )
   }
