@@ -3983,6 +3983,42 @@ describe('Router and errors', () => {
     }
   })
 
+  it('answers a token form sent twice at once, while the disk is full, with two refusals and no token said made', async () => {
+    const store = new MemoryStore()
+    const password = 'correct horse battery staple'
+    const latch = await startLatch({ PASSWORD_HASH: await hashPassword(password, FAST_COST) }, { store })
+    try {
+      const csrf = createSecret()
+      const signedIn = await post(`${latch.base}/sign-in`, form({ csrf, password }), { Cookie: `latch_csrf=${csrf}` })
+      const cookie = `latch_csrf=${csrf}; ${(signedIn.headers.get('set-cookie') ?? '').split(';')[0]}`
+      const apps = await (await fetch(`${latch.base}/apps`, { headers: { Cookie: cookie } })).text()
+      const token = /name="csrf" value="([^"]+)"/.exec(apps)?.[1] ?? ''
+      const once = /name="once" value="([^"]+)"/.exec(apps)?.[1] ?? ''
+      // the first try's token write fails only once the second press has come in (its session is looked up)
+      let pressed = 0
+      const findSession = store.findSession.bind(store)
+      store.findSession = (...args) => (pressed++, findSession(...args))
+      store.saveToken = async () => {
+        await until(() => pressed >= 2)
+        throw new NotStored(new Error('ENOSPC: no space left on device'))
+      }
+      const sent = form({ csrf: token, once, name: 'Deploy', scope: 'create', lifetime: '604800' })
+      const answers = await Promise.all([1, 2].map(() => post(`${latch.base}/apps/tokens`, sent, { Cookie: cookie })))
+      assert.deepEqual(
+        answers.map((answer) => answer.status),
+        [503, 503],
+      )
+      // the grant the first try left, revoked on /apps: the form sent again says no token was made
+      const [[grantId]] = await store.listGrants(START)
+      await store.revokeGrant(grantId, START)
+      const late = await post(`${latch.base}/apps/tokens`, sent, { Cookie: cookie })
+      assert.equal(late.status, 400)
+      assert.match(await late.text(), /could not be made when it was first sent, and what that left was revoked since/)
+    } finally {
+      await latch.close()
+    }
+  })
+
   it('keeps a consent request open when its code could not be stored, to be approved once there is room', async () => {
     const store = new MemoryStore()
     const password = 'correct horse battery staple'

@@ -393,8 +393,8 @@ type Context = {
   passkeys: { key: Buffer; used: Map<string, number>; changes: Promise<unknown> }
   /** When this handler was made: a store may keep a grant's last use in memory only, lost before then. */
   startedAt: number
-  /** The grants of tokens for scripts being made: one form sent twice at once makes one token. */
-  scriptGrantsUnderWay: Set<string>
+  /** The grants of tokens for scripts being made, each with the end of its last try: one form sent twice waits. */
+  scriptGrantsUnderWay: Map<string, Promise<void>>
   /** Grants of tokens for scripts stored without their token (a full disk): the form sent again makes it. */
   scriptGrantsWithoutToken: Set<string>
   /** Consent answered lately, by the hash of its request id, for a second press of its button (`rememberAnswer`). */
@@ -2267,11 +2267,24 @@ async function handleScriptToken(req: IncomingMessage, res: ServerResponse, ctx:
   const grantId = hashSecret(
     once !== undefined && /^[A-Za-z0-9_-]{43}$/.test(once) ? `a token for scripts ${once}` : createSecret(),
   )
-  // sent twice at once (a double click), both would find no grant: the first claims its id
-  if (ctx.scriptGrantsUnderWay.has(grantId)) return sendTokenMadeBefore(res, name, ctx.config)
-  ctx.scriptGrantsUnderWay.add(grantId)
+  // sent twice at once (a double click), both would find no grant: the second waits for the
+  // first to end, made or failed, and then finds what it left
+  const previous = ctx.scriptGrantsUnderWay.get(grantId)
+  let ended = () => {}
+  const mine = new Promise<void>((resolve) => (ended = resolve))
+  const turn = previous === undefined ? mine : previous.then(() => mine)
+  ctx.scriptGrantsUnderWay.set(grantId, turn)
+  await previous
   try {
     const stored = await ctx.store.findGrant(grantId, now)
+    // its first try stored a grant without its token, revoked (or expired) since: nothing to make it for
+    if (stored === undefined && ctx.scriptGrantsWithoutToken.delete(grantId)) {
+      throw new OAuthError(
+        'invalid_request',
+        'The token of this form could not be made when it was first sent, and what that left was revoked since: ' +
+          'make a new token',
+      )
+    }
     if (stored !== undefined) {
       if (!ctx.scriptGrantsWithoutToken.has(grantId)) return sendTokenMadeBefore(res, name, ctx.config)
       // stored before without its token (a full disk): the form sent again makes it, if it asks for the same
@@ -2281,7 +2294,7 @@ async function handleScriptToken(req: IncomingMessage, res: ServerResponse, ctx:
         throw new OAuthError(
           'invalid_request',
           'This form was sent before with other values, and its token could not be made then: ' +
-            'revoke the token it made on your apps page, then make a new one',
+            'revoke what it left on your apps page, then make a new token',
         )
       }
     }
@@ -2290,7 +2303,8 @@ async function handleScriptToken(req: IncomingMessage, res: ServerResponse, ctx:
     logEvent(ctx, 'security', `the owner made a token for scripts named ${JSON.stringify(name)}`, req)
     sendPage(res, 200, renderScriptTokenPage(name, token, ctx.config))
   } finally {
-    ctx.scriptGrantsUnderWay.delete(grantId)
+    ended()
+    if (ctx.scriptGrantsUnderWay.get(grantId) === turn) ctx.scriptGrantsUnderWay.delete(grantId)
   }
 }
 
@@ -3067,7 +3081,7 @@ export function createHandler(options: HandlerOptions): (req: IncomingMessage, r
     refreshes: new Map(),
     passkeys: { key: randomBytes(32), used: new Map(), changes: Promise.resolve() },
     startedAt: now(),
-    scriptGrantsUnderWay: new Set(),
+    scriptGrantsUnderWay: new Map(),
     scriptGrantsWithoutToken: new Set(),
     answered: new Map(),
   }
@@ -3287,18 +3301,18 @@ function logTime(now: number): string {
   return lastLogTime.text
 }
 
+/** The path of `ISSUER`, where an app mounts Latch or a proxy strips: the log shows paths under it. */
+function mountPath(config: Config): string {
+  const { pathname } = new URL(config.issuer)
+  return pathname === '/' ? '' : pathname
+}
+
 /**
  * The path as logged, under the path of `ISSUER` (where an app mounts Latch, or a proxy strips):
  * the one the client asked for. An unknown path is not, since a client may have put anything in it.
  */
 function describePath(path: string, handler: Handler, mountedAt: string): string {
   return handler === rejectUnknownPath ? '(unknown path)' : mountedAt + path
-}
-
-/** The path of `ISSUER`, where an app mounts Latch or a proxy strips: the log shows paths under it. */
-function mountPath(config: Config): string {
-  const { pathname } = new URL(config.issuer)
-  return pathname === '/' ? '' : pathname
 }
 
 /**
