@@ -3954,15 +3954,8 @@ describe('Router and errors', () => {
 
   it('makes the token a form asked for when sent again, after its first try stored the grant but not the token', async () => {
     const store = new MemoryStore()
-    const password = 'correct horse battery staple'
-    const latch = await startLatch({ PASSWORD_HASH: await hashPassword(password, FAST_COST) }, { store })
+    const { latch, cookie, token, once } = await signedInAtApps(store)
     try {
-      const csrf = createSecret()
-      const signedIn = await post(`${latch.base}/sign-in`, form({ csrf, password }), { Cookie: `latch_csrf=${csrf}` })
-      const cookie = `latch_csrf=${csrf}; ${(signedIn.headers.get('set-cookie') ?? '').split(';')[0]}`
-      const apps = await (await fetch(`${latch.base}/apps`, { headers: { Cookie: cookie } })).text()
-      const token = /name="csrf" value="([^"]+)"/.exec(apps)?.[1] ?? ''
-      const once = /name="once" value="([^"]+)"/.exec(apps)?.[1] ?? ''
       const roomAgain = fillDisk(store, 'saveToken')
       const sent = form({ csrf: token, once, name: 'Deploy', scope: 'create', lifetime: '604800' })
       assert.equal((await post(`${latch.base}/apps/tokens`, sent, { Cookie: cookie })).status, 503)
@@ -3985,15 +3978,8 @@ describe('Router and errors', () => {
 
   it('answers a token form sent twice at once, while the disk is full, with two refusals and no token said made', async () => {
     const store = new MemoryStore()
-    const password = 'correct horse battery staple'
-    const latch = await startLatch({ PASSWORD_HASH: await hashPassword(password, FAST_COST) }, { store })
+    const { latch, cookie, token, once } = await signedInAtApps(store)
     try {
-      const csrf = createSecret()
-      const signedIn = await post(`${latch.base}/sign-in`, form({ csrf, password }), { Cookie: `latch_csrf=${csrf}` })
-      const cookie = `latch_csrf=${csrf}; ${(signedIn.headers.get('set-cookie') ?? '').split(';')[0]}`
-      const apps = await (await fetch(`${latch.base}/apps`, { headers: { Cookie: cookie } })).text()
-      const token = /name="csrf" value="([^"]+)"/.exec(apps)?.[1] ?? ''
-      const once = /name="once" value="([^"]+)"/.exec(apps)?.[1] ?? ''
       // the first try's token write fails only once the second press has come in (its session is looked up)
       let pressed = 0
       const findSession = store.findSession.bind(store)
@@ -4105,6 +4091,19 @@ describe('Router and errors', () => {
     )
   })
 })
+
+/** Latch with a password on `store`, a browser signed in there, and the form values of its /apps page. */
+async function signedInAtApps(store: MemoryStore) {
+  const password = 'correct horse battery staple'
+  const latch = await startLatch({ PASSWORD_HASH: await hashPassword(password, FAST_COST) }, { store })
+  const csrf = createSecret()
+  const signedIn = await post(`${latch.base}/sign-in`, form({ csrf, password }), { Cookie: `latch_csrf=${csrf}` })
+  const cookie = `latch_csrf=${csrf}; ${(signedIn.headers.get('set-cookie') ?? '').split(';')[0]}`
+  const apps = await (await fetch(`${latch.base}/apps`, { headers: { Cookie: cookie } })).text()
+  const token = /name="csrf" value="([^"]+)"/.exec(apps)?.[1] ?? ''
+  const once = /name="once" value="([^"]+)"/.exec(apps)?.[1] ?? ''
+  return { latch, cookie, token, once }
+}
 
 /** Makes one method of `store` fail as on a full disk (`NotStored`); the function returned gives the room back. */
 function fillDisk(store: MemoryStore, method: 'saveCode' | 'saveToken' | 'redeemForTokens'): () => void {
