@@ -3309,6 +3309,16 @@ describe('Passkeys only (PASSWORD_SIGN_IN=off), and passkeys in the journal', ()
   }
   const onLocalhost = { PASSWORD_HASH, ISSUER: 'http://localhost:3000' }
 
+  /** A store holding the passkey PHONE and a live session of the owner's password, whose cookie value it returns. */
+  const storeWithPhoneAndSession = async () => {
+    const store = new MemoryStore()
+    await store.savePasskey('credential-1', PHONE, START)
+    const session = createSecret()
+    const passwordTag = hashSecret(`latch session ${PASSWORD_HASH}`)
+    await store.saveSession(hashSecret(session), { createdAt: START, expiresAt: START + 3_600_000, passwordTag }, START)
+    return { store, session }
+  }
+
   it('is a setting that needs a password, a host name where passkeys work, and on or off', () => {
     assert.equal(loadConfig(onLocalhost).passwordSignIn, true)
     assert.equal(loadConfig({ ...onLocalhost, PASSWORD_SIGN_IN: 'off' }).passwordSignIn, false)
@@ -3359,11 +3369,7 @@ describe('Passkeys only (PASSWORD_SIGN_IN=off), and passkeys in the journal', ()
   })
 
   it('refuses every form of the owner to a visitor without a session with 401, and shows or changes nothing', async () => {
-    const store = new MemoryStore()
-    await store.savePasskey('credential-1', PHONE, START)
-    const session = createSecret()
-    const passwordTag = hashSecret(`latch session ${PASSWORD_HASH}`)
-    await store.saveSession(hashSecret(session), { createdAt: START, expiresAt: START + 3_600_000, passwordTag }, START)
+    const { store, session } = await storeWithPhoneAndSession()
     const latch = await startLatch(onLocalhost, { store })
     try {
       const token = await obtainToken(latch, { password: 'correct horse' })
@@ -3389,11 +3395,7 @@ describe('Passkeys only (PASSWORD_SIGN_IN=off), and passkeys in the journal', ()
   })
 
   it('keeps the last passkey while password sign-in is off', async () => {
-    const store = new MemoryStore()
-    await store.savePasskey('credential-1', PHONE, START)
-    const session = createSecret()
-    const passwordTag = hashSecret(`latch session ${PASSWORD_HASH}`)
-    await store.saveSession(hashSecret(session), { createdAt: START, expiresAt: START + 3_600_000, passwordTag }, START)
+    const { store, session } = await storeWithPhoneAndSession()
     const latch = await startLatch({ ...onLocalhost, PASSWORD_SIGN_IN: 'off' }, { store })
     try {
       const cookie = `latch_session=${session}`
