@@ -7739,7 +7739,8 @@ export function createLatchServer(
   // or that has no request under way. One whose answer the server is still making (a journal
   // write on a slow disk) is left alone; the next write starts its clock again.
   const answers = new WeakMap<Socket, ServerResponse>()
-  const closing = new WeakSet<ServerResponse>() // answers under way at a stop, marked to close their connection
+  let stopping = false // set by `closeLatchServer`
+  const closing = new WeakSet<ServerResponse>() // answers under way at the stop, marked to close their connection
   const queued = new WeakMap<Socket, number>() // answers made behind one not yet sent whole
   server.on('request', (req: IncomingMessage, res: ServerResponse) => {
     const socket = req.socket
@@ -7747,7 +7748,7 @@ export function createLatchServer(
     const before = answers.get(socket)
     answers.set(socket, res)
     // a request behind one marked at the stop: this one's answer closes the connection instead
-    if (before !== undefined && closing.has(before) && !before.headersSent) before.shouldKeepAlive = true
+    if (stopping && before !== undefined && closing.has(before) && !before.headersSent) before.shouldKeepAlive = true
     if (before === undefined || before.writableFinished) return // the usual case: one at a time
     const count = (queued.get(socket) ?? 0) + 1
     if (count > MAX_QUEUED_ANSWERS) {
@@ -7803,6 +7804,7 @@ export function createLatchServer(
   // at a stop, an answer still being made goes out with `Connection: close`: its client sends no
   // further request on a connection about to be closed under it
   answersInFlight.set(server, () => {
+    stopping = true
     for (const socket of connections) {
       const answer = answers.get(socket)
       if (answer === undefined || answer.headersSent || !answer.shouldKeepAlive) continue
