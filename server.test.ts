@@ -1930,13 +1930,18 @@ describe('POST /token (IndieAuth §5.3.3)', () => {
       400,
       'invalid_request',
     )
-    await assertError(
-      await post(`${latch.base}/token`, 'code=x', {
-        'Content-Type': 'application/x-www-form-urlencoded; charset=latin1',
-      }),
-      400,
-      'invalid_request',
-    )
+  })
+
+  it('reads a form labelled with another charset if it is plain ASCII, and refuses it if not', async () => {
+    const latin1 = { 'Content-Type': 'application/x-www-form-urlencoded; charset=ISO-8859-1' }
+    const token = await obtainToken(latch)
+    const ascii = await post(`${latch.base}/introspect`, form({ token }), latin1)
+    assert.equal(ascii.status, 200)
+    assert.equal((await ascii.json()).active, true)
+    const accented = await post(`${latch.base}/introspect`, `${form({ token })}&note=caf%E9`, latin1)
+    await assertError(accented, 400, 'invalid_request')
+    const named = await post(`${latch.base}/introspect`, `${form({ token })}&caf%E9=1`, latin1)
+    await assertError(named, 400, 'invalid_request')
   })
 
   it('answers malformed percent-escapes and invalid UTF-8 with invalid_request', async () => {
@@ -2450,7 +2455,7 @@ describe('Profile information (IndieAuth §5.3.4) and GET /userinfo', () => {
       body: '{}',
     })
     assert.equal(json.status, 200)
-    const latin1 = await post(`${latch.base}/userinfo`, form({ access_token }), {
+    const latin1 = await post(`${latch.base}/userinfo`, `${form({ access_token })}&note=caf%E9`, {
       'Content-Type': 'application/x-www-form-urlencoded; charset=iso-8859-1',
     })
     await assertError(latin1, 400, 'invalid_request')

@@ -3423,6 +3423,10 @@ const MAX_BODY_BYTES = 64 * 1024
 /**
  * Reads an `application/x-www-form-urlencoded` body of at most 64 KiB. A larger body is
  * answered with 413 and the rest of it is never buffered.
+ *
+ * The form is UTF-8 (RFC 6749 Appendix B), and the media type has no `charset` parameter. Some
+ * clients send one all the same (Java's Apache HttpClient says ISO-8859-1 by default): their form
+ * is read if it is plain ASCII, which means the same in either, and refused if it is not.
  * @see https://www.rfc-editor.org/rfc/rfc6749#appendix-B
  */
 export async function readForm(req: IncomingMessage): Promise<Params> {
@@ -3430,11 +3434,20 @@ export async function readForm(req: IncomingMessage): Promise<Params> {
   if (contentType === FORM_TYPE) return parseForm((await readBody(req)).toString('latin1'))
   const [mediaType, ...parameters] = contentType.split(';').map((part) => part.trim().toLowerCase())
   if (mediaType !== FORM_TYPE) throw new OAuthError('invalid_request', `The body must be ${FORM_TYPE}`)
-  if (parameters.some((parameter) => parameter.startsWith('charset=') && !/^charset="?utf-8"?$/.test(parameter))) {
-    throw new OAuthError('invalid_request', 'The body must be UTF-8')
+  const charset = parameters.find((parameter) => parameter.startsWith('charset='))?.slice(8)
+  const form = parseForm((await readBody(req)).toString('latin1'))
+  if (charset === undefined || /^"?utf-8"?$/.test(charset)) return form
+  for (const [name, values] of form) {
+    if (!isAscii(name) || !values.every(isAscii))
+      throw new OAuthError(
+        'invalid_request',
+        'The body names a charset other than UTF-8 and is not plain ASCII: send it as UTF-8',
+      )
   }
-  return parseForm((await readBody(req)).toString('latin1'))
+  return form
 }
+
+const isAscii = (text: string): boolean => /^[\x00-\x7f]*$/.test(text)
 
 const FORM_TYPE = 'application/x-www-form-urlencoded'
 
