@@ -3436,7 +3436,7 @@ export async function readForm(req: IncomingMessage): Promise<Params> {
   if (mediaType !== FORM_TYPE) throw new OAuthError('invalid_request', `The body must be ${FORM_TYPE}`)
   const charset = parameters.find((parameter) => parameter.startsWith('charset='))?.slice(8)
   const form = parseForm((await readBody(req)).toString('latin1'))
-  if (charset === undefined || /^"?utf-8"?$/.test(charset)) return form
+  if (charset === undefined || /^"?utf-?8"?$/.test(charset)) return form
   for (const [name, values] of form) {
     if (!isAscii(name) || !values.every(isAscii))
       throw new OAuthError(
