@@ -1942,6 +1942,8 @@ describe('POST /token (IndieAuth §5.3.3)', () => {
     await assertError(accented, 400, 'invalid_request')
     const named = await post(`${latch.base}/introspect`, `${form({ token })}&caf%E9=1`, latin1)
     await assertError(named, 400, 'invalid_request')
+    const utf8 = { 'Content-Type': 'application/x-www-form-urlencoded; charset=utf8' }
+    assert.equal((await post(`${latch.base}/introspect`, `${form({ token })}&note=caf%C3%A9`, utf8)).status, 200)
   })
 
   it('answers malformed percent-escapes and invalid UTF-8 with invalid_request', async () => {
