@@ -1989,7 +1989,7 @@ async function handleTokenVerification(req: IncomingMessage, res: ServerResponse
 
 /**
  * The live access token a request carries, in the `Authorization` header or an `access_token`
- * form field, or 401 with a `WWW-Authenticate` challenge. Both may be sent if they agree. A token
+ * form field, or 401 with a `WWW-Authenticate` challenge; both at once is 400. A token
  * bound to services (`resource`, RFC 8707) is for them alone: Latch's endpoint takes it only if
  * it names `endpoint`, the endpoint's own URL.
  * @see https://www.rfc-editor.org/rfc/rfc6750#section-2
@@ -2004,8 +2004,9 @@ async function requireAccessToken(
     new OAuthError(error, description, { headers: { 'WWW-Authenticate': bearerChallenge(ctx.config, error) } })
   const header = bearerCredential(req, ctx.config)
   const field = form === undefined ? undefined : getParam(form, 'access_token')
-  if (header !== undefined && field !== undefined && header !== field)
-    throw refused('invalid_request', 'The request carries two different access tokens')
+  // one way only, even for the same token twice: RFC 6750 §3.1 names this invalid_request
+  if (header !== undefined && field !== undefined)
+    throw refused('invalid_request', 'Send the access token one way: in the Authorization header or in the body')
   const value = header ?? field
   if (value === undefined)
     throw credentialsMissing('Send an access token as Authorization: Bearer', bearerChallenge(ctx.config))
