@@ -1097,8 +1097,15 @@ describe('GET /auth (IndieAuth §5.2)', () => {
       'invalid_request',
     ],
     ['the plain code_challenge_method', { code_challenge_method: 'plain' }, 'invalid_request'],
+    ['a response_mode of form_post', { response_mode: 'form_post' }, 'invalid_request'],
+    ['a response_mode of fragment', { response_mode: 'fragment' }, 'invalid_request'],
     ['a scope with a quote', { scope: 'create "x"' }, 'invalid_scope'],
   ]
+  it('takes response_mode=query, the one mode it lists', async () => {
+    const response = await fetch(authorizationUrl(latch, { response_mode: 'query' }), { redirect: 'manual' })
+    assert.equal(response.status, 200)
+  })
+
   for (const [what, overrides, error] of redirectErrors) {
     it(`redirects ${what} back with ${error}, state and iss`, async () => {
       assertErrorRedirect(latch, await fetch(authorizationUrl(latch, overrides), { redirect: 'manual' }), error)

@@ -1088,6 +1088,11 @@ function buildPendingRequest(
   const responseType = getParam(query, 'response_type') ?? 'code' // older clients omit it
   if (responseType !== 'code' && responseType !== 'id')
     throw new OAuthError('unsupported_response_type', 'response_type must be code (or id, for the profile only)')
+  // The code goes back in the query (RFC 6749 §4.1.2), the one mode the metadata lists: a client
+  // that asked for another (form_post, fragment) would look for it elsewhere, and never find it.
+  const responseMode = getParam(query, 'response_mode')
+  if (responseMode !== undefined && responseMode !== 'query')
+    throw new OAuthError('invalid_request', 'response_mode must be query: the code is sent in the query string')
   const codeChallenge = requireParam(query, 'code_challenge')
   if (!isCodeChallenge(codeChallenge))
     throw new OAuthError('invalid_request', 'code_challenge must be 43 base64url characters')
