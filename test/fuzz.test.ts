@@ -486,7 +486,6 @@ const BAD_CONTENT_TYPES = [
   'text/plain',
   'application/json',
   'multipart/form-data; boundary=x',
-  'application/x-www-form-urlencoded; charset=iso-8859-1',
   'application/x-www-form-urlencodedx',
   ';',
   'application/x-www-form-urlencoded, text/plain',
@@ -497,6 +496,7 @@ const GOOD_CONTENT_TYPES = [
   'application/x-www-form-urlencoded;charset=UTF-8',
   'application/x-www-form-urlencoded; charset="utf-8"',
   'application/x-www-form-urlencoded; foo=bar',
+  'application/x-www-form-urlencoded; charset=iso-8859-1', // read when the form is plain ASCII
 ]
 
 function insertAt(text: string, insert: string, random: Random): string {
