@@ -1659,14 +1659,15 @@ describe('POST /auth/consent with a password', () => {
     }
   })
 
-  it('answers a wrong or missing password with 401 and the page again, keeping the request usable', async () => {
+  it('answers a wrong password with 403, a missing one with 400, and the page again, keeping the request usable', async () => {
     const consent = await openConsent(latch)
     const wrong = await submitConsent(latch, consent, { password: 'wrong horse' })
-    assert.equal(wrong.status, 401)
+    assert.equal(wrong.status, 403)
     const html = await wrong.text()
     assert.match(html, /role="alert"/)
     assert.match(html, new RegExp(`name="request" value="${consent.request}"`))
-    assert.equal((await submitConsent(latch, consent)).status, 401)
+    assert.equal(wrong.headers.get('www-authenticate'), null) // a form is no HTTP challenge: not a 401
+    assert.equal((await submitConsent(latch, consent)).status, 400)
     assert.equal((await submitConsent(latch, consent, { password: 'correct horse' })).status, 303)
   })
 
@@ -1675,7 +1676,7 @@ describe('POST /auth/consent with a password', () => {
     assert.match(consent.html, /value="profile" checked>[^]*value="create" checked>/)
     assert.match(consent.html, /<option value="0" selected>/)
     const wrong = await submitConsent(latch, consent, { password: 'wrong horse', scope: 'create', lifetime: '86400' })
-    assert.equal(wrong.status, 401)
+    assert.equal(wrong.status, 403)
     const html = await wrong.text()
     assert.match(html, /name="scope" value="profile">[^]*name="scope" value="create" checked>/)
     assert.match(html, /<option value="86400" selected>/)
@@ -1693,8 +1694,8 @@ describe('POST /auth/consent with a password', () => {
     latch.advance(3600) // forget the failures of earlier tests
     const consent = await openConsent(latch)
     for (let i = 0; i < 5; i++)
-      assert.equal((await submitConsent(latch, consent, { password: `guess ${i}` })).status, 401)
-    assert.equal((await submitConsent(latch, consent, { password: 'guess 5' })).status, 401) // locks for 2 seconds
+      assert.equal((await submitConsent(latch, consent, { password: `guess ${i}` })).status, 403)
+    assert.equal((await submitConsent(latch, consent, { password: 'guess 5' })).status, 403) // locks for 2 seconds
     const throttled = await submitConsent(latch, consent, { password: 'correct horse' })
     assert.equal(throttled.status, 429)
     assert.equal(throttled.headers.get('retry-after'), '2')
@@ -1706,7 +1707,7 @@ describe('POST /auth/consent with a password', () => {
     latch.advance(86401) // a day of quiet: the counts of earlier tests are forgotten
     const consent = await openConsent(latch)
     for (let i = 0; i < 6; i++)
-      assert.equal((await submitConsent(latch, consent, { password: `guess ${i}` })).status, 401)
+      assert.equal((await submitConsent(latch, consent, { password: `guess ${i}` })).status, 403)
     latch.advance(-3600) // the clock is set back an hour, as NTP may do to a clock that ran fast
     const throttled = await submitConsent(latch, consent, { password: 'correct horse' })
     assert.equal(throttled.status, 429)
@@ -1721,7 +1722,7 @@ describe('POST /auth/consent with a password', () => {
     const consent = await openConsent(latch)
     const guesses = Array.from({ length: 20 }, (_, i) => submitConsent(latch, consent, { password: `parallel ${i}` }))
     const statuses = (await Promise.all(guesses)).map((response) => response.status)
-    assert.equal(statuses.filter((status) => status === 401).length, 6)
+    assert.equal(statuses.filter((status) => status === 403).length, 6)
     assert.equal(statuses.filter((status) => status === 429).length, 14)
   })
 
@@ -1731,9 +1732,9 @@ describe('POST /auth/consent with a password', () => {
     // Each address stays under its own five free guesses; 127.0.0.0/8 all reaches the server.
     const from = (host: number, password: string) => submitConsentFrom(latch, consent, `127.0.0.${host}`, password)
     for (let host = 10; host < 15; host++) {
-      for (let i = 0; i < 4; i++) assert.equal(await from(host, `guess ${host}.${i}`), 401)
+      for (let i = 0; i < 4; i++) assert.equal(await from(host, `guess ${host}.${i}`), 403)
     }
-    assert.equal(await from(20, 'guess 21'), 401) // the twenty-first locks them all for 2 seconds
+    assert.equal(await from(20, 'guess 21'), 403) // the twenty-first locks them all for 2 seconds
     assert.equal(await from(21, 'correct horse'), 429)
     latch.advance(2)
     assert.equal(await from(21, 'correct horse'), 303)
@@ -2793,7 +2794,7 @@ describe('Sign-in sessions and connected apps', () => {
     latch.advance(604800)
     const later = await openConsent(latch, {}, `${first.cookie}; ${session}`)
     assert.match(later.html, /type="password"/)
-    assert.equal((await submitConsent(latch, { ...later, cookie: `${first.cookie}; ${session}` })).status, 401)
+    assert.equal((await submitConsent(latch, { ...later, cookie: `${first.cookie}; ${session}` })).status, 400)
   })
 
   it('shows a sign-in form at /apps to anyone not signed in', async () => {
@@ -2836,12 +2837,12 @@ describe('Sign-in sessions and connected apps', () => {
     assert.ok(new URL(approved.headers.get('location') ?? '').searchParams.get('code'))
   })
 
-  it('answers a wrong password at sign-in with 401 and the form again', async () => {
+  it('answers a wrong password at sign-in with 403 and the form again', async () => {
     const csrf = createSecret()
     const response = await post(`${latch.base}/sign-in`, form({ csrf, password: 'wrong' }), {
       Cookie: `latch_csrf=${csrf}`,
     })
-    assert.equal(response.status, 401)
+    assert.equal(response.status, 403)
     assert.equal(response.headers.get('set-cookie'), null)
     assert.match(await response.text(), /role="alert"/)
   })
@@ -2972,7 +2973,7 @@ describe('Sign-in sessions and connected apps', () => {
     }
   })
 
-  it('refuses app revocation without the CSRF value (403) or without a session (401)', async () => {
+  it('refuses app revocation without the CSRF value or without a session, with 403', async () => {
     const csrf = createSecret()
     const session = await signIn(csrf)
     const token = await obtainToken(latch, { password })
@@ -2983,7 +2984,7 @@ describe('Sign-in sessions and connected apps', () => {
     const anonymous = await post(`${latch.base}/apps/revoke-all`, form({ csrf, confirm: 'yes' }), {
       Cookie: `latch_csrf=${csrf}`,
     })
-    assert.equal(anonymous.status, 401)
+    assert.equal(anonymous.status, 403)
     assert.equal((await introspect(latch, token)).active, true)
   })
 
@@ -2999,7 +3000,7 @@ describe('Sign-in sessions and connected apps', () => {
     assert.match(await appsPage(`latch_csrf=${csrf}; ${session}`), /type="password"/) // the old cookie no longer signs in
   })
 
-  it('tells a page of its own made before a sign-out that it is out of date, with 401 and no security line', async () => {
+  it('tells a page of its own made before a sign-out that it is out of date, with 403 and no security line', async () => {
     const csrf = createSecret()
     const cookie = `latch_csrf=${csrf}; ${await signIn(csrf)}`
     const token = await formTokenOf(cookie) // an apps page left open
@@ -3007,7 +3008,7 @@ describe('Sign-in sessions and connected apps', () => {
     const logged = latch.logs.length
     const fields = form({ csrf: token, name: 'Hook', scope: 'create' })
     const stale = await post(`${latch.base}/apps/tokens`, fields, { Cookie: cookie, 'Sec-Fetch-Site': 'same-origin' })
-    assert.equal(stale.status, 401)
+    assert.equal(stale.status, 403)
     assert.match(await stale.text(), /This page is out of date: you signed in or out since it was opened/)
     assert.deepEqual(
       latch.logs.slice(logged).filter((line) => line.includes('security:')),
@@ -3233,7 +3234,7 @@ describe('Sign-in sessions and connected apps', () => {
     const signedOut = await post(`${latch.base}/apps/tokens`, form({ csrf, name: 'Hook', scope: 'create' }), {
       Cookie: `latch_csrf=${csrf}`,
     })
-    assert.equal(signedOut.status, 401)
+    assert.equal(signedOut.status, 403)
   })
 
   it('names the session and CSRF cookies __Host- and marks them Secure on an https issuer', async () => {
@@ -3369,19 +3370,19 @@ describe('Passkeys only (PASSWORD_SIGN_IN=off), and passkeys in the journal', ()
       const csrf = /name="csrf" value="([^"]+)"/.exec(html)?.[1] ?? ''
       const cookie = (page.headers.get('set-cookie') ?? '').split(';')[0]
       const refused = await post(`${latch.base}/sign-in`, form({ csrf, password: 'correct horse' }), { Cookie: cookie })
-      assert.equal(refused.status, 401)
+      assert.equal(refused.status, 403)
       assert.match(await refused.text(), /Password sign-in is off: sign in with a passkey/)
       assert.equal(refused.headers.get('set-cookie'), null)
       const consent = await openConsent(latch)
       assert.doesNotMatch(consent.html, /type="password"|value="approve">Approve</)
       assert.match(consent.html, /name="decision" value="approve" hidden>Approve with a passkey</)
-      assert.equal((await submitConsent(latch, consent, { password: 'correct horse' })).status, 401)
+      assert.equal((await submitConsent(latch, consent, { password: 'correct horse' })).status, 403)
     } finally {
       await latch.close()
     }
   })
 
-  it('refuses every form of the owner to a visitor without a session with 401, and shows or changes nothing', async () => {
+  it('refuses every form of the owner to a visitor without a session with 403, and shows or changes nothing', async () => {
     const { store, session } = await storeWithPhoneAndSession()
     const latch = await startLatch(onLocalhost, { store })
     try {
@@ -3396,7 +3397,7 @@ describe('Passkeys only (PASSWORD_SIGN_IN=off), and passkeys in the journal', ()
         ['/sign-out-everywhere', {}],
       ] as const) {
         const response = await post(`${latch.base}${path}`, form({ csrf, ...fields }), { Cookie: `latch_csrf=${csrf}` })
-        assert.equal(response.status, 401, path)
+        assert.equal(response.status, 403, path)
         assert.doesNotMatch(await response.text(), new RegExp(`credential-1|${grant}`), path)
       }
       assert.equal((await introspect(latch, token)).active, true)
@@ -3582,9 +3583,9 @@ describe('Pages that explain themselves', () => {
         )
       const statuses: number[] = []
       for (let attempt = 1; attempt <= 7; attempt++) statuses.push((await from(`2001:db8:1:2::${attempt}`)).status)
-      assert.deepEqual(statuses, [401, 401, 401, 401, 401, 401, 429]) // five free, the sixth locks
+      assert.deepEqual(statuses, [403, 403, 403, 403, 403, 403, 429]) // five free, the sixth locks
       assert.equal((await from('2001:db8:1:2:ffff::8')).status, 429)
-      assert.equal((await from('2001:db8:1:3::1')).status, 401) // another /64: another host
+      assert.equal((await from('2001:db8:1:3::1')).status, 403) // another /64: another host
       assert.match(proxied.logs.join('\n'), /security: too many wrong passwords from 2001:db8:1:2::\/64/)
     } finally {
       await proxied.close()

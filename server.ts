@@ -2591,7 +2591,7 @@ function passkeysForHere(passkeys: [string, Passkey][], config: Config): [string
 
 async function requireOwner(form: Params, req: IncomingMessage, ctx: Context): Promise<Visitor> {
   const visitor = await requireFormToken(form, req, ctx)
-  if (!visitor.signedIn) throw new OAuthError('access_denied', 'Sign in first: your session has ended', { status: 401 })
+  if (!visitor.signedIn) throw new OAuthError('access_denied', 'Sign in first: your session has ended', { status: 403 })
   return visitor
 }
 
@@ -3934,7 +3934,6 @@ function sendErrorPage(res: ServerResponse, err: OAuthError, ownersForm = false)
 /** What an error page says to the person first, by status: a title, and what to do next. */
 const ERROR_PAGE_WORDS: Record<number, [string, string]> = {
   400: ['This sign-in cannot continue', 'Go back to the app you came from and start again.'],
-  401: ['Sign in first', 'Your session has ended: sign in again on your apps page.'],
   403: ['This was refused', 'The line below says why, and what to do.'],
   404: ['There is nothing here', 'Check the address, or start from the home page of this server.'],
   405: ['This page cannot be used that way', 'Go back and follow a link or a button of this server.'],
@@ -4050,7 +4049,7 @@ function formToken(visitor: Pick<Visitor, 'csrf' | 'session'>): string {
  * be the session's token, and otherwise the browser's CSRF cookie; and a browser that says where
  * the form came from (`Sec-Fetch-Site`) must say this origin. Returns the visitor it names. A
  * form that this origin sent with a value that no longer fits is a page left open while the
- * owner signed in or out: a 401 that says so, not a forgery.
+ * owner signed in or out: a 403 that says so, not a forgery.
  */
 async function requireFormToken(form: Params, req: IncomingMessage, ctx: Context): Promise<Visitor> {
   // sent by browsers since 2023: a form of this server's own pages is same-origin
@@ -4072,7 +4071,7 @@ async function requireFormToken(form: Params, req: IncomingMessage, ctx: Context
     if (site === 'same-origin' && sent !== undefined) {
       const stale =
         'This page is out of date: you signed in or out since it was opened. Go back, reload it and try again'
-      throw new OAuthError('access_denied', stale, { status: 401 })
+      throw new OAuthError('access_denied', stale, { status: 403 })
     }
     const sentTo = `${mountPath(ctx.config)}${pathOf(req.url ?? '/')}` // as the request's own log line says
     // a page of this server opened under another name (a proxy's, an address): reloading it cannot
@@ -4243,8 +4242,12 @@ function trustedProxiesOf(config: Config): BlockList | undefined {
   return list
 }
 
-/** Why a sign-in is refused, for the form shown again: wrong or missing (401), or too many wrong ones (429). */
-type SignInRefusal = { status: 401 | 429; message: string; headers: Record<string, string> }
+/**
+ * Why a sign-in is refused, for the form shown again: wrong (403), missing (400), or too many
+ * wrong ones (429). Never 401, here or on the owner's other forms: a 401 must carry an HTTP
+ * authentication challenge (`WWW-Authenticate`, RFC 9110 §15.5.2), and a form is not one.
+ */
+type SignInRefusal = { status: 400 | 403 | 429; message: string; headers: Record<string, string> }
 
 /**
  * Checks the owner's sign-in on a form: the password, or a passkey's answer to a challenge made
@@ -4272,8 +4275,8 @@ async function checkSignIn(
     return { status: 429, message, headers: { 'Retry-After': retryAfter } }
   }
   if (!byPasskey && !ctx.config.passwordSignIn)
-    return { status: 401, message: 'Password sign-in is off: sign in with a passkey', headers: {} }
-  if (!byPasskey && password === undefined) return { status: 401, message: 'Enter your password', headers: {} }
+    return { status: 403, message: 'Password sign-in is off: sign in with a passkey', headers: {} }
+  if (!byPasskey && password === undefined) return { status: 400, message: 'Enter your password', headers: {} }
   const previous = attempts.byAddress.get(group)
   attempts.byAddress.delete(group) // re-inserted last, so the map stays ordered oldest first
   if (attempts.byAddress.size >= MAX_TRACKED_ADDRESSES)
@@ -4298,7 +4301,7 @@ async function checkSignIn(
         address,
       )
     }
-    return { status: 401, message: refused, headers: {} }
+    return { status: 403, message: refused, headers: {} }
   }
   attempts.byAddress.delete(group)
   attempts.total = NO_ATTEMPTS

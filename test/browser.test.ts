@@ -146,7 +146,7 @@ describe('A person signs in with a browser', () => {
         page.waitForResponse((response) => new URL(response.url()).pathname === '/apps/revoke'),
         page.getByRole('button', { name: `Revoke ${client.clientId}`, exact: true }).click(),
       ])
-      assert.equal(answer.status(), 401)
+      assert.equal(answer.status(), 403)
       await assertVisibleText(
         page.locator('main'),
         'This page is out of date: you signed in or out since it was opened',

@@ -894,6 +894,8 @@ function judge(c: Case, data: Buffer, hung: boolean, logLines: string[]): Proble
     if (first && reply.status >= 400 && c.method !== 'HEAD') problems.push(...shapeProblems(c, reply))
     if (reply.status >= 300 && reply.status < 400 && !reply.headers.has('location'))
       problems.push({ kind: 'shape', detail: `a ${reply.status} without Location` })
+    if (reply.status === 401 && !reply.headers.has('www-authenticate'))
+      problems.push({ kind: 'shape', detail: 'a 401 without WWW-Authenticate (RFC 9110 §15.5.2)' })
   })
   return problems
 }

@@ -4,7 +4,7 @@
 // on /apps, signed in with the password, the owner adds a passkey, which the page lists and the
 // authenticator holds; signs out and back in with the passkey alone; approves a client app's
 // sign-in on the consent page with the passkey, and the client exchanges its code at /token;
-// removes the passkey, after which the same key is refused (401, no session). A browser without
+// removes the passkey, after which the same key is refused (403, no session). A browser without
 // WebAuthn sees no passkey button and signs in with the password. No page breaks its
 // Content-Security-Policy on the way.
 //
@@ -373,9 +373,9 @@ describe('The owner signs in with a passkey (WebAuthn) in a browser', () => {
     assert.equal((await credentialsOf(authenticator)).length, 1)
   })
 
-  it('refuses the removed passkey: 401, an error on the page, and no session', { skip: SKIP }, async () => {
+  it('refuses the removed passkey: 403, an error on the page, and no session', { skip: SKIP }, async () => {
     const response = await submit(stalePage, passkeyButton(stalePage), '/sign-in', seen)
-    assert.equal(response.status(), 401, await describePage(stalePage, seen))
+    assert.equal(response.status(), 403, await describePage(stalePage, seen))
     assert.equal(await heading(stalePage), 'Sign in')
     // refused for the key itself, not for a stale challenge or form
     const alert = await stalePage.getByRole('alert').innerText()
