@@ -354,6 +354,12 @@ describe('Configuration', () => {
     ]),
     ['a non-loopback host without a password', { HOST: '0.0.0.0' }, [], /PASSWORD_HASH.*hash-password/],
     [
+      'a proxy to trust without a password (it lets anyone through)',
+      { TRUST_PROXY: '127.0.0.1' },
+      [],
+      /^TRUST_PROXY names a proxy, .*set PASSWORD_HASH, or unset TRUST_PROXY$/,
+    ],
+    [
       'a non-loopback host without a password, whatever the issuer',
       { HOST: '0.0.0.0', ISSUER: 'http://127.0.0.1:3000' },
       [],
@@ -1229,6 +1235,20 @@ describe('GET /auth (IndieAuth §5.2)', () => {
     } finally {
       await fresh.close()
     }
+  })
+
+  it('refuses a request that came through a proxy while no password is set: it may be anyone', async () => {
+    for (const headers of [{ 'X-Forwarded-For': '203.0.113.9' }, { Forwarded: 'for=203.0.113.9' }] as Record<
+      string,
+      string
+    >[]) {
+      const page = await fetch(authorizationUrl(latch), { headers })
+      assert.equal(page.status, 403, JSON.stringify(headers))
+      assert.match(await page.text(), /came through a proxy[^]*set PASSWORD_HASH/)
+      const token = await post(`${latch.base}/token`, 'grant_type=authorization_code', headers)
+      await assertError(token, 403, 'access_denied')
+    }
+    assert.equal((await fetch(authorizationUrl(latch))).status, 200)
   })
 
   it('answers only this machine while no password is set, wherever an embedding app listens', async () => {
@@ -2608,7 +2628,7 @@ describe('The log: what a client sends', () => {
   })
 
   it('believes X-Forwarded-For only from a proxy TRUST_PROXY names', async () => {
-    const latch = await startLatch({ TRUST_PROXY: '10.0.0.5' }) // a proxy elsewhere: this request is not its
+    const latch = await startLatch({ TRUST_PROXY: '10.0.0.5', PASSWORD_HASH }) // a proxy elsewhere: this request is not its
     try {
       await (await fetch(`${latch.base}/nothing`, { headers: { 'X-Forwarded-For': '203.0.113.9' } })).text()
       await new Promise((resolve) => setImmediate(resolve))

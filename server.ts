@@ -3103,7 +3103,8 @@ export function createHandler(options: HandlerOptions): (req: IncomingMessage, r
   const issuerHost = LOOPBACK_HOSTS.has(issuerUrl.hostname.replace(/^\[(.*)\]$/, '$1')) ? issuerUrl.host : undefined
   const mountedAt = mountPath(ctx.config)
   let lastOwnHost: string | undefined // the Host header that passed last time: nearly every request repeats it
-  let warnOfUnnamedProxy = true // cleared once said
+  // cleared once said; without a password, such a request is refused (`refusalOf`) and says why itself
+  let warnOfUnnamedProxy = ctx.config.passwordHash !== undefined
   let namedProxy: string | undefined // the last proxy on loopback seen named, not looked up again
   return (req, res) => {
     if (req.socket.destroyed) return // a connection closed already (see `MAX_QUEUED_ANSWERS`): no one to answer
@@ -3180,6 +3181,16 @@ function refusalOf(req: IncomingMessage, own: boolean, passwordless: boolean): O
     return new OAuthError(
       'access_denied',
       'This server has no password, so it answers only to this machine: set PASSWORD_HASH',
+      { status: 403 },
+    )
+  }
+  // A proxy on this machine connects from loopback for whoever it serves, under a Host header
+  // it may set to ISSUER's. Most say so, and such a request is no one's on this machine.
+  if (passwordless && (req.headers['x-forwarded-for'] !== undefined || req.headers.forwarded !== undefined)) {
+    return new OAuthError(
+      'access_denied',
+      'This server has no password, and this request came through a proxy (X-Forwarded-For or Forwarded), ' +
+        'so it may be anyone: set PASSWORD_HASH',
       { status: 403 },
     )
   }
@@ -7334,6 +7345,12 @@ export function loadConfig(
     )
   }
   const trustProxy = parseTrustProxy(raw.TRUST_PROXY ?? '')
+  if (passwordHash === undefined && trustProxy.length > 0) {
+    throw new ConfigError(
+      'TRUST_PROXY names a proxy, and without PASSWORD_HASH anyone it lets through could approve sign-ins: ' +
+        'create a hash with `npx tsx server.ts hash-password` and set PASSWORD_HASH, or unset TRUST_PROXY',
+    )
+  }
   const logFormat = raw.LOG_FORMAT ?? defaultOf('LOG_FORMAT')
   if (logFormat !== 'text' && logFormat !== 'json')
     throw new ConfigError(`LOG_FORMAT ${logFormat} is not a choice: set it to json or text, or leave it unset`)

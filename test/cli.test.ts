@@ -975,9 +975,10 @@ describe('The log: one line per request, and security events', () => {
   it('logs the X-Forwarded-For address only from a proxy of TRUST_PROXY, and warns once of a proxy it does not name', async () => {
     const headers = { 'X-Forwarded-For': '203.0.113.7' }
     const path = '/.well-known/oauth-authorization-server'
-    const behind = await startLatch({ TRUST_PROXY: '127.0.0.1' })
-    const direct = await startLatch()
-    const elsewhere = await startLatch({ TRUST_PROXY: '10.0.0.5' }) // TRUST_PROXY names another proxy, not the one on loopback
+    // with a password: without one, a request through a proxy is refused (and TRUST_PROXY too)
+    const behind = await startLatch({ TRUST_PROXY: '127.0.0.1', PASSWORD_HASH })
+    const direct = await startLatch({ PASSWORD_HASH })
+    const elsewhere = await startLatch({ TRUST_PROXY: '10.0.0.5', PASSWORD_HASH }) // names another proxy, not the one on loopback
     try {
       const viaProxy = await fetch(`${behind.base}${path}`, { headers })
       const notViaProxy = await fetch(`${direct.base}${path}`, { headers })

@@ -15,12 +15,15 @@ import { performance } from 'node:perf_hooks'
 import { setFlagsFromString } from 'node:v8'
 import { runInNewContext } from 'node:vm'
 import * as latchModule from '../server.ts'
-import { addressProblem, createHandler, loadConfig, readClientPage, readLinkHeader, scanHtml } from '../server.ts'
+import { addressProblem, createHandler, hashPassword, loadConfig } from '../server.ts'
+import { readClientPage, readLinkHeader, scanHtml } from '../server.ts'
 import type { ClientFetchOptions } from '../server.ts'
 import { until } from './harness.ts'
 
 const CHALLENGE = 'E9Melhoa2OwvFrEMTJguCHaoeK1t8URWbuGJSstw-cM'
 const PUBLIC_ADDRESS = '93.184.215.14'
+/** For the Latches behind a proxy: without a password, a request a proxy forwards is refused. */
+const PASSWORD_HASH = await hashPassword('correct horse battery', { ln: 10, r: 8, p: 1 })
 const PNG = Buffer.from(
   'iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAYAAAAfFcSJAAAADUlEQVR42mNk+M9QDwADhgGAWjR9awAAAABJRU5ErkJggg==',
   'base64',
@@ -646,7 +649,7 @@ describe('Discovery for one address', () => {
   it('runs at most 2 lookups for one address at once, and refuses its third at once while others still get theirs', async () => {
     holdAnswers()
     // behind a proxy on this machine, as docs/deploy.md runs it: each client's address is its own
-    const latch = await startLatch({ TRUST_PROXY: '127.0.0.1' }, { ...clientFetch, timeoutMs: 5_000 })
+    const latch = await startLatch({ TRUST_PROXY: '127.0.0.1', PASSWORD_HASH }, { ...clientFetch, timeoutMs: 5_000 })
     const stranger = '198.51.100.7'
     try {
       const pending = ['held101', 'held102'].map((name) =>
@@ -689,7 +692,7 @@ describe('Discovery while host names do not resolve', () => {
 
   it("counts one address's lookups until their host names settle, not only until the fetch gives up", async () => {
     const { stuck, lookup } = stuckResolver()
-    const latch = await startLatch({ TRUST_PROXY: '127.0.0.1' }, { ...clientFetch, lookup })
+    const latch = await startLatch({ TRUST_PROXY: '127.0.0.1', PASSWORD_HASH }, { ...clientFetch, lookup })
     const stranger = '198.51.100.7'
     try {
       for (const i of [1, 2]) {

@@ -3,9 +3,9 @@
 // docs/nginx.conf, and Latch runs as its own command line with TRUST_PROXY=127.0.0.1. Clients
 // connect from 127.0.0.2, 127.0.0.3, … (every 127/8 address is loopback on Linux), so nginx sees
 // each as a different address and passes it on in X-Forwarded-For. Checked through the proxy:
-// https URLs built from the issuer, Secure cookies, the issuer in the redirect, 421 for a foreign
-// Host without a password, per-address password limits, and the client's address in the log,
-// never the proxy's nor one the client made up.
+// https URLs built from the issuer, Secure cookies, the issuer in the redirect, a Latch without a
+// password refusing all that comes through (403, and 421 for a foreign Host), per-address password
+// limits, and the client's address in the log, never the proxy's nor one the client made up.
 //
 // Without nginx or openssl the tests are skipped with the reason printed; with CI set they fail.
 
@@ -326,7 +326,8 @@ describe('Latch behind nginx with TLS (docs/deploy.md)', () => {
     const passwordHash = await hashPassword(PASSWORD, { ln: 10, r: 8, p: 1 })
     secrets.push(passwordHash)
     withPassword = await startLatch({ ISSUER: issuer, ME: 'https://example.com/', PASSWORD_HASH: passwordHash })
-    withoutPassword = await startLatch({ ISSUER: `https://localhost:${openPort}`, LOG_FORMAT: 'json' })
+    // TRUST_PROXY names a proxy, which without a password refuses to start
+    withoutPassword = await startLatch({ ISSUER: `https://localhost:${openPort}`, LOG_FORMAT: 'json', TRUST_PROXY: '' })
 
     const conf = join(dir, 'nginx.conf')
     await writeFile(
@@ -401,22 +402,33 @@ describe('Latch behind nginx with TLS (docs/deploy.md)', () => {
     assert.ok(opened.includes(` client_id=${CLIENT_ID}`), `no client_id on the /auth line: ${opened}`)
   })
 
-  it('answers 421 to a Host that is not the issuer’s when Latch has no password', { skip: SKIP }, async () => {
-    const from = '127.0.0.6'
-    const own = await send(openPort, '/', { from })
-    assert.equal(own.status, 200)
-    const foreign = await send(openPort, '/', { from, headers: { Host: `rebound.example:${openPort}` } })
-    assert.equal(foreign.status, 421, foreign.body)
+  it(
+    'refuses all that nginx forwards when Latch has no password: 403, or 421 to a Host not the issuer’s',
+    { skip: SKIP },
+    async () => {
+      // whoever nginx serves connects from loopback: a request it forwards may be anyone's
+      const from = '127.0.0.6'
+      const own = await send(openPort, '/', { from })
+      assert.equal(own.status, 403, own.body)
+      assert.match(own.body, /came through a proxy/)
+      const foreign = await send(openPort, '/', { from, headers: { Host: `rebound.example:${openPort}` } })
+      assert.equal(foreign.status, 421, foreign.body)
 
-    const line = await withoutPassword!.waitForLine(/"status":421/)
-    const entry = JSON.parse(line) as Record<string, unknown>
-    assert.equal(entry.address, from)
-    assert.equal(entry.method, 'GET')
-    assert.equal(entry.path, '/')
-    assert.equal(typeof entry.ms, 'number')
-    assert.ok(!Number.isNaN(Date.parse(String(entry.time))), `no time in ${line}`)
-    assert.equal(entry.error, 'invalid_request')
-  })
+      for (const [status, error] of [
+        [403, 'access_denied'],
+        [421, 'invalid_request'],
+      ] as const) {
+        const line = await withoutPassword!.waitForLine(new RegExp(`"status":${status}`))
+        const entry = JSON.parse(line) as Record<string, unknown>
+        assert.equal(entry.address, '127.0.0.1') // nginx's: without TRUST_PROXY, its header is not believed
+        assert.equal(entry.method, 'GET')
+        assert.equal(entry.path, '/')
+        assert.equal(typeof entry.ms, 'number')
+        assert.ok(!Number.isNaN(Date.parse(String(entry.time))), `no time in ${line}`)
+        assert.equal(entry.error, error)
+      }
+    },
+  )
 
   it('limits wrong passwords per client address, as nginx forwards it', { skip: SKIP }, async () => {
     const guesser = '127.0.0.2'
