@@ -800,6 +800,15 @@ describe('MemoryStore', () => {
     assert.equal(store.tokens.size, 1)
   })
 
+  it('never starts sweeping when the signal given to the handler is aborted already', async (t) => {
+    t.mock.timers.enable({ apis: ['setInterval'] })
+    const store = new MemoryStore()
+    await store.saveToken('expired', token(1000), 0)
+    createHandler({ config: loadConfig({ DATA_FILE: 'memory' }), store, now: () => 5000, signal: AbortSignal.abort() })
+    t.mock.timers.tick(1000)
+    assert.equal(store.tokens.size, 1)
+  })
+
   it('keeps times to the second: expiries rounded up, so nothing dies before its expires_in', async () => {
     const store = new MemoryStore()
     await store.saveToken('t', { ...token(2001), issuedAt: 1500 }, 0)

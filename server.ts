@@ -3093,7 +3093,7 @@ export function createHandler(options: HandlerOptions): (req: IncomingMessage, r
   }
   // expired entries go even while no one writes, without costing a request anything
   const { store } = ctx
-  if (store instanceof MemoryStore || store instanceof FileStore) {
+  if ((store instanceof MemoryStore || store instanceof FileStore) && options.signal?.aborted !== true) {
     const sweeping = setInterval(() => store.sweep(ctx.now()), 100).unref()
     options.signal?.addEventListener('abort', () => clearInterval(sweeping), { once: true })
   }
