@@ -286,9 +286,15 @@ export type Passkey = {
  * every grant approved by a time and every code issued by then, and deletes those codes, in one
  * transaction. On Redis, each entry is a key with a TTL, and the same step is a `WATCH`/`MULTI`
  * or a small Lua script. A write the database refused (full, or unreachable) is best thrown as
- * `NotStored`, once its cause is logged: the client is told 503, to try again later.
+ * `NotStored`, once its cause is logged: the client is told 503, to try again later. Latch sweeps
+ * expired entries out of its own two stores; one of your own expires them itself (a TTL, or a
+ * periodic `DELETE ... WHERE expires_at < ?`).
  */
 export interface Store {
+  /**
+   * Anyone can open a consent page, so a store bounds how many requests it keeps: `MemoryStore`
+   * keeps 1,000, and when full drops the oldest of the address that holds the most (`openedBy`).
+   */
   savePending(id: string, request: PendingRequest, now: number): Promise<void>
   findPending(id: string, now: number): Promise<PendingRequest | undefined>
   /** Returns the pending request and deletes it, in one step. */
