@@ -322,7 +322,7 @@ export interface Store {
    * that were not redeemed yet.
    */
   revokeApprovedBy(approvedBy: number, now: number): Promise<number>
-  /** Notes that a token of the grant was used; a store may keep this in memory only. */
+  /** Notes that a token of the grant was used; a store may keep this in memory only, and a failure refuses nothing. */
   touchGrant(id: string, now: number): Promise<void>
   saveToken(hash: string, token: Token, now: number): Promise<void>
   /** Returns an unexpired token, used or not. */
@@ -1858,7 +1858,7 @@ async function handleIntrospectionRequest(req: IncomingMessage, res: ServerRespo
   if (found === undefined) return sendJson(res, 200, { active: false })
   const { token, grant } = found
   noteClient(res, grant.client_id)
-  await ctx.store.touchGrant(token.grantId, ctx.now())
+  await noteUse(ctx.store, token.grantId, ctx.now())
   sendJson(res, 200, describeToken(token, grant))
 }
 
@@ -2028,7 +2028,7 @@ async function requireAccessToken(
   const names = (one: string) => endpoint !== undefined && URL.canParse(one) && new URL(one).href === endpoint
   if (resource.length > 0 && !resource.some(names))
     throw refused('invalid_token', 'The access token is for another service (its audience), not this one')
-  await ctx.store.touchGrant(found.token.grantId, ctx.now())
+  await noteUse(ctx.store, found.token.grantId, ctx.now())
   return found
 }
 
@@ -2068,8 +2068,9 @@ export type AccessCheck =
 
 /**
  * Checks an access token for a resource server that runs in the same process as Latch and shares
- * its store: the token must be live, name `resource` in its audience when one is given (as an
- * MCP server must check, RFC 8707), and carry every scope of `scope`. A resource server elsewhere
+ * its store: the token must be live, carry every scope of `scope`, and, if it is bound to
+ * services (its audience, RFC 8707), name `resource` among them, as an MCP server must check: a
+ * server that gives no `resource` takes only tokens bound to none, as IndieAuth's are. A resource server elsewhere
  * asks `POST /introspect` the same (see the README). Answer `invalid_token` with 401 and
  * `insufficient_scope` with 403, each with a `WWW-Authenticate: Bearer` challenge (RFC 6750 §3).
  * @see https://www.rfc-editor.org/rfc/rfc6750#section-3.1
@@ -2084,14 +2085,24 @@ export async function checkAccessToken(
   if (found === undefined)
     return { active: false, error: 'invalid_token', description: 'The access token is unknown, expired or revoked' }
   const { resource, scope } = found.token
-  if (want.resource !== undefined && !resource.includes(want.resource))
+  // a token bound to services (RFC 8707) is theirs alone: a server that names none is not one of them
+  const forThis = want.resource === undefined ? resource.length === 0 : resource.includes(want.resource)
+  if (!forThis)
     return { active: false, error: 'invalid_token', description: 'The access token was not issued for this resource' }
   const missing = (want.scope ?? []).filter((one) => !scope.includes(one))
   if (missing.length > 0)
     return { active: false, error: 'insufficient_scope', description: `The access token lacks ${missing.join(' ')}` }
-  await store.touchGrant(found.token.grantId, now())
+  await noteUse(store, found.token.grantId, now())
   const { me, client_id } = found.grant
   return { active: true, me, client_id, scope, aud: resource, expiresAt: found.token.expiresAt }
+}
+
+/**
+ * Notes that a token of a grant was used, for the apps page. Only a hint (`Store.touchGrant`):
+ * a store that could not keep it (a full disk) has said so in the log, and the token still works.
+ */
+function noteUse(store: Store, grantId: string, now: number): Promise<void> {
+  return store.touchGrant(grantId, now).catch(() => {})
 }
 
 // --- The owner's pages ----------------------------------------------------------

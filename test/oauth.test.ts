@@ -16,7 +16,7 @@ import type { AddressInfo, Socket } from 'node:net'
 import { connect as tlsConnect } from 'node:tls'
 import type { TLSSocket } from 'node:tls'
 import * as latchModule from '../server.ts'
-import { MemoryStore, buildMetadata, createHandler, loadConfig } from '../server.ts'
+import { MemoryStore, NotStored, buildMetadata, createHandler, loadConfig } from '../server.ts'
 import type { ClientFetchOptions } from '../server.ts'
 import { START, startLatch } from './harness.ts'
 import { pageError, unescapeHtml } from './html.ts'
@@ -515,7 +515,10 @@ describe('checkAccessToken, for a resource server sharing the store', () => {
       aud: [API],
       expiresAt: now() + tokens.expires_in * 1000,
     })
-    assert.equal((await checkAccessToken(store, tokens.access_token, {}, now)).active, true)
+    // a resource server that names none is not the one it was issued for, as at GET /token
+    const unnamed = await checkAccessToken(store, tokens.access_token, { scope: ['create'] }, now)
+    assert.equal(unnamed.active, false)
+    assert.equal(!unnamed.active && unnamed.error, 'invalid_token')
 
     const unknown = await checkAccessToken(store, 'not-a-token', {}, now)
     assert.equal(unknown.active, false)
@@ -539,6 +542,27 @@ describe('checkAccessToken, for a resource server sharing the store', () => {
     const forApi = await checkAccessToken(store, tokens.access_token, { resource: API }, now)
     assert.equal(forApi.active, false)
     assert.equal(!forApi.active && forApi.error, 'invalid_token')
+  })
+
+  it('answers for a store that cannot keep the last use: that is no reason to refuse the token', async () => {
+    const failing = new MemoryStore()
+    const own = await startLatch({}, { store: failing })
+    try {
+      const tokens = await tokensOf(await exchange(own.base, await obtainCode(own.base, { scope: 'create' })))
+      Object.defineProperty(failing, 'touchGrant', {
+        value: async () => {
+          throw new NotStored(new Error('ENOSPC: no space left on device'))
+        },
+      })
+      assert.equal((await checkAccessToken(failing, tokens.access_token, { scope: ['create'] }, now)).active, true)
+      const introspected = await post(`${own.base}/introspect`, { token: tokens.access_token })
+      assert.equal(introspected.status, 200)
+      assert.equal(((await introspected.json()) as { active: boolean }).active, true)
+      const verified = await fetch(`${own.base}/token`, { headers: { Authorization: `Bearer ${tokens.access_token}` } })
+      assert.equal(verified.status, 200)
+    } finally {
+      await own.close()
+    }
   })
 
   it('refuses an expired token with invalid_token', async () => {
