@@ -467,6 +467,24 @@ export class OAuthError extends Error {
   }
 }
 
+/**
+ * A change the store did not take, so it did not happen: the disk is full, say, or the journal
+ * was replaced by another hand (Part 2, "Durable storage"). The store has logged why; the
+ * request is answered 503 `temporarily_unavailable` (`NOT_STORED`), without the cause, since a
+ * client can try again once the disk has room.
+ */
+export class NotStored extends Error {
+  constructor(cause: unknown) {
+    super(`a change could not be stored: ${String(cause)}`, { cause })
+  }
+}
+
+const NOT_STORED = new OAuthError(
+  'temporarily_unavailable',
+  'The change could not be stored, so it did not happen: try again later',
+  { status: 503 },
+)
+
 // --- Pure helpers ---------------------------------------------------------------
 
 /** Base64url without padding (RFC 4648 §5), the encoding of codes, tokens and PKCE. */
@@ -6225,26 +6243,6 @@ class Journal {
     }
   }
 }
-
-/**
- * A change the data file did not take, so it did not happen: the disk is full, say, or the
- * journal was replaced by another hand. The journal has logged why; the request is answered 503
- * `temporarily_unavailable` (`NOT_STORED`), without the cause, since a client can try again once
- * the disk has room.
- */
-export class NotStored extends Error {
-  constructor(cause: unknown) {
-    super(`a change could not be stored: ${String(cause)}`, { cause })
-  }
-}
-
-const NOT_STORED = new OAuthError(
-  'temporarily_unavailable',
-  'The change could not be stored, so it did not happen: try again later',
-  {
-    status: 503,
-  },
-)
 
 /** The journal's file is no longer at its path: removed, or moved away, while Latch ran. */
 class JournalGone extends Error {
