@@ -3198,6 +3198,22 @@ function issuerAliasUrl(req: IncomingMessage, issuerHost: string, config: Config
   return endpointUrl(config, req.url ?? '/')
 }
 
+/**
+ * Whether a request says it came through a proxy: a header a proxy adds (nginx's `proxy_params`,
+ * Caddy, CDNs), or HTTP/1.0, which nginx speaks to the server behind it by default and no
+ * browser speaks at all.
+ */
+function cameThroughProxy(req: IncomingMessage): boolean {
+  const { headers } = req
+  return (
+    req.httpVersionMinor === 0 ||
+    PROXY_HEADERS.some((name) => headers[name] !== undefined) ||
+    Object.keys(headers).some((name) => name.startsWith('x-forwarded-'))
+  )
+}
+
+const PROXY_HEADERS = ['forwarded', 'via', 'x-real-ip', 'x-client-ip', 'cf-connecting-ip', 'true-client-ip']
+
 /** Why a request is refused before any handler reads it, or undefined. */
 function refusalOf(req: IncomingMessage, own: boolean, passwordless: boolean): OAuthError | undefined {
   if (req.rawHeaders.length > 2 * MAX_HEADER_LINES) {
@@ -3220,12 +3236,11 @@ function refusalOf(req: IncomingMessage, own: boolean, passwordless: boolean): O
     )
   }
   // A proxy on this machine connects from loopback for whoever it serves, under a Host header
-  // it may set to ISSUER's. Most say so, and such a request is no one's on this machine.
-  if (passwordless && (req.headers['x-forwarded-for'] !== undefined || req.headers.forwarded !== undefined)) {
+  // it may set to ISSUER's. Most say so; one that says nothing cannot be told from a browser.
+  if (passwordless && cameThroughProxy(req)) {
     return new OAuthError(
       'access_denied',
-      'This server has no password, and this request came through a proxy (X-Forwarded-For or Forwarded), ' +
-        'so it may be anyone: set PASSWORD_HASH',
+      'This server has no password, and this request came through a proxy, so it may be anyone: set PASSWORD_HASH',
       { status: 403 },
     )
   }
