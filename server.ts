@@ -3205,11 +3205,9 @@ function issuerAliasUrl(req: IncomingMessage, issuerHost: string, config: Config
  */
 function cameThroughProxy(req: IncomingMessage): boolean {
   const { headers } = req
-  return (
-    req.httpVersionMinor === 0 ||
-    PROXY_HEADERS.some((name) => headers[name] !== undefined) ||
-    Object.keys(headers).some((name) => name.startsWith('x-forwarded-'))
-  )
+  if (req.httpVersionMinor === 0 || PROXY_HEADERS.some((name) => headers[name] !== undefined)) return true
+  for (const name in headers) if (name.startsWith('x-forwarded-')) return true
+  return false
 }
 
 const PROXY_HEADERS = ['forwarded', 'via', 'x-real-ip', 'x-client-ip', 'cf-connecting-ip', 'true-client-ip']
