@@ -2117,10 +2117,15 @@ export async function checkAccessToken(
 
 /**
  * Notes that a token of a grant was used, for the apps page. Only a hint (`Store.touchGrant`):
- * a store that could not keep it (a full disk) has said so in the log, and the token still works.
+ * a store that could not keep it (`NotStored`, a full disk) has said so in the log, and the token
+ * still works. Any other failure is a fault of the store, and goes on up.
  */
-function noteUse(store: Store, grantId: string, now: number): Promise<void> {
-  return store.touchGrant(grantId, now).catch(() => {})
+async function noteUse(store: Store, grantId: string, now: number): Promise<void> {
+  try {
+    await store.touchGrant(grantId, now)
+  } catch (err) {
+    if (!(err instanceof NotStored)) throw err
+  }
 }
 
 // --- The owner's pages ----------------------------------------------------------

@@ -553,6 +553,7 @@ describe('checkAccessToken, for a resource server sharing the store', () => {
         value: async () => {
           throw new NotStored(new Error('ENOSPC: no space left on device'))
         },
+        configurable: true,
       })
       assert.equal((await checkAccessToken(failing, tokens.access_token, { scope: ['create'] }, now)).active, true)
       const introspected = await post(`${own.base}/introspect`, { token: tokens.access_token })
@@ -560,6 +561,14 @@ describe('checkAccessToken, for a resource server sharing the store', () => {
       assert.equal(((await introspected.json()) as { active: boolean }).active, true)
       const verified = await fetch(`${own.base}/token`, { headers: { Authorization: `Bearer ${tokens.access_token}` } })
       assert.equal(verified.status, 200)
+      // a store's own fault is not hidden: it goes on up, a 500 in Latch's log
+      Object.defineProperty(failing, 'touchGrant', {
+        value: async () => {
+          throw new TypeError('a bug in the store')
+        },
+      })
+      await assert.rejects(checkAccessToken(failing, tokens.access_token, { scope: ['create'] }, now), TypeError)
+      assert.equal((await post(`${own.base}/introspect`, { token: tokens.access_token })).status, 500)
     } finally {
       await own.close()
     }
