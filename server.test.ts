@@ -1982,17 +1982,31 @@ describe('POST /token (IndieAuth §5.3.3)', () => {
   })
 
   it('reads a form labelled with another charset if it is plain ASCII, and refuses it if not', async () => {
-    const latin1 = { 'Content-Type': 'application/x-www-form-urlencoded; charset=ISO-8859-1' }
+    const labelled = (charset: string) => ({ 'Content-Type': `application/x-www-form-urlencoded; charset=${charset}` })
     const token = await obtainToken(latch)
-    const ascii = await post(`${latch.base}/introspect`, form({ token }), latin1)
+    const introspect = (body: string, headers: Record<string, string>) =>
+      post(`${latch.base}/introspect`, body, headers)
+    const ascii = await introspect(String(form({ token })), labelled('ISO-8859-1'))
     assert.equal(ascii.status, 200)
     assert.equal((await ascii.json()).active, true)
-    const accented = await post(`${latch.base}/introspect`, `${form({ token })}&note=caf%E9`, latin1)
-    await assertError(accented, 400, 'invalid_request')
-    const named = await post(`${latch.base}/introspect`, `${form({ token })}&caf%E9=1`, latin1)
-    await assertError(named, 400, 'invalid_request')
-    const utf8 = { 'Content-Type': 'application/x-www-form-urlencoded; charset=utf8' }
-    assert.equal((await post(`${latch.base}/introspect`, `${form({ token })}&note=caf%C3%A9`, utf8)).status, 200)
+    // é in Latin-1, é in UTF-8 (which would be read as Ã©), and é in a name
+    for (const extra of ['note=caf%E9', 'note=caf%C3%A9', 'caf%E9=1']) {
+      const refused = await introspect(`${form({ token })}&${extra}`, labelled('ISO-8859-1'))
+      assert.equal(refused.status, 400)
+      assert.match(((await refused.json()) as { error_description: string }).error_description, /not plain ASCII/)
+    }
+    const raw = await fetch(`${latch.base}/introspect`, {
+      method: 'POST',
+      headers: labelled('ISO-8859-1'),
+      body: Buffer.concat([Buffer.from(`${form({ token })}&note=caf`), Buffer.from([0xe9])]),
+    })
+    await assertError(raw, 400, 'invalid_request')
+    // a charset in which ASCII is not ASCII, and two charsets in either order
+    await assertError(await introspect(String(form({ token })), labelled('UTF-16LE')), 400, 'invalid_request')
+    for (const two of ['utf-8; charset=iso-8859-1', 'iso-8859-1; charset=utf-8'])
+      await assertError(await introspect(`${form({ token })}&note=caf%C3%A9`, labelled(two)), 400, 'invalid_request')
+    assert.equal((await introspect(`${form({ token })}&note=caf%C3%A9`, labelled('utf8'))).status, 200)
+    assert.equal((await introspect(`${form({ token })}&note=caf%C3%A9`, labelled('"UTF-8"'))).status, 200)
   })
 
   it('answers malformed percent-escapes and invalid UTF-8 with invalid_request', async () => {

@@ -3495,8 +3495,9 @@ const MAX_BODY_BYTES = 64 * 1024
  * answered with 413 and the rest of it is never buffered.
  *
  * The form is UTF-8 (RFC 6749 Appendix B), and the media type has no `charset` parameter. Some
- * clients send one all the same (Java's Apache HttpClient says ISO-8859-1 by default): their form
- * is read if it is plain ASCII, which means the same in either, and refused if it is not.
+ * clients send one all the same (Java's Apache HttpClient says ISO-8859-1 by default): a form
+ * labelled with a charset that agrees with ASCII is read if it is plain ASCII, which means the
+ * same in either, and refused if it is not; one labelled UTF-16 or anything else, refused.
  * @see https://www.rfc-editor.org/rfc/rfc6749#appendix-B
  */
 export async function readForm(req: IncomingMessage): Promise<Params> {
@@ -3504,20 +3505,24 @@ export async function readForm(req: IncomingMessage): Promise<Params> {
   if (contentType === FORM_TYPE) return parseForm((await readBody(req)).toString('latin1'))
   const [mediaType, ...parameters] = contentType.split(';').map((part) => part.trim().toLowerCase())
   if (mediaType !== FORM_TYPE) throw new OAuthError('invalid_request', `The body must be ${FORM_TYPE}`)
-  const charset = parameters.find((parameter) => parameter.startsWith('charset='))?.slice(8)
-  const form = parseForm((await readBody(req)).toString('latin1'))
-  if (charset === undefined || /^"?utf-?8"?$/.test(charset)) return form
-  for (const [name, values] of form) {
-    if (!isAscii(name) || !values.every(isAscii))
-      throw new OAuthError(
-        'invalid_request',
-        'The body names a charset other than UTF-8 and is not plain ASCII: send it as UTF-8',
-      )
-  }
-  return form
+  const charsets = parameters.filter((parameter) => parameter.startsWith('charset='))
+  if (charsets.length > 1) throw new OAuthError('invalid_request', 'The Content-Type names more than one charset')
+  const charset = charsets[0]?.slice(8).replace(/^"(.*)"$/, '$1')
+  if (charset === undefined || charset === 'utf-8' || charset === 'utf8') return parseForm(await readText(req))
+  if (!ASCII_CHARSETS.test(charset)) throw new OAuthError('invalid_request', 'The body must be UTF-8')
+  const text = await readText(req)
+  // a byte past ASCII, sent as it is or percent-encoded, would mean one thing in UTF-8 and another in this charset
+  if (/[^\t\n\r\x20-\x7e]|%[89a-f][0-9a-f]/i.test(text))
+    throw new OAuthError('invalid_request', `The body is ${charset}, not plain ASCII: send it as UTF-8`)
+  return parseForm(text)
 }
 
-const isAscii = (text: string): boolean => /^[\x00-\x7f]*$/.test(text)
+/** Charsets in which ASCII means what it means in UTF-8: a form in one of them that is plain ASCII is read. */
+const ASCII_CHARSETS = /^(us-ascii|ascii|iso-?8859-\d{1,2}|latin-?1|windows-125\d|cp125\d)$/
+
+async function readText(req: IncomingMessage): Promise<string> {
+  return (await readBody(req)).toString('latin1')
+}
 
 const FORM_TYPE = 'application/x-www-form-urlencoded'
 
