@@ -2501,6 +2501,9 @@ describe('Profile information (IndieAuth §5.3.4) and GET /userinfo', () => {
       assert.equal(twice.headers.get('www-authenticate'), `Bearer realm="${latch.issuer}", error="invalid_request"`)
     }
     assert.equal((await userinfo({ Authorization: `Bearer ${access_token}` })).status, 200)
+    const repeated = await post(`${latch.base}/userinfo`, `access_token=${access_token}&access_token=${access_token}`)
+    await assertError(repeated, 400, 'invalid_request')
+    assert.equal(repeated.headers.get('www-authenticate'), `Bearer realm="${latch.issuer}", error="invalid_request"`)
   })
 
   it('answers a malformed Bearer header with 400 invalid_request and a challenge (RFC 6750 §3.1)', async () => {

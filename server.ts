@@ -2032,7 +2032,9 @@ async function requireAccessToken(
   const refused = (error: string, description: string) =>
     new OAuthError(error, description, { headers: { 'WWW-Authenticate': bearerChallenge(ctx.config, error) } })
   const header = bearerCredential(req, ctx.config)
-  const field = form === undefined ? undefined : getParam(form, 'access_token')
+  const sent = form?.get('access_token')?.filter((value) => value !== '') ?? []
+  if (sent.length > 1) throw refused('invalid_request', 'Parameter access_token was sent more than once')
+  const field = sent[0]
   // one way only, even for the same token twice: RFC 6750 §3.1 names this invalid_request
   if (header !== undefined && field !== undefined)
     throw refused('invalid_request', 'Send the access token one way: in the Authorization header or in the body')
