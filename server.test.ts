@@ -3456,7 +3456,9 @@ describe('Passkeys only (PASSWORD_SIGN_IN=off), and passkeys in the journal', ()
       ] as const) {
         const response = await post(`${latch.base}${path}`, form({ csrf, ...fields }), { Cookie: `latch_csrf=${csrf}` })
         assert.equal(response.status, 403, path)
-        assert.doesNotMatch(await response.text(), new RegExp(`credential-1|${grant}`), path)
+        const page = await response.text()
+        assert.doesNotMatch(page, new RegExp(`credential-1|${grant}`), path)
+        assert.match(page, /sign in again on your apps page/, path) // where to go next
       }
       assert.equal((await introspect(latch, token)).active, true)
       assert.ok(await store.findPasskey('credential-1'))

@@ -2633,7 +2633,10 @@ function passkeysForHere(passkeys: [string, Passkey][], config: Config): [string
 
 async function requireOwner(form: Params, req: IncomingMessage, ctx: Context): Promise<Visitor> {
   const visitor = await requireFormToken(form, req, ctx)
-  if (!visitor.signedIn) throw new OAuthError('access_denied', 'Sign in first: your session has ended', { status: 403 })
+  if (!visitor.signedIn) {
+    const ended = 'You are not signed in (your session has ended): sign in again on your apps page, then try again'
+    throw new OAuthError('access_denied', ended, { status: 403 })
+  }
   return visitor
 }
 
