@@ -735,6 +735,34 @@ describe('MemoryStore', () => {
     lastRotated: undefined,
   })
 
+  it('refuses a code whose replay revoked its grant while its first redemption failed to be written', async () => {
+    const store = new MemoryStore()
+    await store.saveCode('c', code(9000), 0)
+    assert.equal(store.redeem({ kind: 'code', hash: 'c' }, 10), 'first') // its line is being written…
+    await store.revokeGrant('c', 20) // …when a replay comes
+    store.unredeem({ kind: 'code', hash: 'c' }, undefined) // and the write fails: a full disk
+    const redeemed = { kind: 'code', hash: 'c' } as const
+    assert.equal(await store.redeemForTokens({ redeemed, grantId: 'c', grant: grant(9000), tokens: [] }, 30), false)
+  })
+
+  it('puts back which refresh token a grant rotated last when a rotation is taken back, and snapshots it so', async () => {
+    const store = new MemoryStore()
+    await store.saveGrant('g', { ...grant(9000), lastRotated: 'r1' }, 0)
+    await store.saveToken('r2', { ...token(9000), kind: 'refresh' }, 0)
+    const redeemed = { kind: 'refresh', hash: 'r2' } as const
+    const before = store.rotatedLastBefore(redeemed)
+    assert.equal(before, 'r1')
+    assert.equal(store.redeem(redeemed, 10), 'first')
+    assert.equal((await store.findGrant('g', 10))?.lastRotated, 'r2')
+    // a snapshot taken while the rotation is being written holds the grant as it was before
+    const records = [...store.records(10, new Map([['r2', before]]))]
+    const saved = records.find((record) => 'set' in record && record.set === 'grant')
+    assert.equal(saved !== undefined && 'value' in saved && (saved.value as Grant).lastRotated, 'r1')
+    store.unredeem(redeemed, before) // the write failed
+    assert.equal((await store.findGrant('g', 20))?.lastRotated, 'r1')
+    assert.equal((await store.findToken('r2', 20))?.usedAt, undefined)
+  })
+
   it('marks a code used once, atomically, and hides it once expired', async () => {
     const store = new MemoryStore()
     await store.saveCode('h', code(1000), 0)

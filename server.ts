@@ -5772,7 +5772,8 @@ export class MemoryStore implements Store {
   redeem(redeemed: TokenIssue['redeemed'], now: number): 'first' | 'again' | undefined {
     if (redeemed.kind === 'code') {
       const code = live(this.codes.get(redeemed.hash), now)
-      if (code === undefined || code.usedAt !== undefined) return undefined
+      // a replay revokes the grant named for the code, even while its first redemption is being written
+      if (code === undefined || code.usedAt !== undefined || this.revokedGrants.has(redeemed.hash)) return undefined
       code.usedAt = now
       return 'first'
     }
@@ -5792,10 +5793,27 @@ export class MemoryStore implements Store {
     return retry ? 'again' : undefined
   }
 
-  /** Takes back a first `redeem`, for a durable store that could not write it down. */
-  unredeem(redeemed: TokenIssue['redeemed']): void {
-    const entry = redeemed.kind === 'code' ? this.codes.get(redeemed.hash) : this.tokens.get(redeemed.hash)
-    if (entry !== undefined) entry.usedAt = undefined
+  /**
+   * Takes back a first `redeem`, for a durable store that could not write it down; a refresh
+   * token's grant gets back `rotatedBefore`, the token it rotated last before (`rotatedLastBefore`).
+   */
+  unredeem(redeemed: TokenIssue['redeemed'], rotatedBefore: string | undefined): void {
+    if (redeemed.kind === 'code') {
+      const code = this.codes.get(redeemed.hash)
+      if (code !== undefined) code.usedAt = undefined
+      return
+    }
+    const token = this.tokens.get(redeemed.hash)
+    if (token === undefined) return
+    token.usedAt = undefined
+    const grant = this.grants.get(token.grantId)
+    if (grant?.lastRotated === redeemed.hash) grant.lastRotated = rotatedBefore
+  }
+
+  /** For a refresh token about to be redeemed: the token its grant rotated last until now. */
+  rotatedLastBefore(redeemed: TokenIssue['redeemed']): string | undefined {
+    if (redeemed.kind === 'code') return undefined
+    return this.grants.get(this.tokens.get(redeemed.hash)?.grantId ?? '')?.lastRotated
   }
 
   async deleteToken(hash: string): Promise<void> {
@@ -5863,16 +5881,25 @@ export class MemoryStore implements Store {
   /**
    * The records that rebuild this store's unexpired codes, grants, tokens and sessions, and its passkeys: a
    * snapshot for the journal. Codes and refresh tokens in `unsaved` were marked used by a
-   * redemption whose write has not yet succeeded, and are written as unused: the redemption's
+   * redemption whose write has not yet succeeded, and are written as unused, and a grant that
+   * rotated one of them last as rotating what it did before (the map's value): the redemption's
    * own line follows the snapshot if it succeeds.
    */
-  *records(now: number, unsaved: ReadonlySet<string> = new Set()): Iterable<JournalRecord> {
+  *records(now: number, unsaved: ReadonlyMap<string, string | undefined> = new Map()): Iterable<JournalRecord> {
     for (const [key, value] of this.codes) {
       if (value.expiresAt > now)
         yield { set: 'code', key, value: unsaved.has(key) ? { ...value, usedAt: undefined } : value }
     }
-    for (const [key, stored] of this.grants)
-      if (stored.expiresAt * 1000 > now) yield { set: 'grant', key, value: stored.toGrant() }
+    for (const [key, stored] of this.grants) {
+      if (stored.expiresAt * 1000 <= now) continue
+      const rotated = stored.lastRotated
+      const before = rotated !== undefined && unsaved.has(rotated)
+      yield {
+        set: 'grant',
+        key,
+        value: before ? { ...stored.toGrant(), lastRotated: unsaved.get(rotated) } : stored.toGrant(),
+      }
+    }
     for (const [key, revoked] of this.revokedGrants)
       if (revoked.expiresAt * 1000 > now) yield { delete: 'grant', key, until: revoked.expiresAt * 1000 }
     for (const [key, stored] of this.tokens) {
@@ -6499,8 +6526,11 @@ export class FileStore implements Store {
   readonly memory: MemoryStore
   /** The compaction under way, if any. */
   compaction: Promise<void> | undefined
-  /** Codes and refresh tokens marked used whose write is under way (see `MemoryStore.records`). */
-  readonly #unsaved = new Set<string>()
+  /**
+   * Codes and refresh tokens marked used whose write is under way, each with the token its grant
+   * rotated last before (see `MemoryStore.records`).
+   */
+  readonly #unsaved = new Map<string, string | undefined>()
   /** After a failed compaction, how long the journal must grow before the next try. */
   #compactAfterLines = 0
   readonly #journal: Journal
@@ -6645,14 +6675,15 @@ export class FileStore implements Store {
    * writes that with `records` as one line. A write that fails takes the mark back.
    */
   async #redeemAndStore(redeemed: TokenIssue['redeemed'], now: number, records: JournalRecord[]): Promise<boolean> {
+    const rotatedBefore = this.memory.rotatedLastBefore(redeemed)
     const redemption = this.memory.redeem(redeemed, now)
     if (redemption === undefined) return false
     if (redemption === 'again') return this.#append(records).then(() => true)
-    this.#unsaved.add(redeemed.hash)
+    this.#unsaved.set(redeemed.hash, rotatedBefore)
     try {
       await this.#append([this.#redeemedRecord(redeemed), ...records])
     } catch (err) {
-      this.memory.unredeem(redeemed)
+      this.memory.unredeem(redeemed, rotatedBefore)
       throw err
     } finally {
       this.#unsaved.delete(redeemed.hash)
