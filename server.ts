@@ -6325,6 +6325,16 @@ async function writeAll(file: FileHandle, bytes: Buffer): Promise<void> {
   }
 }
 
+/** The refusal to start on a journal line that is not a record: `why` says what is wrong with it. */
+function notARecord(path: string, line: number, why: string): ConfigError {
+  return new ConfigError(
+    `${path} line ${line} is not a Latch journal record (${why}): correct that line, ` +
+      'restore the file from a backup, or move it away to start empty',
+  )
+}
+
+const NOT_JSON = 'it is not JSON'
+
 /**
  * Whether the bytes after a journal's last newline can be a write that a crash cut short: the
  * start of a line as Latch writes them (`{"`, or its first byte alone), or zeros, which some file
@@ -6589,18 +6599,18 @@ export class FileStore implements Store {
       const end = bytes.lastIndexOf(0x0a) + 1 // after it: a write cut short, or a last line lacking only its newline
       const now = (options.now ?? Date.now)()
       let lines = 0
-      for (let start = 0; start < end; lines++) {
+      // an editor's byte order mark, and blank lines, are no one's records: passed over
+      const bom = bytes[0] === 0xef && bytes[1] === 0xbb && bytes[2] === 0xbf ? 3 : 0
+      for (let start = bom; start < end; lines++) {
         const stop = bytes.indexOf(0x0a, start)
+        const text = stop - start > MAX_JOURNAL_LINE_BYTES ? undefined : bytes.toString('utf8', start, stop)
         const records =
-          stop - start > MAX_JOURNAL_LINE_BYTES
+          text === undefined
             ? `it is longer than ${MAX_JOURNAL_LINE_BYTES / 2 ** 20} MiB, which no record is`
-            : readJournalLine(bytes.toString('utf8', start, stop))
-        if (typeof records === 'string') {
-          throw new ConfigError(
-            `${path} line ${lines + 1} is not a Latch journal record (${records}): ` +
-              'restore the file from a backup, or move it away to start empty',
-          )
-        }
+            : /^\s*$/.test(text)
+              ? []
+              : readJournalLine(text)
+        if (typeof records === 'string') throw notARecord(path, lines + 1, records)
         for (const record of records) await applyRecord(memory, record, now)
         start = stop + 1
         // a server started meanwhile asks who holds the journal: the answer must not wait for the end
@@ -6617,6 +6627,8 @@ export class FileStore implements Store {
         await writeAll(file, Buffer.from('\n'))
         await file.datasync()
       } else if (tail.length > 0) {
+        // JSON that closes is no write cut short: a record with a field wrong, refused as on any line
+        if (whole !== '' && whole !== NOT_JSON) throw notARecord(path, lines + 1, whole)
         if (!isTornLine(tail))
           throw new ConfigError(
             `${path} does not end as a Latch journal does: ` +
@@ -6849,7 +6861,7 @@ function readJournalLine(line: string): JournalRecord[] | string {
   try {
     parsed = JSON.parse(line)
   } catch {
-    return 'it is not JSON'
+    return NOT_JSON
   }
   const all = isObject(parsed) ? parsed.all : undefined
   const records: unknown[] = Array.isArray(all) ? all : [parsed]

@@ -419,6 +419,28 @@ describe('DATA_FILE: damaged files', () => {
     await assert.rejects(FileStore.open(file, { now: () => START, log: () => {} }), /line 3/)
   })
 
+  it('refuses a last line that closes as JSON but is no record, without its newline, and leaves the file as it was', async () => {
+    // a crash cannot leave it (JSON closes only at the end of a line): a hand edit did, and it may be a revocation
+    const file = join(directory, 'wrong-tail.jsonl')
+    const original = grant + line('a') + JSON.stringify({ delete: 'grant', key: 'g', until: '2030-01-01' })
+    await writeFile(file, original)
+    await assert.rejects(FileStore.open(file, { now: () => START, log: () => {} }), (err: unknown) => {
+      assert.ok(err instanceof ConfigError, String(err))
+      assert.match(err.message, /line 3 is not a Latch journal record \(.*not a number\): correct that line/)
+      return true
+    })
+    assert.equal(await readFile(file, 'utf8'), original)
+  })
+
+  it('passes over blank lines and a byte order mark, which an editor may leave', async () => {
+    const file = join(directory, 'edited.jsonl')
+    await writeFile(file, '\ufeff' + grant + '\n' + line('a') + '  \r\n' + line('b') + '\n')
+    const store = await FileStore.open(file, { now: () => START, log: () => {} })
+    assert.ok(store.memory.tokens.has('a'))
+    assert.ok(store.memory.tokens.has('b'))
+    await store.close()
+  })
+
   it('refuses to start on a corrupt line in the middle, naming the file and the line', async () => {
     const file = join(directory, 'corrupt.jsonl')
     const original = grant + line('a') + 'not json\n' + line('b')
