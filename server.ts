@@ -2122,12 +2122,10 @@ export async function checkAccessToken(
  * a store that could not keep it (`NotStored`, a full disk) has said so in the log, and the token
  * still works. Any other failure is a fault of the store, and goes on up.
  */
-async function noteUse(store: Store, grantId: string, now: number): Promise<void> {
-  try {
-    await store.touchGrant(grantId, now)
-  } catch (err) {
+function noteUse(store: Store, grantId: string, now: number): Promise<void> {
+  return store.touchGrant(grantId, now).catch((err: unknown) => {
     if (!(err instanceof NotStored)) throw err
-  }
+  })
 }
 
 // --- The owner's pages ----------------------------------------------------------
