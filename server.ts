@@ -322,7 +322,10 @@ export interface Store {
    * that were not redeemed yet.
    */
   revokeApprovedBy(approvedBy: number, now: number): Promise<number>
-  /** Notes that a token of the grant was used; a store may keep this in memory only, and a failure refuses nothing. */
+  /**
+   * Notes that a token of the grant was used; a store may keep this in memory only. A failure to
+   * keep it (`NotStored`) refuses nothing.
+   */
   touchGrant(id: string, now: number): Promise<void>
   saveToken(hash: string, token: Token, now: number): Promise<void>
   /** Returns an unexpired token, used or not. */
@@ -2090,9 +2093,10 @@ export type AccessCheck =
  * Checks an access token for a resource server that runs in the same process as Latch and shares
  * its store: the token must be live, carry every scope of `scope`, and, if it is bound to
  * services (its audience, RFC 8707), name `resource` among them, as an MCP server must check: a
- * server that gives no `resource` takes only tokens bound to none, as IndieAuth's are. A resource server elsewhere
- * asks `POST /introspect` the same (see the README). Answer `invalid_token` with 401 and
- * `insufficient_scope` with 403, each with a `WWW-Authenticate: Bearer` challenge (RFC 6750 §3).
+ * server that gives no `resource` takes only tokens bound to none, as IndieAuth's are. A
+ * resource server elsewhere asks `POST /introspect` the same (see the README). Answer
+ * `invalid_token` with 401 and `insufficient_scope` with 403, each with a `WWW-Authenticate:
+ * Bearer` challenge (RFC 6750 §3).
  * @see https://www.rfc-editor.org/rfc/rfc6750#section-3.1
  */
 export async function checkAccessToken(
