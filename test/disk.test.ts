@@ -124,6 +124,17 @@ function exchange(base: string, code: string): Promise<Response> {
   })
 }
 
+function refresh(base: string, refreshToken: string): Promise<Response> {
+  return post(`${base}/token`, { grant_type: 'refresh_token', refresh_token: refreshToken, client_id: CLIENT_ID })
+}
+
+type Tokens = { access_token: string; refresh_token: string }
+
+async function tokensOf(response: Response): Promise<Tokens> {
+  assert.equal(response.status, 200)
+  return (await response.json()) as Tokens
+}
+
 async function isActive(base: string, token: string): Promise<boolean> {
   return ((await (await post(`${base}/introspect`, { token })).json()) as { active: boolean }).active
 }
@@ -217,6 +228,36 @@ describe('DATA_FILE: a full disk', () => {
       assert.deepEqual(await readdir(join(disk, 'start-full')), ['data.jsonl'])
     } finally {
       await restarted.stop()
+    }
+  })
+
+  it('takes a refresh answered 503 back whole: the token rotated before it is still the one to retry', async (t) => {
+    if (!haveDisk(t)) return
+    const file = join(disk, 'rotate', 'data.jsonl')
+    const filler = join(disk, 'rotate-filler')
+    t.after(() => rm(filler, { force: true }))
+    const running = await startOn(file)
+    try {
+      const first = await tokensOf(await exchange(running.base, await obtainCode(running.base)))
+      const other = await tokensOf(await exchange(running.base, await obtainCode(running.base)))
+      const second = await tokensOf(await refresh(running.base, first.refresh_token))
+      fillDisk(filler, 0)
+      // another grant's refreshes take what is left of the journal's last page, until one does not fit
+      let spare = other.refresh_token
+      for (let fitted = 0; ; fitted++) {
+        assert.ok(fitted < 100, 'every refresh fitted: the disk never filled up')
+        const answer = await refresh(running.base, spare)
+        if (answer.status === 503) break
+        spare = (await tokensOf(answer)).refresh_token
+      }
+      assert.equal((await refresh(running.base, second.refresh_token)).status, 503)
+      await rm(filler)
+      // the rotation from the second did not happen: the first, rotated last, sent again within
+      // REFRESH_TOKEN_GRACE is a retry, not a reuse that revokes the grant
+      await tokensOf(await refresh(running.base, first.refresh_token))
+      assert.equal(await isActive(running.base, second.access_token), true)
+    } finally {
+      await running.stop()
     }
   })
 
