@@ -285,10 +285,11 @@ export type Passkey = {
  * deletes the grant and inserts it into a table of revoked ids; `revokeApprovedBy` does that for
  * every grant approved by a time and every code issued by then, and deletes those codes, in one
  * transaction. On Redis, each entry is a key with a TTL, and the same step is a `WATCH`/`MULTI`
- * or a small Lua script. A write the database refused (full, or unreachable) is best thrown as
- * `NotStored`, once its cause is logged: the client is told 503, to try again later. Latch sweeps
- * expired entries out of its own two stores; one of your own expires them itself (a TTL, or a
- * periodic `DELETE ... WHERE expires_at < ?`).
+ * or a small Lua script. A write the database refused (full, or unreachable) is thrown as
+ * `NotStored`, once its cause is logged: the client is told 503, to try again later (and a
+ * `touchGrant` that fails so refuses no token). Any other error is a fault, answered 500.
+ * Latch sweeps expired entries out of its own two stores; one of your own expires them itself (a
+ * TTL, or a periodic `DELETE ... WHERE expires_at < ?`).
  */
 export interface Store {
   /**
@@ -6618,9 +6619,9 @@ export class FileStore implements Store {
         // a server started meanwhile asks who holds the journal: the answer must not wait for the end
         if (lines % 10_000 === 9_999) await new Promise((resolve) => setImmediate(resolve))
       }
-      const tail = bytes.subarray(end)
-      const whole =
-        tail.length === 0 || tail.length > MAX_JOURNAL_LINE_BYTES ? '' : readJournalLine(tail.toString('utf8'))
+      const tail = bytes.subarray(Math.max(end, bom))
+      const tailText = tail.length === 0 || tail.length > MAX_JOURNAL_LINE_BYTES ? '' : tail.toString('utf8')
+      const whole = tailText === '' ? '' : /^\s*$/.test(tailText) ? [] : readJournalLine(tailText)
       if (typeof whole !== 'string') {
         // a whole line but for its newline, which a hand edit or a copy can drop: kept, since it
         // may be a revocation, and ended, so that the next write starts a line of its own

@@ -439,6 +439,21 @@ describe('DATA_FILE: damaged files', () => {
     assert.ok(store.memory.tokens.has('a'))
     assert.ok(store.memory.tokens.has('b'))
     await store.close()
+    // one line after the mark and no newline (as old Notepad saves), or a blank last line without one
+    for (const [name, text] of [
+      ['mark-only-line', '\ufeff' + grant.slice(0, -1)],
+      ['blank-tail', grant + line('a') + '  '],
+    ]) {
+      const edited = join(directory, `${name}.jsonl`)
+      await writeFile(edited, text)
+      const opened = await FileStore.open(edited, { now: () => START, log: () => {} })
+      assert.ok(opened.memory.grants.has('g'), name)
+      await opened.saveToken('after', token, START) // on a line of its own
+      await opened.close()
+      const reopened = await FileStore.open(edited, { now: () => START, log: () => {} })
+      assert.ok(reopened.memory.tokens.has('after'), name)
+      await reopened.close()
+    }
   })
 
   it('refuses to start on a corrupt line in the middle, naming the file and the line', async () => {
