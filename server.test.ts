@@ -2033,6 +2033,9 @@ describe('POST /token (IndieAuth §5.3.3)', () => {
     await assertError(await introspect(String(form({ token })), labelled('UTF-16LE')), 400, 'invalid_request')
     for (const two of ['utf-8; charset=iso-8859-1', 'iso-8859-1; charset=utf-8'])
       await assertError(await introspect(`${form({ token })}&note=caf%C3%A9`, labelled(two)), 400, 'invalid_request')
+    const spaced = { 'Content-Type': 'application/x-www-form-urlencoded; charset = iso-8859-1' }
+    await assertError(await introspect(`${form({ token })}&note=caf%C3%A9`, spaced), 400, 'invalid_request')
+    assert.equal((await introspect(`${form({ token })}&note=caf%C3%A9`, labelled('"utf\\-8"'))).status, 200)
     assert.equal((await introspect(`${form({ token })}&note=caf%C3%A9`, labelled('utf8'))).status, 200)
     assert.equal((await introspect(`${form({ token })}&note=caf%C3%A9`, labelled('"UTF-8"'))).status, 200)
   })

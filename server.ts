@@ -3513,9 +3513,10 @@ export async function readForm(req: IncomingMessage): Promise<Params> {
   if (contentType === FORM_TYPE) return parseForm((await readBody(req)).toString('latin1'))
   const [mediaType, ...parameters] = contentType.split(';').map((part) => part.trim().toLowerCase())
   if (mediaType !== FORM_TYPE) throw new OAuthError('invalid_request', `The body must be ${FORM_TYPE}`)
-  const charsets = parameters.filter((parameter) => parameter.startsWith('charset='))
+  // `charset=x`, `charset = x` from a sloppy client, or `charset="x"` with its quoted pairs undone
+  const charsets = parameters.flatMap((parameter) => /^charset\s*=\s*(.*)$/.exec(parameter)?.[1] ?? [])
   if (charsets.length > 1) throw new OAuthError('invalid_request', 'The Content-Type names more than one charset')
-  const charset = charsets[0]?.slice(8).replace(/^"(.*)"$/, '$1')
+  const charset = charsets[0]?.replace(/^"(.*)"$/, (_, quoted: string) => quoted.replace(/\\(.)/g, '$1'))
   if (charset === undefined || charset === 'utf-8' || charset === 'utf8') return parseForm(await readText(req))
   if (!ASCII_CHARSETS.test(charset)) throw new OAuthError('invalid_request', 'The body must be UTF-8')
   const text = await readText(req)
