@@ -3520,7 +3520,8 @@ export async function readForm(req: IncomingMessage): Promise<Params> {
   if (charset === undefined || charset === 'utf-8' || charset === 'utf8') return parseForm(await readText(req))
   if (!ASCII_CHARSETS.test(charset)) throw new OAuthError('invalid_request', 'The body must be UTF-8')
   const text = await readText(req)
-  // a byte past ASCII, sent as it is or percent-encoded, would mean one thing in UTF-8 and another in this charset
+  // a byte past ASCII, sent as it is or percent-encoded, means one thing in UTF-8 and another in
+  // this charset; a control byte sent as it is, no form holds
   if (/[^\t\n\r\x20-\x7e]|%[89a-f][0-9a-f]/i.test(text))
     throw new OAuthError('invalid_request', `The body is ${charset}, not plain ASCII: send it as UTF-8`)
   return parseForm(text)
