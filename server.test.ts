@@ -460,10 +460,23 @@ describe('Configuration', () => {
     assert.deepEqual(configWarnings(config, { ISUER: '' }), []) // empty: as if unset
   })
 
+  it('takes no secret as a flag, which every user of the machine could read', () => {
+    for (const [flag, name] of [
+      ['--password-hash', 'PASSWORD_HASH'],
+      ['--introspection-secret', 'INTROSPECTION_SECRET'],
+    ]) {
+      assert.throws(
+        () => loadConfig({}, [flag, 'a-long-introspection-secret']),
+        new RegExp(`${flag} would show ${name} to every user of this machine .*set the ${name} variable instead`),
+      )
+    }
+  })
+
   it('prints every setting with its flag and default in --help, in 80 columns', () => {
     const help = buildHelp()
     for (const { name } of SETTINGS) {
-      assert.match(help, new RegExp(`^  ${name}, --${name.toLowerCase().replaceAll('_', '-')}  \\(default: `, 'm'))
+      const flag = /SECRET|HASH/.test(name) ? 'variable only' : `--${name.toLowerCase().replaceAll('_', '-')}`
+      assert.match(help, new RegExp(`^  ${name}, ${flag}  \\(default: `, 'm'))
     }
     for (const line of help.split('\n')) assert.ok(line.length <= 80, `${line.length}: ${line}`)
   })

@@ -7311,6 +7311,9 @@ export const SETTINGS = [
 
 type SettingName = (typeof SETTINGS)[number]['name']
 
+/** The settings that are secrets, which are read from the environment only: never a flag. */
+const SECRET_SETTINGS: ReadonlySet<SettingName> = new Set(['PASSWORD_HASH', 'INTROSPECTION_SECRET'])
+
 /** A setting that stops start-up; the message names the setting and the fix. */
 export class ConfigError extends Error {}
 
@@ -7517,6 +7520,12 @@ function readSettings(env: Record<string, string | undefined>, argv: readonly st
     const name = SETTINGS.find((setting) => flagName(setting.name) === flag)?.name
     if (name === undefined)
       throw new ConfigError(`Unknown option ${flag}: run \`npx tsx server.ts --help\` for the list`)
+    // every user of the machine reads a process's arguments (`ps`): a secret goes in the environment
+    if (SECRET_SETTINGS.has(name))
+      throw new ConfigError(
+        `${flag} would show ${name} to every user of this machine (ps lists a command's arguments): ` +
+          `set the ${name} variable instead, in the environment or the service's EnvironmentFile`,
+      )
     const value = equals === -1 ? argv[++i] : arg.slice(equals + 1)
     if (value === undefined) throw new ConfigError(`Option ${flag} needs a value, as in \`${flag} VALUE\``)
     if (value === '') delete values[name]
@@ -7671,7 +7680,7 @@ export function configWarnings(config: Config, env: Record<string, string | unde
 /** The `--help` text: usage, then the settings table. */
 export function buildHelp(): string {
   const rows = SETTINGS.flatMap((setting) => [
-    `  ${setting.name}, ${flagName(setting.name)}  (default: ${setting.default})`,
+    `  ${setting.name}, ${SECRET_SETTINGS.has(setting.name) ? 'variable only' : flagName(setting.name)}  (default: ${setting.default})`,
     ...wrap(setting.help, 80 - 6).map((line) => `      ${line}`),
   ])
   return [
@@ -7682,8 +7691,9 @@ export function buildHelp(): string {
     '  npx tsx server.ts hash-password       read a password, print its PASSWORD_HASH',
     '  npx tsx server.ts --help              print this help',
     '',
-    'Every setting is an environment variable or a flag; a flag wins. Durations',
-    'take seconds or 90s, 10m, 12h, 7d.',
+    'Every setting is an environment variable or a flag (but the two secrets,',
+    'which a flag would show to every user); a flag wins. Durations take seconds',
+    'or 90s, 10m, 12h, 7d.',
     '',
     ...rows,
   ].join('\n')
