@@ -327,6 +327,13 @@ describe('Configuration', () => {
     ['a profile URL that URL() cannot parse', { ME: 'http://xn--a.com/' }, [], /ME/],
     ['a password hash Latch did not make', { PASSWORD_HASH: 'hunter2' }, [], /PASSWORD_HASH.*hash-password/],
     [
+      'a password hash in quotes',
+      { PASSWORD_HASH: `"${PASSWORD_HASH}"` },
+      [],
+      /quotes or spaces around it.*remove them/,
+    ],
+    ['a password hash and a space', { PASSWORD_HASH: `${PASSWORD_HASH} ` }, [], /quotes or spaces around it/],
+    [
       'a password hash whose check would take 2 GiB, twice at once',
       { PASSWORD_HASH: 'scrypt:ln=20,r=16,p=4:AAAAAAAAAAAAAAAAAAAAAA:BBBBBBBBBBBBBBBBBBBBBBBBBBBBBBBBBBBBBBBBBBB' },
       [],

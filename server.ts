@@ -7356,6 +7356,13 @@ export function loadConfig(
   const issuer = parseIssuer(raw.ISSUER ?? `http://${hostForUrl(host)}:${options.boundPort ?? port}`)
   const me = parseMe(raw.ME ?? `${issuer}/`)
   const passwordHash = raw.PASSWORD_HASH
+  const unwrapped = passwordHash?.trim().replace(/^(["'])(.*)\1$/, '$2')
+  if (passwordHash !== unwrapped && unwrapped !== undefined && parsePasswordHash(unwrapped) !== undefined) {
+    throw new ConfigError(
+      'PASSWORD_HASH has quotes or spaces around it (an env file read without a shell keeps them): ' +
+        'remove them, and set the hash alone',
+    )
+  }
   if (passwordHash !== undefined && parsePasswordHash(passwordHash) === undefined) {
     throw new ConfigError(
       'PASSWORD_HASH is not a hash made by Latch, or its cost is outside what Latch accepts ' +
