@@ -8104,7 +8104,9 @@ function printStartup(
   const live = { code: 0, grant: memory.grants.size, token: 0, passkey: memory.passkeys.size }
   // a redeemed code is kept only to recognise a replay
   for (const code of memory.codes.values()) if (code.usedAt === undefined && code.expiresAt > now) live.code++
-  for (const [, token] of memory.tokens) if (memory.grants.has(token.grantId)) live.token++
+  // a used one (a rotated refresh token) is kept only to recognise its reuse
+  for (const [, token] of memory.tokens)
+    if (token.usedAt === undefined && token.expiresAt * 1000 > now && memory.grants.has(token.grantId)) live.token++
   const count = (n: number, what: string) => `${n} ${what}${n === 1 ? '' : 's'}`
   const tokens = `${count(live.token, 'live token')} and ${count(live.grant, 'grant')}`
   const loaded = `${count(live.code, 'live code')}, ${tokens}`

@@ -640,7 +640,7 @@ describe('The start-up block', () => {
     }
   })
 
-  it('counts the codes not redeemed yet, not the redeemed ones', async () => {
+  it('counts the codes not redeemed yet and the tokens not rotated away, not the used ones', async () => {
     const file = join(directory, 'codes.jsonl')
     const now = Date.now()
     const code = (usedAt?: number) => ({
@@ -655,18 +655,36 @@ describe('The start-up block', () => {
       expiresAt: now + 600_000,
       ...(usedAt === undefined ? {} : { usedAt }),
     })
+    const grant = {
+      client_id: CLIENT_ID,
+      me: 'https://example.com/',
+      scope: ['create'],
+      accessTokenTtlSeconds: 3600,
+      approvedAt: now,
+      lastUsedAt: now,
+      expiresAt: now + 86_400_000,
+    }
+    const token = (kind: string, usedAt?: number) => ({
+      kind,
+      grantId: 'g',
+      scope: ['create'],
+      issuedAt: now,
+      expiresAt: now + 86_400_000,
+      ...(usedAt === undefined ? {} : { usedAt }),
+    })
     const records = [
       { set: 'code', key: hashSecret('a redeemed code'), value: code(now) },
       { set: 'code', key: hashSecret('an unredeemed code'), value: code() },
+      { set: 'grant', key: 'g', value: grant },
+      { set: 'token', key: hashSecret('a rotated refresh token'), value: token('refresh', now) },
+      { set: 'token', key: hashSecret('the refresh token'), value: token('refresh') },
+      { set: 'token', key: hashSecret('an access token'), value: token('access') },
     ]
     await writeFile(file, records.map((record) => `${JSON.stringify(record)}\n`).join(''))
     const latch = serve({ DATA_FILE: file, PORT: '0' })
     try {
       await latch.waitForLine(isMetadataLine, 'start-up block')
-      assert.match(
-        latch.lines.join('\n'),
-        /^ {2}data +.*codes\.jsonl: 1 live code, 0 live tokens and 0 grants loaded$/m,
-      )
+      assert.match(latch.lines.join('\n'), /^ {2}data +.*codes\.jsonl: 1 live code, 2 live tokens and 1 grant loaded$/m)
     } finally {
       await latch.stop()
     }
