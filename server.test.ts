@@ -2259,6 +2259,23 @@ describe('POST /token with grant_type=refresh_token (IndieAuth ยง5.5, RFC 6749 ย
     assert.equal((await introspect(latch, first.access_token)).active, true) // access tokens live out their time
   })
 
+  it('gives an app approved until revoked tokens of ACCESS_TOKEN_TTL as set now, after a restart with a shorter one', async () => {
+    const store = new MemoryStore()
+    const before = await startLatch({ ME: 'https://example.com/' }, { store })
+    const first = (await (await exchange(before, await obtainCode(before))).json()) as Tokens
+    assert.equal(first.expires_in, 604800)
+    await before.close()
+    const after = await startLatch({ ME: 'https://example.com/', ACCESS_TOKEN_TTL: '1h' }, { store })
+    try {
+      const body = form({ grant_type: 'refresh_token', refresh_token: first.refresh_token, client_id: CLIENT_ID })
+      const refreshed = await post(`${after.base}/token`, body)
+      assert.equal(refreshed.status, 200)
+      assert.equal(((await refreshed.json()) as Tokens).expires_in, 3600)
+    } finally {
+      await after.close()
+    }
+  })
+
   it('refreshes a grant at most 1,000 times a day, then answers 429 slow_down until the day is over', async () => {
     let tokens = await firstTokens()
     for (let i = 0; i < 1000; i++) {
@@ -2904,6 +2921,26 @@ describe('Sign-in sessions and connected apps', () => {
     const later = await openConsent(latch, {}, `${first.cookie}; ${session}`)
     assert.match(later.html, /type="password"/)
     assert.equal((await submitConsent(latch, { ...later, cookie: `${first.cookie}; ${session}` })).status, 400)
+  })
+
+  it('ends a session older than SESSION_TTL as set now, after a restart with a shorter one', async () => {
+    const store = new MemoryStore()
+    const passwordHash = await hashPassword(password, FAST_COST)
+    const before = await startLatch({ PASSWORD_HASH: passwordHash }, { store })
+    const first = await openConsent(before)
+    const session = sessionOf(await submitConsent(before, first, { password }))
+    await before.close()
+    const after = await startLatch({ PASSWORD_HASH: passwordHash, SESSION_TTL: '1h' }, { store })
+    try {
+      after.advance(3599)
+      const still = await fetch(`${after.base}/apps`, { headers: { Cookie: session } })
+      assert.match(await still.text(), /<h1>Connected apps<\/h1>/)
+      after.advance(2) // seven days were promised at sign-in: the setting of now ends it
+      const ended = await fetch(`${after.base}/apps`, { headers: { Cookie: session } })
+      assert.match(await ended.text(), /type="password"/)
+    } finally {
+      await after.close()
+    }
   })
 
   it('shows a sign-in form at /apps to anyone not signed in', async () => {

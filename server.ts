@@ -1803,7 +1803,9 @@ async function issueTokens(
   // nothing outlives the approval: the last tokens end when it does
   const endsAt = grant.endsAt ?? Infinity
   if (endsAt <= now) throw new OAuthError('invalid_grant', 'The access the owner approved for this app has ended')
-  const accessTokenExpiresAt = Math.min(now + grant.accessTokenTtlSeconds * 1000, endsAt)
+  // approved "until you revoke it": ACCESS_TOKEN_TTL as set now, so that a shorter one applies to every app
+  const ttl = grant.endsAt === undefined ? ctx.config.accessTokenTtlSeconds : grant.accessTokenTtlSeconds
+  const accessTokenExpiresAt = Math.min(now + ttl * 1000, endsAt)
   const accessToken = createSecret()
   const refreshToken = createSecret()
   const access: Token = {
@@ -4196,9 +4198,12 @@ async function findOwnerSession(
   if (ctx.config.passwordHash === undefined) return NO_SESSION
   // any of a few cookies of the name: one planted by another page on this host must not sign the owner out
   for (const value of readCookies(req, sessionCookieName(ctx.config), MAX_COOKIES_OF_A_NAME)) {
-    const session = await ctx.store.findSession(hashSecret(value), ctx.now())
-    // a session of an old password is ignored, not deleted here: a read writes nothing, and it expires
-    if (session !== undefined && session.passwordTag === passwordTag(ctx.config.passwordHash))
+    const now = ctx.now()
+    const session = await ctx.store.findSession(hashSecret(value), now)
+    // a session of an old password is ignored, not deleted here: a read writes nothing, and it
+    // expires; so is one older than SESSION_TTL, which may have been made shorter since
+    const current = session !== undefined && session.createdAt + ctx.config.sessionTtlSeconds * 1000 > now
+    if (current && session.passwordTag === passwordTag(ctx.config.passwordHash))
       return { session: value, signedInAt: session.createdAt }
   }
   return NO_SESSION
