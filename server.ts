@@ -7776,7 +7776,7 @@ function promptHidden(prompt: string, typed: { ahead: string }): Promise<string>
     const onData = (chunk: string): boolean => {
       const chars = [...chunk]
       for (const [i, char] of chars.entries()) {
-        if (char === '\u0003') process.exit(130) // Ctrl-C
+        if (char === '\u0003' || char === '\u0004') process.exit(130) // Ctrl-C, or Ctrl-D: given up
         if (char === '\r' || char === '\n') {
           process.stdin.setRawMode(false)
           process.stdin.pause()
@@ -7806,6 +7806,13 @@ prints the line to set as PASSWORD_HASH. Piped in, the first line is the passwor
 
 async function runHashPassword(): Promise<void> {
   const password = await readPassword()
+  // an arrow key or Esc typed at the hidden prompt: a sign-in form could never type it back
+  if (/[\x00-\x1f\x7f]/.test(password)) {
+    throw new ConfigError(
+      'The password holds a control key (an arrow, Esc, Tab), which no sign-in form can type: ' +
+        'run the command again and type only the password',
+    )
+  }
   if (password === '') {
     throw new ConfigError(
       `No password was given (its input was empty): type one of ${MIN_PASSWORD_LENGTH} characters or more, ` +

@@ -583,6 +583,22 @@ describe('hash-password', () => {
     assert.match(long.stdout, /^scrypt:\S+\n$/)
   })
 
+  it('refuses a password with a control key in it, an arrow typed at the prompt, say', async () => {
+    const arrow = await runLatch(['hash-password'], {}, { input: 'correct horse battery\x1b[D\n' })
+    assertOneLineFailure(arrow, /control key .* run the command again/)
+    assert.equal(arrow.stdout, '')
+  })
+
+  it('gives up at Ctrl-D on a terminal, printing no hash', { timeout: 30_000 }, async (t) => {
+    if (noTerminal) return t.skip('no `script` (util-linux) to give it a terminal')
+    const { code, output } = await typeIntoHashPassword('', [
+      '\u0004correct horse battery\r',
+      'correct horse battery\r',
+    ])
+    assert.notEqual(code, 0, output)
+    assert.doesNotMatch(output, /scrypt:|Again: /)
+  })
+
   it('says no password was given when its input is empty, not that the password is short', async () => {
     for (const input of ['', '\n']) {
       const empty = await runLatch(['hash-password'], {}, { input })
