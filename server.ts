@@ -6609,7 +6609,6 @@ export class FileStore implements Store {
       const end = bytes.lastIndexOf(0x0a) + 1 // after it: a write cut short, or a last line lacking only its newline
       const now = (options.now ?? Date.now)()
       let lines = 0
-      const written = { expired: 0, newest: 0 } // to tell a clock gone wrong
       // an editor's byte order mark, and blank lines, are no one's records: passed over
       const bom = bytes[0] === 0xef && bytes[1] === 0xbb && bytes[2] === 0xbf ? 3 : 0
       for (let start = bom; start < end; lines++) {
@@ -6622,10 +6621,7 @@ export class FileStore implements Store {
               ? []
               : readJournalLine(text)
         if (typeof records === 'string') throw notARecord(path, lines + 1, records)
-        for (const record of records) {
-          noteWritten(written, record, now)
-          await applyRecord(memory, record, now)
-        }
+        for (const record of records) await applyRecord(memory, record, now)
         start = stop + 1
         // a server started meanwhile asks who holds the journal: the answer must not wait for the end
         if (lines % 10_000 === 9_999) await new Promise((resolve) => setImmediate(resolve))
@@ -6636,10 +6632,7 @@ export class FileStore implements Store {
       if (typeof whole !== 'string') {
         // a whole line but for its newline, which a hand edit or a copy can drop: kept, since it
         // may be a revocation, and ended, so that the next write starts a line of its own
-        for (const record of whole) {
-          noteWritten(written, record, now)
-          await applyRecord(memory, record, now)
-        }
+        for (const record of whole) await applyRecord(memory, record, now)
         lines++
         await writeAll(file, Buffer.from('\n'))
         await file.datasync()
@@ -6655,18 +6648,7 @@ export class FileStore implements Store {
         await truncate(path, end)
       }
       await syncDirectory(dirname(path))
-      const store = new FileStore(memory, new Journal(path, file, await file.stat(), lines, log), hold, options)
-      const { codes, grants, tokens, sessions } = memory
-      if (written.expired > 0 && codes.size + grants.size + tokens.size + sessions.size === 0) {
-        // A clock set ahead would have a compaction drop for good what is only expired by it
-        log(
-          `warning: everything ${path} holds has expired by this machine's clock, ` +
-            `${new Date(now).toISOString()}; the newest was written ${new Date(written.newest).toISOString()}. ` +
-            'If the clock is wrong, stop Latch and set it: until the next start, the file keeps all it held',
-        )
-        store.#compactAfterLines = Infinity
-      }
-      return store
+      return new FileStore(memory, new Journal(path, file, await file.stat(), lines, log), hold, options)
     } catch (err) {
       releaseJournal(hold)
       await file.close()
@@ -6876,15 +6858,6 @@ export class FileStore implements Store {
       })
       .finally(() => (this.compaction = undefined))
   }
-}
-
-/** Counts a code, grant, token or session expired by `now`, and keeps the latest time any says it was written. */
-function noteWritten(written: { expired: number; newest: number }, record: JournalRecord, now: number): void {
-  if (!('set' in record) || record.set === 'passkey') return
-  const { value } = record
-  if (value.expiresAt <= now) written.expired++
-  const at = 'createdAt' in value ? value.createdAt : 'issuedAt' in value ? value.issuedAt : value.lastUsedAt
-  written.newest = Math.max(written.newest, at, 'approvedAt' in value ? value.approvedAt : 0)
 }
 
 const COMPACT_MIN_LINES = 10_000

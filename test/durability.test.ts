@@ -432,33 +432,6 @@ describe('DATA_FILE: damaged files', () => {
     assert.equal(await readFile(file, 'utf8'), original)
   })
 
-  it('keeps all a journal holds when the clock says all of it has expired, and says the clock may be wrong', async () => {
-    const file = join(directory, 'clock-ahead.jsonl')
-    const session = (i: number) =>
-      `${JSON.stringify({ set: 'session', key: `s${i}`, value: { createdAt: START, expiresAt: START + 3600_000, passwordTag: 't' } })}\n`
-    // more lines than a compaction waits for, so that the next write would start one
-    await writeFile(file, grant + line('a') + Array.from({ length: 10_050 }, (_, i) => session(i)).join(''))
-    const ahead = START + 60 * 86_400_000 // a clock two months fast
-    const logs: string[] = []
-    const wrong = await FileStore.open(file, { now: () => ahead, log: (entry) => logs.push(entry) })
-    assert.match(logs.join('\n'), /warning: everything .* has expired by this machine's clock.*If the clock is wrong/)
-    await wrong.saveSession('new', { createdAt: ahead, expiresAt: ahead + 3600_000, passwordTag: 't' }, ahead)
-    await wrong.close()
-    const right = await FileStore.open(file, { now: () => START, log: () => {} })
-    assert.ok(right.memory.tokens.has('a'), 'a compaction by the wrong clock dropped the token')
-    assert.ok(right.memory.grants.has('g'))
-    await right.close()
-    // a file whose apps were all revoked, and sessions ended, has expired nothing: no warning
-    const revoked = join(directory, 'all-revoked.jsonl')
-    await writeFile(
-      revoked,
-      grant + line('a') + `${JSON.stringify({ delete: 'grant', key: 'g', until: START + 86400_000 })}\n`,
-    )
-    const quiet: string[] = []
-    await (await FileStore.open(revoked, { now: () => START, log: (entry) => quiet.push(entry) })).close()
-    assert.deepEqual(quiet, [])
-  })
-
   it('passes over blank lines and a byte order mark, which an editor may leave', async () => {
     const file = join(directory, 'edited.jsonl')
     await writeFile(file, '\ufeff' + grant + '\n' + line('a') + '  \r\n' + line('b') + '\n')
