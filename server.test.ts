@@ -330,9 +330,15 @@ describe('Configuration', () => {
       'a password hash in quotes',
       { PASSWORD_HASH: `"${PASSWORD_HASH}"` },
       [],
-      /quotes or spaces around it.*remove them/,
+      /quotes or white space around it.*remove them/,
     ],
-    ['a password hash and a space', { PASSWORD_HASH: `${PASSWORD_HASH} ` }, [], /quotes or spaces around it/],
+    ['a password hash and a space', { PASSWORD_HASH: `${PASSWORD_HASH} ` }, [], /quotes or white space around it/],
+    [
+      'an introspection secret in quotes',
+      { INTROSPECTION_SECRET: '"a-long-introspection-secret"' },
+      [],
+      /^INTROSPECTION_SECRET has quotes around it/,
+    ],
     [
       'a password hash whose check would take 2 GiB, twice at once',
       { PASSWORD_HASH: 'scrypt:ln=20,r=16,p=4:AAAAAAAAAAAAAAAAAAAAAA:BBBBBBBBBBBBBBBBBBBBBBBBBBBBBBBBBBBBBBBBBBB' },
@@ -2266,13 +2272,24 @@ describe('POST /token with grant_type=refresh_token (IndieAuth ยง5.5, RFC 6749 ย
     assert.equal(first.expires_in, 604800)
     await before.close()
     const after = await startLatch({ ME: 'https://example.com/', ACCESS_TOKEN_TTL: '1h' }, { store })
+    let second = first
     try {
       const body = form({ grant_type: 'refresh_token', refresh_token: first.refresh_token, client_id: CLIENT_ID })
       const refreshed = await post(`${after.base}/token`, body)
       assert.equal(refreshed.status, 200)
-      assert.equal(((await refreshed.json()) as Tokens).expires_in, 3600)
+      second = (await refreshed.json()) as Tokens
+      assert.equal(second.expires_in, 3600)
     } finally {
       await after.close()
+    }
+    // a longer one is not given to a grant approved for less (an older version kept the owner's choice so)
+    const longer = await startLatch({ ME: 'https://example.com/', ACCESS_TOKEN_TTL: '30d' }, { store })
+    try {
+      const body = form({ grant_type: 'refresh_token', refresh_token: second.refresh_token, client_id: CLIENT_ID })
+      const refreshed = await post(`${longer.base}/token`, body)
+      assert.equal(((await refreshed.json()) as Tokens).expires_in, 604800)
+    } finally {
+      await longer.close()
     }
   })
 

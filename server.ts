@@ -1803,8 +1803,12 @@ async function issueTokens(
   // nothing outlives the approval: the last tokens end when it does
   const endsAt = grant.endsAt ?? Infinity
   if (endsAt <= now) throw new OAuthError('invalid_grant', 'The access the owner approved for this app has ended')
-  // approved "until you revoke it": ACCESS_TOKEN_TTL as set now, so that a shorter one applies to every app
-  const ttl = grant.endsAt === undefined ? ctx.config.accessTokenTtlSeconds : grant.accessTokenTtlSeconds
+  // approved "until you revoke it": ACCESS_TOKEN_TTL as set now if shorter, so that it applies to every app
+  // (not if longer: a grant of an older version may hold a shorter lifetime that the owner chose)
+  const ttl =
+    grant.endsAt === undefined
+      ? Math.min(grant.accessTokenTtlSeconds, ctx.config.accessTokenTtlSeconds)
+      : grant.accessTokenTtlSeconds
   const accessTokenExpiresAt = Math.min(now + ttl * 1000, endsAt)
   const accessToken = createSecret()
   const refreshToken = createSecret()
@@ -7364,7 +7368,7 @@ export function loadConfig(
   const unwrapped = passwordHash?.trim().replace(/^(["'])(.*)\1$/, '$2')
   if (passwordHash !== unwrapped && unwrapped !== undefined && parsePasswordHash(unwrapped) !== undefined) {
     throw new ConfigError(
-      'PASSWORD_HASH has quotes or spaces around it (an env file read without a shell keeps them): ' +
+      'PASSWORD_HASH has quotes or white space around it (an env file read without a shell keeps them): ' +
         'remove them, and set the hash alone',
     )
   }
@@ -7431,6 +7435,12 @@ export function loadConfig(
   }
   const sessionTtlSeconds = parseDuration('SESSION_TTL', raw.SESSION_TTL ?? defaultOf('SESSION_TTL'))
   const introspectionSecret = raw.INTROSPECTION_SECRET
+  if (introspectionSecret !== undefined && /^(["']).*\1$/.test(introspectionSecret)) {
+    throw new ConfigError(
+      'INTROSPECTION_SECRET has quotes around it (an env file read without a shell keeps them): ' +
+        'remove them, or resource servers would have to send them too',
+    )
+  }
   if (introspectionSecret !== undefined && introspectionSecret.length < MIN_SECRET_LENGTH) {
     throw new ConfigError(
       `INTROSPECTION_SECRET is shorter than ${MIN_SECRET_LENGTH} characters: ` +
