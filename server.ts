@@ -7702,7 +7702,7 @@ export function configWarnings(config: Config, env: Record<string, string | unde
 /** The `--help` text: usage, then the settings table. */
 export function buildHelp(): string {
   const rows = SETTINGS.flatMap((setting) => [
-    `  ${setting.name}, ${SECRET_SETTINGS.has(setting.name) ? 'variable only' : flagName(setting.name)}  (default: ${setting.default})`,
+    `  ${setting.name}, ${flagOrNot(setting.name)}  (default: ${setting.default})`,
     ...wrap(setting.help, 80 - 6).map((line) => `      ${line}`),
   ])
   return [
@@ -7719,6 +7719,11 @@ export function buildHelp(): string {
     '',
     ...rows,
   ].join('\n')
+}
+
+/** A setting's flag, for the help: a secret has none. */
+function flagOrNot(name: SettingName): string {
+  return SECRET_SETTINGS.has(name) ? 'variable only' : flagName(name)
 }
 
 /** Breaks text into lines of at most `width` characters, at spaces. */
