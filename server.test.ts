@@ -333,6 +333,7 @@ describe('Configuration', () => {
       /quotes or white space around it.*remove them/,
     ],
     ['a password hash and a space', { PASSWORD_HASH: `${PASSWORD_HASH} ` }, [], /quotes or white space around it/],
+    ['a password hash in quotes, but no hash', { PASSWORD_HASH: '"not-a-hash"' }, [], /not a hash made by Latch/],
     [
       'an introspection secret in quotes',
       { INTROSPECTION_SECRET: '"a-long-introspection-secret"' },
@@ -787,6 +788,14 @@ describe('MemoryStore', () => {
     store.unredeem(redeemed, before) // the write failed
     assert.equal((await store.findGrant('g', 20))?.lastRotated, 'r1')
     assert.equal((await store.findToken('r2', 20))?.usedAt, undefined)
+    // one rotated after it (a parallel chain, within the grace period) is left as the last
+    await store.saveToken('r3', { ...token(9000), kind: 'refresh' }, 0)
+    const third = { kind: 'refresh', hash: 'r3' } as const
+    const beforeSecond = store.rotatedLastBefore(redeemed)
+    assert.equal(store.redeem(redeemed, 30), 'first')
+    assert.equal(store.redeem(third, 31), 'first')
+    store.unredeem(redeemed, beforeSecond)
+    assert.equal((await store.findGrant('g', 40))?.lastRotated, 'r3')
   })
 
   it('marks a code used once, atomically, and hides it once expired', async () => {
@@ -1308,6 +1317,8 @@ describe('GET /auth (IndieAuth §5.2)', () => {
       ['X-Forwarded-Proto', 'https'], // Caddy's, and any other X-Forwarded-
       ['Via', '1.1 caddy'],
       ['CF-Connecting-IP', '203.0.113.9'],
+      ['X-Client-IP', '203.0.113.9'],
+      ['True-Client-IP', '203.0.113.9'],
     ]
     for (const [name, value] of saidBy) {
       const page = await fetch(authorizationUrl(latch), { headers: { [name]: value } })
@@ -1324,6 +1335,11 @@ describe('GET /auth (IndieAuth §5.2)', () => {
     for await (const chunk of socket) answer += String(chunk)
     assert.match(answer, /^HTTP\/1\.1 403 /)
     assert.equal((await fetch(authorizationUrl(latch))).status, 200)
+    // nor is TRUST_PROXY offered as the fix: without a password, it refuses to start
+    assert.deepEqual(
+      latch.logs.filter((line) => /TRUST_PROXY/.test(line)),
+      [],
+    )
   })
 
   it('answers only this machine while no password is set, wherever an embedding app listens', async () => {
@@ -2043,18 +2059,23 @@ describe('POST /token (IndieAuth §5.3.3)', () => {
     const ascii = await introspect(String(form({ token })), labelled('ISO-8859-1'))
     assert.equal(ascii.status, 200)
     assert.equal((await ascii.json()).active, true)
+    for (const charset of ['latin1', 'windows-1252', 'cp1252', 'us-ascii'])
+      assert.equal((await introspect(String(form({ token })), labelled(charset))).status, 200, charset)
     // é in Latin-1, é in UTF-8 (which would be read as Ã©), and é in a name
     for (const extra of ['note=caf%E9', 'note=caf%C3%A9', 'caf%E9=1']) {
       const refused = await introspect(`${form({ token })}&${extra}`, labelled('ISO-8859-1'))
       assert.equal(refused.status, 400)
       assert.match(((await refused.json()) as { error_description: string }).error_description, /not plain ASCII/)
     }
-    const raw = await fetch(`${latch.base}/introspect`, {
-      method: 'POST',
-      headers: labelled('ISO-8859-1'),
-      body: Buffer.concat([Buffer.from(`${form({ token })}&note=caf`), Buffer.from([0xe9])]),
-    })
-    await assertError(raw, 400, 'invalid_request')
+    // é as a raw byte, and a raw control byte, which no form holds
+    for (const byte of [0xe9, 0x01]) {
+      const raw = await fetch(`${latch.base}/introspect`, {
+        method: 'POST',
+        headers: labelled('ISO-8859-1'),
+        body: Buffer.concat([Buffer.from(`${form({ token })}&note=caf`), Buffer.from([byte])]),
+      })
+      await assertError(raw, 400, 'invalid_request')
+    }
     // a charset in which ASCII is not ASCII, and two charsets in either order
     await assertError(await introspect(String(form({ token })), labelled('UTF-16LE')), 400, 'invalid_request')
     for (const two of ['utf-8; charset=iso-8859-1', 'iso-8859-1; charset=utf-8'])
@@ -2586,6 +2607,10 @@ describe('Profile information (IndieAuth §5.3.4) and GET /userinfo', () => {
       assert.equal(twice.headers.get('www-authenticate'), `Bearer realm="${latch.issuer}", error="invalid_request"`)
     }
     assert.equal((await userinfo({ Authorization: `Bearer ${access_token}` })).status, 200)
+    // an empty field is as if unsent
+    const header = { Authorization: `Bearer ${access_token}` }
+    assert.equal((await post(`${latch.base}/userinfo`, 'access_token=', header)).status, 200)
+    assert.equal((await post(`${latch.base}/userinfo`, `access_token=&access_token=${access_token}`)).status, 200)
     const repeated = await post(`${latch.base}/userinfo`, `access_token=${access_token}&access_token=${access_token}`)
     await assertError(repeated, 400, 'invalid_request')
     assert.equal(repeated.headers.get('www-authenticate'), `Bearer realm="${latch.issuer}", error="invalid_request"`)
@@ -2952,7 +2977,7 @@ describe('Sign-in sessions and connected apps', () => {
       after.advance(3599)
       const still = await fetch(`${after.base}/apps`, { headers: { Cookie: session } })
       assert.match(await still.text(), /<h1>Connected apps<\/h1>/)
-      after.advance(2) // seven days were promised at sign-in: the setting of now ends it
+      after.advance(1) // an hour to the millisecond; seven days were promised at sign-in: the setting of now ends it
       const ended = await fetch(`${after.base}/apps`, { headers: { Cookie: session } })
       assert.match(await ended.text(), /type="password"/)
     } finally {

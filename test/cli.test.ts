@@ -584,9 +584,15 @@ describe('hash-password', () => {
   })
 
   it('refuses a password with a control key in it, an arrow typed at the prompt, say', async () => {
-    const arrow = await runLatch(['hash-password'], {}, { input: 'correct horse battery\x1b[D\n' })
-    assertOneLineFailure(arrow, /control key .* run the command again/)
-    assert.equal(arrow.stdout, '')
+    for (const input of [
+      'correct horse battery\x1b[D\n',
+      'correct horse\tbattery staple\n',
+      'correct horse battery\x7f\n',
+    ]) {
+      const refused = await runLatch(['hash-password'], {}, { input })
+      assertOneLineFailure(refused, /control key .* run the command again/)
+      assert.equal(refused.stdout, '')
+    }
   })
 
   it('gives up at Ctrl-D on a terminal, printing no hash', { timeout: 30_000 }, async (t) => {

@@ -251,6 +251,9 @@ describe('DATA_FILE: a full disk', () => {
         spare = (await tokensOf(answer)).refresh_token
       }
       assert.equal((await refresh(running.base, second.refresh_token)).status, 503)
+      // the grant names the first as rotated last again, not none (which would let any used token retry)
+      const grantId = running.store.memory.tokens.get(hashSecret(first.refresh_token))?.grantId ?? ''
+      assert.equal(running.store.memory.grants.get(grantId)?.lastRotated, hashSecret(first.refresh_token))
       await rm(filler)
       // the rotation from the second did not happen: the first, rotated last, sent again within
       // REFRESH_TOKEN_GRACE is a retry, not a reuse that revokes the grant
