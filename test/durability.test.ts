@@ -1046,6 +1046,45 @@ describe('DATA_FILE: compaction and failures', () => {
     await reopened.close()
   })
 
+  it('snapshots a grant as it was before a rotation still being written when a compaction began', async () => {
+    const file = join(directory, 'compact-race-rotate.jsonl')
+    await writeFile(file, `${JSON.stringify({ delete: 'session', key: 'old' })}\n`.repeat(9_999))
+    const store = await FileStore.open(file, { now: () => START, log: () => {} })
+    const grant = {
+      client_id: CLIENT_ID,
+      client_name: undefined,
+      me: 'https://example.com/',
+      scope: ['create'],
+      resource: [],
+      accessTokenTtlSeconds: 3600,
+      approvedAt: START,
+      lastUsedAt: START,
+      expiresAt: START + 3600_000,
+    }
+    const refreshToken: Token = { ...token, kind: 'refresh', expiresAt: START + 3600_000 }
+    await store.saveGrant('g', { ...grant, lastRotated: 'r0' }, START)
+    await store.saveToken('r1', refreshToken, START)
+    const session = store.saveSession('s', { createdAt: START, expiresAt: START + 3600_000, passwordTag: '' }, START) // its line starts the compaction
+    await new Promise((resolve) => setImmediate(resolve)) // that line is being written now
+    const issue = {
+      redeemed: { kind: 'refresh', hash: 'r1' } as const,
+      grantId: 'g',
+      grant: { ...grant, lastRotated: 'r1' },
+      tokens: [['r2', refreshToken]] as [string, Token][],
+    }
+    assert.equal(await store.redeemForTokens(issue, START), true)
+    await session
+    assert.ok(store.compaction !== undefined, 'no compaction started')
+    await store.close() // lets the compaction finish first
+    // the snapshot's line for the grant, before the rotation's own line, names the token rotated before
+    const first = (await readFile(file, 'utf8'))
+      .split('\n')
+      .filter((line) => line !== '')
+      .map((line) => JSON.parse(line) as { set?: string; key?: string; value?: { lastRotated?: string } })
+      .find((record) => record.set === 'grant' && record.key === 'g')
+    assert.equal(first?.value?.lastRotated, 'r0')
+  })
+
   it('answers 503 temporarily_unavailable, and says why in the log once, when the disk write fails', async () => {
     const file = join(directory, 'failing.jsonl')
     const running = await startOn(file)
