@@ -977,17 +977,40 @@ describe('DATA_FILE: compaction and failures', () => {
     await last.stop()
   })
 
-  it('keeps an exchange that was being written when a compaction began', async () => {
-    const file = join(directory, 'compact-race.jsonl')
+  const app = {
+    client_id: CLIENT_ID,
+    client_name: undefined,
+    me: 'https://example.com/',
+    scope: ['create'],
+    resource: [],
+  }
+  const liveGrant = {
+    ...app,
+    accessTokenTtlSeconds: 3600,
+    approvedAt: START,
+    lastUsedAt: START,
+    expiresAt: START + 3600_000,
+  }
+
+  /** A store whose journal is one line short of a compaction. */
+  async function nearCompaction(name: string): Promise<{ file: string; store: FileStore }> {
+    const file = join(directory, name)
     await writeFile(file, `${JSON.stringify({ delete: 'session', key: 'old' })}\n`.repeat(9_999))
-    const store = await FileStore.open(file, { now: () => START, log: () => {} })
-    const app = {
-      client_id: CLIENT_ID,
-      client_name: undefined,
-      me: 'https://example.com/',
-      scope: ['create'],
-      resource: [],
-    }
+    return { file, store: await FileStore.open(file, { now: () => START, log: () => {} }) }
+  }
+
+  /**
+   * Saves a session, whose line starts the compaction, and returns once that line is being
+   * written, with its save still under way (in an object: a promise returned alone would be awaited).
+   */
+  async function beginCompaction(store: FileStore): Promise<{ saved: Promise<void> }> {
+    const saved = store.saveSession('s', { createdAt: START, expiresAt: START + 3600_000, passwordTag: '' }, START)
+    await new Promise((resolve) => setImmediate(resolve))
+    return { saved }
+  }
+
+  it('keeps an exchange that was being written when a compaction began', async () => {
+    const { file, store } = await nearCompaction('compact-race.jsonl')
     await store.saveCode(
       'c',
       {
@@ -1001,8 +1024,7 @@ describe('DATA_FILE: compaction and failures', () => {
       },
       START,
     )
-    const session = store.saveSession('s', { createdAt: START, expiresAt: START + 3600_000, passwordTag: '' }, START) // its line starts the compaction
-    await new Promise((resolve) => setImmediate(resolve)) // that line is being written now
+    const { saved } = await beginCompaction(store)
     const token = (kind: Token['kind']): Token => ({
       kind,
       grantId: 'c',
@@ -1012,19 +1034,12 @@ describe('DATA_FILE: compaction and failures', () => {
       expiresAt: START + 3600_000,
       usedAt: undefined,
     })
-    const grant = {
-      ...app,
-      accessTokenTtlSeconds: 3600,
-      approvedAt: START,
-      lastUsedAt: START,
-      expiresAt: START + 3600_000,
-    }
     assert.equal(
       await store.redeemForTokens(
         {
           redeemed: { kind: 'code', hash: 'c' },
           grantId: 'c',
-          grant,
+          grant: liveGrant,
           tokens: [
             ['a', token('access')],
             ['r', token('refresh')],
@@ -1034,7 +1049,7 @@ describe('DATA_FILE: compaction and failures', () => {
       ),
       true,
     )
-    await session
+    await saved
     assert.ok(store.compaction !== undefined, 'no compaction started')
     await store.close() // lets the compaction finish first
     const reopened = await FileStore.open(file, { now: () => START, log: () => {} })
@@ -1047,33 +1062,19 @@ describe('DATA_FILE: compaction and failures', () => {
   })
 
   it('snapshots a grant as it was before a rotation still being written when a compaction began', async () => {
-    const file = join(directory, 'compact-race-rotate.jsonl')
-    await writeFile(file, `${JSON.stringify({ delete: 'session', key: 'old' })}\n`.repeat(9_999))
-    const store = await FileStore.open(file, { now: () => START, log: () => {} })
-    const grant = {
-      client_id: CLIENT_ID,
-      client_name: undefined,
-      me: 'https://example.com/',
-      scope: ['create'],
-      resource: [],
-      accessTokenTtlSeconds: 3600,
-      approvedAt: START,
-      lastUsedAt: START,
-      expiresAt: START + 3600_000,
-    }
+    const { file, store } = await nearCompaction('compact-race-rotate.jsonl')
     const refreshToken: Token = { ...token, kind: 'refresh', expiresAt: START + 3600_000 }
-    await store.saveGrant('g', { ...grant, lastRotated: 'r0' }, START)
+    await store.saveGrant('g', { ...liveGrant, lastRotated: 'r0' }, START)
     await store.saveToken('r1', refreshToken, START)
-    const session = store.saveSession('s', { createdAt: START, expiresAt: START + 3600_000, passwordTag: '' }, START) // its line starts the compaction
-    await new Promise((resolve) => setImmediate(resolve)) // that line is being written now
+    const { saved } = await beginCompaction(store)
     const issue = {
       redeemed: { kind: 'refresh', hash: 'r1' } as const,
       grantId: 'g',
-      grant: { ...grant, lastRotated: 'r1' },
+      grant: { ...liveGrant, lastRotated: 'r1' },
       tokens: [['r2', refreshToken]] as [string, Token][],
     }
     assert.equal(await store.redeemForTokens(issue, START), true)
-    await session
+    await saved
     assert.ok(store.compaction !== undefined, 'no compaction started')
     await store.close() // lets the compaction finish first
     // the snapshot's line for the grant, before the rotation's own line, names the token rotated before
