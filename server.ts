@@ -4525,6 +4525,7 @@ const MAX_CBOR_DEPTH = 16
 const MAX_CREDENTIAL_ID_BYTES = 1_023
 const MIN_RSA_BITS = 2_048
 const MAX_RSA_BITS = 4_096
+const utf8WithoutBom = new TextDecoder('utf-8', { fatal: true })
 
 /**
  * Reads one CBOR data item (RFC 8949 §3) at `offset`: its value and where it ends. Enough CBOR for
@@ -4778,12 +4779,7 @@ function verifies(digest: string | null, data: Buffer, key: KeyObject, signature
 
 /** The client data checks both ceremonies share: its type, the challenge, the origin, no cross-origin frame. */
 function checkClientData(json: Buffer, type: string, expected: CeremonyExpectations): void {
-  let clientData: unknown
-  try {
-    clientData = JSON.parse(utf8.decode(json))
-  } catch {
-    throw new PasskeyError('the client data is not JSON')
-  }
+  const clientData = readClientData(json)
   if (!isObject(clientData)) throw new PasskeyError('the client data is not a JSON object')
   if (clientData.type !== type) throw new PasskeyError(`the client data's type is not ${type}`)
   if (typeof clientData.challenge !== 'string' || !safeEqual(clientData.challenge, expected.challenge))
@@ -4791,6 +4787,18 @@ function checkClientData(json: Buffer, type: string, expected: CeremonyExpectati
   if (clientData.origin !== expected.origin) throw new PasskeyError(`the page was not on ${expected.origin}`)
   if ((clientData.crossOrigin !== undefined && clientData.crossOrigin !== false) || clientData.topOrigin !== undefined)
     throw new PasskeyError('the ceremony ran in a frame of another origin')
+}
+
+/**
+ * The client data as JSON: UTF-8, with a leading byte order mark passed over, as the UTF-8
+ * decode of §7.1 and §7.2 does (unlike a form's values, where the URL standard keeps one).
+ */
+function readClientData(json: Buffer): unknown {
+  try {
+    return JSON.parse(utf8WithoutBom.decode(json))
+  } catch {
+    throw new PasskeyError('the client data is not JSON')
+  }
 }
 
 /** The authenticator data checks both ceremonies share: the RP ID, a person present and verified, the backup flags. */
@@ -4867,12 +4875,8 @@ function takeChallenge(
   clientDataJSON: Buffer,
   wanted: { purpose: PasskeyChallenge['purpose']; browser: string; request?: string },
 ): string {
-  let challenge: unknown
-  try {
-    challenge = JSON.parse(utf8.decode(clientDataJSON))?.challenge
-  } catch {
-    throw new PasskeyError('the client data is not JSON')
-  }
+  const clientData = readClientData(clientDataJSON)
+  const challenge = isObject(clientData) ? clientData.challenge : undefined
   if (typeof challenge !== 'string' || !/^[A-Za-z0-9_-]{48}$/.test(challenge))
     throw new PasskeyError('the client data names no challenge of this server')
   const bytes = Buffer.from(challenge, 'base64url')

@@ -167,15 +167,16 @@ export function coseKey(credential: Credential, algorithm = credential.algorithm
 // --- The bytes of a response ------------------------------------------------------------------
 
 /** clientDataJSON (WebAuthn L3 §5.8.1), its members in the order browsers write them. */
-export function clientData(fields: { type: string; challenge: string; origin: string; crossOrigin?: boolean }): Buffer {
-  return Buffer.from(
-    JSON.stringify({
-      type: fields.type,
-      challenge: fields.challenge,
-      origin: fields.origin,
-      crossOrigin: fields.crossOrigin ?? false,
-    }),
-  )
+export function clientData(
+  fields: Pick<CeremonyOptions, 'challenge' | 'origin' | 'crossOrigin' | 'bom'> & { type: string },
+): Buffer {
+  const json = JSON.stringify({
+    type: fields.type,
+    challenge: fields.challenge,
+    origin: fields.origin,
+    crossOrigin: fields.crossOrigin ?? false,
+  })
+  return Buffer.from(fields.bom ? `\ufeff${json}` : json)
 }
 
 /** Authenticator data (§6.1): rpIdHash, flags, counter, and the attested credential data when given. */
@@ -226,6 +227,8 @@ export type CeremonyOptions = {
   /** clientDataJSON's type; by default "webauthn.create" or "webauthn.get". */
   type?: string
   crossOrigin?: boolean
+  /** Whether clientDataJSON begins with a byte order mark, which the relying party must pass over. */
+  bom?: boolean
 }
 
 export type RegistrationResponse = {
@@ -270,6 +273,7 @@ export function register(
     challenge: options.challenge,
     origin: options.origin,
     crossOrigin: options.crossOrigin,
+    bom: options.bom,
   })
   return { id: credential.id.toString('base64url'), clientDataJSON, attestationObject }
 }
@@ -291,6 +295,7 @@ export function authenticate(credential: Credential, options: CeremonyOptions): 
     challenge: options.challenge,
     origin: options.origin,
     crossOrigin: options.crossOrigin,
+    bom: options.bom,
   })
   const authData = authenticatorData({ rpId: options.rpId, flags: options.flags ?? FLAGS.UP | FLAGS.UV, counter })
   const signature = signWith(credential, Buffer.concat([authData, sha256(clientDataJSON)]))

@@ -731,6 +731,10 @@ for (const [name, algorithm] of [
       assert.equal(verifyRegistration(registration({}, long), expected).id, base64url(long.id))
     })
 
+    it('passes over a byte order mark at the start of clientDataJSON, as UTF-8 decode does', () => {
+      assert.equal(verifyRegistration(registration({ bom: true }), expected).id, base64url(credential.id))
+    })
+
     it('refuses clientDataJSON of another type', () => {
       refuses(() => verifyRegistration(registration({ type: 'webauthn.get' }), expected))
     })
@@ -1341,6 +1345,13 @@ describe('Passkeys over HTTP', () => {
       assert.equal(browser.cookies.has('latch_session'), false)
     })
   }
+
+  it('signs in with client data that begins with a byte order mark', async () => {
+    quietDay()
+    const browser = openBrowser(latch)
+    assert.equal((await signInWithPasskey(latch, browser, owner, { bom: true })).status, 303)
+    assert.equal(browser.cookies.has('latch_session'), true)
+  })
 
   it('refuses a lower counter as a possible clone, and logs it', async () => {
     quietDay()
