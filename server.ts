@@ -2637,7 +2637,12 @@ async function offersPasskeys(ctx: Context): Promise<boolean> {
 function passkeysForHere(passkeys: [string, Passkey][], config: Config): [string, Passkey][] {
   const rp = relyingParty(config)
   if (rp === undefined) return []
-  return passkeys.filter(([, passkey]) => passkey.rpId === undefined || passkey.rpId === rp.id)
+  return passkeys.filter(([, passkey]) => madeFor(passkey, rp.id))
+}
+
+/** Whether a passkey works on a host: only on the one it was made for (one stored before Latch noted it, anywhere). */
+function madeFor(passkey: Passkey, rpId: string | undefined): boolean {
+  return passkey.rpId === undefined || passkey.rpId === rpId
 }
 
 async function requireOwner(form: Params, req: IncomingMessage, ctx: Context): Promise<Visitor> {
@@ -4936,6 +4941,7 @@ async function checkPasskeySignIn(
     await changePasskeys(ctx, async () => {
       const passkey = await ctx.store.findPasskey(id) // as the last change left it
       if (passkey === undefined) throw new PasskeyError('it is not a passkey of this server, or it was removed')
+      if (!madeFor(passkey, rp.id)) throw new PasskeyError(`it was made for ${passkey.rpId}, not for ${rp.id}`)
       // §7.2 step 6: the owner was not named before the ceremony, so the device must say whose
       // passkey it is, with the handle it was made with. For one stored before Latch kept that
       // handle, the signature alone shows it is the passkey stored: the handle is not signed, so

@@ -1526,6 +1526,25 @@ describe('Passkeys under attack', () => {
     }
   })
 
+  it('refuses a sign-in with a passkey made for another host name, as its page says', async () => {
+    const store = new MemoryStore()
+    const { latch, browser } = await signedInOnStore(store)
+    try {
+      const credential = createCredential(ES256)
+      assert.equal((await addPasskey(latch, browser, credential, 'Old')).status, 200)
+      const [[id, passkey]] = await store.listPasskeys()
+      await store.savePasskey(id, { ...passkey, rpId: 'old.example' }, Date.now()) // as if ISSUER had changed since
+      await signOut(browser)
+      const refused = await signInWithPasskey(latch, browser, credential)
+      assert.equal(refused.status, 403)
+      assert.match(await refused.text(), /made for old\.example/)
+      assert.equal(browser.cookies.has('latch_session'), false)
+      assert.equal((await store.findPasskey(id))?.rpId, 'old.example')
+    } finally {
+      await latch.close()
+    }
+  })
+
   it('adds a passkey once when its form is sent twice at once, and answers both without a refusal', async () => {
     const file = join(await mkdtemp(join(tmpdir(), 'latch-passkey-twice-')), 'data.jsonl')
     const store = await FileStore.open(file, { log: () => {} }) // a write that takes a while, as on a disk
