@@ -61,6 +61,7 @@ import type { LookupAddress } from 'node:dns'
 import { BlockList, connect, createServer as createNetServer, isIP, isIPv6 } from 'node:net'
 import type { Server as NetServer, Socket } from 'node:net'
 import {
+  checkPrimeSync,
   createHmac,
   createPublicKey,
   hash,
@@ -2633,7 +2634,7 @@ async function offersPasskeys(ctx: Context): Promise<boolean> {
   return passkeysForHere(await ctx.store.listPasskeys(), ctx.config).length > 0
 }
 
-/** The passkeys that can sign in on the issuer's host: each works only on the host it was made for. */
+/** The passkeys that can sign in on the issuer's host. */
 function passkeysForHere(passkeys: [string, Passkey][], config: Config): [string, Passkey][] {
   const rp = relyingParty(config)
   if (rp === undefined) return []
@@ -4624,20 +4625,29 @@ function readCborArgument(bytes: Buffer, offset: number): { argument: number; en
  */
 export function readCoseKey(cose: unknown): { key: KeyObject; algorithm: number } {
   if (!(cose instanceof Map)) throw new PasskeyError('the public key is not a COSE key')
-  const bytesAt = (label: number): string => {
+  const bytesAt = (label: number): Buffer => {
     const value = cose.get(label)
     if (!Buffer.isBuffer(value) || value.length === 0) throw new PasskeyError(`the COSE key lacks parameter ${label}`)
-    return base64url(value)
+    return value
   }
   const kty = cose.get(1)
   const algorithm = cose.get(3)
+  const rsaRefused = `the RSA key is not of ${MIN_RSA_BITS} to ${MAX_RSA_BITS} bits with the exponent 65537`
   let jwk: { kty: string; crv?: string; x?: string; y?: string; n?: string; e?: string }
+  let modulus: Buffer | undefined // an RSA key's
   if (kty === 2 && algorithm === COSE_ALGORITHMS.ES256 && cose.get(-1) === 1) {
-    jwk = { kty: 'EC', crv: 'P-256', x: bytesAt(-2), y: bytesAt(-3) }
+    jwk = { kty: 'EC', crv: 'P-256', x: base64url(bytesAt(-2)), y: base64url(bytesAt(-3)) }
   } else if (kty === 1 && algorithm === COSE_ALGORITHMS.EdDSA && cose.get(-1) === 6) {
-    jwk = { kty: 'OKP', crv: 'Ed25519', x: bytesAt(-2) }
+    const x = bytesAt(-2)
+    if (x.length === 32 && ED25519_SMALL_ORDER.some((point) => point.equals(withoutSignBit(x))))
+      throw new PasskeyError('the Ed25519 key is a point of small order, whose signatures anyone can make')
+    jwk = { kty: 'OKP', crv: 'Ed25519', x: base64url(x) }
   } else if (kty === 3 && algorithm === COSE_ALGORITHMS.RS256) {
-    jwk = { kty: 'RSA', n: bytesAt(-1), e: bytesAt(-2) }
+    // the lengths first: node:crypto spends time in proportion to an exponent's before it can refuse it
+    const e = bytesAt(-2)
+    modulus = bytesAt(-1)
+    if (modulus.length > MAX_RSA_BITS / 8 + 1 || e.length > 4) throw new PasskeyError(rsaRefused)
+    jwk = { kty: 'RSA', n: base64url(modulus), e: base64url(e) }
   } else {
     throw new PasskeyError('the key is not ES256 on P-256, EdDSA on Ed25519 or RS256')
   }
@@ -4647,11 +4657,37 @@ export function readCoseKey(cose: unknown): { key: KeyObject; algorithm: number 
   } catch {
     throw new PasskeyError('the COSE key is not a valid public key')
   }
-  const details = key.asymmetricKeyDetails
-  const bits = details?.modulusLength ?? 0
-  if (kty === 3 && (bits < MIN_RSA_BITS || bits > MAX_RSA_BITS || details?.publicExponent !== 65537n))
-    throw new PasskeyError(`the RSA key is not of ${MIN_RSA_BITS} to ${MAX_RSA_BITS} bits with the exponent 65537`)
+  if (modulus !== undefined) {
+    const details = key.asymmetricKeyDetails
+    const bits = details?.modulusLength ?? 0
+    if (bits < MIN_RSA_BITS || bits > MAX_RSA_BITS || details?.publicExponent !== 65537n)
+      throw new PasskeyError(rsaRefused)
+    // A modulus that is even or prime has a private exponent anyone can work out. One round of
+    // Miller-Rabin finds a product of two large primes composite, but for a negligible chance.
+    if (modulus[modulus.length - 1] % 2 === 0 || checkPrimeSync(modulus, { checks: 1 }))
+      throw new PasskeyError('the RSA modulus is even or prime, so anyone can sign with the key')
+  }
   return { key, algorithm }
+}
+
+/**
+ * The points of small order on Ed25519, as 32 bytes with the sign bit of x cleared: a key that
+ * is one of them verifies signatures made without any private key (the list libsodium refuses).
+ */
+const ED25519_SMALL_ORDER = [
+  '0000000000000000000000000000000000000000000000000000000000000000', // y = 0, order 4
+  '0100000000000000000000000000000000000000000000000000000000000000', // y = 1, the identity
+  '26e8958fc2b227b045c3f489f2ef98f0d5dfac05d3c63339b13802886d53fc05', // order 8
+  'c7176a703d4dd84fba3c0b760d10670f2a2053fa2c39ccc64ec7fd7792ac037a', // order 8
+  'ecffffffffffffffffffffffffffffffffffffffffffffffffffffffffffff7f', // y = p - 1, order 2
+  'edffffffffffffffffffffffffffffffffffffffffffffffffffffffffffff7f', // y = p, that is 0
+  'eeffffffffffffffffffffffffffffffffffffffffffffffffffffffffffff7f', // y = p + 1, that is 1
+].map((hex) => Buffer.from(hex, 'hex'))
+
+function withoutSignBit(x: Buffer): Buffer {
+  const y = Buffer.from(x)
+  y[31] &= 0x7f
+  return y
 }
 
 /** What the device says, in the byte layout of WebAuthn §6.1. */

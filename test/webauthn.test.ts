@@ -1708,6 +1708,68 @@ describe('Keys and data that only a forger would send', () => {
     assert.throws(() => readCoseKey(rsaCose(4160, 65537)), /2048 to 4096 bits/)
   })
 
+  it('refuses an Ed25519 key of small order, with which a signature made without a private key verifies', () => {
+    const identity = Buffer.alloc(32)
+    identity[0] = 1
+    const forged = Buffer.concat([identity, Buffer.alloc(32)]) // R the identity point, S zero
+    const weak = createPublicKey({ key: { kty: 'OKP', crv: 'Ed25519', x: base64url(identity) }, format: 'jwk' })
+    assert.equal(verify(null, Buffer.from('any message'), weak, forged), true)
+    const smallOrder = [
+      '0000000000000000000000000000000000000000000000000000000000000000',
+      '0100000000000000000000000000000000000000000000000000000000000000',
+      '26e8958fc2b227b045c3f489f2ef98f0d5dfac05d3c63339b13802886d53fc05',
+      'c7176a703d4dd84fba3c0b760d10670f2a2053fa2c39ccc64ec7fd7792ac037a',
+      'ecffffffffffffffffffffffffffffffffffffffffffffffffffffffffffff7f',
+      'edffffffffffffffffffffffffffffffffffffffffffffffffffffffffffff7f',
+      'eeffffffffffffffffffffffffffffffffffffffffffffffffffffffffffff7f',
+    ]
+    for (const hexText of smallOrder)
+      for (const signBit of [0, 0x80]) {
+        const x = Buffer.from(hexText, 'hex')
+        x[31] |= signBit
+        const key = new Map<number, unknown>([
+          [1, 1],
+          [3, EDDSA],
+          [-1, 6],
+          [-2, x],
+        ])
+        assert.throws(() => readCoseKey(key), /small order/, x.toString('hex'))
+      }
+    assert.equal(readCoseKey(coseKey(createCredential(EDDSA))).algorithm, EDDSA)
+  })
+
+  it('refuses an RSA modulus that is even or prime, whose private exponent anyone can work out', () => {
+    const rsa = (modulus: bigint) =>
+      new Map<number, unknown>([
+        [1, 3],
+        [3, RS256],
+        [-1, Buffer.from(modulus.toString(16).padStart(Math.ceil(modulus.toString(16).length / 2) * 2, '0'), 'hex')],
+        [-2, Buffer.from([1, 0, 1])],
+      ])
+    const mersenne = (1n << 2203n) - 1n // prime
+    assert.throws(() => readCoseKey(rsa(mersenne)), /even or prime/)
+    assert.throws(() => readCoseKey(rsa(mersenne + 1n)), /even or prime/)
+    assert.equal(readCoseKey(rsa(((1n << 1279n) - 1n) * mersenne)).algorithm, RS256) // two primes: a real modulus
+  })
+
+  it('refuses an overlong RSA exponent or modulus before node:crypto spends time on it', () => {
+    const real = coseKey(createCredential(RS256))
+    const withExponent = (e: Buffer) => new Map([...real, [-2, e]])
+    /** The median time of five refusals, in nanoseconds. */
+    const timeRefusal = (key: unknown, message: RegExp) => {
+      const times = [1, 2, 3, 4, 5].map(() => {
+        const start = process.hrtime.bigint()
+        assert.throws(() => readCoseKey(key), message)
+        return Number(process.hrtime.bigint() - start)
+      })
+      return times.sort((a, b) => a - b)[2]
+    }
+    const small = timeRefusal(withExponent(Buffer.from([3])), /exponent 65537/) // node:crypto reads it, then it is refused
+    const long = timeRefusal(withExponent(Buffer.alloc(45_000, 0xff)), /exponent 65537/)
+    assert.ok(long < small * 10, `an exponent of 45,000 bytes took ${long} ns, one of one byte ${small} ns`)
+    assert.throws(() => readCoseKey(new Map([...real, [-1, Buffer.alloc(514, 0xff)]])), /2048 to 4096 bits/)
+  })
+
   it('refuses extensions that are not a CBOR map', () => {
     const head = Buffer.concat([createHash('sha256').update('localhost').digest(), Buffer.from([0x85, 0, 0, 0, 1])])
     assert.equal(readAuthenticatorData(Buffer.concat([head, Buffer.from([0xa0])])).counter, 1)
