@@ -7790,12 +7790,12 @@ async function readPassword(): Promise<string> {
   if (!process.stdin.isTTY) {
     let text = ''
     for await (const chunk of process.stdin) text += chunk
-    return text.split(/\r?\n/)[0]
+    return withoutControlKeys(text.split(/\r?\n/)[0])
   }
   // what comes after the first Enter in one chunk (a pasted "password⏎password⏎") is the second
   const typed = { ahead: '' }
-  const first = await promptHidden('Password: ', typed)
-  const second = await promptHidden('Again: ', typed)
+  const first = withoutControlKeys(await promptHidden('Password: ', typed))
+  const second = withoutControlKeys(await promptHidden('Again: ', typed))
   if (first !== second) throw new ConfigError('The two passwords differ: run the command again')
   return first
 }
@@ -7820,7 +7820,9 @@ function promptHidden(prompt: string, typed: { ahead: string }): Promise<string>
           resolve(text.join(''))
           return true
         }
+        // Backspace erases a code point; Ctrl-U, as in passwd and sudo, all typed so far
         if (char === '\u007f' || char === '\b') text.pop()
+        else if (char === '\u0015') text.length = 0
         else text.push(char)
       }
       return false
@@ -7838,15 +7840,19 @@ const HASH_PASSWORD_HELP = `Usage: npx tsx server.ts hash-password
 Asks for a password twice (${MIN_PASSWORD_LENGTH} characters or more), without showing it, and
 prints the line to set as PASSWORD_HASH. Piped in, the first line is the password.`
 
-async function runHashPassword(): Promise<void> {
-  const password = await readPassword()
-  // an arrow key or Esc typed at the hidden prompt: a sign-in form could never type it back
+/** Refuses an arrow key or Esc typed at the hidden prompt: a sign-in form could never type it back. */
+function withoutControlKeys(password: string): string {
   if (/[\x00-\x1f\x7f]/.test(password)) {
     throw new ConfigError(
       'The password holds a control key (an arrow, Esc, Tab), which no sign-in form can type: ' +
         'run the command again and type only the password',
     )
   }
+  return password
+}
+
+async function runHashPassword(): Promise<void> {
+  const password = await readPassword()
   if (password === '') {
     throw new ConfigError(
       `No password was given (its input was empty): type one of ${MIN_PASSWORD_LENGTH} characters or more, ` +

@@ -566,6 +566,32 @@ describe('hash-password', () => {
     assert.equal(await verifyPassword('correct horse battery', hash), true, output)
   })
 
+  it('erases the line typed so far at Ctrl-U, as passwd and sudo do', { timeout: 30_000 }, async (t) => {
+    if (noTerminal) return t.skip('no `script` (util-linux) to give it a terminal')
+    const { code, output } = await typeIntoHashPassword('', [
+      'a wrong start\u0015correct horse battery\r',
+      'correct horse battery\r',
+    ])
+    assert.equal(code, 0, output)
+    const hash = /^scrypt:\S+/m.exec(output)?.[0] ?? ''
+    assert.equal(await verifyPassword('correct horse battery', hash), true, output)
+  })
+
+  it(
+    'names a control key typed at the first prompt, not a difference from the second',
+    { timeout: 30_000 },
+    async (t) => {
+      if (noTerminal) return t.skip('no `script` (util-linux) to give it a terminal')
+      const { code, output } = await typeIntoHashPassword('', [
+        'correct horse battery\x1b[D\r',
+        'correct horse battery\r',
+      ])
+      assert.notEqual(code, 0, output)
+      assert.match(output, /control key/)
+      assert.doesNotMatch(output, /differ|scrypt:/)
+    },
+  )
+
   it('prints its usage for --help, without asking for a password, and refuses another argument', async () => {
     const help = await runLatch(['hash-password', '--help'], {}, { input: 'a password of some length\n' })
     assert.equal(help.code, 0, help.stderr)
