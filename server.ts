@@ -2099,9 +2099,9 @@ export type AccessCheck =
 
 /**
  * Checks an access token for a resource server that runs in the same process as Latch and shares
- * its store: the token must be live, carry every scope of `scope`, and, if it is bound to
- * services (its audience, RFC 8707), name `resource` among them, as an MCP server must check: a
- * server that gives no `resource` takes only tokens bound to none, as IndieAuth's are. A
+ * its store: the token must be live, carry every scope of `scope`, and be meant for this server
+ * (its audience, RFC 8707). A server that gives a `resource` takes only tokens that name it, as
+ * an MCP server must check; one that gives none takes only tokens bound to none, as IndieAuth's are. A
  * resource server elsewhere asks `POST /introspect` the same (see the README). Answer
  * `invalid_token` with 401 and `insufficient_scope` with 403, each with a `WWW-Authenticate:
  * Bearer` challenge (RFC 6750 §3).
@@ -7295,8 +7295,8 @@ function detached(text: string): string {
 }
 
 // --- Configuration --------------------------------------------------------------
-// Every setting is an environment variable and the same-named flag (`--code-ttl 10m`);
-// a flag wins over the variable, and an empty value counts as unset.
+// Every setting is an environment variable and the same-named flag (`--code-ttl 10m`), but the
+// two secrets, variables only; a flag wins over the variable, and an empty value counts as unset.
 
 /** The settings with their defaults and one line of help each; `--help` prints this table. */
 export const SETTINGS = [
