@@ -2059,7 +2059,8 @@ describe('POST /token (IndieAuth §5.3.3)', () => {
     const ascii = await introspect(String(form({ token })), labelled('ISO-8859-1'))
     assert.equal(ascii.status, 200)
     assert.equal((await ascii.json()).active, true)
-    for (const charset of ['latin1', 'windows-1252', 'cp1252', 'us-ascii'])
+    const names = ['latin1', 'windows-1252', 'cp1252', 'us-ascii', 'iso_8859-1', 'ISO_8859-1:1987', 'ANSI_X3.4-1968']
+    for (const charset of [...names, 'iso8859-15', 'l1', 'IBM819', 'x-cp1252'])
       assert.equal((await introspect(String(form({ token })), labelled(charset))).status, 200, charset)
     // é in Latin-1, é in UTF-8 (which would be read as Ã©), and é in a name
     for (const extra of ['note=caf%E9', 'note=caf%C3%A9', 'caf%E9=1']) {

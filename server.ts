@@ -3539,8 +3539,15 @@ export async function readForm(req: IncomingMessage): Promise<Params> {
   return parseForm(text)
 }
 
-/** Charsets in which ASCII means what it means in UTF-8: a form in one of them that is plain ASCII is read. */
-const ASCII_CHARSETS = /^(us-ascii|ascii|iso-?8859-\d{1,2}|latin-?1|windows-125\d|cp125\d)$/
+/**
+ * Charsets in which ASCII means what it means in UTF-8, under the names clients send (IANA's
+ * and the WHATWG Encoding Standard's): a form in one of them that is plain ASCII is read.
+ */
+const ASCII_CHARSETS = new RegExp(
+  '^(us-ascii|ascii|ansi_x3\\.4-1968|iso646-us' + // ASCII
+    '|iso[-_]?8859[-_]?\\d{1,2}(:\\d{4})?|latin-?\\d|l\\d|iso-ir-100|(ibm|cp)819|csisolatin1' + // ISO 8859
+    '|(x-)?cp125\\d|windows-125\\d)$', // Windows
+)
 
 async function readText(req: IncomingMessage): Promise<string> {
   return (await readBody(req)).toString('latin1')
