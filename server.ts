@@ -5183,6 +5183,11 @@ function resolveHost(hostname: string, options: FetchRules, deadline: AbortSigna
 
 type Fetched = { type: string; link: string; headers: IncomingHttpHeaders; body: Buffer }
 
+/** Interim answers (100 Continue, 103 Early Hints) a page may send before its own: Latch asks for none. */
+const MAX_INTERIM_ANSWERS = 4
+/** What a fetch may read besides the body, and a quarter of it more: the head, and a chunked body's framing. */
+const FETCH_HEAD_BYTES = 32 * 1024
+
 /**
  * Fetches a URL under the rules above: resolve, check every address, connect to the checked
  * one, no redirects, a deadline and a body cap. Throws an Error whose message says why not.
@@ -5215,27 +5220,60 @@ async function fetchSafely(url: URL, maxBytes: number, options: FetchRules): Pro
         else (callback as (err: null, address: string, family: number) => void)(null, address, family)
       },
     })
+    // Every way out goes through `settle`, once. The deadline is watched here too: after some
+    // answers (a 101) node:http drops the connection and emits nothing more, not even an error.
+    let settled = false
+    const settle = (outcome: () => void) => {
+      if (settled) return
+      settled = true
+      deadline.removeEventListener('abort', onDeadline)
+      outcome()
+    }
+    const fail = (reason: string) =>
+      settle(() => {
+        request.destroy()
+        reject(new Error(reason))
+      })
+    const onDeadline = () => fail(`it did not answer within ${timeoutMs} ms`)
+    deadline.addEventListener('abort', onDeadline, { once: true })
     request.on('error', (err) =>
-      reject(
-        new Error(deadline.aborted ? `it did not answer within ${timeoutMs} ms` : `fetching it failed: ${err.message}`),
-      ),
+      fail(deadline.aborted ? `it did not answer within ${timeoutMs} ms` : `fetching it failed: ${err.message}`),
     )
+    // What the connection carries counts, not only the body: a page can send interim (1xx)
+    // answers, or a chunk of one byte behind kilobytes of chunk extensions, without end.
+    let interim = 0
+    request.on('information', () => {
+      if (++interim > MAX_INTERIM_ANSWERS) fail(`it sent more than ${MAX_INTERIM_ANSWERS} interim (1xx) answers`)
+    })
+    request.on('upgrade', (_response, socket) => {
+      socket.destroy()
+      fail('it answered 101, and only 200 counts')
+    })
+    const carried = { bytes: 0, most: maxBytes + maxBytes / 4 + FETCH_HEAD_BYTES }
+    const count = (chunk: Buffer) => {
+      carried.bytes += chunk.length
+      if (carried.bytes > carried.most) fail(`it sent more than ${carried.most / 1024} KiB, counting its HTTP framing`)
+    }
+    request.on('socket', (socket) => {
+      socket.on('data', count)
+      request.once('close', () => socket.off('data', count))
+    })
     request.on('response', (response) => {
       if (response.statusCode !== 200) {
         response.destroy()
-        return reject(new Error(`it answered ${response.statusCode}, and only 200 counts (redirects are not followed)`))
+        return fail(`it answered ${response.statusCode}, and only 200 counts (redirects are not followed)`)
       }
       const body = new Gathered()
       response.on('data', (chunk: Buffer) => {
         if (body.size + chunk.length <= maxBytes) return body.add(chunk)
         response.destroy()
-        reject(new Error(`it is larger than ${maxBytes / 1024} KiB`))
+        fail(`it is larger than ${maxBytes / 1024} KiB`)
       })
-      response.on('error', (err) => reject(new Error(`reading it failed: ${err.message}`)))
+      response.on('error', (err) => fail(`reading it failed: ${err.message}`))
       response.on('end', () => {
         const type = (response.headers['content-type'] ?? '').split(';')[0].trim().toLowerCase()
         const link = [response.headers.link ?? ''].flat().join(', ')
-        resolve({ type, link, headers: response.headers, body: body.bytes })
+        settle(() => resolve({ type, link, headers: response.headers, body: body.bytes }))
       })
     })
     request.end()

@@ -181,6 +181,19 @@ function site(req: IncomingMessage, res: ServerResponse): void {
     case 'failing.example':
       res.writeHead(500)
       return void res.end()
+    // answers node:http does not hand over as a response: they are written on the socket itself
+    case 'switching.example':
+      return void req.socket.write(
+        'HTTP/1.1 101 Switching Protocols\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n\r\n',
+      )
+    case 'interim.example':
+      return pour(req.socket, '', 'HTTP/1.1 103 Early Hints\r\nLink: </style.css>; rel=preload\r\n\r\n')
+    case 'framing.example': // one byte of body per chunk, behind 15,000 bytes of chunk extension
+      return pour(
+        req.socket,
+        'HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n',
+        `1;${'x'.repeat(15_000)}\r\na\r\n`,
+      )
     case 'lan.example':
       return sendJson(res, {
         client_id: 'http://lan.example/',
@@ -197,6 +210,16 @@ function site(req: IncomingMessage, res: ServerResponse): void {
       res.writeHead(404)
       res.end()
   }
+}
+
+/** Writes `head`, then `piece` again and again for as long as the peer reads. */
+function pour(socket: Socket, head: string, piece: string): void {
+  const more = () => {
+    while (!socket.destroyed && socket.write(piece));
+    if (!socket.destroyed) socket.once('drain', more)
+  }
+  socket.write(head)
+  more()
 }
 
 let sites: Server
@@ -494,6 +517,18 @@ describe('Client discovery (IndieAuth §4.2)', () => {
     await assertNotFetched(latch, big, 'http://big.example/', /larger than 256 KiB/)
     const slow = await authorize(latch, 'http://slow.example/', 'https://other.example/callback')
     await assertNotFetched(latch, slow, 'http://slow.example/', /did not answer within 300 ms/)
+  })
+
+  it('gives up on a page that answers 101, which node:http drops without a word', { timeout: 10_000 }, async () => {
+    const response = await authorize(latch, 'http://switching.example/', 'https://other.example/callback')
+    await assertNotFetched(latch, response, 'http://switching.example/', /answered 101/)
+  })
+
+  it('gives up on interim answers without end, and on chunk framing without body, before the deadline', async () => {
+    const interim = await authorize(latch, 'http://interim.example/', 'https://other.example/callback')
+    await assertNotFetched(latch, interim, 'http://interim.example/', /more than 4 interim \(1xx\) answers/)
+    const framing = await authorize(latch, 'http://framing.example/', 'https://other.example/callback')
+    await assertNotFetched(latch, framing, 'http://framing.example/', /more than 352 KiB, counting its HTTP framing/)
   })
 
   it('never fetches a loopback client_id, by address or by what its name resolves to', async () => {
