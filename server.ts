@@ -5280,6 +5280,35 @@ async function fetchSafely(url: URL, maxBytes: number, options: FetchRules): Pro
   })
 }
 
+/**
+ * An HTML page's text in the encoding it names, as a browser reads it (shortened): a byte order
+ * mark, then the Content-Type's charset, then a `<meta>` one in the first 1,024 bytes; UTF-8 if
+ * it names none, or one the Encoding Standard does not know.
+ * @see https://html.spec.whatwg.org/multipage/parsing.html#determining-the-character-encoding
+ */
+function decodePage(body: Buffer, contentType: string): string {
+  const charset = /[\s;"']charset\s*=\s*["']?([\w.:-]+)/i
+  const head = body.subarray(0, 1024).toString('latin1')
+  const metas = head.match(/<meta\s[^>]*>/gi) ?? []
+  const inMeta = metas.map((tag) => charset.exec(tag)?.[1]).find((name) => name !== undefined)
+  const named =
+    BOMS.find(([bytes]) => bytes.equals(body.subarray(0, bytes.length)))?.[1] ??
+    charset.exec(`;${contentType}`)?.[1] ??
+    // a page cannot say in its own bytes that they are UTF-16: a <meta> that does means UTF-8
+    (inMeta?.toLowerCase().startsWith('utf-16') ? 'utf-8' : inMeta)
+  try {
+    return new TextDecoder(named ?? 'utf-8').decode(body)
+  } catch {
+    return body.toString('utf8') // a charset TextDecoder does not know
+  }
+}
+
+const BOMS: [Buffer, string][] = [
+  [Buffer.from([0xef, 0xbb, 0xbf]), 'utf-8'],
+  [Buffer.from([0xfe, 0xff]), 'utf-16be'],
+  [Buffer.from([0xff, 0xfe]), 'utf-16le'],
+]
+
 function withDeadline<T>(promise: Promise<T>, deadline: AbortSignal, timeoutMs: number): Promise<T> {
   return new Promise((resolve, reject) => {
     const abort = () => reject(new Error(`its host name did not resolve within ${timeoutMs} ms`))
@@ -5309,7 +5338,7 @@ export async function discoverClient(
     throw new InvalidClientDocument(`it is larger than ${MAX_METADATA_DOCUMENT_BYTES / 1024} KiB`)
   const document = isJson
     ? readClientMetadata(fetched.body.toString('utf8'), clientId, metadataDocument)
-    : readClientPage(fetched.body.toString('utf8'), clientId)
+    : readClientPage(decodePage(fetched.body, fetched.headers['content-type'] ?? ''), clientId)
   const linked = metadataDocument ? [] : readLinkHeader(fetched.link, 'redirect_uri', clientId)
   const redirectUris = [...document.redirectUris, ...linked]
     .filter((uri) => uri.length <= MAX_URL_LENGTH)

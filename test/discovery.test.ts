@@ -136,6 +136,21 @@ function site(req: IncomingMessage, res: ServerResponse): void {
 </body></html>`,
         { Link: '<https://header.example/callback>; rel="redirect_uri", <http://html.example/ignored>; rel="me"' },
       )
+    case 'latin1.example': // the name in ISO-8859-1, named by the Content-Type
+      res.writeHead(200, { 'Content-Type': 'text/html; charset=ISO-8859-1' })
+      return void res.end(
+        Buffer.from('<div class="h-app"><span class="p-name">Caf\u00e9 M\u00fcller</span></div>', 'latin1'),
+      )
+    case 'cp1252.example': // in windows-1252, named by a <meta> after another
+      res.writeHead(200, { 'Content-Type': 'text/html' })
+      return void res.end(
+        Buffer.concat([
+          Buffer.from('<meta name="viewport" content="width=device-width"><meta charset="windows-1252">'),
+          Buffer.from('<div class="h-app"><span class="p-name">'),
+          Buffer.from('Cr\u00e8me Br\u00fbl\u00e9e', 'latin1'), // what windows-1252 and Latin-1 share
+          Buffer.from('</span></div>'),
+        ]),
+      )
     case 'redirecting.example':
       res.writeHead(302, { Location: 'http://json.example/' })
       return void res.end()
@@ -471,6 +486,18 @@ describe('Client discovery (IndieAuth §4.2)', () => {
     }
     assert.equal((await authorize(latch, 'http://html.example/', 'https://commented.example/')).status, 400)
     assert.equal((await authorize(latch, 'http://html.example/', 'http://html.example/ignored')).status, 200) // same host anyway
+  })
+
+  it('reads a page in the charset its Content-Type or a <meta> names, as a browser does', async () => {
+    for (const [host, name] of [
+      ['latin1.example', 'Caf\u00e9 M\u00fcller'],
+      ['cp1252.example', 'Cr\u00e8me Br\u00fbl\u00e9e'],
+    ]) {
+      const response = await authorize(latch, `http://${host}/`, `http://${host}/callback`)
+      const html = await response.text()
+      assert.equal(response.status, 200, html)
+      assert.ok(html.includes(`<strong><bdi>${name}</bdi></strong>`), html)
+    }
   })
 
   it('inlines only images of at most 64 KiB as a logo, and still shows the name', async () => {
