@@ -567,6 +567,49 @@ describe('Request bodies', () => {
     }
   })
 
+  it(
+    'closes the connection after an answer given without reading the body, instead of reading it to its end',
+    { timeout: 20_000 },
+    async () => {
+      const server = createLatchServer()
+      server.on('request', createHandler({ config: loadConfig({ DATA_FILE: 'memory' }), log: () => {} }))
+      await new Promise<void>((resolve) => server.listen(0, '127.0.0.1', resolve))
+      const { port } = server.address() as AddressInfo
+      /** Sends a request that says its body is 100 GB, and what is answered before the server closes. */
+      const refused = async (head: string) => {
+        const socket = connect(port, '127.0.0.1')
+        let received = ''
+        socket.on('data', (chunk: Buffer) => (received += chunk.toString('latin1')))
+        socket.on('error', () => {}) // the server closes while bytes are still on their way: EPIPE
+        const closed = new Promise((resolve) => socket.on('close', resolve))
+        socket.write(`${head}\r\nHost: 127.0.0.1:${port}\r\nContent-Length: 100000000000\r\n\r\n`)
+        const chunk = Buffer.alloc(64 * 1024, 'a')
+        const pour = () => {
+          while (!socket.destroyed && socket.write(chunk));
+          if (!socket.destroyed) socket.once('drain', pour)
+        }
+        pour()
+        await closed
+        return received
+      }
+      try {
+        for (const head of [
+          'POST /nowhere HTTP/1.1', // 404
+          'PUT /auth HTTP/1.1', // 405
+          'GET /.well-known/oauth-authorization-server HTTP/1.1', // 200, a route that reads no body
+          'POST /token HTTP/1.1\r\nContent-Type: text/plain', // 400, refused before the body
+        ]) {
+          const answer = (await refused(head)).split('\r\n\r\n')[0] // its head: a 408 would follow 30 s later
+          assert.match(answer, /^HTTP\/1\.1 [2-4]\d\d /, head)
+          assert.match(answer, /\r\nConnection: close$/im, head)
+        }
+      } finally {
+        server.closeAllConnections()
+        await new Promise((resolve) => server.close(resolve))
+      }
+    },
+  )
+
   it('closes whichever store openStore gives, a MemoryStore too', async () => {
     const store = await openStore(loadConfig({ DATA_FILE: 'memory' }))
     await store.close()

@@ -923,6 +923,7 @@ export function createMetadataHandler(config: Config): (req: IncomingMessage, re
   return (req, res) => {
     if (req.method === 'OPTIONS') return writePreflight(res, ['GET', 'HEAD'])
     if (req.method !== 'GET' && req.method !== 'HEAD') {
+      closeIfBodyUnread(res)
       res.writeHead(405, { Allow: 'GET, HEAD' })
       res.end()
       return
@@ -2591,6 +2592,7 @@ function changePasskeys<T>(ctx: Context, change: () => Promise<T>): Promise<T> {
 
 /** The one script, for the passkey buttons; the pages that have one allow exactly it. */
 async function handlePasskeyScript(_req: IncomingMessage, res: ServerResponse): Promise<void> {
+  closeIfBodyUnread(res)
   res.writeHead(200, {
     'Content-Type': 'text/javascript; charset=utf-8',
     'Content-Length': String(Buffer.byteLength(PASSKEY_SCRIPT)),
@@ -3106,6 +3108,7 @@ function selectRoute(method: string, path: string): Pick<Route, 'handler' | 'err
  * @see https://fetch.spec.whatwg.org/#http-cors-protocol
  */
 function writePreflight(res: ServerResponse, methods: string[]): void {
+  closeIfBodyUnread(res)
   res.writeHead(204, {
     'Access-Control-Allow-Origin': '*',
     'Access-Control-Allow-Methods': methods.join(', '),
@@ -3723,6 +3726,7 @@ function sendEmptyOk(res: ServerResponse): void {
 function writeAnswer(res: ServerResponse, status: number, headers: OutgoingHttpHeaders, body: string): void {
   if (res.headersSent || res.destroyed) return // answered meanwhile, or the connection is gone
   try {
+    closeIfBodyUnread(res)
     res.writeHead(status, headers)
     res.end(body)
   } catch {
@@ -3740,8 +3744,20 @@ function sendJsonError(res: ServerResponse, err: OAuthError): void {
   sendJson(res, err.status, { error, error_description: err.message }, headers)
 }
 
+/**
+ * Closes the connection after this answer when the request's body was not read to its end (a
+ * refusal before reading it, or a route that reads none): to reach the next request on the
+ * connection, node:http would read and drop the rest, however long a stranger made it.
+ */
+function closeIfBodyUnread(res: ServerResponse): void {
+  const { complete, headers } = res.req
+  if (!complete && (headers['transfer-encoding'] !== undefined || Number(headers['content-length']) > 0))
+    res.shouldKeepAlive = false
+}
+
 /** Redirects with the given status (302 from `GET /auth`, 303 after a form). */
 function redirect(res: ServerResponse, status: number, location: string, headers: Record<string, string> = {}): void {
+  closeIfBodyUnread(res)
   res.writeHead(status, { Location: location, ...NO_STORE, 'Referrer-Policy': 'no-referrer', ...headers })
   res.end()
 }
@@ -4008,6 +4024,7 @@ ${body}
 type PageHeaders = Record<string, string | string[]>
 
 function sendPage(res: ServerResponse, status: number, html: string, headers: PageHeaders = {}): void {
+  closeIfBodyUnread(res)
   res.writeHead(status, { ...PAGE_HEADERS, 'Content-Length': String(Buffer.byteLength(html)), ...headers })
   res.end(html)
 }
