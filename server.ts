@@ -5229,7 +5229,9 @@ async function fetchSafely(url: URL, maxBytes: number, options: FetchRules): Pro
     const request = send(url, {
       agent: options.fetch.agent,
       signal: deadline,
-      headers: { Accept: 'application/json, text/html;q=0.9', 'User-Agent': 'Latch IndieAuth' },
+      // one connection a fetch: in a keep-alive pool (node's default agent's), a page trickling a
+      // byte now and then would keep its connection open for good, past every deadline
+      headers: { Accept: 'application/json, text/html;q=0.9', 'User-Agent': 'Latch IndieAuth', Connection: 'close' },
       lookup: (_name, lookupOptions, callback) => {
         // Connect to the address that was checked, never to a second answer from DNS (rebinding).
         if ((lookupOptions as { all?: boolean }).all)

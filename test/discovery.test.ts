@@ -33,6 +33,8 @@ const PNG = Buffer.from(
 
 const requests: string[] = [] // `host path` of every request the sites received
 let logoDown = false // flakylogo.example's logo answers 503 while set
+/** What keepalive.example saw of its last request: its Connection header, and when its connection closed. */
+const keptAlive: { connection?: string; closed?: Promise<unknown> } = {}
 
 function sendJson(res: ServerResponse, body: unknown, headers: Record<string, string> = {}): void {
   res.writeHead(200, { 'Content-Type': 'application/json', ...headers })
@@ -209,6 +211,14 @@ function site(req: IncomingMessage, res: ServerResponse): void {
         'HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n',
         `1;${'x'.repeat(15_000)}\r\na\r\n`,
       )
+    case 'keepalive.example':
+      keptAlive.connection = req.headers.connection
+      keptAlive.closed = new Promise((resolve) => req.socket.on('close', resolve))
+      return sendJson(res, {
+        client_id: 'http://keepalive.example/',
+        client_name: 'Kept Alive',
+        redirect_uris: ['https://other.example/callback'],
+      })
     case 'lan.example':
       return sendJson(res, {
         client_id: 'http://lan.example/',
@@ -556,6 +566,18 @@ describe('Client discovery (IndieAuth §4.2)', () => {
     await assertNotFetched(latch, interim, 'http://interim.example/', /more than 4 interim \(1xx\) answers/)
     const framing = await authorize(latch, 'http://framing.example/', 'https://other.example/callback')
     await assertNotFetched(latch, framing, 'http://framing.example/', /more than 352 KiB, counting its HTTP framing/)
+  })
+
+  it('closes its connection to a client site after each fetch, even when its agent keeps connections alive', async () => {
+    const pooled = await startLatch({}, { ...clientFetch, agent: new SitesAgent({ keepAlive: true }) })
+    try {
+      const response = await authorize(pooled, 'http://keepalive.example/', 'https://other.example/callback')
+      assert.equal(response.status, 200)
+      assert.equal(keptAlive.connection, 'close')
+      await keptAlive.closed
+    } finally {
+      await pooled.close()
+    }
   })
 
   it('never fetches a loopback client_id, by address or by what its name resolves to', async () => {
