@@ -5301,24 +5301,39 @@ async function fetchSafely(url: URL, maxBytes: number, options: FetchRules): Pro
 /**
  * An HTML page's text in the encoding it names, as a browser reads it (shortened): a byte order
  * mark, then the Content-Type's charset, then a `<meta>` one in the first 1,024 bytes; UTF-8 if
- * it names none, or one the Encoding Standard does not know.
+ * it names none, or one TextDecoder here cannot decode (ISO-2022-KR, which a browser shows as
+ * nothing, for one).
  * @see https://html.spec.whatwg.org/multipage/parsing.html#determining-the-character-encoding
  */
 function decodePage(body: Buffer, contentType: string): string {
-  const charset = /[\s;"']charset\s*=\s*["']?([\w.:-]+)/i
+  const bom = BOMS.find(([bytes]) => bytes.equals(body.subarray(0, bytes.length)))?.[1]
+  const sent = parametersOf(contentType).get('charset')
   const head = body.subarray(0, 1024).toString('latin1')
-  const metas = head.match(/<meta\s[^>]*>/gi) ?? []
-  const inMeta = metas.map((tag) => charset.exec(tag)?.[1]).find((name) => name !== undefined)
-  const named =
-    BOMS.find(([bytes]) => bytes.equals(body.subarray(0, bytes.length)))?.[1] ??
-    charset.exec(`;${contentType}`)?.[1] ??
-    // a page cannot say in its own bytes that they are UTF-16: a <meta> that does means UTF-8
-    (inMeta?.toLowerCase().startsWith('utf-16') ? 'utf-8' : inMeta)
+  const inMeta = head
+    .replace(/<!--[^]*?(-->|$)/g, '') // a <meta> in a comment is none
+    .match(/<meta\s[^>]*>/gi)
+    ?.map((tag) => /[\s;"']charset\s*=\s*["']?([\w.:-]+)/i.exec(tag)?.[1])
+    .find((name) => name !== undefined)
   try {
-    return new TextDecoder(named ?? 'utf-8').decode(body)
+    if (bom !== undefined || sent !== undefined) return new TextDecoder(bom ?? sent).decode(body)
+    // a <meta> naming x-user-defined means windows-1252; one naming UTF-16, which its own bytes
+    // cannot be, means UTF-8 (under any of UTF-16's names: ucs-2, unicode…)
+    const decoder = new TextDecoder(inMeta?.toLowerCase() === 'x-user-defined' ? 'windows-1252' : (inMeta ?? 'utf-8'))
+    return decoder.encoding.startsWith('utf-16') ? body.toString('utf8') : decoder.decode(body)
   } catch {
     return body.toString('utf8') // a charset TextDecoder does not know
   }
+}
+
+/** A media type's parameters (`text/html; charset="x"`), by lower-case name, quoted values unquoted. */
+function parametersOf(mediaType: string): Map<string, string> {
+  const parameters = new Map<string, string>()
+  for (const [, name, value] of mediaType.matchAll(/;\s*([^\s=;]+)\s*=\s*("(?:[^"\\]|\\.)*"|[^;"]*)/g))
+    parameters.set(
+      name.toLowerCase(),
+      value.replace(/^"(.*)"$/, (_, quoted: string) => quoted.replace(/\\(.)/g, '$1')).trim(),
+    )
+  return parameters
 }
 
 const BOMS: [Buffer, string][] = [

@@ -153,6 +153,16 @@ function site(req: IncomingMessage, res: ServerResponse): void {
           Buffer.from('</span></div>'),
         ]),
       )
+    case 'charsets.example': {
+      // what a browser makes of a <meta> in a comment, one naming UTF-16, and a charset in a quoted parameter
+      const [contentType, page] = {
+        '/commented': ['text/html', '<!-- <meta charset="windows-1251"> --><meta charset="utf-8">'],
+        '/ucs-2': ['text/html', '<meta charset="ucs-2">'],
+        '/quoted': ['text/html; profile="; charset=utf-16"', ''],
+      }[req.url ?? ''] ?? ['text/plain', '']
+      res.writeHead(200, { 'Content-Type': contentType })
+      return void res.end(`${page}<div class="h-app"><span class="p-name">Caf\u00e9 App</span></div>`)
+    }
     case 'redirecting.example':
       res.writeHead(302, { Location: 'http://json.example/' })
       return void res.end()
@@ -500,10 +510,13 @@ describe('Client discovery (IndieAuth §4.2)', () => {
 
   it('reads a page in the charset its Content-Type or a <meta> names, as a browser does', async () => {
     for (const [host, name] of [
-      ['latin1.example', 'Caf\u00e9 M\u00fcller'],
-      ['cp1252.example', 'Cr\u00e8me Br\u00fbl\u00e9e'],
+      ['latin1.example/', 'Caf\u00e9 M\u00fcller'],
+      ['cp1252.example/', 'Cr\u00e8me Br\u00fbl\u00e9e'],
+      ['charsets.example/commented', 'Caf\u00e9 App'],
+      ['charsets.example/ucs-2', 'Caf\u00e9 App'],
+      ['charsets.example/quoted', 'Caf\u00e9 App'],
     ]) {
-      const response = await authorize(latch, `http://${host}/`, `http://${host}/callback`)
+      const response = await authorize(latch, `http://${host}`, `http://${host.split('/')[0]}/callback`)
       const html = await response.text()
       assert.equal(response.status, 200, html)
       assert.ok(html.includes(`<strong><bdi>${name}</bdi></strong>`), html)
