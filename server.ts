@@ -3542,13 +3542,15 @@ export async function readForm(req: IncomingMessage): Promise<Params> {
 }
 
 /**
- * Charsets in which ASCII means what it means in UTF-8, under the names clients send (IANA's
- * and the WHATWG Encoding Standard's): a form in one of them that is plain ASCII is read.
+ * Charsets in which ASCII means what it means in UTF-8, under the names clients send (IANA's and
+ * the WHATWG Encoding Standard's labels of ASCII, ISO 8859, KOI8 and the Windows code pages): a
+ * form in one of them that is plain ASCII is read.
  */
 const ASCII_CHARSETS = new RegExp(
-  '^(us-ascii|ascii|ansi_x3\\.4-1968|iso646-us' + // ASCII
-    '|iso[-_]?8859[-_]?\\d{1,2}(:\\d{4})?|latin-?\\d|l\\d|iso-ir-100|(ibm|cp)819|csisolatin1' + // ISO 8859
-    '|(x-)?cp125\\d|windows-125\\d)$', // Windows
+  '^(us-ascii|ascii|us|csascii|cp367|ibm367|iso-ir-6|iso646-us|ansi_x3\\.4-19(68|86)' + // ASCII
+    '|iso[-_]?8859[-_]?([1-9]|1[013-6])(:\\d{4})?|iso-8859-[68]-i|csisolatin\\d|iso-ir-100|(ibm|cp)819' + // ISO 8859
+    '|latin-?([1-6]|8|9|10)|l([1-6]|8|9|10)|koi8-[ru]' +
+    '|(x-)?cp125[0-8]|windows-125[0-8]|windows-874)$', // Windows
 )
 
 async function readText(req: IncomingMessage): Promise<string> {
