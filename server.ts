@@ -3232,7 +3232,7 @@ function issuerAliasUrl(req: IncomingMessage, issuerHost: string, config: Config
  */
 function cameThroughProxy(req: IncomingMessage): boolean {
   const { headers } = req
-  if (req.httpVersionMinor === 0 || PROXY_HEADERS.some((name) => headers[name] !== undefined)) return true
+  if (req.httpVersion === '1.0' || PROXY_HEADERS.some((name) => headers[name] !== undefined)) return true
   for (const name in headers) if (name.startsWith('x-forwarded-')) return true
   return false
 }
