@@ -5203,7 +5203,7 @@ type Fetched = { type: string; link: string; headers: IncomingHttpHeaders; body:
 
 /** Interim answers (100 Continue, 103 Early Hints) a page may send before its own: Latch asks for none. */
 const MAX_INTERIM_ANSWERS = 4
-/** What a fetch may read besides the body, and a quarter of it more: the head, and a chunked body's framing. */
+/** Besides the body, a fetch may read this and a quarter of the body's cap: the head, and a chunked body's framing. */
 const FETCH_HEAD_BYTES = 32 * 1024
 
 /**
