@@ -598,6 +598,8 @@ describe('Request bodies', () => {
           'PUT /auth HTTP/1.1', // 405
           'GET /.well-known/oauth-authorization-server HTTP/1.1', // 200, a route that reads no body
           'POST /token HTTP/1.1\r\nContent-Type: text/plain', // 400, refused before the body
+          'POST /token HTTP/1.1\r\nExpect: the-unexpected', // 417, before Latch is asked
+          `POST /token HTTP/1.1${'\r\nX-Line: 1'.repeat(1_001)}`, // 431: its Content-Length is past what node:http keeps
         ]) {
           const answer = (await refused(head)).split('\r\n\r\n')[0] // its head: a 408 would follow 30 s later
           assert.match(answer, /^HTTP\/1\.1 [2-4]\d\d /, head)

@@ -3297,9 +3297,10 @@ function takeAbsoluteForm(req: IncomingMessage): void {
 const MAX_REQUEST_TARGET = 8_192
 
 /**
- * The most header lines Latch reads. node:http keeps the first 2,000 (`maxHeadersCount`) and
- * drops the rest unseen, 16 KiB holds 4,000 short ones, and a second `Host` or a
- * `Content-Encoding` past the 2,000th would go unchecked: a request with more is refused whole.
+ * The most header lines Latch reads. node:http keeps about the first 1,000 (`maxHeadersCount`
+ * counts names and values) and drops the rest unseen, 16 KiB holds 4,000 short ones, and a
+ * second `Host` or a `Content-Encoding` past them would go unchecked: a request with more is
+ * refused whole.
  */
 const MAX_HEADER_LINES = 1_000
 
@@ -3751,9 +3752,12 @@ function sendJsonError(res: ServerResponse, err: OAuthError): void {
  * connection, node:http would read and drop the rest, however long a stranger made it.
  */
 function closeIfBodyUnread(res: ServerResponse): void {
-  const { complete, headers } = res.req
-  if (!complete && (headers['transfer-encoding'] !== undefined || Number(headers['content-length']) > 0))
-    res.shouldKeepAlive = false
+  const { complete, headers, rawHeaders } = res.req
+  const announced =
+    headers['transfer-encoding'] !== undefined ||
+    Number(headers['content-length']) > 0 ||
+    rawHeaders.length > 2 * MAX_HEADER_LINES // among the headers node:http dropped unseen, it may be
+  if (!complete && announced) res.shouldKeepAlive = false
 }
 
 /** Redirects with the given status (302 from `GET /auth`, 303 after a form). */
@@ -8122,6 +8126,12 @@ export function createLatchServer(
     }
   }
   server.on('drop', (data?: { remoteAddress?: string }) => drop('total', data?.remoteAddress)) // past maxConnections
+  // An expectation other than 100-continue: node:http would answer 417 itself, keep the
+  // connection, and read the body to its end however long it is. The 417 closes it instead.
+  server.on('checkExpectation', (_req: IncomingMessage, res: ServerResponse) => {
+    res.writeHead(417, { Connection: 'close', 'Content-Length': '0' })
+    res.end()
+  })
   // CONNECT asks a proxy for a tunnel, and node:http hands it here instead of to the handler:
   // without this, it would close the connection without a word. node:http no longer watches such
   // a socket (no timeout, and `closeAllConnections` does not reach it): it is closed here, whole,
