@@ -5234,8 +5234,6 @@ async function fetchSafely(url: URL, maxBytes: number, options: FetchRules): Pro
     const request = send(url, {
       agent: options.fetch.agent,
       signal: deadline,
-      // one connection a fetch: in a keep-alive pool (node's default agent's), a page trickling a
-      // byte now and then would keep its connection open for good, past every deadline
       headers: { Accept: 'application/json, text/html;q=0.9', 'User-Agent': 'Latch IndieAuth', Connection: 'close' },
       lookup: (_name, lookupOptions, callback) => {
         // Connect to the address that was checked, never to a second answer from DNS (rebinding).
@@ -5246,11 +5244,15 @@ async function fetchSafely(url: URL, maxBytes: number, options: FetchRules): Pro
     })
     // Every way out goes through `settle`, once. The deadline is watched here too: after some
     // answers (a 101) node:http drops the connection and emits nothing more, not even an error.
+    // And the connection ends with the fetch, whatever the site says: in a keep-alive pool (node's
+    // default agent's), a site trickling a byte now and then would keep it open past every deadline.
     let settled = false
+    let connection: Socket | undefined
     const settle = (outcome: () => void) => {
       if (settled) return
       settled = true
       deadline.removeEventListener('abort', onDeadline)
+      connection?.destroy()
       outcome()
     }
     const fail = (reason: string) =>
@@ -5279,8 +5281,8 @@ async function fetchSafely(url: URL, maxBytes: number, options: FetchRules): Pro
       if (carried.bytes > carried.most) fail(`it sent more than ${carried.most / 1024} KiB, counting its HTTP framing`)
     }
     request.on('socket', (socket) => {
+      connection = socket
       socket.on('data', count)
-      request.once('close', () => socket.off('data', count))
     })
     request.on('response', (response) => {
       if (response.statusCode !== 200) {

@@ -221,14 +221,20 @@ function site(req: IncomingMessage, res: ServerResponse): void {
         'HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n',
         `1;${'x'.repeat(15_000)}\r\na\r\n`,
       )
-    case 'keepalive.example':
+    case 'keepalive.example': {
+      // a site that keeps the connection whatever it is asked, and sends a byte now and then
       keptAlive.connection = req.headers.connection
       keptAlive.closed = new Promise((resolve) => req.socket.on('close', resolve))
-      return sendJson(res, {
+      const body = JSON.stringify({
         client_id: 'http://keepalive.example/',
         client_name: 'Kept Alive',
         redirect_uris: ['https://other.example/callback'],
       })
+      const head = `HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: ${body.length}\r\nConnection: keep-alive`
+      req.socket.write(`${head}\r\n\r\n${body}`)
+      const trickle = setInterval(() => req.socket.write('\r\n'), 100)
+      return void req.socket.on('close', () => clearInterval(trickle))
+    }
     case 'lan.example':
       return sendJson(res, {
         client_id: 'http://lan.example/',
@@ -581,17 +587,21 @@ describe('Client discovery (IndieAuth §4.2)', () => {
     await assertNotFetched(latch, framing, 'http://framing.example/', /more than 352 KiB, counting its HTTP framing/)
   })
 
-  it('closes its connection to a client site after each fetch, even when its agent keeps connections alive', async () => {
-    const pooled = await startLatch({}, { ...clientFetch, agent: new SitesAgent({ keepAlive: true }) })
-    try {
-      const response = await authorize(pooled, 'http://keepalive.example/', 'https://other.example/callback')
-      assert.equal(response.status, 200)
-      assert.equal(keptAlive.connection, 'close')
-      await keptAlive.closed
-    } finally {
-      await pooled.close()
-    }
-  })
+  it(
+    'closes its connection to a client site after each fetch, even when its agent keeps connections alive',
+    { timeout: 10_000 },
+    async () => {
+      const pooled = await startLatch({}, { ...clientFetch, agent: new SitesAgent({ keepAlive: true }) })
+      try {
+        const response = await authorize(pooled, 'http://keepalive.example/', 'https://other.example/callback')
+        assert.equal(response.status, 200)
+        assert.equal(keptAlive.connection, 'close')
+        await keptAlive.closed
+      } finally {
+        await pooled.close()
+      }
+    },
+  )
 
   it('never fetches a loopback client_id, by address or by what its name resolves to', async () => {
     const count = requests.length
