@@ -5307,40 +5307,53 @@ async function fetchSafely(url: URL, maxBytes: number, options: FetchRules): Pro
 }
 
 /**
- * An HTML page's text in the encoding it names, as a browser reads it (shortened): a byte order
- * mark, then the Content-Type's charset, then a `<meta>` one in the first 1,024 bytes; UTF-8 if
- * it names none, or one TextDecoder here cannot decode (ISO-2022-KR, which a browser shows as
- * nothing, for one).
+ * An HTML page's text in the encoding it names, much as a browser finds it: a byte order mark,
+ * then the Content-Type's charset, then the first `<meta>` charset in the first 1,024 bytes
+ * (outside comments) that names an encoding; UTF-8 if none does, or TextDecoder here cannot
+ * decode it (ISO-2022-KR, which a browser shows as nothing, for one).
  * @see https://html.spec.whatwg.org/multipage/parsing.html#determining-the-character-encoding
  */
 function decodePage(body: Buffer, contentType: string): string {
   const bom = BOMS.find(([bytes]) => bytes.equals(body.subarray(0, bytes.length)))?.[1]
-  const sent = parametersOf(contentType).get('charset')
-  const head = body.subarray(0, 1024).toString('latin1')
-  const inMeta = head
-    .replace(/<!--[^]*?(-->|$)/g, '') // a <meta> in a comment is none
-    .match(/<meta\s[^>]*>/gi)
-    ?.map((tag) => /[\s;"']charset\s*=\s*["']?([\w.:-]+)/i.exec(tag)?.[1])
-    .find((name) => name !== undefined)
-  try {
-    if (bom !== undefined || sent !== undefined) return new TextDecoder(bom ?? sent).decode(body)
-    // a <meta> naming x-user-defined means windows-1252; one naming UTF-16, which its own bytes
-    // cannot be, means UTF-8 (under any of UTF-16's names: ucs-2, unicode…)
-    const decoder = new TextDecoder(inMeta?.toLowerCase() === 'x-user-defined' ? 'windows-1252' : (inMeta ?? 'utf-8'))
+  const sent = decoderOf(bom ?? parametersOf(contentType).get('charset'))
+  if (sent !== undefined) return sent.decode(body)
+  // comments as HTML ends them: `<!-->` and `<!--->` are whole ones
+  const head = body
+    .subarray(0, 1024)
+    .toString('latin1')
+    .replace(/<!--(>|->|[^]*?(-->|$))/g, '')
+  for (const [tag] of head.matchAll(/<meta[\s/][^>]*>/gi)) {
+    const label = /[\s/;"']charset\s*=\s*["']?([\w.:-]+)/i.exec(tag)?.[1]
+    const decoder = decoderOf(label?.toLowerCase() === 'x-user-defined' ? 'windows-1252' : label)
+    if (decoder === undefined) continue
+    // one naming UTF-16 (or ucs-2, unicode…), which its own bytes cannot be, means UTF-8
     return decoder.encoding.startsWith('utf-16') ? body.toString('utf8') : decoder.decode(body)
+  }
+  return body.toString('utf8')
+}
+
+/** A decoder for an encoding's label; undefined for no label, or one TextDecoder here cannot decode. */
+function decoderOf(label: string | undefined): TextDecoder | undefined {
+  if (label === undefined) return undefined
+  try {
+    return new TextDecoder(label)
   } catch {
-    return body.toString('utf8') // a charset TextDecoder does not know
+    return undefined
   }
 }
 
-/** A media type's parameters (`text/html; charset="x"`), by lower-case name, quoted values unquoted. */
+/**
+ * A media type's parameters (`text/html; charset="x"`), by lower-case name, quoted values
+ * unquoted: the first of a name counts, and a quoted value left open runs to the end.
+ * @see https://mimesniff.spec.whatwg.org/#parsing-a-mime-type
+ */
 function parametersOf(mediaType: string): Map<string, string> {
   const parameters = new Map<string, string>()
-  for (const [, name, value] of mediaType.matchAll(/;\s*([^\s=;]+)\s*=\s*("(?:[^"\\]|\\.)*"|[^;"]*)/g))
-    parameters.set(
-      name.toLowerCase(),
-      value.replace(/^"(.*)"$/, (_, quoted: string) => quoted.replace(/\\(.)/g, '$1')).trim(),
-    )
+  for (const [, name, value] of mediaType.matchAll(/;\s*([^\s=;]+)=("(?:[^"\\]|\\.)*"?|[^;"]*)/g)) {
+    const key = name.toLowerCase()
+    if (!parameters.has(key))
+      parameters.set(key, value.replace(/^"(.*?)"?$/, (_, quoted: string) => quoted.replace(/\\(.)/g, '$1')).trim())
+  }
   return parameters
 }
 
@@ -5580,7 +5593,7 @@ export function scanHtml(html: string): HtmlElement[] {
     const lt = html.indexOf('<', at)
     if (lt === -1) break
     if (html.startsWith('<!--', lt)) {
-      const end = html.indexOf('-->', lt + 4)
+      const end = html.indexOf('-->', lt + 2) // `<!-->` and `<!--->` end where they begin, as in HTML
       if (end === -1) break
       at = end + 3
       continue

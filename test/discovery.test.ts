@@ -163,6 +163,19 @@ function site(req: IncomingMessage, res: ServerResponse): void {
       res.writeHead(200, { 'Content-Type': contentType })
       return void res.end(`${page}<div class="h-app"><span class="p-name">Caf\u00e9 App</span></div>`)
     }
+    case 'latin1s.example': {
+      // the name in Latin-1, and the charset named as a browser would find it
+      const [contentType, page] = {
+        '/unknown-first': ['text/html; charset=nonesuch', '<meta charset="nonesuch"><meta charset="iso-8859-1">'],
+        '/first-of-two': ['text/html; charset=iso-8859-1; charset=utf-8', ''],
+        '/open-quote': ['text/html; charset="iso-8859-1', ''],
+        '/short-comment': ['text/html', '<!--><meta/charset="iso-8859-1"><!--->'],
+      }[req.url ?? ''] ?? ['text/plain', '']
+      res.writeHead(200, { 'Content-Type': contentType })
+      return void res.end(
+        Buffer.from(`${page}<div class="h-app"><span class="p-name">Caf\u00e9 App</span></div>`, 'latin1'),
+      )
+    }
     case 'redirecting.example':
       res.writeHead(302, { Location: 'http://json.example/' })
       return void res.end()
@@ -521,6 +534,10 @@ describe('Client discovery (IndieAuth §4.2)', () => {
       ['charsets.example/commented', 'Caf\u00e9 App'],
       ['charsets.example/ucs-2', 'Caf\u00e9 App'],
       ['charsets.example/quoted', 'Caf\u00e9 App'],
+      ...['unknown-first', 'first-of-two', 'open-quote', 'short-comment'].map((path) => [
+        `latin1s.example/${path}`,
+        'Caf\u00e9 App',
+      ]),
     ]) {
       const response = await authorize(latch, `http://${host}`, `http://${host.split('/')[0]}/callback`)
       const html = await response.text()
