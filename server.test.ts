@@ -1121,6 +1121,31 @@ describe('GET /auth (IndieAuth §5.2)', () => {
     }
   })
 
+  it('keeps nothing for a page a browser fetches ahead (speculation rules, rel=prefetch), which another port could ask for by the hundred', async () => {
+    const store = new MemoryStore()
+    const own = await startLatch({}, { store })
+    try {
+      const navigation = { 'Sec-Fetch-Mode': 'navigate', 'Sec-Fetch-Dest': 'document' }
+      const aheads: Record<string, string>[] = [
+        { 'Sec-Purpose': 'prefetch' }, // Chromium's speculation rules
+        { 'Sec-Purpose': 'prefetch;prerender' },
+        { Purpose: 'prefetch' }, // older browsers' <link rel=prefetch>
+        { 'X-Moz': 'prefetch' },
+      ]
+      for (const ahead of aheads) {
+        const response = await fetch(authorizationUrl(own), {
+          headers: { ...navigation, ...ahead },
+          redirect: 'manual',
+        })
+        assert.equal(response.status, 400, JSON.stringify(ahead))
+        assert.match(response.headers.get('cache-control') ?? '', /no-store/)
+      }
+      assert.equal(store.pending.size, 0)
+    } finally {
+      await own.close()
+    }
+  })
+
   it('sends the redirect that carries a code uncached, and with no Referer for the app to pass on', async () => {
     const response = await submitConsent(latch, await openConsent(latch))
     assert.equal(response.status, 303)

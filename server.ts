@@ -937,6 +937,9 @@ export function createMetadataHandler(config: Config): (req: IncomingMessage, re
 // RFC 6749 §4.1.1   https://www.rfc-editor.org/rfc/rfc6749#section-4.1.1
 // RFC 7636 §4.3     https://www.rfc-editor.org/rfc/rfc7636#section-4.3
 
+/** `Sec-Purpose: prefetch` (and `prefetch;prerender`), and the older `Purpose` and `X-Moz`. */
+const PREFETCH = /\bprefetch\b/i
+
 /**
  * Validates an authorization request and shows the consent page. Until `client_id` and
  * `redirect_uri` are known good, errors are a 400 page; after that, redirects to the client.
@@ -950,6 +953,11 @@ async function handleAuthorizationRequest(req: IncomingMessage, res: ServerRespo
   const destination = req.headers['sec-fetch-dest']
   if (destination !== undefined && destination !== 'document')
     throw new OAuthError('invalid_request', 'The sign-in page opens only as a page of its own: go back to the app')
+  // Nor is a page fetched ahead of a click that may never come (speculation rules, <link
+  // rel=prefetch>): a page on another port could ask for hundreds. Refused, the browser asks
+  // again if the person does go there.
+  if (PREFETCH.test(`${req.headers['sec-purpose'] ?? ''} ${req.headers.purpose ?? ''} ${req.headers['x-moz'] ?? ''}`))
+    throw new OAuthError('invalid_request', 'The sign-in page is not fetched ahead: open it from the app')
   const query = queryOf(req.url ?? '/')
   const clientId = requireParam(query, 'client_id')
   noteClient(res, clientId)
