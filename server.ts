@@ -1215,8 +1215,8 @@ function renderConsentPage(
   },
 ): string {
   const { config } = form
-  // a native app's custom scheme has no host
-  const redirectHost = new URL(request.redirect_uri).host || request.redirect_uri
+  const redirect = new URL(request.redirect_uri)
+  const toApp = redirect.protocol !== 'https:' && redirect.protocol !== 'http:' // a native app's scheme
   const scopes = request.scope
     .map((scope) => {
       const description = Object.hasOwn(SCOPE_DESCRIPTIONS, scope)
@@ -1236,10 +1236,14 @@ function renderConsentPage(
       ? ''
       : `<p class="muted">About the app: <a href="${escapeHtml(form.clientUri)}" rel="noreferrer">` +
         `${isolate(form.clientUri)}</a></p>`
-  const destination =
-    redirectHost === clientHost
-      ? `<p class="muted">After you decide, your browser goes to <code>${isolate(redirectHost)}</code>.</p>`
-      : `<p class="warning">After you decide, your browser goes to <code>${isolate(redirectHost)}</code>, ` +
+  // A custom scheme's "host" (`app://bank.example/cb`) says nothing of where the code goes: to
+  // whichever app on the device took the scheme. So the whole URI is shown, and said to be an app's.
+  const destination = toApp
+    ? `<p class="warning">After you decide, your browser opens <code>${isolate(request.redirect_uri)}</code>, ` +
+      'which an app on this device handles: approve only if you expect that.</p>'
+    : redirect.host === clientHost
+      ? `<p class="muted">After you decide, your browser goes to <code>${isolate(redirect.host)}</code>.</p>`
+      : `<p class="warning">After you decide, your browser goes to <code>${isolate(redirect.host)}</code>, ` +
         `not to <code>${isolate(clientHost)}</code>: approve only if you expect that.</p>`
   const open =
     config.passwordHash === undefined

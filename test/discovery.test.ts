@@ -451,6 +451,14 @@ describe('Client discovery (IndieAuth §4.2)', () => {
     const response = await authorize(latch, 'http://json.example/', 'com.example.jot:/callback')
     const html = await response.text()
     assert.equal(response.status, 200, html)
+    // a custom scheme's URI is shown whole, as an app's: a "host" in it says nothing of where the code goes
+    assert.ok(
+      html.includes(
+        '<p class="warning">After you decide, your browser opens <code><bdi>com.example.jot:/callback</bdi></code>, ' +
+          'which an app on this device handles',
+      ),
+      html,
+    )
     const request = /name="request" value="([^"]+)"/.exec(html)?.[1] ?? ''
     const csrf = /name="csrf" value="([^"]+)"/.exec(html)?.[1] ?? ''
     const approved = await fetch(`${latch.base}/auth/consent`, {
