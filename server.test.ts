@@ -3018,7 +3018,10 @@ describe('Sign-in sessions and connected apps', () => {
     const approved = await submitConsent(latch, first, { password })
     assert.equal(approved.status, 303)
     const setCookie = approved.headers.get('set-cookie') ?? ''
-    assert.match(setCookie, /^latch_session=[A-Za-z0-9_-]{43}; Path=\/; Max-Age=604800; HttpOnly; SameSite=Lax$/)
+    assert.match(
+      setCookie,
+      /^latch_session=[A-Za-z0-9_-]{43}; Path=\/; Max-Age=604800; HttpOnly; SameSite=Lax; Priority=High$/,
+    )
     const session = sessionOf(approved)
     const second = await openConsent(latch, {}, `${first.cookie}; ${session}`)
     assert.doesNotMatch(second.html, /type="password"/)
@@ -3354,8 +3357,8 @@ describe('Sign-in sessions and connected apps', () => {
     assert.match(page, /<h1>Sign in<\/h1>\n<p class="notice" role="status">You are signed out here and in every other/)
     assert.match(page, new RegExp(`name="csrf" value="${csrf}"`))
     assert.deepEqual(response.headers.getSetCookie(), [
-      'latch_session=; Path=/; Max-Age=0; HttpOnly; SameSite=Lax',
-      `latch_csrf=${csrf}; Path=/; HttpOnly; SameSite=Lax`,
+      'latch_session=; Path=/; Max-Age=0; HttpOnly; SameSite=Lax; Priority=High',
+      `latch_csrf=${csrf}; Path=/; HttpOnly; SameSite=Lax; Priority=High`,
     ])
     assert.match(await appsPage(`latch_csrf=${csrf}; ${first}`), /type="password"/)
     assert.match(await appsPage(`latch_csrf=${other}; ${second}`), /type="password"/)
@@ -3510,7 +3513,7 @@ describe('Sign-in sessions and connected apps', () => {
     after(() => secure.close())
     const page = await fetch(`${secure.base}/apps`)
     const csrf =
-      /^__Host-latch_csrf=([A-Za-z0-9_-]{43}); Path=\/; HttpOnly; SameSite=Lax; Secure$/.exec(
+      /^__Host-latch_csrf=([A-Za-z0-9_-]{43}); Path=\/; HttpOnly; SameSite=Lax; Priority=High; Secure$/.exec(
         page.headers.get('set-cookie') ?? '',
       )?.[1] ?? ''
     assert.ok(csrf, 'the CSRF cookie is __Host- and Secure too')
@@ -3519,7 +3522,7 @@ describe('Sign-in sessions and connected apps', () => {
     })
     assert.match(
       response.headers.get('set-cookie') ?? '',
-      /^__Host-latch_session=[A-Za-z0-9_-]{43}; Path=\/; Max-Age=604800; HttpOnly; SameSite=Lax; Secure$/,
+      /^__Host-latch_session=[A-Za-z0-9_-]{43}; Path=\/; Max-Age=604800; HttpOnly; SameSite=Lax; Priority=High; Secure$/,
     )
   })
 })

@@ -4103,7 +4103,8 @@ function renderPasswordField(message: string | undefined, autofocus = true): str
 
 // --- Cookies --------------------------------------------------------------------
 // Two cookies, both HttpOnly and SameSite=Lax, and Secure on an https issuer: the browser's CSRF
-// value, and the owner's session. On https both take the `__Host-` prefix, which binds them to
+// value, and the owner's session. Both are Priority=High, which Chromium keeps when a page
+// elsewhere on the host floods it with ordinary cookies past its 180 a host. On https both take the `__Host-` prefix, which binds them to
 // this host and the path `/`. Cookies ignore ports, though: a page on another port of the same
 // host can set a cookie of the same name, and its form posts count as same-site. So the hidden
 // `csrf` field of a signed-in owner's forms is not the cookie's value but a token derived from
@@ -4145,7 +4146,7 @@ function buildCookie(name: string, value: string, maxAgeSeconds: number | undefi
   const path = name.startsWith('__Host-') ? '/' : `${issuer.pathname.replace(/\/$/, '')}/`
   const maxAge = maxAgeSeconds === undefined ? '' : `; Max-Age=${maxAgeSeconds}`
   const secure = issuer.protocol === 'https:' ? '; Secure' : ''
-  return `${name}=${value}; Path=${path}${maxAge}; HttpOnly; SameSite=Lax${secure}`
+  return `${name}=${value}; Path=${path}${maxAge}; HttpOnly; SameSite=Lax; Priority=High${secure}`
 }
 
 /** The browser's CSRF cookie, set again with the value its pages carry; it ends with the browser session. */
