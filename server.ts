@@ -4104,13 +4104,13 @@ function renderPasswordField(message: string | undefined, autofocus = true): str
 // --- Cookies --------------------------------------------------------------------
 // Two cookies, both HttpOnly and SameSite=Lax, and Secure on an https issuer: the browser's CSRF
 // value, and the owner's session. Both are Priority=High, which Chromium keeps when a page
-// elsewhere on the host floods it with ordinary cookies past its 180 a host. On https both take the `__Host-` prefix, which binds them to
-// this host and the path `/`. Cookies ignore ports, though: a page on another port of the same
-// host can set a cookie of the same name, and its form posts count as same-site. So the hidden
-// `csrf` field of a signed-in owner's forms is not the cookie's value but a token derived from
-// the session cookie, which no page can read (HttpOnly) nor derive without it; forms of someone
-// not signed in carry the CSRF cookie's value (double submit), and approve only with the password
-// or a passkey.
+// elsewhere on the host floods it with ordinary cookies past its 180 a host. On https both take
+// the `__Host-` prefix, which binds them to this host and the path `/`. Cookies ignore ports,
+// though: a page on another port of the same host can set a cookie of the same name, and its
+// form posts count as same-site. So the hidden `csrf` field of a signed-in owner's forms is not
+// the cookie's value but a token derived from the session cookie, which no page can read
+// (HttpOnly) nor derive without it; forms of someone not signed in carry the CSRF cookie's value
+// (double submit), and approve only with the password or a passkey.
 
 function csrfCookieName(config: Config): string {
   return cookieName('latch_csrf', config)
