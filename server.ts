@@ -3561,8 +3561,8 @@ export async function readForm(req: IncomingMessage): Promise<Params> {
  */
 const ASCII_CHARSETS = new RegExp(
   '^(us-ascii|ascii|us|csascii|cp367|ibm367|iso-ir-6|iso646-us|ansi_x3\\.4-19(68|86)' + // ASCII
-    '|iso[-_]?8859[-_]?([1-9]|1[013-6])(:\\d{4})?|iso-8859-[68]-i|csisolatin\\d|iso-ir-100|(ibm|cp)819' + // ISO 8859
-    '|latin-?([1-6]|8|9|10)|l([1-6]|8|9|10)|koi8-[ru]' +
+    '|iso[-_]?8859[-_]?([1-9]|1[013-6])(:19(8[789]|92))?|iso-8859-[68]-i|csisolatin[1-69]|iso-ir-100|(ibm|cp)819' +
+    '|latin-?([1-6]|8|9|10)|l([1-6]|8|9|10)|koi8-[ru]' + // ISO 8859, KOI8
     '|(x-)?cp125[0-8]|windows-125[0-8]|windows-874)$', // Windows
 )
 
