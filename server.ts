@@ -5245,7 +5245,9 @@ async function fetchSafely(url: URL, maxBytes: number, options: FetchRules): Pro
   const send = url.protocol === 'https:' ? httpsRequest : httpRequest
   return new Promise((resolve, reject) => {
     const request = send(url, {
-      agent: options.fetch.agent,
+      // no pool: one keyed by host and port alone could hand over a connection another part of
+      // the process made to another address for the same name, past the checks above
+      agent: options.fetch.agent ?? false,
       signal: deadline,
       headers: { Accept: 'application/json, text/html;q=0.9', 'User-Agent': 'Latch IndieAuth', Connection: 'close' },
       lookup: (_name, lookupOptions, callback) => {

@@ -5,7 +5,7 @@
 
 import { after, before, describe, it } from 'node:test'
 import assert from 'node:assert/strict'
-import { Agent, createServer } from 'node:http'
+import { Agent, createServer, get as httpGet, globalAgent } from 'node:http'
 import type { IncomingMessage, Server, ServerResponse } from 'node:http'
 import { Socket, connect } from 'node:net'
 import type { AddressInfo } from 'node:net'
@@ -627,6 +627,28 @@ describe('Client discovery (IndieAuth §4.2)', () => {
       }
     },
   )
+
+  it("takes no connection from the process's pool, which another request may have made to another address", async () => {
+    // the embedding app's own request, through node's default agent, when the name meant this machine
+    const host = `pooled.example:${sitesPort}`
+    await new Promise((resolve, reject) => {
+      const toHere = (_name: string, options: { all?: boolean }, callback: (...answer: unknown[]) => void) =>
+        options.all ? callback(null, [{ address: '127.0.0.1', family: 4 }]) : callback(null, '127.0.0.1', 4)
+      httpGet(`http://${host}/`, { agent: globalAgent, lookup: toHere as never }, (response) =>
+        response.resume().on('end', resolve),
+      ).on('error', reject)
+    })
+    const unpooled = await startLatch({}, { lookup: clientFetch.lookup, timeoutMs: 300 }) // no agent of its own
+    try {
+      const before = requests.length
+      const response = await authorize(unpooled, `http://${host}/`, 'https://other.example/callback')
+      assert.equal(response.status, 400)
+      assert.equal(requests.length, before, 'the pooled connection to this machine was used')
+    } finally {
+      await unpooled.close()
+      globalAgent.destroy()
+    }
+  })
 
   it('never fetches a loopback client_id, by address or by what its name resolves to', async () => {
     const count = requests.length
