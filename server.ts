@@ -5586,13 +5586,23 @@ const VOID_ELEMENTS = new Set([
 const MAX_HTML_ELEMENTS = 10_000
 const MAX_HTML_CLOSING_TAGS = 10_000
 const MAX_OPEN_ELEMENTS = 256
-/** Where the raw text of a `<script>` or `<style>` ends, in upper or lower case. */
-const RAW_TEXT_ENDS = { script: /<\/script/gi, style: /<\/style/gi }
+/**
+ * Where the text of an element whose text holds no markup ends, in upper or lower case: a
+ * `<link>` written in a `<textarea>` or a `<title>` is text, as in a browser.
+ */
+const RAW_TEXT_ENDS: Record<string, RegExp> = {
+  script: /<\/script/gi,
+  style: /<\/style/gi,
+  title: /<\/title/gi,
+  textarea: /<\/textarea/gi,
+}
+const COMMENT_END = /--!?>/g
 
 /**
  * A small HTML scanner, enough for microformats: every start tag in order, with its attributes,
- * where its text starts and ends, and the index just past its last descendant. Comments,
- * scripts and styles are skipped. The work is linear in the page, however hostile: each
+ * where its text starts and ends, and the index just past its last descendant. Comments (and
+ * what HTML takes for them: `<!DOCTYPE …>`, `<?…>`), scripts, styles, titles and text areas are
+ * skipped. The work is linear in the page, however hostile: each
  * character is read a bounded number of times, a closing tag looks among the open elements only
  * when one of its name is open (and each element is closed once), and the scan stops at 10,000
  * start tags or 10,000 closing tags.
@@ -5608,9 +5618,19 @@ export function scanHtml(html: string): HtmlElement[] {
     const lt = html.indexOf('<', at)
     if (lt === -1) break
     if (html.startsWith('<!--', lt)) {
-      const end = html.indexOf('-->', lt + 2) // `<!-->` and `<!--->` end where they begin, as in HTML
+      // `<!-->` and `<!--->` end where they begin, and `--!>` ends one too, as in HTML
+      COMMENT_END.lastIndex = lt + 2
+      const end = COMMENT_END.exec(html)
+      if (end === null) break
+      at = end.index + end[0].length
+      continue
+    }
+    const next = html[lt + 1]
+    if (next === '!' || next === '?' || (next === '/' && !/[a-zA-Z]/.test(html[lt + 2] ?? ''))) {
+      // `<!DOCTYPE …>`, `<?…?>`, `</3…>`: what HTML takes for comments, ended by the next `>`
+      const end = html.indexOf('>', lt + 2)
       if (end === -1) break
-      at = end + 3
+      at = end + 1
       continue
     }
     tagName.lastIndex = lt + 1
@@ -5642,10 +5662,10 @@ export function scanHtml(html: string): HtmlElement[] {
       textEnd: at,
       end: elements.length + 1,
     })
-    if (name === 'script' || name === 'style') {
-      // raw text, not markup, up to its end tag: sought in `html` itself, since a lower-case
-      // copy may be longer (`İ` becomes two characters), and its places not the same
-      const close = RAW_TEXT_ENDS[name]
+    const close = Object.hasOwn(RAW_TEXT_ENDS, name) ? RAW_TEXT_ENDS[name] : undefined
+    if (close !== undefined) {
+      // text, not markup, up to its end tag: sought in `html` itself, since a lower-case copy
+      // may be longer (`İ` becomes two characters), and its places not the same
       close.lastIndex = at
       at = close.exec(html)?.index ?? html.length
     } else if (!VOID_ELEMENTS.has(name) && !attributes.endsWith('/') && open.length < MAX_OPEN_ELEMENTS) {

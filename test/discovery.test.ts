@@ -1020,6 +1020,19 @@ describe('Discovery parsers and address rules', () => {
     assert.deepEqual(page.redirectUris, ['https://a.example/app/cb?x=1', 'https://b.example/'])
   })
 
+  it('takes no redirect_uri link that a browser reads as a comment or as text', () => {
+    const link = (path: string) => `<link rel=redirect_uri href=${path}>`
+    const page = readClientPage(
+      [
+        `<!DOCTYPE html><! ${link('/bogus')} ><? ${link('/question')} ?></3 ${link('/slash')} >`,
+        `<title>${link('/title')}</title><textarea>${link('/textarea')}</textarea>`,
+        `<!-- x --!>${link('/after-bang')}<!-->${link('/after-short')}<!-- ${link('/commented')} -->`,
+      ].join(''),
+      'https://a.example/',
+    )
+    assert.deepEqual(page.redirectUris, ['https://a.example/after-bang', 'https://a.example/after-short'])
+  })
+
   it('reads redirect_uri links from a Link header with several relations', () => {
     const header = '</a>; rel="redirect_uri me", <https://c.example/b>; title="x"; rel=redirect_uri, </c>; rel="next"'
     assert.deepEqual(readLinkHeader(header, 'redirect_uri', 'https://a.example/'), [
