@@ -747,11 +747,19 @@ describe('Identifiers (IndieAuth §3.2, §3.3)', () => {
   })
 
   it('refuses a redirect_uri whose scheme runs in the browser or reads its files, even one the app publishes', () => {
-    for (const uri of ['javascript:alert(1)//', 'JavaScript:alert(1)//', 'data:text/html,hi', 'file:///etc/passwd']) {
+    const browsers = ['ws://evil.example/cb', 'view-source:https://evil.example/cb', 'chrome-extension://id/cb'] // no app's
+    for (const uri of [
+      'javascript:alert(1)//',
+      'JavaScript:alert(1)//',
+      'data:text/html,hi',
+      'file:///etc/passwd',
+      ...browsers,
+    ]) {
       const client = { info: { redirectUris: [uri], metadataDocument: true } }
       assert.match(
         redirectUriProblem(uri, 'https://app.example/client.json', client) ?? '',
-        /must not use the \w+ scheme/,
+        /must not use the [\w-]+ scheme/,
+        uri,
       )
     }
     const app = { info: { redirectUris: ['com.example.app:/callback'], metadataDocument: true } }

@@ -755,7 +755,11 @@ export function canonicalizeUrl(raw: string): string {
   return new URL(raw).href
 }
 
-const UNSAFE_SCHEMES = new Set(['javascript', 'data', 'vbscript', 'file', 'blob', 'about'])
+/** Schemes that run or show something in the browser itself, or that no app can be handed. */
+const UNSAFE_SCHEMES = new Set([
+  ...['javascript', 'data', 'vbscript', 'file', 'blob', 'about', 'view-source', 'filesystem'],
+  ...['ws', 'wss', 'chrome', 'chrome-extension', 'moz-extension', 'edge', 'opera', 'resource'],
+])
 
 /**
  * Why `redirect_uri` may not be used with this client, or undefined when it may. It must be
