@@ -3841,7 +3841,7 @@ pre {
 /* a new token: one click or tap takes it whole, and it breaks anywhere, not at a hyphen of its own */
 .token { user-select: all; -webkit-user-select: all; word-break: break-all; }
 .muted { color: var(--muted); }
-.error { border-left: 4px solid #d93025; padding: .25rem .75rem; }
+.error { border-left: 4px solid #d93025; padding: .25rem .75rem; overflow-wrap: anywhere; }
 .warning { border-left: 4px solid #f29900; padding: .25rem .75rem; }
 .notice { border-left: 4px solid var(--accent); padding: .25rem .75rem; }
 h1 .logo, h2 .logo { vertical-align: middle; margin-right: .5rem; }
