@@ -8115,7 +8115,8 @@ function addressGroup(address: string): string {
  * apply: a connection on which nothing moves for a minute, while it waits on its client, is
  * closed. And no more connections than `limits` allow, nor more than 8 answers waiting on one of
  * them (see `MAX_QUEUED_ANSWERS`). Connections closed for a limit are said in `log`, at most once
- * a minute. Attach the handler with `server.on('request', handler)`.
+ * a minute. An `Expect` other than 100-continue is answered 417, and the connection closed,
+ * without reading the body. Attach the handler with `server.on('request', handler)`.
  */
 export function createLatchServer(
   timeouts: ServerTimeouts = SERVER_TIMEOUTS,
