@@ -5329,7 +5329,9 @@ async function fetchSafely(url: URL, maxBytes: number, options: FetchRules): Pro
  * An HTML page's text in the encoding it names, much as a browser finds it: a byte order mark,
  * then the Content-Type's charset, then the first `<meta>` charset in the first 1,024 bytes
  * (outside comments) that names an encoding; UTF-8 if none does, or TextDecoder here cannot
- * decode it (ISO-2022-KR, which a browser shows as nothing, for one).
+ * decode it (ISO-2022-KR, which a browser shows as nothing, for one). The browser's pre-scan is
+ * shortened: a `<meta>` written in an attribute's value, or a `content` charset without
+ * `http-equiv`, is taken too. At worst the app's name is shown garbled: the page is the app's.
  * @see https://html.spec.whatwg.org/multipage/parsing.html#determining-the-character-encoding
  */
 function decodePage(body: Buffer, contentType: string): string {
