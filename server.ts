@@ -5608,10 +5608,10 @@ const COMMENT_END = /--!?>/g
  * A small HTML scanner, enough for microformats: every start tag in order, with its attributes,
  * where its text starts and ends, and the index just past its last descendant. Comments (and
  * what HTML takes for them: `<!DOCTYPE …>`, `<?…>`), scripts, styles, titles and text areas are
- * skipped. The work is linear in the page, however hostile: each
- * character is read a bounded number of times, a closing tag looks among the open elements only
- * when one of its name is open (and each element is closed once), and the scan stops at 10,000
- * start tags or 10,000 closing tags.
+ * skipped. The work is linear in the page, however hostile: each character is read a bounded
+ * number of times, a closing tag looks among the open elements only when one of its name is open
+ * (and each element is closed once), and the scan stops at 10,000 start tags or 10,000 closing
+ * tags.
  */
 export function scanHtml(html: string): HtmlElement[] {
   const elements: HtmlElement[] = []
