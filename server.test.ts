@@ -747,7 +747,12 @@ describe('Identifiers (IndieAuth §3.2, §3.3)', () => {
   })
 
   it('refuses a redirect_uri whose scheme runs in the browser or reads its files, even one the app publishes', () => {
-    const browsers = ['ws://evil.example/cb', 'view-source:https://evil.example/cb', 'chrome-extension://id/cb'] // no app's
+    const browsers = [
+      'ws://evil.example/cb',
+      'view-source:https://evil.example/cb',
+      'chrome-extension://id/cb',
+      'devtools://devtools/cb',
+    ] // no app's
     for (const uri of [
       'javascript:alert(1)//',
       'JavaScript:alert(1)//',

@@ -758,7 +758,8 @@ export function canonicalizeUrl(raw: string): string {
 /** Schemes that run or show something in the browser itself, or that no app can be handed. */
 const UNSAFE_SCHEMES = new Set([
   ...['javascript', 'data', 'vbscript', 'file', 'blob', 'about', 'view-source', 'filesystem'],
-  ...['ws', 'wss', 'chrome', 'chrome-extension', 'moz-extension', 'edge', 'opera', 'resource'],
+  ...['ws', 'wss', 'chrome', 'chrome-extension', 'chrome-untrusted', 'devtools', 'moz-extension'],
+  ...['edge', 'opera', 'resource'],
 ])
 
 /**
