@@ -5083,7 +5083,7 @@ class InvalidClientDocument extends Error {}
 export type ClientFetchOptions = {
   /** Resolves a host name to all its addresses; defaults to `dns.lookup`, which honours /etc/hosts. */
   lookup?: (hostname: string) => Promise<LookupAddress[]>
-  /** The agent requests go through; defaults to Node's global agents. */
+  /** The agent requests go through; by default none: each fetch makes a connection of its own. */
   agent?: Agent
   /** How long a fetch may take, resolving included; defaults to 5 seconds. */
   timeoutMs?: number
@@ -5264,8 +5264,8 @@ async function fetchSafely(url: URL, maxBytes: number, options: FetchRules): Pro
     })
     // Every way out goes through `settle`, once. The deadline is watched here too: after some
     // answers (a 101) node:http drops the connection and emits nothing more, not even an error.
-    // And the connection ends with the fetch, whatever the site says: in a keep-alive pool (node's
-    // default agent's), a site trickling a byte now and then would keep it open past every deadline.
+    // And the connection ends with the fetch, whatever the site says: in the keep-alive pool of an
+    // agent given, a site trickling a byte now and then would keep it open past every deadline.
     let settled = false
     let connection: Socket | undefined
     const settle = (outcome: () => void) => {
