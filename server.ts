@@ -5326,24 +5326,24 @@ async function fetchSafely(url: URL, maxBytes: number, options: FetchRules): Pro
   })
 }
 
+/** Comments, as HTML ends them: `<!-->` and `<!--->` are whole ones, and `--!>` ends one too. */
+const HTML_COMMENTS = /<!--(>|->|[^]*?(--!?>|$))/g
+
 /**
  * An HTML page's text in the encoding it names, much as a browser finds it: a byte order mark,
  * then the Content-Type's charset, then the first `<meta>` charset in the first 1,024 bytes
  * (outside comments) that names an encoding; UTF-8 if none does, or TextDecoder here cannot
  * decode it (ISO-2022-KR, which a browser shows as nothing, for one). The browser's pre-scan is
  * shortened: a `<meta>` written in an attribute's value, or a `content` charset without
- * `http-equiv`, is taken too. At worst the app's name is shown garbled: the page is the app's.
+ * `http-equiv`, is taken too. So a page can be read in another encoding than a browser reads it
+ * in, and show another name or publish other redirect URIs; it is the app's own page either way.
  * @see https://html.spec.whatwg.org/multipage/parsing.html#determining-the-character-encoding
  */
 function decodePage(body: Buffer, contentType: string): string {
   const bom = BOMS.find(([bytes]) => bytes.equals(body.subarray(0, bytes.length)))?.[1]
   const sent = decoderOf(bom ?? parametersOf(contentType).get('charset'))
   if (sent !== undefined) return sent.decode(body)
-  // comments as HTML ends them: `<!-->` and `<!--->` are whole ones
-  const head = body
-    .subarray(0, 1024)
-    .toString('latin1')
-    .replace(/<!--(>|->|[^]*?(-->|$))/g, '')
+  const head = body.subarray(0, 1024).toString('latin1').replace(HTML_COMMENTS, '')
   for (const [tag] of head.matchAll(/<meta[\s/][^>]*>/gi)) {
     const label = /[\s/;"']charset\s*=\s*["']?([\w.:-]+)/i.exec(tag)?.[1]
     const decoder = decoderOf(label?.toLowerCase() === 'x-user-defined' ? 'windows-1252' : label)
@@ -5594,15 +5594,17 @@ const MAX_HTML_ELEMENTS = 10_000
 const MAX_HTML_CLOSING_TAGS = 10_000
 const MAX_OPEN_ELEMENTS = 256
 /**
- * Where the text of an element whose text holds no markup ends, in upper or lower case: a
- * `<link>` written in a `<textarea>` or a `<title>` is text, as in a browser.
+ * Where the text of an element whose text holds no markup ends: its end tag, in upper or lower
+ * case, its name followed by a space, `/` or `>`. A `<link>` written in a `<textarea>`, a
+ * `<title>` or a `<noscript>` (read by a browser that runs scripts) is text, as in a browser.
  */
-const RAW_TEXT_ENDS: Record<string, RegExp> = {
-  script: /<\/script/gi,
-  style: /<\/style/gi,
-  title: /<\/title/gi,
-  textarea: /<\/textarea/gi,
-}
+const RAW_TEXT_ENDS: Record<string, RegExp> = Object.fromEntries(
+  ['script', 'style', 'title', 'textarea', 'xmp', 'iframe', 'noembed', 'noframes', 'noscript'].map((name) => [
+    name,
+    new RegExp(`</${name}[\\t\\n\\f\\r />]`, 'gi'),
+  ]),
+)
+RAW_TEXT_ENDS.plaintext = /(?!)/g // it never ends
 const COMMENT_END = /--!?>/g
 
 /**
@@ -5618,7 +5620,7 @@ export function scanHtml(html: string): HtmlElement[] {
   const elements: HtmlElement[] = []
   const open: number[] = [] // the elements not closed yet, outermost first
   const openByName = new Map<string, number>() // how many of `open` have each name
-  const tagName = /\/?[a-zA-Z][a-zA-Z0-9-]*/y
+  const tagName = /\/?[a-zA-Z][^\t\n\f\r />]*/y // a name runs to a space, `/` or `>`, as in HTML
   let closingTags = 0
   let at = 0
   while (elements.length < MAX_HTML_ELEMENTS && closingTags < MAX_HTML_CLOSING_TAGS) {
@@ -5626,10 +5628,11 @@ export function scanHtml(html: string): HtmlElement[] {
     if (lt === -1) break
     if (html.startsWith('<!--', lt)) {
       // `<!-->` and `<!--->` end where they begin, and `--!>` ends one too, as in HTML
-      COMMENT_END.lastIndex = lt + 2
-      const end = COMMENT_END.exec(html)
+      const short = html.startsWith('>', lt + 4) ? 1 : html.startsWith('->', lt + 4) ? 2 : 0
+      COMMENT_END.lastIndex = lt + 4
+      const end = short > 0 ? undefined : COMMENT_END.exec(html)
       if (end === null) break
-      at = end.index + end[0].length
+      at = end === undefined ? lt + 4 + short : end.index + end[0].length
       continue
     }
     const next = html[lt + 1]
@@ -5675,6 +5678,7 @@ export function scanHtml(html: string): HtmlElement[] {
       // may be longer (`İ` becomes two characters), and its places not the same
       close.lastIndex = at
       at = close.exec(html)?.index ?? html.length
+      elements[elements.length - 1].textEnd = at
     } else if (!VOID_ELEMENTS.has(name) && !attributes.endsWith('/') && open.length < MAX_OPEN_ELEMENTS) {
       open.push(elements.length - 1)
       openByName.set(name, (openByName.get(name) ?? 0) + 1)
@@ -5728,7 +5732,7 @@ function readAttributes(text: string): Record<string, string> {
 }
 
 function htmlText(html: string): string {
-  return decodeEntities(html.replace(/<[^<>]*>/g, ' '))
+  return decodeEntities(html.replace(HTML_COMMENTS, ' ').replace(/<[^<>]*>/g, ' '))
     .replace(/\s+/g, ' ')
     .trim()
 }
@@ -5748,7 +5752,10 @@ function decodeEntities(text: string): string {
 }
 
 function hasToken(list: string | undefined, token: string): boolean {
-  return (list ?? '').toLowerCase().split(/\s+/).includes(token)
+  return (list ?? '')
+    .toLowerCase()
+    .split(/[\t\n\f\r ]+/)
+    .includes(token) // HTML's spaces, not Unicode's
 }
 
 /** The URLs of one relation in a `Link` header, resolved against the page's URL. */

@@ -1031,6 +1031,20 @@ describe('Discovery parsers and address rules', () => {
       'https://a.example/',
     )
     assert.deepEqual(page.redirectUris, ['https://a.example/after-bang', 'https://a.example/after-short'])
+    const text = [
+      `<!--!> ${link('/bang-inside')} --><title></titlex>${link('/title-prefix')}</title>`, // neither ends there
+      `<xmp>${link('/xmp')}</xmp><noscript>${link('/noscript')}</noscript><iframe>${link('/iframe')}</iframe>`,
+      `<link:x rel=redirect_uri href=/namespaced><link rel="x\u00a0redirect_uri" href=/nbsp>`, // not a link, not the rel
+      `${link('/last')}<plaintext>${link('/plaintext')}`,
+    ]
+    assert.deepEqual(readClientPage(text.join(''), 'https://a.example/').redirectUris, ['https://a.example/last'])
+  })
+
+  it('reads a name written in a <title> or a <textarea>, and passes over a comment in it, whatever it holds', () => {
+    const titled = '<html class=h-app><head><title class=p-name>Foo App</title></head></html>'
+    assert.equal(readClientPage(titled, 'https://a.example/').name, 'Foo App')
+    const commented = '<div class=h-app><span class=p-name>Good<!-- a > b -->App</span></div>'
+    assert.equal(readClientPage(commented, 'https://a.example/').name, 'Good App')
   })
 
   it('reads redirect_uri links from a Link header with several relations', () => {
