@@ -5610,11 +5610,11 @@ const COMMENT_END = /--!?>/g
 /**
  * A small HTML scanner, enough for microformats: every start tag in order, with its attributes,
  * where its text starts and ends, and the index just past its last descendant. Comments (and
- * what HTML takes for them: `<!DOCTYPE …>`, `<?…>`), scripts, styles, titles and text areas are
- * skipped. The work is linear in the page, however hostile: each character is read a bounded
- * number of times, a closing tag looks among the open elements only when one of its name is open
- * (and each element is closed once), and the scan stops at 10,000 start tags or 10,000 closing
- * tags.
+ * what HTML takes for them: `<!DOCTYPE …>`, `<?…>`) are skipped, and the text of a script, a
+ * style, a title, a text area and the like is read as text, not markup. The work is linear in
+ * the page, however hostile: each character is read a bounded number of times, a closing tag
+ * looks among the open elements only when one of its name is open (and each element is closed
+ * once), and the scan stops at 10,000 start tags or 10,000 closing tags.
  */
 export function scanHtml(html: string): HtmlElement[] {
   const elements: HtmlElement[] = []
@@ -5628,11 +5628,15 @@ export function scanHtml(html: string): HtmlElement[] {
     if (lt === -1) break
     if (html.startsWith('<!--', lt)) {
       // `<!-->` and `<!--->` end where they begin, and `--!>` ends one too, as in HTML
-      const short = html.startsWith('>', lt + 4) ? 1 : html.startsWith('->', lt + 4) ? 2 : 0
+      const abrupt = html.startsWith('>', lt + 4) ? lt + 5 : html.startsWith('->', lt + 4) ? lt + 6 : undefined
+      if (abrupt !== undefined) {
+        at = abrupt
+        continue
+      }
       COMMENT_END.lastIndex = lt + 4
-      const end = short > 0 ? undefined : COMMENT_END.exec(html)
+      const end = COMMENT_END.exec(html)
       if (end === null) break
-      at = end === undefined ? lt + 4 + short : end.index + end[0].length
+      at = end.index + end[0].length
       continue
     }
     const next = html[lt + 1]
