@@ -5605,7 +5605,6 @@ const RAW_TEXT_ENDS: Record<string, RegExp> = Object.fromEntries(
   ]),
 )
 RAW_TEXT_ENDS.plaintext = /(?!)/g // it never ends
-const COMMENT_END = /--!?>/g
 
 /**
  * A small HTML scanner, enough for microformats: every start tag in order, with its attributes,
@@ -5627,16 +5626,8 @@ export function scanHtml(html: string): HtmlElement[] {
     const lt = html.indexOf('<', at)
     if (lt === -1) break
     if (html.startsWith('<!--', lt)) {
-      // `<!-->` and `<!--->` end where they begin, and `--!>` ends one too, as in HTML
-      const abrupt = html.startsWith('>', lt + 4) ? lt + 5 : html.startsWith('->', lt + 4) ? lt + 6 : undefined
-      if (abrupt !== undefined) {
-        at = abrupt
-        continue
-      }
-      COMMENT_END.lastIndex = lt + 4
-      const end = COMMENT_END.exec(html)
-      if (end === null) break
-      at = end.index + end[0].length
+      HTML_COMMENTS.lastIndex = lt // it matches here, and one left open runs to the end
+      at = lt + (HTML_COMMENTS.exec(html)?.[0].length ?? html.length)
       continue
     }
     const next = html[lt + 1]
