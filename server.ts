@@ -4686,7 +4686,8 @@ export function readCoseKey(cose: unknown): { key: KeyObject; algorithm: number 
     jwk = { kty: 'EC', crv: 'P-256', x: base64url(bytesAt(-2)), y: base64url(bytesAt(-3)) }
   } else if (kty === 1 && algorithm === COSE_ALGORITHMS.EdDSA && cose.get(-1) === 6) {
     const x = bytesAt(-2)
-    if (x.length === 32 && ED25519_SMALL_ORDER.some((point) => point.equals(withoutSignBit(x))))
+    const point = x.length === 32 ? withoutSignBit(x) : undefined
+    if (point !== undefined && ED25519_SMALL_ORDER.some((small) => small.equals(point)))
       throw new PasskeyError('the Ed25519 key is a point of small order, whose signatures anyone can make')
     jwk = { kty: 'OKP', crv: 'Ed25519', x: base64url(x) }
   } else if (kty === 3 && algorithm === COSE_ALGORITHMS.RS256) {
