@@ -5343,17 +5343,33 @@ const HTML_COMMENTS = /<!--(>|->|[^]*?(--!?>|$))/g
 function decodePage(body: Buffer, contentType: string): string {
   const bom = BOMS.find(([bytes]) => bytes.equals(body.subarray(0, bytes.length)))?.[1]
   const sent = decoderOf(bom ?? parametersOf(contentType).get('charset'))
-  if (sent !== undefined) return sent.decode(body)
+  if (sent !== undefined) return decode(sent, body)
   const head = body.subarray(0, 1024).toString('latin1').replace(HTML_COMMENTS, '')
   for (const [tag] of head.matchAll(/<meta[\s/][^>]*>/gi)) {
     const label = /[\s/;"']charset\s*=\s*["']?([\w.:-]+)/i.exec(tag)?.[1]
     const decoder = decoderOf(label?.toLowerCase() === 'x-user-defined' ? 'windows-1252' : label)
     if (decoder === undefined) continue
     // one naming UTF-16 (or ucs-2, unicode…), which its own bytes cannot be, means UTF-8
-    return decoder.encoding.startsWith('utf-16') ? body.toString('utf8') : decoder.decode(body)
+    return decoder.encoding.startsWith('utf-16') ? body.toString('utf8') : decode(decoder, body)
   }
   return body.toString('utf8')
 }
+
+/**
+ * Bytes as text in a decoder's encoding. Node 20's TextDecoder reads windows-1252 (which ISO-8859-1
+ * and ASCII name too) as Latin-1: 0x80–0x9F become control characters, where a browser shows the
+ * euro sign, curly quotes and dashes. Those are put back here, and a later Node changes nothing.
+ */
+function decode(decoder: TextDecoder, body: Buffer): string {
+  const text = decoder.decode(body)
+  if (decoder.encoding !== 'windows-1252') return text
+  return text.replace(/[\x80-\x9f]/g, (char) => WINDOWS_1252_HIGH[char.charCodeAt(0) - 0x80])
+}
+
+/** windows-1252's 0x80–0x9F; the five it leaves undefined stay as they are. */
+const WINDOWS_1252_HIGH =
+  '\u20ac\x81\u201a\u0192\u201e\u2026\u2020\u2021\u02c6\u2030\u0160\u2039\u0152\x8d\u017d\x8f' +
+  '\x90\u2018\u2019\u201c\u201d\u2022\u2013\u2014\u02dc\u2122\u0161\u203a\u0153\x9d\u017e\u0178'
 
 /** A decoder for an encoding's label; undefined for no label, or one TextDecoder here cannot decode. */
 function decoderOf(label: string | undefined): TextDecoder | undefined {

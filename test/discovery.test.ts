@@ -150,6 +150,7 @@ function site(req: IncomingMessage, res: ServerResponse): void {
           Buffer.from('<meta name="viewport" content="width=device-width"><meta charset="windows-1252">'),
           Buffer.from('<div class="h-app"><span class="p-name">'),
           Buffer.from('Cr\u00e8me Br\u00fbl\u00e9e', 'latin1'), // what windows-1252 and Latin-1 share
+          Buffer.from([0x20, 0x93, 0x80, 0x35, 0x94]), // and what only windows-1252 has: “€5”
           Buffer.from('</span></div>'),
         ]),
       )
@@ -538,7 +539,7 @@ describe('Client discovery (IndieAuth §4.2)', () => {
   it('reads a page in the charset its Content-Type or a <meta> names, as a browser does', async () => {
     for (const [host, name] of [
       ['latin1.example/', 'Caf\u00e9 M\u00fcller'],
-      ['cp1252.example/', 'Cr\u00e8me Br\u00fbl\u00e9e'],
+      ['cp1252.example/', 'Cr\u00e8me Br\u00fbl\u00e9e \u201c\u20ac5\u201d'],
       ['charsets.example/commented', 'Caf\u00e9 App'],
       ['charsets.example/ucs-2', 'Caf\u00e9 App'],
       ['charsets.example/quoted', 'Caf\u00e9 App'],
