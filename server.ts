@@ -360,7 +360,10 @@ export type HandlerOptions = {
   store?: Store
   /** The clock, in milliseconds; tests pass one they can advance. Defaults to `Date.now`. */
   now?: () => number
-  /** Receives one line per request and the details of server errors. Defaults to `console.log`. */
+  /**
+   * Receives one line per request, and one per security event, discovery failure, warning or
+   * server error. Defaults to `console.log`.
+   */
   log?: (line: string) => void
   /** How client information is fetched; tests point it at local servers. */
   clientFetch?: ClientFetchOptions
@@ -374,9 +377,10 @@ type Context = {
   store: Store
   now: () => number
   /**
-   * The clock of three limits Latch keeps in memory: lockouts, the day of refreshes, and the apps
-   * it looked up or failed to. It follows `now` forward, and stands still while `now` is set
-   * back, so that a wall clock set back an hour does not make a two-second lockout last an hour.
+   * The clock of what Latch keeps in memory for a while: lockouts, the day of refreshes, the apps
+   * it looked up or failed to, and the answer remembered for a second press of a consent button.
+   * It follows `now` forward, and stands still while `now` is set back, so that a wall clock set
+   * back an hour does not make a two-second lockout last an hour.
    */
   steadyNow: () => number
   log: (line: string) => void
@@ -424,8 +428,9 @@ export type Params = Map<string, string[]>
 
 // --- Errors ---------------------------------------------------------------------
 // RFC 6749 §5.2  https://www.rfc-editor.org/rfc/rfc6749#section-5.2
-// Handlers throw OAuthError; one catch in the router renders it. A store's `NotStored` is a 503,
-// anything else a 500.
+// Handlers throw OAuthError; one catch in the router (`renderError`) renders it, as a page or as
+// JSON. A store's `NotStored` is a 503, anything else a 500. One handler catches its own:
+// `GET /auth` sends an error to the app in a redirect, once its `redirect_uri` is trusted.
 
 const ERROR_STATUS: Record<string, number> = {
   invalid_request: 400,
@@ -748,7 +753,9 @@ export function profileUrlProblem(raw: string): string | undefined {
 }
 
 /**
- * The canonical form of a valid identifier: lowercase scheme and host, `/` for an empty path.
+ * The canonical form of a valid identifier, as the URL standard writes it: lowercase scheme and
+ * host, `/` for an empty path (what IndieAuth §3.4 asks), and also no default port and a host in
+ * punycode (`https://App.Example:443` is `https://app.example/`).
  * @see https://indieauth.spec.indieweb.org/#url-canonicalization IndieAuth §3.4
  */
 export function canonicalizeUrl(raw: string): string {
@@ -2741,7 +2748,7 @@ ${fields}
 </form>`
 }
 
-/** What the apps page shows: the grants, a logo per client_id, and what was just revoked. */
+/** What the apps page shows beside the grants: a logo per client_id, the passkeys, and what was just done. */
 type AppsPage = {
   csrf: string
   config: Config
@@ -3497,7 +3504,7 @@ function noteError(res: ServerResponse, error: string): void {
   ;(res as MarkedResponse)[LOGGED_ERROR] = error
 }
 
-/** Logs something that happened: `security`, `discovery` or `error`, with the address of the request, if any. */
+/** Logs something that happened (`security`, `discovery`, `warning`, `error`), with the request's address, if any. */
 function logEvent(ctx: Context, event: string, message: string, from?: IncomingMessage | string): void {
   const address = from === undefined || typeof from === 'string' ? from : clientAddress(from, ctx.trustedProxies)
   ctx.log(formatLogEntry({ time: new Date(ctx.now()).toISOString(), address, event, message }, ctx.config.logFormat))
@@ -3526,7 +3533,8 @@ function loggable(text: string): string {
 }
 
 // --- HTTP plumbing --------------------------------------------------------------
-// Read a form, send JSON, redirect, render a page. Nothing here knows about OAuth.
+// Read a form, send JSON, redirect. What OAuth asks of them (its error codes, and the JSON body of
+// an error) is said where it is used; the pages are the next section.
 
 const MAX_BODY_BYTES = 64 * 1024
 
@@ -3777,7 +3785,7 @@ function closeIfBodyUnread(res: ServerResponse): void {
   if (!complete && announced) res.shouldKeepAlive = false
 }
 
-/** Redirects with the given status (302 from `GET /auth`, 303 after a form). */
+/** Redirects with the given status (302 from `GET /auth`, 303 after a form, 307 to the issuer's own name). */
 function redirect(res: ServerResponse, status: number, location: string, headers: Record<string, string> = {}): void {
   closeIfBodyUnread(res)
   res.writeHead(status, { Location: location, ...NO_STORE, 'Referrer-Policy': 'no-referrer', ...headers })
@@ -7503,12 +7511,14 @@ export const SETTINGS = [
     default: 'on',
     help:
       '`off`: sign in with a passkey only (start is refused while none is for the host of ISSUER). ' +
-      'Needs PASSWORD_HASH, a host name in ISSUER and a DATA_FILE.',
+      'Needs PASSWORD_HASH, an ISSUER where passkeys work (https, or http on localhost) and a DATA_FILE.',
   },
   {
     name: 'DATA_FILE',
     default: 'latch-data.jsonl',
-    help: 'File where codes, grants and tokens survive restarts; `memory` keeps them in memory only.',
+    help:
+      'File where codes, grants, tokens, sessions and passkeys survive restarts; ' +
+      '`memory` keeps them in memory only.',
   },
   { name: 'CODE_TTL', default: '300', help: 'Authorization code lifetime (90s, 10m; at most 600 seconds).' },
   { name: 'ACCESS_TOKEN_TTL', default: '604800', help: 'Access token lifetime (7 days).' },
@@ -7752,7 +7762,10 @@ function parseTrustProxy(value: string): string[] {
   return entries
 }
 
-/** A setting's default, as `SETTINGS` lists it: the one place defaults are written. */
+/**
+ * A setting's default, as `SETTINGS` lists it: the one place defaults are written, but for the three
+ * made from other settings (ISSUER, ME and PROFILE_URL), which `loadConfig` works out.
+ */
 function defaultOf(name: SettingName): string {
   return SETTINGS.find((setting) => setting.name === name)?.default ?? ''
 }
