@@ -2935,6 +2935,11 @@ describe('CORS for browser clients', () => {
       (await post(`${latch.base}/introspect`, form({ token: 'x' }))).headers.get('access-control-allow-origin'),
       '*',
     )
+    // a method the endpoint does not take: the app reads why, not a network error
+    const wrong = await fetch(`${latch.base}/introspect?token=x`, { headers: { Origin: 'https://app.example' } })
+    assert.equal(wrong.status, 405)
+    assert.equal(wrong.headers.get('access-control-allow-origin'), '*')
+    assert.equal((await wrong.json()).error, 'method_not_allowed')
   })
 
   it('lets a browser app read the Bearer and Basic challenges of a 401', async () => {

@@ -3121,7 +3121,7 @@ function selectRoute(method: string, path: string): Pick<Route, 'handler' | 'err
   const rejectMethod = async () => {
     throw new OAuthError('method_not_allowed', `This endpoint accepts ${allow} only`, { headers: { Allow: allow } })
   }
-  return { handler: rejectMethod, errors: 'json', cors: false }
+  return { handler: rejectMethod, errors: 'json', cors: corsMethods.length > 0 } // a browser app may read why
 }
 
 /**
