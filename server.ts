@@ -1635,10 +1635,13 @@ async function handleTokenRequest(req: IncomingMessage, res: ServerResponse, ctx
  * Latch's clients are public: they prove nothing but the code's PKCE verifier, so the metadata
  * says `none`. Some OAuth libraries still send the `client_id` as the HTTP Basic user name with
  * an empty password (RFC 6749 §2.3.1); that is read as if it came in the body. A password would
- * be a client secret, which Latch never issued: 401 `invalid_client`.
+ * be a client secret, which Latch never issued: 401 `invalid_client`, as for a secret or a signed
+ * assertion in the body, so that an app set up as a confidential client learns it is not one.
  * @see https://www.rfc-editor.org/rfc/rfc6749#section-2.3.1
  */
 function readPublicClient(req: IncomingMessage, form: Params, config: Config): void {
+  if (getParam(form, 'client_secret') !== undefined || getParam(form, 'client_assertion') !== undefined)
+    throw basicRefused('This server issues no client secrets: send the client_id alone', config)
   if (req.headers.authorization === undefined) return // the usual case
   // no ` *` after the credentials: node:http trims a header's trailing spaces already, and with
   // it, a run of spaces before a wrong character took time growing with its square

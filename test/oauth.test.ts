@@ -288,6 +288,24 @@ describe('HTTP Basic with an empty password, for public clients (RFC 6749 §2.3.
     await tokensOf(await exchange(latch.base, code))
   })
 
+  it('refuses a client secret or assertion in the body as it refuses a Basic password, and takes an empty one', async () => {
+    const code = await obtainCode(latch.base, { scope: 'create' })
+    const exchanged = { grant_type: 'authorization_code', code, redirect_uri: REDIRECT_URI, code_verifier: VERIFIER }
+    const cases: [string, Fields][] = [
+      ['/token', { ...exchanged, client_id: CLIENT_ID, client_secret: 'a-secret' }],
+      ['/token', { ...exchanged, client_id: CLIENT_ID, client_assertion: 'eyJ.a.b', client_assertion_type: 'x' }],
+      ['/auth', { code, redirect_uri: REDIRECT_URI, code_verifier: VERIFIER, client_secret: 'a-secret' }],
+      ['/revoke', { token: 'not-a-token', client_secret: 'a-secret' }],
+    ]
+    for (const [path, fields] of cases) {
+      const response = await post(`${latch.base}${path}`, fields)
+      await assertError(response, 401, 'invalid_client')
+      assert.equal(response.headers.get('www-authenticate'), `Basic realm="${latch.issuer}"`, path)
+    }
+    // nothing was redeemed, and an empty secret, as some libraries send for a public client, is none
+    await tokensOf(await exchange(latch.base, code, { client_secret: '' }))
+  })
+
   it('takes a client_id that was not form-encoded: a URL whose own colons come before the empty password', async () => {
     const code = await obtainCode(latch.base, { scope: 'create' })
     const raw = { Authorization: `Basic ${Buffer.from(`${CLIENT_ID}:`).toString('base64')}` }
