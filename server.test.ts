@@ -1204,8 +1204,16 @@ describe('GET /auth (IndieAuth §5.2)', () => {
     assert.notEqual(second.request, first.request)
   })
 
-  it('treats a missing response_type and code_challenge_method as code and S256', async () => {
-    await openConsent(latch, { response_type: undefined, code_challenge_method: undefined })
+  it('treats a missing code_challenge_method as S256, and a missing response_type as id: the profile only', async () => {
+    await openConsent(latch, { code_challenge_method: undefined })
+    // IndieAuth's older clients left it out to sign in; a scope does not make that a request for tokens
+    const consent = await openConsent(latch, { response_type: undefined, scope: 'create' })
+    assert.doesNotMatch(consent.html, /name="scope"/)
+    const response = await submitConsent(latch, consent)
+    const code = new URL(response.headers.get('location') ?? '').searchParams.get('code') ?? ''
+    await assertError(await exchange(latch, code), 400, 'invalid_grant')
+    const redeemed = await post(`${latch.base}/auth`, form({ code, code_verifier: VERIFIER }))
+    assert.deepEqual(await redeemed.json(), { me: `${latch.issuer}/` })
   })
 
   it('escapes what the client sent when showing it', async () => {

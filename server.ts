@@ -1134,7 +1134,8 @@ function buildPendingRequest(
     if (name !== 'resource' && values.filter((value) => value !== '').length > 1)
       throw new OAuthError('invalid_request', `Parameter ${name} was sent more than once`)
   }
-  const responseType = getParam(query, 'response_type') ?? 'code' // older clients omit it
+  // IndieAuth's older clients left it out to sign someone in, meaning `id`; OAuth requires it
+  const responseType = getParam(query, 'response_type') ?? 'id'
   if (responseType !== 'code' && responseType !== 'id')
     throw new OAuthError('unsupported_response_type', 'response_type must be code (or id, for the profile only)')
   // The code goes back in the query (RFC 6749 §4.1.2), the one mode the metadata lists: a client
