@@ -5626,6 +5626,8 @@ const MAX_OPEN_ELEMENTS = 256
  * Where the text of an element whose text holds no markup ends: its end tag, in upper or lower
  * case, its name followed by a space, `/` or `>`. A `<link>` written in a `<textarea>`, a
  * `<title>` or a `<noscript>` (read by a browser that runs scripts) is text, as in a browser.
+ * The scanner knows no SVG, whose `<title>` holds markup, nor a script's `<!--<script>`, which
+ * a browser ends only at a second `</script>`: there it reads other links than a browser.
  */
 const RAW_TEXT_ENDS: Record<string, RegExp> = Object.fromEntries(
   ['script', 'style', 'title', 'textarea', 'xmp', 'iframe', 'noembed', 'noframes', 'noscript'].map((name) => [
@@ -5673,10 +5675,10 @@ export function scanHtml(html: string): HtmlElement[] {
       at = lt + 1
       continue
     }
-    const gt = findTagEnd(html, tagName.lastIndex)
-    if (gt === -1) break // no tag can end after this point
-    at = gt + 1
-    const name = named[0].replace('/', '').toLowerCase()
+    const tag = readTag(html, tagName.lastIndex)
+    if (tag === undefined) break // no tag can end after this point
+    at = tag.end + 1
+    const name = asciiLowerCase(named[0].replace('/', '')) // as HTML does: `linK` (a Kelvin sign) is no link
     if (named[0].startsWith('/')) {
       closingTags++
       if ((openByName.get(name) ?? 0) === 0) continue // nothing to close: no search
@@ -5688,10 +5690,9 @@ export function scanHtml(html: string): HtmlElement[] {
       }
       continue
     }
-    const attributes = html.slice(tagName.lastIndex, gt)
     elements.push({
       name,
-      attributes: readAttributes(attributes),
+      attributes: tag.attributes,
       textStart: at,
       textEnd: at,
       end: elements.length + 1,
@@ -5703,7 +5704,7 @@ export function scanHtml(html: string): HtmlElement[] {
       close.lastIndex = at
       at = close.exec(html)?.index ?? html.length
       elements[elements.length - 1].textEnd = at
-    } else if (!VOID_ELEMENTS.has(name) && !attributes.endsWith('/') && open.length < MAX_OPEN_ELEMENTS) {
+    } else if (!VOID_ELEMENTS.has(name) && !tag.selfClosing && open.length < MAX_OPEN_ELEMENTS) {
       open.push(elements.length - 1)
       openByName.set(name, (openByName.get(name) ?? 0) + 1)
     }
@@ -5715,20 +5716,57 @@ export function scanHtml(html: string): HtmlElement[] {
   return elements
 }
 
-/** The index of the `>` that ends a tag, outside quoted attribute values, or -1. */
-function findTagEnd(html: string, from: number): number {
-  let quote = ''
-  for (let i = from; i < html.length; i++) {
-    const char = html[i]
-    if (quote !== '') {
-      if (char === quote) quote = ''
-    } else if (char === '"' || char === "'") {
-      quote = char
-    } else if (char === '>') {
-      return i
+/**
+ * Reads a tag from just past its name to its `>`, as HTML's tokenizer does: an attribute's name
+ * runs to a space, `/`, `>` or `=` (a quote in it is part of it, and so is an `=` it starts
+ * with), and only a value may be quoted. Returns where the tag ends, the attributes discovery
+ * reads, and whether a `/` came right before the `>`; undefined for a tag the page never ends.
+ * @see https://html.spec.whatwg.org/multipage/parsing.html#before-attribute-name-state
+ */
+function readTag(
+  html: string,
+  from: number,
+): { end: number; attributes: Record<string, string>; selfClosing: boolean } | undefined {
+  const attributes: Record<string, string> = {}
+  let selfClosing = false
+  let at = from
+  for (;;) {
+    // between attributes: spaces, and any `/` (one right before the `>` makes the tag self-closing)
+    for (; at < html.length && (isHtmlSpace(html[at]) || html[at] === '/'); at++) selfClosing = html[at] === '/'
+    if (at === html.length) return undefined
+    if (html[at] === '>') return { end: at, attributes, selfClosing }
+    selfClosing = false
+    const nameStart = at++
+    while (at < html.length && !isHtmlSpace(html[at]) && html[at] !== '/' && html[at] !== '>' && html[at] !== '=') at++
+    const name = asciiLowerCase(html.slice(nameStart, at))
+    let equals = at
+    while (equals < html.length && isHtmlSpace(html[equals])) equals++
+    if (html[equals] !== '=') continue // an attribute without a value
+    for (at = equals + 1; at < html.length && isHtmlSpace(html[at]);) at++
+    let value: string
+    const quote = html[at]
+    if (quote === '"' || quote === "'") {
+      const close = html.indexOf(quote, at + 1)
+      if (close === -1) return undefined
+      value = html.slice(at + 1, close)
+      at = close + 1
+    } else {
+      const valueStart = at
+      while (at < html.length && !isHtmlSpace(html[at]) && html[at] !== '>') at++
+      value = html.slice(valueStart, at)
     }
+    if (READ_ATTRIBUTES.has(name) && !Object.hasOwn(attributes, name)) attributes[name] = decodeEntities(value)
   }
-  return -1
+}
+
+/** HTML's white space: not Unicode's, so a no-break space is part of a name or a value. */
+function isHtmlSpace(char: string): boolean {
+  return char === ' ' || char === '\n' || char === '\t' || char === '\f' || char === '\r'
+}
+
+/** Lower case for ASCII letters only, as HTML folds names: `K` (Kelvin) is not `k`. */
+function asciiLowerCase(text: string): string {
+  return text.replace(/[A-Z]+/g, (letters) => letters.toLowerCase())
 }
 
 /**
@@ -5743,17 +5781,6 @@ function elementText(html: string, element: HtmlElement): string {
 
 /** The attributes discovery reads; the rest are passed over, so a tag of many costs little. */
 const READ_ATTRIBUTES = new Set(['class', 'rel', 'href', 'src'])
-
-function readAttributes(text: string): Record<string, string> {
-  const attributes: Record<string, string> = {}
-  const attribute = /([^\s"'=<>\/]+)(?:\s*=\s*(?:"([^"]*)"|'([^']*)'|([^\s"'>]+)))?/g
-  for (let match = attribute.exec(text); match !== null; match = attribute.exec(text)) {
-    const name = match[1].toLowerCase()
-    if (READ_ATTRIBUTES.has(name) && !Object.hasOwn(attributes, name))
-      attributes[name] = decodeEntities(match[2] ?? match[3] ?? match[4] ?? '')
-  }
-  return attributes
-}
 
 function htmlText(html: string): string {
   return decodeEntities(html.replace(HTML_COMMENTS, ' ').replace(/<[^<>]*>/g, ' '))
@@ -5776,8 +5803,7 @@ function decodeEntities(text: string): string {
 }
 
 function hasToken(list: string | undefined, token: string): boolean {
-  return (list ?? '')
-    .toLowerCase()
+  return asciiLowerCase(list ?? '')
     .split(/[\t\n\f\r ]+/)
     .includes(token) // HTML's spaces, not Unicode's
 }

@@ -1037,6 +1037,8 @@ describe('Discovery parsers and address rules', () => {
       `<!--!> ${link('/bang-inside')} --><title></titlex>${link('/title-prefix')}</title>`, // neither ends there
       `<xmp>${link('/xmp')}</xmp><noscript>${link('/noscript')}</noscript><iframe>${link('/iframe')}</iframe>`,
       `<link:x rel=redirect_uri href=/namespaced><link rel="x\u00a0redirect_uri" href=/nbsp>`, // not a link, not the rel
+      `<lin\u212a rel=redirect_uri href=/kelvin><link rel=redirect_uri\u00a0href=/nbsp-between>`, // K is no k
+      `<div a"b c='x">' ${link('/quote-in-name')} '><link =rel=redirect_uri href=/equals-first>`,
       `${link('/last')}<plaintext>${link('/plaintext')}`,
     ]
     assert.deepEqual(readClientPage(text.join(''), 'https://a.example/').redirectUris, ['https://a.example/last'])
