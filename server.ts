@@ -3572,9 +3572,11 @@ export async function readForm(req: IncomingMessage): Promise<Params> {
 }
 
 /**
- * Charsets in which ASCII means what it means in UTF-8, under the names clients send (IANA's and
- * the WHATWG Encoding Standard's labels of ASCII, ISO 8859, KOI8 and the Windows code pages): a
- * form in one of them that is plain ASCII is read.
+ * Charsets in which ASCII means what it means in UTF-8, under the names clients send: the common
+ * labels (IANA's and the WHATWG Encoding Standard's) of ASCII, ISO 8859, KOI8 and the Windows
+ * code pages. A form in one of them that is plain ASCII is read. The pattern also takes a few
+ * spellings no registry lists (`iso8859_1`), and leaves out rarer labels (`iso-ir-101`, `greek`),
+ * whose forms are refused as not UTF-8.
  */
 const ASCII_CHARSETS = new RegExp(
   '^(us-ascii|ascii|us|csascii|cp367|ibm367|iso-ir-6|iso646-us|ansi_x3\\.4-19(68|86)' + // ASCII
@@ -4121,10 +4123,11 @@ function renderPasswordField(message: string | undefined, autofocus = true): str
 // --- Cookies --------------------------------------------------------------------
 // Two cookies, both HttpOnly and SameSite=Lax, and Secure on an https issuer: the browser's CSRF
 // value, and the owner's session. Both are Priority=High, which Chromium keeps when a page
-// elsewhere on the host floods it with ordinary cookies past its 180 a host. On https both take
-// the `__Host-` prefix, which binds them to this host and the path `/`. Cookies ignore ports,
-// though: a page on another port of the same host can set a cookie of the same name, and its
-// form posts count as same-site. So the hidden `csrf` field of a signed-in owner's forms is not
+// elsewhere on the site (another port, or a sibling host of the same registrable domain) floods
+// it with ordinary cookies past the 180 it keeps for a site. On https both take the `__Host-`
+// prefix, which binds them to this host and the path `/`. Cookies ignore ports, though: a page
+// on another port of the same host can set a cookie of the same name, and its form posts count
+// as same-site. So the hidden `csrf` field of a signed-in owner's forms is not
 // the cookie's value but a token derived from the session cookie, which no page can read
 // (HttpOnly) nor derive without it; forms of someone not signed in carry the CSRF cookie's value
 // (double submit), and approve only with the password or a passkey.
