@@ -5348,11 +5348,13 @@ const HTML_COMMENTS = /<!--(>|->|[^]*?(--!?>|$))/g
 /**
  * An HTML page's text in the encoding it names, much as a browser finds it: a byte order mark,
  * then the Content-Type's charset, then the first `<meta>` charset in the first 1,024 bytes
- * (outside comments) that names an encoding; UTF-8 if none does, or TextDecoder here cannot
- * decode it (ISO-2022-KR, which a browser shows as nothing, for one). The browser's pre-scan is
- * shortened: a `<meta>` written in an attribute's value, or a `content` charset without
- * `http-equiv`, is taken too. So a page can be read in another encoding than a browser reads it
- * in, and show another name or publish other redirect URIs; it is the app's own page either way.
+ * (outside comments) that names an encoding: its `charset`, or the `content` of one that is
+ * `http-equiv="Content-Type"`. UTF-8 if none does, or TextDecoder here cannot decode it
+ * (ISO-2022-KR, which a browser shows as nothing, for one). The browser's pre-scan is shortened:
+ * a `<meta>` written in another tag's attribute value is taken too, and one past the first 1,024
+ * bytes (a browser may look further) is not. So a page can be read in another encoding than a
+ * browser reads it in, and show another name or publish other redirect URIs; it is the app's
+ * own page either way.
  * @see https://html.spec.whatwg.org/multipage/parsing.html#determining-the-character-encoding
  */
 function decodePage(body: Buffer, contentType: string): string {
@@ -5360,9 +5362,14 @@ function decodePage(body: Buffer, contentType: string): string {
   const sent = decoderOf(bom ?? parametersOf(contentType).get('charset'))
   if (sent !== undefined) return decode(sent, body)
   const head = body.subarray(0, 1024).toString('latin1').replace(HTML_COMMENTS, '')
-  for (const [tag] of head.matchAll(/<meta[\s/][^>]*>/gi)) {
-    const label = /[\s/;"']charset\s*=\s*["']?([\w.:-]+)/i.exec(tag)?.[1]
-    const decoder = decoderOf(label?.toLowerCase() === 'x-user-defined' ? 'windows-1252' : label)
+  for (const meta of head.matchAll(/<meta[\t\n\f\r /]/gi)) {
+    const tag = readTag(head, meta.index + 5, META_ATTRIBUTES)
+    if (tag === undefined) break
+    const { charset, content } = tag.attributes
+    // a `content` charset counts only in a <meta http-equiv="Content-Type">
+    const pragma = asciiLowerCase(tag.attributes['http-equiv'] ?? '') === 'content-type'
+    const label = charset ?? (pragma ? /charset\s*=\s*["']?([^\s"';]+)/i.exec(content ?? '')?.[1] : undefined)
+    const decoder = decoderOf(label?.trim().toLowerCase() === 'x-user-defined' ? 'windows-1252' : label?.trim())
     if (decoder === undefined) continue
     // one naming UTF-16 (or ucs-2, unicode…), which its own bytes cannot be, means UTF-8
     return decoder.encoding.startsWith('utf-16') ? body.toString('utf8') : decode(decoder, body)
@@ -5385,6 +5392,9 @@ function decode(decoder: TextDecoder, body: Buffer): string {
 const WINDOWS_1252_HIGH =
   '\u20ac\x81\u201a\u0192\u201e\u2026\u2020\u2021\u02c6\u2030\u0160\u2039\u0152\x8d\u017d\x8f' +
   '\x90\u2018\u2019\u201c\u201d\u2022\u2013\u2014\u02dc\u2122\u0161\u203a\u0153\x9d\u017e\u0178'
+
+/** What a `<meta>` may name its page's encoding with. */
+const META_ATTRIBUTES = new Set(['charset', 'http-equiv', 'content'])
 
 /** A decoder for an encoding's label; undefined for no label, or one TextDecoder here cannot decode. */
 function decoderOf(label: string | undefined): TextDecoder | undefined {
@@ -5722,13 +5732,14 @@ export function scanHtml(html: string): HtmlElement[] {
 /**
  * Reads a tag from just past its name to its `>`, as HTML's tokenizer does: an attribute's name
  * runs to a space, `/`, `>` or `=` (a quote in it is part of it, and so is an `=` it starts
- * with), and only a value may be quoted. Returns where the tag ends, the attributes discovery
- * reads, and whether a `/` came right before the `>`; undefined for a tag the page never ends.
+ * with), and only a value may be quoted. Returns where the tag ends, the attributes asked for
+ * (by default those discovery reads; the first of a name counts), and whether a `/` came right before the `>`; undefined for a tag the page never ends.
  * @see https://html.spec.whatwg.org/multipage/parsing.html#before-attribute-name-state
  */
 function readTag(
   html: string,
   from: number,
+  read = READ_ATTRIBUTES,
 ): { end: number; attributes: Record<string, string>; selfClosing: boolean } | undefined {
   const attributes: Record<string, string> = {}
   let selfClosing = false
@@ -5758,7 +5769,7 @@ function readTag(
       while (at < html.length && !isHtmlSpace(html[at]) && html[at] !== '>') at++
       value = html.slice(valueStart, at)
     }
-    if (READ_ATTRIBUTES.has(name) && !Object.hasOwn(attributes, name)) attributes[name] = decodeEntities(value)
+    if (read.has(name) && !Object.hasOwn(attributes, name)) attributes[name] = decodeEntities(value)
   }
 }
 

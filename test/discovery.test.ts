@@ -160,6 +160,8 @@ function site(req: IncomingMessage, res: ServerResponse): void {
         '/commented': ['text/html', '<!-- <meta charset="windows-1251"> --><meta charset="utf-8">'],
         '/ucs-2': ['text/html', '<meta charset="ucs-2">'],
         '/quoted': ['text/html; profile="; charset=utf-16"', ''],
+        '/named': ['text/html', '<meta name="charset=windows-1251" x=\'charset=koi8-r\'>'], // no charset attribute
+        '/no-pragma': ['text/html', '<meta content="text/html; charset=windows-1251">'], // no http-equiv
       }[req.url ?? ''] ?? ['text/plain', '']
       res.writeHead(200, { 'Content-Type': contentType })
       return void res.end(`${page}<div class="h-app"><span class="p-name">Caf\u00e9 App</span></div>`)
@@ -171,6 +173,8 @@ function site(req: IncomingMessage, res: ServerResponse): void {
         '/first-of-two': ['text/html; charset=iso-8859-1; charset=utf-8', ''],
         '/open-quote': ['text/html; charset="iso-8859-1', ''],
         '/short-comment': ['text/html', '<!--><meta/charset="iso-8859-1"><!--->'],
+        '/spaced': ['text/html', '<meta charset=" iso-8859-1 ">'],
+        '/pragma': ['text/html', '<meta http-equiv=Content-Type content="text/html;charset=iso-8859-1">'],
       }[req.url ?? ''] ?? ['text/plain', '']
       res.writeHead(200, { 'Content-Type': contentType })
       return void res.end(
@@ -544,7 +548,9 @@ describe('Client discovery (IndieAuth §4.2)', () => {
       ['charsets.example/commented', 'Caf\u00e9 App'],
       ['charsets.example/ucs-2', 'Caf\u00e9 App'],
       ['charsets.example/quoted', 'Caf\u00e9 App'],
-      ...['unknown-first', 'first-of-two', 'open-quote', 'short-comment'].map((path) => [
+      ['charsets.example/named', 'Caf\u00e9 App'],
+      ['charsets.example/no-pragma', 'Caf\u00e9 App'],
+      ...['unknown-first', 'first-of-two', 'open-quote', 'short-comment', 'spaced', 'pragma'].map((path) => [
         `latin1s.example/${path}`,
         'Caf\u00e9 App',
       ]),
