@@ -4229,6 +4229,26 @@ describe('Router and errors', () => {
     await assertError(await fetch(`${latch.base}/nope`), 404, 'not_found')
   })
 
+  it("has the README's table of endpoints as its route table: the same rows, columns and order", async () => {
+    const { readFile } = await import('node:fs/promises')
+    const root = fileURLToPath(new URL('.', import.meta.url))
+    const source = await readFile(join(root, 'server.ts'), 'utf8')
+    const table = /const ROUTES: Route\[\] = \[\n([^]*?)\n\]/.exec(source)?.[1] ?? ''
+    const routes = [...table.matchAll(/route\('([^']+)', +'([^']+)', +\w+, +'(\w+)', +'(\w*)', +'([^']*)'\)/g)].map(
+      ([, path, methods, errors, cors, spec]) => [methods, path, errors, cors === 'CORS', spec],
+    )
+    assert.equal(routes.length, table.split('\n').length) // every row was read
+    const readme = await readFile(join(root, 'README.md'), 'utf8')
+    const section = readme.slice(readme.indexOf('## Endpoints'), readme.indexOf('\nErrors are'))
+    const rows = [...section.matchAll(/^\| (`[^|]+`) \| [^\n]*? \| (page|JSON) \| (yes)? *\| *([^|]*?) *\|$/gm)].map(
+      ([, target, errors, cors, spec]) => {
+        const words = target.replaceAll('`', '').replaceAll(',', '').split(' ')
+        return [words.slice(0, -1).join(' '), words.at(-1), errors.toLowerCase(), cors === 'yes', spec]
+      },
+    )
+    assert.deepEqual(rows, routes)
+  })
+
   it('answers a known path with another method with 405 and Allow', async () => {
     const response = await fetch(`${latch.base}/introspect`)
     await assertError(response, 405, 'method_not_allowed')

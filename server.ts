@@ -3063,7 +3063,7 @@ type Route = { path: string; methods: string[]; handler: Handler; errors: 'page'
 
 /**
  * Every endpoint of Latch, in the order a client meets them. The router reads nothing else, and
- * the README's table of endpoints is this one. Every `GET` answers `HEAD` too (RFC 9110 §9.3.2):
+ * the README's table of endpoints is this one (a test holds the two together). Every `GET` answers `HEAD` too (RFC 9110 §9.3.2):
  * node:http then sends the headers without the body.
  */
 // prettier-ignore
