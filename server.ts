@@ -1646,10 +1646,9 @@ function readPublicClient(req: IncomingMessage, form: Params, config: Config): v
   if (req.headers.authorization === undefined) return // the usual case
   // no ` *` after the credentials: node:http trims a header's trailing spaces already, and with
   // it, a run of spaces before a wrong character took time growing with its square
-  const match = /^Basic +([A-Za-z0-9+/]*={0,2})$/i.exec(req.headers.authorization ?? '')
+  const match = /^Basic +([A-Za-z0-9+/]*={0,2})$/i.exec(req.headers.authorization)
   if (match === null) {
-    if (/^Basic\b/i.test(req.headers.authorization ?? ''))
-      throw basicRefused('The Basic credentials are malformed', config)
+    if (/^Basic\b/i.test(req.headers.authorization)) throw basicRefused('The Basic credentials are malformed', config)
     return
   }
   const credentials = Buffer.from(match[1], 'base64').toString('utf8')
@@ -2671,7 +2670,7 @@ function passkeysForHere(passkeys: [string, Passkey][], config: Config): [string
 }
 
 /** Whether a passkey works on a host: only on the one it was made for (one stored before Latch noted it, anywhere). */
-function madeFor(passkey: Passkey, rpId: string | undefined): boolean {
+function madeFor(passkey: Passkey, rpId: string): boolean {
   return passkey.rpId === undefined || passkey.rpId === rpId
 }
 
@@ -3771,7 +3770,7 @@ function writeAnswer(res: ServerResponse, status: number, headers: OutgoingHttpH
 function sendJsonError(res: ServerResponse, err: OAuthError): void {
   const error = err.error === NO_ERROR_CODE ? undefined : err.error
   // a browser app may read a challenge, or when to try again, only once told it may
-  const exposed = Object.keys(err.headers ?? {}).filter((name) => name === 'WWW-Authenticate' || name === 'Retry-After')
+  const exposed = Object.keys(err.headers).filter((name) => name === 'WWW-Authenticate' || name === 'Retry-After')
   const cors = exposed.length > 0 && (res as MarkedResponse)[CORS] === true
   const headers = cors ? { ...err.headers, 'Access-Control-Expose-Headers': exposed.join(', ') } : err.headers
   sendJson(res, err.status, { error, error_description: err.message }, headers)
@@ -4547,8 +4546,7 @@ function parsePasswordHash(value: string): PasswordHash | undefined {
   const match = /^scrypt:ln=(\d+),r=(\d+),p=(\d+):([A-Za-z0-9_-]{16,}):([A-Za-z0-9_-]{43})$/.exec(value)
   if (match === null) return undefined
   const [ln, r, p] = [Number(match[1]), Number(match[2]), Number(match[3])]
-  if (ln < 10 || ln > 20 || r < 8 || r > 16 || p < 1 || p > 4 || 128 * 2 ** ln * r * p > MAX_SCRYPT_BYTES)
-    return undefined
+  if (ln < 10 || r < 8 || r > 16 || p < 1 || p > 4 || 128 * 2 ** ln * r * p > MAX_SCRYPT_BYTES) return undefined
   return { ln, r, p, salt: Buffer.from(match[4], 'base64url'), hash: Buffer.from(match[5], 'base64url') }
 }
 
