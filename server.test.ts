@@ -496,7 +496,7 @@ describe('Configuration', () => {
   })
 })
 
-// --- Pure helpers -------------------------------------------------------------------
+// --- Small helpers ------------------------------------------------------------------
 
 describe('Form parser', () => {
   it('decodes + as a space and %XX as UTF-8 bytes', () => {

@@ -384,7 +384,7 @@ type Context = {
    */
   steadyNow: () => number
   log: (line: string) => void
-  passwordAttempts: { byAddress: Map<string, PasswordAttempts>; total: PasswordAttempts }
+  signInAttempts: { byAddress: Map<string, PasswordAttempts>; total: PasswordAttempts }
   passwordSlots: PasswordSlots
   clientFetch: ClientFetchOptions
   /** Client information by client_id, kept as long as its Cache-Control allows. */
@@ -494,7 +494,7 @@ const NOT_STORED = new OAuthError(
   { status: 503 },
 )
 
-// --- Pure helpers ---------------------------------------------------------------
+// --- Small helpers --------------------------------------------------------------
 
 /** Base64url without padding (RFC 4648 §5), the encoding of codes, tokens and PKCE. */
 export function base64url(bytes: Buffer): string {
@@ -853,7 +853,8 @@ const SCOPE_DESCRIPTIONS: Record<string, string> = {
 }
 
 const PENDING_TTL_SECONDS = 600
-const SUPPORTED_SCOPES = Object.keys(SCOPE_DESCRIPTIONS)
+/** The scopes the metadata lists: those the consent page describes. Others may be asked for too. */
+const DESCRIBED_SCOPES = Object.keys(SCOPE_DESCRIPTIONS)
 
 /**
  * How long an app's access may last, as the consent page offers it: the grant ends then, and
@@ -894,7 +895,7 @@ export function buildMetadata(config: Config): Record<string, unknown> {
     revocation_endpoint: endpointUrl(config, '/revoke'),
     revocation_endpoint_auth_methods_supported: ['none'],
     userinfo_endpoint: endpointUrl(config, '/userinfo'),
-    scopes_supported: SUPPORTED_SCOPES,
+    scopes_supported: DESCRIBED_SCOPES,
     response_types_supported: ['code'],
     response_modes_supported: ['query'],
     grant_types_supported: ['authorization_code', 'refresh_token'],
@@ -1164,7 +1165,7 @@ function buildPendingRequest(
     throw new OAuthError('invalid_scope', `The request asks for more than ${MAX_SCOPES} scopes`)
   if (scope.some((one) => one.length > MAX_SCOPE_LENGTH))
     throw new OAuthError('invalid_scope', `A scope is longer than ${MAX_SCOPE_LENGTH} characters`)
-  const resource = profileOnly ? [] : requireResources(query)
+  const resource = profileOnly ? [] : readResources(query)
   return {
     ...client,
     redirect_uri: detached(client.redirect_uri),
@@ -1191,7 +1192,7 @@ const MAX_RESOURCES = 10
  * names the server it wants a token for; an IndieAuth client names none.
  * @see https://www.rfc-editor.org/rfc/rfc8707#section-2
  */
-function requireResources(params: Params): string[] {
+function readResources(params: Params): string[] {
   const sent = params.get('resource')
   if (sent === undefined) return [] // an IndieAuth request
   const resources = [...new Set(sent)].filter((resource) => resource !== '')
@@ -1274,19 +1275,19 @@ function renderConsentPage(
       ? '<p>It asks for no access beyond your identity.</p>'
       : `${services}${fieldset}${renderLifetimeChoice(config, form.chosen?.lifetime ?? UNTIL_REVOKED)}`
   const apps = `<a href="${escapeHtml(endpointUrl(config, '/apps'))}">your apps</a>`
-  const signedIn =
+  const signedInNote =
     config.passwordHash === undefined
       ? `<p class="muted">See ${apps}.</p>`
       : `<p class="muted">You are signed in. See ${apps}.</p>`
-  const byPassword = form.signedIn || config.passwordSignIn
-  const password = form.signedIn
-    ? signedIn
+  const approvable = form.signedIn || config.passwordSignIn
+  const signInPart = form.signedIn
+    ? signedInNote
     : config.passwordSignIn
       ? renderPasswordField(form.message)
       : renderPasskeysOnly(form.message, '')
   // it signs in and approves at once, so it says so
   const passkey = form.passkeys ? renderPasskeyButton(config, 'Approve with a passkey', 'sign-in', true) : ''
-  const approve = byPassword ? '<button class="primary" name="decision" value="approve">Approve</button>\n' : ''
+  const approve = approvable ? '<button class="primary" name="decision" value="approve">Approve</button>\n' : ''
   const hint =
     request.meHint !== undefined && request.meHint !== config.me
       ? `<p class="muted">The app expected <code>${isolate(request.meHint)}</code>.</p>`
@@ -1305,7 +1306,7 @@ ${open}
 <input type="hidden" name="request" value="${escapeHtml(form.id)}">
 <input type="hidden" name="csrf" value="${escapeHtml(form.csrf)}">
 ${access}
-${password}
+${signInPart}
 <div class="actions">
 ${approve}${passkey}<button name="decision" value="deny" formnovalidate>Deny</button>
 </div>
@@ -1340,7 +1341,7 @@ function lifetimeChoices(config: Config): [string, number][] {
  * The lifetime chosen on the consent page: one of those offered, in seconds, or `UNTIL_REVOKED`,
  * which is also what a form that sends none gets.
  */
-function requireLifetime(value: string | undefined, config: Config): number {
+function readLifetime(value: string | undefined, config: Config): number {
   if (value === undefined) return UNTIL_REVOKED
   const choice = lifetimeChoices(config).find(([, seconds]) => String(seconds) === value)
   if (choice === undefined) throw new OAuthError('invalid_request', 'Choose one of the offered token lifetimes')
@@ -1379,7 +1380,7 @@ async function handleConsent(req: IncomingMessage, res: ServerResponse, ctx: Con
   }
   const decision = getParam(form, 'decision')
   if (decision !== 'approve' && decision !== 'deny') throw new OAuthError('invalid_request', 'Choose Approve or Deny')
-  const lifetime = requireLifetime(getParam(form, 'lifetime'), ctx.config)
+  const lifetime = readLifetime(getParam(form, 'lifetime'), ctx.config)
   const granted = request.scope.filter((scope) => (form.get('scope') ?? []).includes(scope))
   const headers: Record<string, string> = {}
   if (decision === 'approve' && !visitor.signedIn) {
@@ -1470,7 +1471,7 @@ const MAX_ANSWERS_REMEMBERED = 100
 /** Issues a code bound to the request, the granted scopes and the chosen lifetime, and returns its value. */
 async function issueCode(
   request: PendingRequest,
-  grant: { scope: string[]; resource: string[]; lifetime: number },
+  chosen: { scope: string[]; resource: string[]; lifetime: number },
   ctx: Context,
 ): Promise<string> {
   const code = createSecret()
@@ -1482,11 +1483,11 @@ async function issueCode(
       client_name: request.client_name,
       redirect_uri: request.redirect_uri,
       code_challenge: request.code_challenge,
-      scope: grant.scope,
-      resource: grant.resource,
+      scope: chosen.scope,
+      resource: chosen.resource,
       me: ctx.config.me,
-      accessTokenTtlSeconds: grant.lifetime === UNTIL_REVOKED ? ctx.config.accessTokenTtlSeconds : grant.lifetime,
-      approvedForSeconds: grant.lifetime === UNTIL_REVOKED ? undefined : grant.lifetime,
+      accessTokenTtlSeconds: chosen.lifetime === UNTIL_REVOKED ? ctx.config.accessTokenTtlSeconds : chosen.lifetime,
+      approvedForSeconds: chosen.lifetime === UNTIL_REVOKED ? undefined : chosen.lifetime,
       issuedAt: now,
       expiresAt: now + ctx.config.codeTtlSeconds * 1000,
       usedAt: undefined,
@@ -1807,7 +1808,7 @@ function narrowScope(requested: string | undefined, granted: string[]): string[]
  * @see https://www.rfc-editor.org/rfc/rfc8707#section-2.2 RFC 8707 §2.2
  */
 function narrowResource(form: Params, granted: string[]): string[] {
-  const requested = requireResources(form)
+  const requested = readResources(form)
   if (requested.length === 0) return granted
   if (requested.some((resource) => !granted.includes(resource))) {
     throw new OAuthError('invalid_target', 'The resource was not among those the owner approved for this app')
@@ -2336,14 +2337,14 @@ async function handleScriptToken(req: IncomingMessage, res: ServerResponse, ctx:
   const form = await readForm(req)
   await requireOwner(form, req, ctx)
   const given = getParam(form, 'name') ?? ''
-  const name = given.length > MAX_TOKEN_NAME_LENGTH ? undefined : cleanName(given)
+  const name = given.length > MAX_NAME_LENGTH ? undefined : cleanName(given)
   if (name === undefined)
-    throw new OAuthError('invalid_request', `Give the token a name of at most ${MAX_TOKEN_NAME_LENGTH} characters`)
+    throw new OAuthError('invalid_request', `Give the token a name of at most ${MAX_NAME_LENGTH} characters`)
   const scope = parseScope(getParam(form, 'scope'))
   if (scope.length === 0 || scope.length > MAX_SCOPES || scope.some((one) => one.length > MAX_SCOPE_LENGTH))
     throw new OAuthError('invalid_scope', `Give the token from 1 to ${MAX_SCOPES} scopes, separated by spaces`)
-  const resource = requireResources(form)
-  const lifetime = requireLifetime(getParam(form, 'lifetime'), ctx.config)
+  const resource = readResources(form)
+  const lifetime = readLifetime(getParam(form, 'lifetime'), ctx.config)
   const now = ctx.now()
   // The form's own random value names the grant, so the same form sent twice (a reload, or Back
   // and again) makes one token, not a second one that no one saw. A grant revoked since is
@@ -2456,7 +2457,8 @@ shown only once. If you did not copy it, revoke it on ${apps} and make another.<
   sendPage(res, 409, renderPage('This token was made already', body))
 }
 
-const MAX_TOKEN_NAME_LENGTH = 100
+/** The longest name the owner may give a token for scripts or a passkey. */
+const MAX_NAME_LENGTH = 100
 
 /** The client_id of tokens made on /apps: the page they were made on. */
 function scriptClientId(config: Config): string {
@@ -2538,7 +2540,7 @@ async function handlePasskeyAddition(req: IncomingMessage, res: ServerResponse, 
   const late = !signedInWithin(RECENT_SIGN_IN_SECONDS + PASSKEY_CHALLENGE_SECONDS, visitor, ctx)
   if (late && relyingParty(ctx.config) !== undefined) return askToSignInAgain(req, res, visitor, ctx)
   const given = getParam(form, 'name') ?? ''
-  const name = (given.length > MAX_TOKEN_NAME_LENGTH ? undefined : cleanName(given)) ?? 'Passkey'
+  const name = (given.length > MAX_NAME_LENGTH ? undefined : cleanName(given)) ?? 'Passkey'
   if (getParam(form, 'client_data') === undefined) {
     // the form sent without the script, whose button makes the passkey: nothing a stranger did
     const notice = 'No passkey was added: press Add a passkey, in a browser that makes passkeys.'
@@ -2866,7 +2868,7 @@ ${renderSignInForm(config, csrf, {
 })}`
         : `<form method="post" action="${escapeHtml(endpointUrl(config, '/passkeys/add'))}">
 ${csrfField}
-<p><label>Name <input name="name" required maxlength="${MAX_TOKEN_NAME_LENGTH}" placeholder="Phone"></label></p>
+<p><label>Name <input name="name" required maxlength="${MAX_NAME_LENGTH}" placeholder="Phone"></label></p>
 <p class="muted" data-passkey-missing>To add one, open this page in a browser that makes passkeys.</p>
 <div class="actions">${renderPasskeyButton(config, 'Add a passkey', 'register')}</div>
 </form>`
@@ -2980,7 +2982,7 @@ function renderScriptTokenForm(config: Config, csrfField: string): string {
 <p class="muted">For a webhook, CI or a shell script that posts as you: no app, no sign-in.</p>
 <form method="post" action="${escapeHtml(endpointUrl(config, '/apps/tokens'))}">
 ${csrfField}<input type="hidden" name="once" value="${createSecret()}">
-<p><label>Name <input name="name" required maxlength="${MAX_TOKEN_NAME_LENGTH}" placeholder="Deploy notes"></label></p>
+<p><label>Name <input name="name" required maxlength="${MAX_NAME_LENGTH}" placeholder="Deploy notes"></label></p>
 <p><label>Scopes <input name="scope" required value="create" autocapitalize="none" spellcheck="false"></label></p>
 <p><label>For the service at (optional)
 <input name="resource" type="url" placeholder="https://example.com/mcp"></label></p>
@@ -3164,7 +3166,7 @@ export function createHandler(options: HandlerOptions): (req: IncomingMessage, r
     now,
     steadyNow: steadyClock(now),
     log,
-    passwordAttempts: { byAddress: new Map(), total: NO_ATTEMPTS },
+    signInAttempts: { byAddress: new Map(), total: NO_ATTEMPTS },
     passwordSlots: { running: 0, waiting: [] },
     clientFetch: options.clientFetch ?? {},
     clients: new Map(),
@@ -3189,7 +3191,9 @@ export function createHandler(options: HandlerOptions): (req: IncomingMessage, r
   const ownHosts = ownHostsOf(ctx.config)
   // the issuer's host and port, when on loopback: a page asked for under another loopback name is sent there
   const issuerUrl = new URL(ctx.config.issuer)
-  const issuerHost = LOOPBACK_HOSTS.has(issuerUrl.hostname.replace(/^\[(.*)\]$/, '$1')) ? issuerUrl.host : undefined
+  const loopbackIssuerHost = LOOPBACK_HOSTS.has(issuerUrl.hostname.replace(/^\[(.*)\]$/, '$1'))
+    ? issuerUrl.host
+    : undefined
   const mountedAt = mountPath(ctx.config)
   let lastOwnHost: string | undefined // the Host header that passed last time: nearly every request repeats it
   // cleared once said; without a password, such a request is refused (`refusalOf`) and says why itself
@@ -3227,8 +3231,8 @@ export function createHandler(options: HandlerOptions): (req: IncomingMessage, r
     const own = ownHosts === undefined || (host !== undefined && (host === lastOwnHost || isOwnHost(host, ownHosts)))
     if (own) lastOwnHost = host
     const refused = refusalOf(req, own, ctx.config.passwordHash === undefined)
-    if (refused === undefined && issuerHost !== undefined && host !== issuerHost && errors === 'page') {
-      const there = issuerAliasUrl(req, issuerHost, ctx.config)
+    if (refused === undefined && loopbackIssuerHost !== undefined && host !== loopbackIssuerHost && errors === 'page') {
+      const there = issuerAliasUrl(req, loopbackIssuerHost, ctx.config)
       if (there !== undefined) return redirect(res, 307, there)
     }
     const checked = refused === undefined ? handler(req, res, ctx) : Promise.reject(refused)
@@ -3241,12 +3245,12 @@ export function createHandler(options: HandlerOptions): (req: IncomingMessage, r
  * on its port: `http://127.0.0.1:3000/auth?…` for an issuer of `http://localhost:3000`. The page
  * would show, but its forms post to the issuer, where the browser holds other cookies, and they
  * would be refused (and a passkey works only under the issuer's name). Behind a proxy the Host
- * header may name anything, so only an issuer on loopback (`issuerHost`) is checked at all.
+ * header may name anything, so only an issuer on loopback (`loopbackIssuerHost`) is checked at all.
  */
-function issuerAliasUrl(req: IncomingMessage, issuerHost: string, config: Config): string | undefined {
+function issuerAliasUrl(req: IncomingMessage, loopbackIssuerHost: string, config: Config): string | undefined {
   if (req.method !== 'GET' && req.method !== 'HEAD') return undefined
   const [, name, port] = /^(.*?)(:\d*)?$/.exec((req.headers.host ?? '').toLowerCase()) ?? []
-  const [, issuerName, issuerPort] = /^(.*?)(:\d*)?$/.exec(issuerHost) ?? []
+  const [, issuerName, issuerPort] = /^(.*?)(:\d*)?$/.exec(loopbackIssuerHost) ?? []
   if (name === issuerName || port !== issuerPort || !LOOPBACK_HOSTS.has(name.replace(/^\[(.*)\]$/, '$1')))
     return undefined
   return endpointUrl(config, req.url ?? '/')
@@ -4419,7 +4423,7 @@ async function checkSignIn(
   const address = clientAddress(req, ctx.trustedProxies)
   const group = addressGroup(address) // an IPv6 /64 is one host's: its addresses share their tries
   const now = ctx.steadyNow()
-  const attempts = ctx.passwordAttempts
+  const attempts = ctx.signInAttempts
   const byPasskey = getParam(form, 'credential') !== undefined
   const password = getParam(form, 'password')
   const lockedUntil = Math.max(attempts.byAddress.get(group)?.lockedUntil ?? 0, attempts.total.lockedUntil)
@@ -5918,7 +5922,7 @@ export class MemoryStore implements Store {
 
   async savePending(id: string, request: PendingRequest, _now: number): Promise<void> {
     if (this.pending.size >= this.#maxPendingRequests) {
-      this.#forgetPending(this.#busiestOldest() ?? '')
+      this.#forgetPending(this.#oldestOfBusiest() ?? '')
       this.#countDrop(this.#maxPendingRequests, 'pending authorization requests')
     }
     this.#forgetPending(id)
@@ -5934,7 +5938,7 @@ export class MemoryStore implements Store {
    * proxy's, and the oldest of all goes, as before. It walks the addresses' counts, then the
    * requests up to the first of that address: most often the first of all.
    */
-  #busiestOldest(): string | undefined {
+  #oldestOfBusiest(): string | undefined {
     let busiest: string | undefined
     let most = 0
     for (const [openedBy, count] of this.#pendingBy) if (count > most) [busiest, most] = [openedBy, count]
