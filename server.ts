@@ -3064,8 +3064,8 @@ type Route = { path: string; methods: string[]; handler: Handler; errors: 'page'
 
 /**
  * Every endpoint of Latch, in the order a client meets them. The router reads nothing else, and
- * the README's table of endpoints is this one (a test holds the two together). Every `GET` answers `HEAD` too (RFC 9110 §9.3.2):
- * node:http then sends the headers without the body.
+ * the README's table of endpoints is this one (a test holds the two together). Every `GET`
+ * answers `HEAD` too (RFC 9110 §9.3.2): node:http then sends the headers without the body.
  */
 // prettier-ignore
 const ROUTES: Route[] = [
@@ -5735,7 +5735,8 @@ export function scanHtml(html: string): HtmlElement[] {
  * Reads a tag from just past its name to its `>`, as HTML's tokenizer does: an attribute's name
  * runs to a space, `/`, `>` or `=` (a quote in it is part of it, and so is an `=` it starts
  * with), and only a value may be quoted. Returns where the tag ends, the attributes asked for
- * (by default those discovery reads; the first of a name counts), and whether a `/` came right before the `>`; undefined for a tag the page never ends.
+ * (by default those discovery reads; the first of a name counts), and whether a `/` came right
+ * before the `>`; undefined for a tag the page never ends.
  * @see https://html.spec.whatwg.org/multipage/parsing.html#before-attribute-name-state
  */
 function readTag(
