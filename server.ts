@@ -24,10 +24,11 @@
  * Reading guide. The file has two parts. Part 1, "The protocol", is IndieAuth: the nouns and the
  * `Store` contract, errors, parameters, PKCE and identifiers, then the endpoints in the order a
  * client meets them (metadata, authorization, consent, redemption, token, introspection,
- * revocation), then the route table and `createHandler`. To learn IndieAuth, read to the end of
- * Part 1. Part 2, "What it leans on", is the machinery: HTTP and pages, sessions and sign-in
- * throttling, the owner's password and passkeys (WebAuthn), client fetching, the stores and the
- * journal, performance, configuration, `main()`.
+ * revocation, the Bearer endpoints, the home page), then the route table and `createHandler`.
+ * To learn IndieAuth, read to the end of Part 1. Part 2, "What it leans on", is the machinery:
+ * the log, HTTP and the server, pages, sessions and sign-in throttling, the owner's password and
+ * passkeys (WebAuthn), the owner's own pages, client fetching, the stores and the journal,
+ * performance, configuration, `main()`.
  *
  * @see https://indieauth.spec.indieweb.org/ IndieAuth Living Standard (2024-07-11)
  * @see https://www.rfc-editor.org/rfc/rfc6749 OAuth 2.0
@@ -43,7 +44,7 @@
 // they do (`readForm`, `sendJson`, `hashSecret`, `store.markCodeUsed`, ...).
 // =================================================================================================
 
-// --- Imports ------------------------------------------------------------------
+// --- Imports --------------------------------------------------------------------
 // node: modules only. Latch has no runtime dependencies.
 
 import { createServer, request as httpRequest } from 'node:http'
@@ -833,7 +834,7 @@ function isSameRedirect(published: string, requested: string): boolean {
   return a !== null && b !== null && a[1] === b[1] && (a[2] ?? '') === (b[2] ?? '')
 }
 
-// --- Configuration of the endpoints --------------------------------------------
+// --- Configuration of the endpoints ---------------------------------------------
 
 /** Words for the scopes people meet most, so the consent page can say what each one allows. */
 const SCOPE_DESCRIPTIONS: Record<string, string> = {
@@ -1033,96 +1034,6 @@ function stateOf(query: Params): string | undefined {
 }
 
 /**
- * What discovery knows of a client, or that it knows nothing. A client is fetched at most once
- * per Cache-Control lifetime; requests for the same client while it is being fetched share the
- * fetch; a failure is remembered for 30 seconds; and at most 8 fetches run at once, with 8 more
- * waiting, so that a flood of made-up clients costs a bounded amount of memory. One address
- * (the request's, as `CONNECTION_LIMITS` groups them; loopback is not counted) may have at most 2
- * of those under way, host-name lookups they left behind included, so that a stranger whose
- * pages or names never answer cannot hold every slot and keep other people's apps from being
- * looked up. Why a fetch failed goes to the log only: it can name addresses and ports of the
- * server's network.
- */
-async function findClient(clientId: string, req: IncomingMessage, ctx: Context): Promise<ClientLookup> {
-  const now = ctx.steadyNow()
-  const cached = ctx.clients.get(clientId)
-  if (cached !== undefined && cached.expiresAt > now) return { info: cached.info }
-  if (isLoopbackClient(clientId) || (ctx.failedClients.get(clientId) ?? 0) > now) return {}
-  let lookup = ctx.clientLookups.get(clientId)
-  if (lookup === undefined) {
-    const requester = CONNECTION_LIMITS.groupOf(clientAddress(req, ctx.trustedProxies))
-    const started = requester === undefined ? 0 : (ctx.lookupsBy.get(requester) ?? 0)
-    if (started >= MAX_LOOKUPS_BY_ONE) {
-      logEvent(
-        ctx,
-        'discovery',
-        `${clientId} was not fetched: ${requester} has ${started} apps being looked up already`,
-      )
-      return {}
-    }
-    if (requester !== undefined) ctx.lookupsBy.set(requester, started + 1)
-    const hostLookups: Promise<unknown>[] = []
-    lookup = fetchClient(clientId, ctx, hostLookups).finally(() => ctx.clientLookups.delete(clientId))
-    ctx.clientLookups.set(clientId, lookup)
-    // The requester's count lasts as long as its host-name lookups, which may go on long after
-    // the fetch gave up: else one address, trying again at each deadline, would hold all
-    // MAX_LOOKUPS_UNDERWAY of them.
-    if (requester !== undefined) {
-      void lookup
-        .then(() => Promise.allSettled(hostLookups))
-        .then(() => {
-          const left = (ctx.lookupsBy.get(requester) ?? 1) - 1
-          if (left === 0) ctx.lookupsBy.delete(requester)
-          else ctx.lookupsBy.set(requester, left)
-        })
-    }
-  }
-  return lookup
-}
-
-/** The lookups one address may have under way at once (see `findClient`). */
-const MAX_LOOKUPS_BY_ONE = 2
-
-async function fetchClient(clientId: string, ctx: Context, hostLookups: Promise<unknown>[]): Promise<ClientLookup> {
-  try {
-    const options = { allowPrivate: ctx.config.clientFetchPrivate, fetch: ctx.clientFetch, hostLookups }
-    const { info, maxAgeSeconds } = await withSlot(
-      ctx.clientFetchSlots,
-      CLIENT_FETCH_SLOTS,
-      () => new DiscoveryBusy('too many apps are being looked up at once'),
-      () => discoverClient(clientId, options),
-    )
-    ctx.clients.delete(clientId)
-    if (maxAgeSeconds > 0) {
-      if (ctx.clients.size >= MAX_CACHED_CLIENTS) ctx.clients.delete(ctx.clients.keys().next().value ?? '')
-      ctx.clients.set(clientId, { info, expiresAt: ctx.steadyNow() + maxAgeSeconds * 1000 })
-    }
-    return { info }
-  } catch (err) {
-    const failure = err instanceof Error ? err.message : String(err)
-    // An invalid Client ID Metadata Document refuses the request, and is not remembered: its
-    // author may fix it and try again at once (draft-ietf-oauth-client-id-metadata-document §5.2).
-    if (err instanceof InvalidClientDocument) return { refused: failure }
-    logEvent(ctx, 'discovery', `${clientId} could not be fetched: ${failure}`)
-    if (!(err instanceof DiscoveryBusy)) {
-      ctx.failedClients.delete(clientId)
-      if (ctx.failedClients.size >= MAX_REMEMBERED_FAILURES)
-        ctx.failedClients.delete(ctx.failedClients.keys().next().value ?? '')
-      ctx.failedClients.set(clientId, ctx.steadyNow() + FAILED_CLIENT_MEMORY_SECONDS * 1000)
-    }
-    return {}
-  }
-}
-
-/** Discovery refused for the server's own load, not the client's fault: not remembered as a failure. */
-class DiscoveryBusy extends Error {}
-
-const MAX_CACHED_CLIENTS = 100
-const MAX_REMEMBERED_FAILURES = 1_000
-const FAILED_CLIENT_MEMORY_SECONDS = 30
-const CLIENT_FETCH_SLOTS = { running: 8, waiting: 8 }
-
-/**
  * Checks the rest of the request, one rule per line. The client and its `redirect_uri` are known
  * good by now, so the first rule broken is sent back to the client (see the caller).
  */
@@ -1182,6 +1093,8 @@ function buildPendingRequest(
 // What a pending request may hold: with the 8 KiB request target, these keep the 1,000 pending
 // requests a store holds at once to a few megabytes, and the consent page to a few kilobytes.
 const MAX_STATE_LENGTH = 1_024
+/** The longest URL taken: a `me` hint, a redirect URI, a resource, and what a client's page publishes. */
+const MAX_URL_LENGTH = 2_048
 const MAX_SCOPES = 50
 const MAX_SCOPE_LENGTH = 100
 const MAX_RESOURCES = 10
@@ -1442,32 +1355,6 @@ async function handleConsent(req: IncomingMessage, res: ServerResponse, ctx: Con
   redirect(res, 303, buildRedirectUrl(request.redirect_uri, { code, state: request.state, iss }), headers)
 }
 
-/**
- * A button pressed twice (a double click) sends the form twice, and the browser shows the answer
- * to the second press, for a request the first one took: an error page, and the app never got its
- * code. So an answered request is remembered for ANSWER_REPEAT_SECONDS, and the same decision sent
- * again from the same browser is answered as the first was: the same redirect for Deny, another
- * code for Approve, with the scopes and lifetime the first press chose. The first code is still
- * single-use; the app redeems the one its browser brings.
- */
-function rememberAnswer(idHash: string, answer: Answer, ctx: Context): void {
-  // full: one of the address that answered the most goes, so that a stranger's answers push out their own
-  if (ctx.answered.size >= MAX_ANSWERS_REMEMBERED)
-    ctx.answered.delete(oldestOfBusiest(ctx.answered, ({ request }) => request.openedBy) ?? '')
-  ctx.answered.set(idHash, { ...answer, until: ctx.steadyNow() + ANSWER_REPEAT_SECONDS * 1000 })
-}
-
-/** An answer to a consent page: the request, the decision, and what the owner chose with it. */
-type Answer = { request: PendingRequest; decision: string; granted: string[]; lifetime: number }
-
-function answeredLately(idHash: string, ctx: Context): Answer | undefined {
-  const answer = ctx.answered.get(idHash)
-  return answer !== undefined && answer.until > ctx.steadyNow() ? answer : undefined
-}
-
-const ANSWER_REPEAT_SECONDS = 60
-const MAX_ANSWERS_REMEMBERED = 100
-
 /** Issues a code bound to the request, the granted scopes and the chosen lifetime, and returns its value. */
 async function issueCode(
   request: PendingRequest,
@@ -1496,6 +1383,32 @@ async function issueCode(
   )
   return code
 }
+
+/**
+ * A button pressed twice (a double click) sends the form twice, and the browser shows the answer
+ * to the second press, for a request the first one took: an error page, and the app never got its
+ * code. So an answered request is remembered for ANSWER_REPEAT_SECONDS, and the same decision sent
+ * again from the same browser is answered as the first was: the same redirect for Deny, another
+ * code for Approve, with the scopes and lifetime the first press chose. The first code is still
+ * single-use; the app redeems the one its browser brings.
+ */
+function rememberAnswer(idHash: string, answer: Answer, ctx: Context): void {
+  // full: one of the address that answered the most goes, so that a stranger's answers push out their own
+  if (ctx.answered.size >= MAX_ANSWERS_REMEMBERED)
+    ctx.answered.delete(oldestOfBusiest(ctx.answered, ({ request }) => request.openedBy) ?? '')
+  ctx.answered.set(idHash, { ...answer, until: ctx.steadyNow() + ANSWER_REPEAT_SECONDS * 1000 })
+}
+
+/** An answer to a consent page: the request, the decision, and what the owner chose with it. */
+type Answer = { request: PendingRequest; decision: string; granted: string[]; lifetime: number }
+
+function answeredLately(idHash: string, ctx: Context): Answer | undefined {
+  const answer = ctx.answered.get(idHash)
+  return answer !== undefined && answer.until > ctx.steadyNow() ? answer : undefined
+}
+
+const ANSWER_REPEAT_SECONDS = 60
+const MAX_ANSWERS_REMEMBERED = 100
 
 // --- Code redemption ------------------------------------------------------------
 // IndieAuth §5.3    https://indieauth.spec.indieweb.org/#redeeming-the-authorization-code
@@ -2166,6 +2079,2378 @@ function noteUse(store: Store, grantId: string, now: number): Promise<void> {
   return store.touchGrant(grantId, now).catch((err: unknown) => {
     if (!(err instanceof NotStored)) throw err
   })
+}
+
+// --- Home page ------------------------------------------------------------------
+
+/**
+ * Says what this server is, and shows the owner the `<link>` tags to paste into their site:
+ * `indieauth-metadata`, and the two older relations that clients before 2022 look for. The same
+ * links go out as a `Link` header, so a `ME` that points at this server is discoverable too; and
+ * when `ME` is on this server's origin (the default), in the page's own `<head>`, for clients
+ * that read only HTML.
+ * @see https://indieauth.spec.indieweb.org/#discovery-by-clients IndieAuth §4.1
+ */
+async function handleHomePage(_req: IncomingMessage, res: ServerResponse, ctx: Context): Promise<void> {
+  const { config } = ctx
+  const relations: [string, string][] = [
+    ['indieauth-metadata', endpointUrl(config, '/.well-known/oauth-authorization-server')],
+    ['authorization_endpoint', endpointUrl(config, '/auth')],
+    ['token_endpoint', endpointUrl(config, '/token')],
+  ]
+  const metadata = endpointUrl(config, '/.well-known/oauth-authorization-server')
+  const links = relations.map(([rel, href]) => `<link rel="${rel}" href="${escapeHtml(href)}">`).join('\n')
+  const linkHeader = relations.map(([rel, href]) => `<${href}>; rel="${rel}"`).join(', ')
+  const head = new URL(config.me).origin === new URL(config.issuer).origin ? links : ''
+  sendPage(
+    res,
+    200,
+    renderPage(
+      'Latch',
+      `<h1>Latch</h1>
+<p>This is the IndieAuth server of <code>${escapeHtml(config.me)}</code>.
+Apps that let you sign in with your website send you here to confirm that you are you.</p>
+<p>To use it, paste these lines into the <code>&lt;head&gt;</code> of <code>${escapeHtml(config.me)}</code>:</p>
+<pre>${escapeHtml(links)}</pre>
+<p><a href="${escapeHtml(endpointUrl(config, '/apps'))}">Your connected apps</a></p>
+<p class="muted">Server metadata: <a href="${escapeHtml(metadata)}">${escapeHtml(metadata)}</a></p>`,
+      head,
+    ),
+    { Link: linkHeader },
+  )
+}
+
+// --- Router ---------------------------------------------------------------------
+
+type Handler = (req: IncomingMessage, res: ServerResponse, ctx: Context) => Promise<void>
+
+/**
+ * One row of the route table: a path, the methods one handler answers there, whether its errors
+ * are shown to a person (a page) or to a program (JSON), whether browser apps on any origin may
+ * call it (CORS: RFC 9700 §2.6 allows it on these endpoints, never on the authorization request
+ * or the consent form, which are for the owner's own browser), and the spec that defines it.
+ */
+type Route = { path: string; methods: string[]; handler: Handler; errors: 'page' | 'json'; cors: boolean; spec: string }
+
+/**
+ * Every endpoint of Latch, in the order a client meets them. The router reads nothing else, and
+ * the README's table of endpoints is this one (a test holds the two together). Every `GET`
+ * answers `HEAD` too (RFC 9110 §9.3.2): node:http then sends the headers without the body.
+ */
+// prettier-ignore
+const ROUTES: Route[] = [
+  route('/.well-known/oauth-authorization-server', 'GET HEAD', handleMetadataRequest, 'json', 'CORS', 'RFC 8414 §3'),
+  route('/auth',                'GET HEAD', handleAuthorizationRequest, 'page', '',     'IndieAuth §5.2'),
+  route('/auth/consent',        'POST',     handleConsent,              'page', '',     'IndieAuth §5.2.1'),
+  route('/auth',                'POST',     handleProfileRedemption,    'json', 'CORS', 'IndieAuth §5.3.2'),
+  route('/token',               'POST',     handleTokenRequest,         'json', 'CORS', 'IndieAuth §5.3.3, §5.5'),
+  route('/introspect',          'POST',     handleIntrospectionRequest, 'json', 'CORS', 'IndieAuth §6, RFC 7662'),
+  route('/revoke',              'POST',     handleRevocationRequest,    'json', 'CORS', 'IndieAuth §7, RFC 7009'),
+  route('/userinfo',            'GET HEAD POST', handleUserinfoRequest, 'json', 'CORS', 'IndieAuth §9, RFC 6750'),
+  route('/token',               'GET HEAD', handleTokenVerification,    'json', 'CORS', 'IndieAuth before §6'),
+  route('/apps',                'GET HEAD', handleAppsPage,             'page', '',     ''),
+  route('/apps/revoke',         'POST',     handleAppRevocation,        'page', '',     ''),
+  route('/apps/revoke-all',     'POST',     handleAllAppsRevocation,    'page', '',     ''),
+  route('/apps/tokens',         'POST',     handleScriptToken,          'page', '',     ''),
+  route('/sign-in',             'POST',     handleSignIn,               'page', '',     ''),
+  route('/sign-out',            'POST',     handleSignOut,              'page', '',     ''),
+  route('/sign-out-everywhere', 'POST',     handleSignOutEverywhere,    'page', '',     ''),
+  route('/passkeys/challenge',  'POST',     handlePasskeyChallenge,     'json', '',     'WebAuthn §5.4, §5.5'),
+  route('/passkeys/add',        'POST',     handlePasskeyAddition,      'page', '',     'WebAuthn §7.1'),
+  route('/passkeys/remove',     'POST',     handlePasskeyRemoval,       'page', '',     ''),
+  route('/passkey.js',          'GET HEAD', handlePasskeyScript,        'page', '',     ''),
+  route('/',                    'GET HEAD', handleHomePage,             'page', '',     'IndieAuth §4.1'),
+]
+
+/** A row of the table, from its columns. */
+function route(
+  path: string,
+  methods: string,
+  handler: Handler,
+  errors: Route['errors'],
+  cors: string,
+  spec: string,
+): Route {
+  return { path, methods: methods.split(' '), handler, errors, cors: cors === 'CORS', spec }
+}
+
+/** The route table by path, then by method. */
+const ROUTES_BY_PATH = new Map<string, Map<string, Route>>()
+for (const row of ROUTES) {
+  const methods = ROUTES_BY_PATH.get(row.path) ?? new Map<string, Route>()
+  for (const method of row.methods) methods.set(method, row)
+  ROUTES_BY_PATH.set(row.path, methods)
+}
+
+/** Picks the route for a method and path: 404 for an unknown path, 405 for another method. */
+function selectRoute(method: string, path: string): Pick<Route, 'handler' | 'errors' | 'cors'> {
+  const methods = ROUTES_BY_PATH.get(path)
+  if (methods === undefined) return { handler: rejectUnknownPath, errors: 'json', cors: false }
+  const found = methods.get(method)
+  if (found !== undefined) return found
+  const corsMethods = [...methods].filter(([, row]) => row.cors).map(([name]) => name)
+  if (method === 'OPTIONS' && corsMethods.length > 0) {
+    return { handler: async (_req, res) => writePreflight(res, corsMethods.sort()), errors: 'json', cors: true }
+  }
+  const allow = [...methods.keys()].sort().join(', ')
+  const rejectMethod = async () => {
+    throw new OAuthError('method_not_allowed', `This endpoint accepts ${allow} only`, { headers: { Allow: allow } })
+  }
+  return { handler: rejectMethod, errors: 'json', cors: corsMethods.length > 0 } // a browser app may read why
+}
+
+/**
+ * Answers a CORS preflight: any origin may send these methods with `Authorization`, and with
+ * `MCP-Protocol-Version`, which MCP clients (the TypeScript SDK's, for one) send when they fetch
+ * the metadata; refused, it costs a browser client a second fetch without it.
+ * @see https://fetch.spec.whatwg.org/#http-cors-protocol
+ */
+function writePreflight(res: ServerResponse, methods: string[]): void {
+  closeIfBodyUnread(res)
+  res.writeHead(204, {
+    'Access-Control-Allow-Origin': '*',
+    'Access-Control-Allow-Methods': methods.join(', '),
+    'Access-Control-Allow-Headers': 'Authorization, Content-Type, MCP-Protocol-Version',
+    'Access-Control-Max-Age': '86400',
+  })
+  res.end()
+}
+
+async function rejectUnknownPath(): Promise<void> {
+  throw new OAuthError('not_found', 'There is no endpoint at this path')
+}
+
+/**
+ * Creates the request handler: a plain `(req, res) => void` for node:http, Express or Connect.
+ * It logs one line per request (method, path, status, milliseconds) and never a secret.
+ */
+export function createHandler(options: HandlerOptions): (req: IncomingMessage, res: ServerResponse) => void {
+  // `openStore` not awaited: else every request that reads the store would answer 500
+  if (typeof (options.store as { then?: unknown } | undefined)?.then === 'function')
+    throw new TypeError('createHandler: store is a Promise: pass await openStore(config)')
+  const log = options.log ?? console.log
+  const now = options.now ?? Date.now
+  const ctx: Context = {
+    config: options.config,
+    store: options.store ?? new MemoryStore({ log }),
+    now,
+    steadyNow: steadyClock(now),
+    log,
+    signInAttempts: { byAddress: new Map(), total: NO_ATTEMPTS },
+    passwordSlots: { running: 0, waiting: [] },
+    clientFetch: options.clientFetch ?? {},
+    clients: new Map(),
+    failedClients: new Map(),
+    clientLookups: new Map(),
+    lookupsBy: new Map(),
+    clientFetchSlots: { running: 0, waiting: [] },
+    trustedProxies: trustedProxiesOf(options.config),
+    refreshes: new Map(),
+    passkeys: { key: randomBytes(32), used: new Map(), changes: Promise.resolve() },
+    startedAt: now(),
+    scriptGrantsUnderWay: new Map(),
+    scriptGrantsWithoutToken: new Set(),
+    answered: new Map(),
+  }
+  // expired entries go even while no one writes, without costing a request anything
+  const { store } = ctx
+  if ((store instanceof MemoryStore || store instanceof FileStore) && options.signal?.aborted !== true) {
+    const sweeping = setInterval(() => store.sweep(ctx.now()), 100).unref()
+    options.signal?.addEventListener('abort', () => clearInterval(sweeping), { once: true })
+  }
+  const ownHosts = ownHostsOf(ctx.config)
+  // the issuer's host and port, when on loopback: a page asked for under another loopback name is sent there
+  const issuerUrl = new URL(ctx.config.issuer)
+  const loopbackIssuerHost = LOOPBACK_HOSTS.has(issuerUrl.hostname.replace(/^\[(.*)\]$/, '$1'))
+    ? issuerUrl.host
+    : undefined
+  const mountedAt = mountPath(ctx.config)
+  let lastOwnHost: string | undefined // the Host header that passed last time: nearly every request repeats it
+  // cleared once said; without a password, such a request is refused (`refusalOf`) and says why itself
+  let warnOfUnnamedProxy = ctx.config.passwordHash !== undefined
+  let namedProxy: string | undefined // the last proxy on loopback seen named, not looked up again
+  return (req, res) => {
+    if (req.socket.destroyed) return // a connection closed already (see `MAX_QUEUED_ANSWERS`): no one to answer
+    const started = process.hrtime.bigint() // not `performance`: its first use loads perf_hooks, on the first request
+    if (req.url !== undefined && req.url[0] !== '/') takeAbsoluteForm(req)
+    const path = pathOf(req.url ?? '/')
+    const { handler, errors, cors } = selectRoute(req.method ?? 'GET', path)
+    if (cors) (res as MarkedResponse)[CORS] = true
+    // the address now: once the connection is gone, node:http no longer knows it
+    const address = clientAddress(req, ctx.trustedProxies)
+    if (warnOfUnnamedProxy && req.headers['x-forwarded-for'] !== undefined && isLoopbackPeer(req)) {
+      const peer = plainAddress(req.socket.remoteAddress ?? '')
+      if (peer !== namedProxy && ctx.trustedProxies !== undefined && isTrustedProxy(peer, ctx.trustedProxies))
+        namedProxy = peer
+      if (peer !== namedProxy) {
+        warnOfUnnamedProxy = false
+        logEvent(
+          ctx,
+          'warning',
+          'requests come through a proxy on this machine (X-Forwarded-For) that TRUST_PROXY does not name: ' +
+            "every client is logged, and counted for password tries, under the proxy's address; " +
+            'add 127.0.0.1,::1 to TRUST_PROXY',
+        )
+      }
+    }
+    let answered = false
+    res.on('finish', () => (answered = true))
+    const logged = describePath(path, handler, mountedAt)
+    res.on('close', () => logRequest(req, res, { address, path: logged, started, answered }, ctx))
+    const host = req.headers.host
+    const own = ownHosts === undefined || (host !== undefined && (host === lastOwnHost || isOwnHost(host, ownHosts)))
+    if (own) lastOwnHost = host
+    const refused = refusalOf(req, own, ctx.config.passwordHash === undefined)
+    if (refused === undefined && loopbackIssuerHost !== undefined && host !== loopbackIssuerHost && errors === 'page') {
+      const there = issuerAliasUrl(req, loopbackIssuerHost, ctx.config)
+      if (there !== undefined) return redirect(res, 307, there)
+    }
+    const checked = refused === undefined ? handler(req, res, ctx) : Promise.reject(refused)
+    checked.catch((err: unknown) => renderError(err, req, res, errors === 'page', ctx))
+  }
+}
+
+/**
+ * Where to send a page asked for under another loopback name of this machine than `ISSUER`'s,
+ * on its port: `http://127.0.0.1:3000/auth?…` for an issuer of `http://localhost:3000`. The page
+ * would show, but its forms post to the issuer, where the browser holds other cookies, and they
+ * would be refused (and a passkey works only under the issuer's name). Behind a proxy the Host
+ * header may name anything, so only an issuer on loopback (`loopbackIssuerHost`) is checked at all.
+ */
+function issuerAliasUrl(req: IncomingMessage, loopbackIssuerHost: string, config: Config): string | undefined {
+  if (req.method !== 'GET' && req.method !== 'HEAD') return undefined
+  const [, name, port] = /^(.*?)(:\d*)?$/.exec((req.headers.host ?? '').toLowerCase()) ?? []
+  const [, issuerName, issuerPort] = /^(.*?)(:\d*)?$/.exec(loopbackIssuerHost) ?? []
+  if (name === issuerName || port !== issuerPort || !LOOPBACK_HOSTS.has(name.replace(/^\[(.*)\]$/, '$1')))
+    return undefined
+  return endpointUrl(config, req.url ?? '/')
+}
+
+/**
+ * Whether a request says it came through a proxy: a header a proxy adds (nginx's `proxy_params`,
+ * Caddy, CDNs), or HTTP/1.0, which nginx speaks to the server behind it by default and no
+ * browser speaks at all.
+ */
+function cameThroughProxy(req: IncomingMessage): boolean {
+  const { headers } = req
+  if (req.httpVersion === '1.0' || PROXY_HEADERS.some((name) => headers[name] !== undefined)) return true
+  for (const name in headers) if (name.startsWith('x-forwarded-')) return true
+  return false
+}
+
+const PROXY_HEADERS = ['forwarded', 'via', 'x-real-ip', 'x-client-ip', 'cf-connecting-ip', 'true-client-ip']
+
+/** Why a request is refused before any handler reads it, or undefined. */
+function refusalOf(req: IncomingMessage, own: boolean, passwordless: boolean): OAuthError | undefined {
+  if (req.rawHeaders.length > 2 * MAX_HEADER_LINES) {
+    return new OAuthError('invalid_request', `The request has more than ${MAX_HEADER_LINES} header lines`, {
+      status: 431,
+    })
+  }
+  if (!own) {
+    return new OAuthError(
+      'invalid_request',
+      'This server answers only to its own host name: set ISSUER to the URL you use, or set PASSWORD_HASH',
+      { status: 421 },
+    )
+  }
+  if (passwordless && !isLocalPeer(req)) {
+    return new OAuthError(
+      'access_denied',
+      'This server has no password, so it answers only to this machine: set PASSWORD_HASH',
+      { status: 403 },
+    )
+  }
+  // A proxy on this machine connects from loopback for whoever it serves, under a Host header
+  // it may set to ISSUER's. Most say so; one that says nothing cannot be told from a browser.
+  if (passwordless && cameThroughProxy(req)) {
+    return new OAuthError(
+      'access_denied',
+      'This server has no password, and this request came through a proxy, so it may be anyone: set PASSWORD_HASH',
+      { status: 403 },
+    )
+  }
+  if (hasSeveralHosts(req)) return new OAuthError('invalid_request', 'The request has more than one Host header')
+  if ((req.url ?? '').length > MAX_REQUEST_TARGET) {
+    return new OAuthError('invalid_request', `The request URL is longer than ${MAX_REQUEST_TARGET} characters`, {
+      status: 414,
+    })
+  }
+  return undefined
+}
+
+/**
+ * A request target in absolute form, `POST http://host/token`, which "a server MUST accept" though
+ * clients send it only to proxies: the path and query are routed as if sent alone, untouched,
+ * and the authority stands for the Host header ("MUST ignore the received Host header field").
+ * Any other target (`*`, or no scheme) is left as it came, and finds no route.
+ * @see https://www.rfc-editor.org/rfc/rfc9112#section-3.2.2 RFC 9112 §3.2.2
+ */
+function takeAbsoluteForm(req: IncomingMessage): void {
+  const target = /^https?:\/\/([^/?#@]+)([/?][^#]*)?$/i.exec(req.url ?? '')
+  if (target === null) return
+  const [, authority, rest = '/'] = target
+  req.url = rest[0] === '?' ? `/${rest}` : rest
+  req.headers.host = authority
+}
+
+/** The longest request target (path and query) Latch reads: what it keeps of a request is bounded by it. */
+const MAX_REQUEST_TARGET = 8_192
+
+/**
+ * The most header lines Latch reads. node:http keeps about the first 1,000 (`maxHeadersCount`
+ * counts names and values) and drops the rest unseen, 16 KiB holds 4,000 short ones, and a
+ * second `Host` or a `Content-Encoding` past them would go unchecked: a request with more is
+ * refused whole.
+ */
+const MAX_HEADER_LINES = 1_000
+
+/**
+ * Without a password, anyone who can load a page from this server can approve a sign-in. A web
+ * page on another name that resolves to 127.0.0.1 (DNS rebinding) could; so only requests for
+ * the issuer's host or a loopback name are served; not one that names no host (HTTP/1.0 allows it).
+ */
+function isOwnHost(hostHeader: string, ownHosts: Set<string>): boolean {
+  return ownHosts.has(
+    hostHeader
+      .toLowerCase()
+      .replace(/:\d*$/, '')
+      .replace(/^\[(.*)\]$/, '$1'),
+  )
+}
+
+/**
+ * Whether a request came from this machine: over loopback, or a Unix socket. Without a password,
+ * `HOST` keeps Latch's own command on loopback; an app that embeds Latch listens where it likes
+ * (Express's `app.listen(port)` takes every interface), so a server without a password also looks
+ * at who connected, and the Host header a stranger writes is not enough. A TCP connection already
+ * reset has no address either: only a server listening on a path (a Unix socket) vouches for it.
+ */
+function isLocalPeer(req: IncomingMessage): boolean {
+  if (req.socket.remoteAddress !== undefined) return isLoopbackPeer(req)
+  const server = (req.socket as Socket & { server?: NetServer }).server
+  return typeof server?.address() === 'string'
+}
+
+/** Whether a request came over loopback TCP. */
+function isLoopbackPeer(req: IncomingMessage): boolean {
+  const address = plainAddress(req.socket.remoteAddress ?? '')
+  return address === '::1' || address.startsWith('127.') // no IPv6 address starts so
+}
+
+/**
+ * Whether a request names its host more than once, which "a server MUST respond [to] with a 400
+ * (Bad Request)": node:http keeps the first, and a proxy in front might have read another.
+ * @see https://www.rfc-editor.org/rfc/rfc9112#section-3.2 RFC 9112 §3.2
+ */
+function hasSeveralHosts(req: IncomingMessage): boolean {
+  let hosts = 0
+  for (let i = 0; i < req.rawHeaders.length; i += 2) {
+    if (req.rawHeaders[i].length === 4 && req.rawHeaders[i].toLowerCase() === 'host') hosts++
+  }
+  return hosts > 1
+}
+
+/** The host names served without a password: loopback names and the issuer's; with a password, any. */
+function ownHostsOf(config: Config): Set<string> | undefined {
+  if (config.passwordHash !== undefined) return undefined
+  return new Set([...LOOPBACK_HOSTS, new URL(config.issuer).hostname.replace(/^\[(.*)\]$/, '$1')])
+}
+
+/**
+ * The router's one catch: an `OAuthError` is rendered; a change the data file could not take
+ * (`NotStored`: a full disk, say) is a 503, as it may succeed later and the journal has logged
+ * why; anything else is a logged 500.
+ */
+function renderError(error: unknown, req: IncomingMessage, res: ServerResponse, asPage: boolean, ctx: Context): void {
+  const err = error instanceof NotStored ? NOT_STORED : error
+  ;(res as MarkedResponse)[LOGGED_ERROR] = err instanceof OAuthError ? err.error || undefined : 'server_error'
+  if (err instanceof OAuthError && err.event !== undefined) logEvent(ctx, 'security', err.event, req)
+  if (res.headersSent) {
+    res.destroy()
+    return
+  }
+  if (err instanceof OAuthError) {
+    // a browser that followed a wrong link gets a page, a program its JSON
+    const browser = (err.status === 404 || err.status === 405) && /\btext\/html\b/.test(req.headers.accept ?? '')
+    if (asPage || browser) sendErrorPage(res, err, isOwnersForm(pathOf(req.url ?? '/')))
+    else sendJsonError(res, err)
+    return
+  }
+  logEvent(ctx, 'error', err instanceof Error ? (err.stack ?? err.message) : String(err), req)
+  if (asPage)
+    sendErrorPage(
+      res,
+      new OAuthError('server_error', 'Something went wrong on the server: try again later', { status: 500 }),
+    )
+  else sendJson(res, 500, { error: 'server_error' })
+}
+
+// =================================================================================================
+// PART 2: WHAT IT LEANS ON
+// The log, HTTP plumbing, the server and its connection limits, pages, cookies and sessions,
+// sign-in checks (password and passkey attempts), the owner's password and passkeys (WebAuthn),
+// the owner's pages (sign-in, connected apps, tokens for scripts, passkeys), client fetching, the
+// stores and the journal, the performance internals, the configuration and the command line.
+// Each section says first what the protocol needs from it.
+// =================================================================================================
+
+// --- The log --------------------------------------------------------------------
+// One line per request: when, from where, what, how it ended, and for whom; and a line of its
+// own for what deserves one: a security event, an app that could not be fetched, a warning, a
+// server error.
+// `LOG_FORMAT=json` makes each line a JSON object. Never a code, token, verifier, password or
+// hash. Of what a request sent, only its `client_id`, its address (from `X-Forwarded-For` behind
+// a trusted proxy) and the names the owner gives tokens and passkeys are logged.
+
+/** A line of the log: a request answered (`method` to `ms`), or an `event` and its `message`. */
+type LogEntry = {
+  time: string
+  address?: string
+  method?: string
+  path?: string
+  status?: number | string
+  ms?: number
+  error?: string
+  client_id?: string
+  event?: string
+  message?: string
+}
+
+/** The marks a handler leaves on a response for its log line: the OAuth error code and the client_id. */
+const LOGGED_ERROR = Symbol('logged error')
+const LOGGED_CLIENT = Symbol('logged client')
+
+/** Notes the client a request is for, for its log line. */
+function noteClient(res: ServerResponse, clientId: string | undefined): void {
+  if (clientId !== undefined) (res as MarkedResponse)[LOGGED_CLIENT] = clientId
+}
+
+/** Notes the OAuth error an answer carries, for its log line (an error redirect is a 302 or a 303). */
+function noteError(res: ServerResponse, error: string): void {
+  ;(res as MarkedResponse)[LOGGED_ERROR] = error
+}
+
+/** Logs something that happened (`security`, `discovery`, `warning`, `error`), with the request's address, if any. */
+function logEvent(ctx: Context, event: string, message: string, from?: IncomingMessage | string): void {
+  const address = from === undefined || typeof from === 'string' ? from : clientAddress(from, ctx.trustedProxies)
+  ctx.log(formatLogEntry({ time: new Date(ctx.now()).toISOString(), address, event, message }, ctx.config.logFormat))
+}
+
+/**
+ * One line: `time address METHOD path status Nms error=… client_id=…`, or `time address event:
+ * message`; or the entry as JSON. What a client chose is quoted as JSON when it holds anything but
+ * printable ASCII, so that no one can write a line of their own into the log.
+ */
+function formatLogEntry(entry: LogEntry, format: Config['logFormat']): string {
+  if (format === 'json') return JSON.stringify(entry)
+  const words = entry.address === undefined ? [entry.time] : [entry.time, entry.address]
+  if (entry.method === undefined) return [...words, `${entry.event}: ${loggable(entry.message ?? '')}`].join(' ')
+  words.push(entry.method, entry.path ?? '', String(entry.status), `${entry.ms}ms`)
+  if (entry.error !== undefined) words.push(`error=${entry.error}`)
+  if (entry.client_id !== undefined)
+    words.push(
+      `client_id=${/^[\x21-\x7e]*$/.test(entry.client_id) ? entry.client_id : JSON.stringify(entry.client_id)}`,
+    )
+  return words.join(' ')
+}
+
+function loggable(text: string): string {
+  return /^[\x20-\x7e]*$/.test(text) ? text : JSON.stringify(text)
+}
+
+/**
+ * Logs a request once its connection is done with it. It counts as `answered` only once the whole
+ * answer went to the socket: node:http may have closed it first, after bytes it could not parse,
+ * and the client may have gone away. That takes the 'finish' event: when 'close' comes, the
+ * response's own flags (`writableFinished`) can claim an answer that never left.
+ */
+function logRequest(
+  req: IncomingMessage,
+  res: MarkedResponse,
+  { address, path, started, answered }: { address: string; path: string; started: bigint; answered: boolean },
+  ctx: Context,
+): void {
+  ctx.log(
+    formatLogEntry(
+      {
+        time: logTime(ctx.now()),
+        address,
+        method: req.method ?? 'GET',
+        path,
+        status: answered ? res.statusCode : 'closed before the answer',
+        ms: Math.round(Number(process.hrtime.bigint() - started) / 1e6),
+        error: res[LOGGED_ERROR],
+        client_id: res[LOGGED_CLIENT],
+      },
+      ctx.config.logFormat,
+    ),
+  )
+}
+
+/** The last time a log line was stamped with: the requests answered in one millisecond share it. */
+let lastLogTime = { ms: NaN, text: '' }
+
+/** A log line's time, in ISO 8601. Formatting a `Date` was the costliest part of a request's log line. */
+function logTime(now: number): string {
+  if (now !== lastLogTime.ms) lastLogTime = { ms: now, text: new Date(now).toISOString() }
+  return lastLogTime.text
+}
+
+/** The path of `ISSUER`, where an app mounts Latch or a proxy strips: the log shows paths under it. */
+function mountPath(config: Config): string {
+  const { pathname } = new URL(config.issuer)
+  return pathname === '/' ? '' : pathname
+}
+
+/**
+ * The path as logged, under the path of `ISSUER` (where an app mounts Latch, or a proxy strips):
+ * the one the client asked for. An unknown path is not, since a client may have put anything in it.
+ */
+function describePath(path: string, handler: Handler, mountedAt: string): string {
+  return handler === rejectUnknownPath ? '(unknown path)' : mountedAt + path
+}
+
+/**
+ * A log that gathers lines for up to `everyMs` (or 64 KiB) and writes them in one go. Writing to
+ * a file or a terminal blocks; once a request, it cost as much as answering one. Lines still
+ * waiting are written when the process exits. When the log cannot be written (the program that
+ * read it has gone: EPIPE), the server goes on and its lines are dropped: an authorization
+ * server must not stop because its log did. Nor may it grow without end: a pipe keeps in memory
+ * whatever its reader has not read yet, and a reader can stop (a stuck log shipper, a paused
+ * pager) or fall behind for good. Past 16 million characters unread, lines are counted and
+ * dropped; as soon as the reader has caught up, a line of the writer's own (in the log's
+ * format, by `format`) says how many.
+ *
+ * The writer's `flush` writes at once what waits, as before the process ends by a signal.
+ *
+ * `output` may also be the descriptor of a file (standard output sent to one: `>> latch.log`),
+ * written directly. A stream that fails a write is done for good, and a full disk is not: its
+ * lines are counted and dropped the same way, and once there is room the log goes on, with the
+ * line that says how many it lost.
+ */
+export function createLineWriter(
+  output: Writable | number,
+  everyMs = 100,
+  format = (line: string) => line,
+): ((line: string) => void) & { flush: () => void } {
+  let pending = ''
+  let lines = 0
+  let dropped = 0
+  let timer: NodeJS.Timeout | undefined
+  let broken = false
+  const stream = typeof output === 'number' ? undefined : output
+  const fd = typeof output === 'number' ? output : undefined
+  stream?.on('error', () => (broken = true))
+  let torn = false // the file ends with part of a line, where the disk filled up
+  /** Writes to the file: false when the disk took none of it, or only part (ended on the next write). */
+  const writeFile = (fd: number, text: string): boolean => {
+    const bytes = Buffer.from(torn ? `\n${text}` : text)
+    let at = 0
+    try {
+      while (at < bytes.length) at += writeSync(fd, bytes, at)
+      torn = false
+      return true
+    } catch {
+      torn ||= at > 0
+      return false
+    }
+  }
+  const flush = () => {
+    clearTimeout(timer)
+    timer = undefined
+    if (stream !== undefined && stream.writableLength > MAX_UNREAD_LOG) dropped += lines
+    else if ((pending !== '' || dropped > 0) && !broken) {
+      // after the lines, so that the times go on rising: the dropped lines came before them all
+      const why = fd !== undefined ? 'the disk was full' : "the log's reader was behind"
+      const notice = `log: ${dropped} lines dropped while ${why}`
+      const text = dropped === 0 ? pending : `${pending}${format(notice)}\n`
+      const written = fd !== undefined ? writeFile(fd, text) : (stream?.write(text), true)
+      dropped = written ? 0 : dropped + lines
+    }
+    pending = ''
+    lines = 0
+  }
+  stream?.on('drain', () => dropped > 0 && flush()) // the reader has caught up: say so now
+  process.on('exit', flush)
+  const write = (line: string) => {
+    if (broken) return
+    pending += `${line}\n`
+    lines++
+    if (pending.length >= 65_536) flush()
+    else timer ??= setTimeout(flush, everyMs).unref() // the exit handler writes what is left
+  }
+  return Object.assign(write, { flush })
+}
+
+/**
+ * The most log output kept in memory for a reader that is behind, in characters (what a stream
+ * counts of text): 16 MiB of ASCII.
+ */
+const MAX_UNREAD_LOG = 16 * 1024 * 1024
+
+// --- HTTP plumbing --------------------------------------------------------------
+// Read a form, send JSON, redirect. What OAuth asks of them (its error codes, and the JSON body of
+// an error) is said where it is used; the pages come two sections on. Then who sent a request
+// (its address, read through the proxies `TRUST_PROXY` names), a clock that never goes back, and
+// slots that bound how much of some work runs at once.
+
+const MAX_BODY_BYTES = 64 * 1024
+
+/**
+ * Reads an `application/x-www-form-urlencoded` body of at most 64 KiB. A larger body is
+ * answered with 413 and the rest of it is never buffered.
+ *
+ * The form is UTF-8 (RFC 6749 Appendix B), and the media type has no `charset` parameter. Some
+ * clients send one all the same (Java's Apache HttpClient says ISO-8859-1 by default): a form
+ * labelled with a charset that agrees with ASCII is read if it is plain ASCII, which means the
+ * same in either, and refused if it is not; one labelled UTF-16 or anything else, refused.
+ * @see https://www.rfc-editor.org/rfc/rfc6749#appendix-B
+ */
+export async function readForm(req: IncomingMessage): Promise<Params> {
+  const contentType = req.headers['content-type'] ?? ''
+  if (contentType === FORM_TYPE) return parseForm((await readBody(req)).toString('latin1'))
+  const [mediaType, ...parameters] = contentType.split(';').map((part) => part.trim().toLowerCase())
+  if (mediaType !== FORM_TYPE) throw new OAuthError('invalid_request', `The body must be ${FORM_TYPE}`)
+  // `charset=x`, `charset = x` from a sloppy client, or `charset="x"` with its quoted pairs undone
+  const charsets = parameters.flatMap((parameter) => /^charset\s*=\s*(.*)$/.exec(parameter)?.[1] ?? [])
+  if (charsets.length > 1) throw new OAuthError('invalid_request', 'The Content-Type names more than one charset')
+  const charset = charsets[0]?.replace(/^"(.*)"$/, (_, quoted: string) => quoted.replace(/\\(.)/g, '$1'))
+  if (charset === undefined || charset === 'utf-8' || charset === 'utf8') return parseForm(await readText(req))
+  if (!ASCII_CHARSETS.test(charset)) throw new OAuthError('invalid_request', 'The body must be UTF-8')
+  const text = await readText(req)
+  // a byte past ASCII, sent as it is or percent-encoded, means one thing in UTF-8 and another in
+  // this charset; a control byte sent as it is, no form holds
+  if (/[^\t\n\r\x20-\x7e]|%[89a-f][0-9a-f]/i.test(text))
+    throw new OAuthError('invalid_request', `The body is ${charset}, not plain ASCII: send it as UTF-8`)
+  return parseForm(text)
+}
+
+/**
+ * Charsets in which ASCII means what it means in UTF-8, under the names clients send: the common
+ * labels (IANA's and the WHATWG Encoding Standard's) of ASCII, ISO 8859, KOI8 and the Windows
+ * code pages. A form in one of them that is plain ASCII is read. The pattern also takes a few
+ * spellings no registry lists (`iso8859_1`), and leaves out rarer labels (`iso-ir-101`, `greek`),
+ * whose forms are refused as not UTF-8.
+ */
+const ASCII_CHARSETS = new RegExp(
+  '^(us-ascii|ascii|us|csascii|cp367|ibm367|iso-ir-6|iso646-us|ansi_x3\\.4-19(68|86)' + // ASCII
+    '|iso[-_]?8859[-_]?([1-9]|1[013-6])(:19(8[789]|92))?|iso-8859-[68]-i|csisolatin[1-69]|iso-ir-100|(ibm|cp)819' +
+    '|latin-?([1-6]|8|9|10)|l([1-6]|8|9|10)|koi8-[ru]' + // ISO 8859, KOI8
+    '|(x-)?cp125[0-8]|windows-125[0-8]|windows-874)$', // Windows
+)
+
+async function readText(req: IncomingMessage): Promise<string> {
+  return (await readBody(req)).toString('latin1')
+}
+
+const FORM_TYPE = 'application/x-www-form-urlencoded'
+
+/** The media type of a request's body, in lower case, without its parameters. */
+function mediaTypeOf(req: IncomingMessage): string {
+  return (req.headers['content-type'] ?? '').split(';')[0].trim().toLowerCase()
+}
+
+function readBody(req: IncomingMessage): Promise<Buffer> {
+  if (Number(req.headers['content-length']) > MAX_BODY_BYTES) return Promise.reject(bodyTooLarge())
+  const coding = codingRefused(req)
+  if (coding !== undefined) return Promise.reject(coding)
+  // the server's fault, not the client's: a logged 500 that tells the developer what to change
+  if (req.readableEnded)
+    return Promise.reject(
+      new Error('the request body was read before Latch: mount Latch before any body parser (express.urlencoded)'),
+    )
+  return new Promise((resolve, reject) => {
+    const body = new Gathered()
+    let ended = false
+    req.on('data', (chunk: Buffer) => {
+      if (body.size + chunk.length <= MAX_BODY_BYTES) body.add(chunk)
+      else if (body.size <= MAX_BODY_BYTES) {
+        body.size = Infinity // later chunks are read and dropped until the connection closes
+        reject(bodyTooLarge())
+      }
+    })
+    req.on('end', () => {
+      ended = true
+      resolve(body.bytes)
+    })
+    req.on('error', () => ended || reject(bodyCutShort()))
+    req.on('close', () => ended || reject(bodyCutShort()))
+  })
+}
+
+/**
+ * A body in a coding Latch does not undo. node:http takes `chunked` off and leaves any other
+ * transfer coding (`gzip, chunked`) on, so the bytes would be read as a form when they are not,
+ * and perhaps not as a proxy in front read them. RFC 9112 §6.1 suggests 501 for a transfer
+ * coding a server does not know; a stranger's request gets a 4xx here, as every other does.
+ * @see https://www.rfc-editor.org/rfc/rfc9112#section-6.1 RFC 9112 §6.1
+ * @see https://www.rfc-editor.org/rfc/rfc9110#section-15.5.16 RFC 9110 §15.5.16
+ */
+function codingRefused(req: IncomingMessage): OAuthError | undefined {
+  const transfer = req.headers['transfer-encoding']
+  if (transfer !== undefined && transfer.toLowerCase() !== 'chunked') {
+    return new OAuthError('invalid_request', 'The body must be sent as it is, or chunked: no other Transfer-Encoding')
+  }
+  const content = req.headers['content-encoding']
+  if (content !== undefined && content.toLowerCase() !== 'identity') {
+    return new OAuthError('invalid_request', 'The body must not be compressed: no Content-Encoding', {
+      status: 415,
+      headers: { 'Accept-Encoding': 'identity' },
+    })
+  }
+  return undefined
+}
+
+/**
+ * A body's bytes, gathered into one buffer as its pieces come. Each piece kept as it came costs a
+ * few hundred bytes beside its own, however small it is: a body sent one byte at a time (a piece
+ * of chunked encoding each) held hundreds of bytes of memory for every byte sent. A body that
+ * comes in one piece, as nearly every one does, is kept as it came, without a copy.
+ */
+class Gathered {
+  size = 0
+  #bytes: Buffer = Buffer.alloc(0)
+  #copied = false
+
+  add(piece: Buffer): void {
+    const size = this.size + piece.length
+    if (this.size === 0) this.#bytes = piece
+    else {
+      if (!this.#copied || size > this.#bytes.length) {
+        const room = Buffer.allocUnsafe(Math.max(2 * size, 4096))
+        this.#bytes.copy(room, 0, 0, this.size)
+        this.#bytes = room
+        this.#copied = true
+      }
+      piece.copy(this.#bytes, this.size)
+    }
+    this.size = size
+  }
+
+  get bytes(): Buffer {
+    return this.#copied ? this.#bytes.subarray(0, this.size) : this.#bytes
+  }
+}
+
+const bodyTooLarge = () =>
+  new OAuthError('invalid_request', 'The request body is larger than 64 KiB', {
+    status: 413,
+    headers: { Connection: 'close' },
+  })
+const bodyCutShort = () => new OAuthError('invalid_request', 'The request body ended early')
+
+/** The path of a request target, without its query. */
+function pathOf(target: string): string {
+  const query = target.indexOf('?')
+  return query === -1 ? target : target.slice(0, query)
+}
+
+/** The query parameters of a request target. */
+function queryOf(target: string): Params {
+  const query = target.indexOf('?')
+  return parseForm(query === -1 ? '' : target.slice(query + 1))
+}
+
+/**
+ * Up to `max` values of the cookies of one name, in the order the browser sent them. A page on
+ * another port of this host can set a cookie of the same name (browsers do not keep ports
+ * apart) for a longer path, and the browser then sends that one first.
+ */
+function readCookies(req: IncomingMessage, name: string, max: number, wellFormed = /./): string[] {
+  const values: string[] = []
+  for (const pair of (req.headers.cookie ?? '').split(';')) {
+    const equals = pair.indexOf('=')
+    if (equals === -1 || pair.slice(0, equals).trim() !== name) continue
+    const value = pair.slice(equals + 1).trim()
+    if (wellFormed.test(value) && values.push(value) === max) break
+  }
+  return values
+}
+
+const NO_STORE = { 'Cache-Control': 'no-store', Pragma: 'no-cache' }
+
+/**
+ * Marks the responses of endpoints that browser apps on any origin may call, as the router
+ * finds them. Their headers get `Access-Control-Allow-Origin: *` where they are written:
+ * setting it early with `res.setHeader` would send node:http down a slower path for every
+ * other header. A mark on the response itself, not a WeakSet: adding to a WeakSet on every
+ * request costs the garbage collector more than the rest of the router.
+ */
+const CORS = Symbol('cors')
+
+type MarkedResponse = ServerResponse & { [CORS]?: true; [LOGGED_ERROR]?: string; [LOGGED_CLIENT]?: string }
+
+/** Adds `Access-Control-Allow-Origin: *` to a fresh headers object when the response is a CORS one. */
+function withCors(res: MarkedResponse, headers: OutgoingHttpHeaders): OutgoingHttpHeaders {
+  if (res[CORS] === true) headers['Access-Control-Allow-Origin'] = '*'
+  return headers
+}
+
+/** Sends a JSON body. Every JSON answer carries `no-store`: most hold codes or tokens. */
+function sendJson(res: ServerResponse, status: number, body: unknown, headers?: Record<string, string>): void {
+  const json = JSON.stringify(body)
+  const head = withCors(res, {
+    'Content-Type': 'application/json',
+    'Content-Length': Buffer.byteLength(json),
+    'Cache-Control': 'no-store',
+    Pragma: 'no-cache',
+  })
+  writeAnswer(res, status, headers === undefined ? head : Object.assign(head, headers), json)
+}
+
+/** Answers 200 with no body, as revocation does. */
+function sendEmptyOk(res: ServerResponse): void {
+  // a length, not an empty chunked body
+  writeAnswer(res, 200, withCors(res, { 'Content-Length': 0, ...NO_STORE }), '')
+}
+
+/**
+ * Writes an answer of the endpoints that programs call (JSON, and revocation's empty 200), at
+ * once. Deferring it to `setImmediate`, so that the answers to many connections leave together,
+ * saved CPU only for a load generator on the same machine; a client one request at a time, or
+ * across a network, pays for the extra turn of the event loop instead (`npm run bench`, paced).
+ */
+function writeAnswer(res: ServerResponse, status: number, headers: OutgoingHttpHeaders, body: string): void {
+  if (res.headersSent || res.destroyed) return // answered meanwhile, or the connection is gone
+  try {
+    closeIfBodyUnread(res)
+    res.writeHead(status, headers)
+    res.end(body)
+  } catch {
+    res.destroy() // only an embedding app's hook on writeHead could throw here: close, do not crash
+  }
+}
+
+/** Sends an OAuth error as JSON. */
+function sendJsonError(res: ServerResponse, err: OAuthError): void {
+  const error = err.error === NO_ERROR_CODE ? undefined : err.error
+  // a browser app may read a challenge, or when to try again, only once told it may
+  const exposed = Object.keys(err.headers).filter((name) => name === 'WWW-Authenticate' || name === 'Retry-After')
+  const cors = exposed.length > 0 && (res as MarkedResponse)[CORS] === true
+  const headers = cors ? { ...err.headers, 'Access-Control-Expose-Headers': exposed.join(', ') } : err.headers
+  sendJson(res, err.status, { error, error_description: err.message }, headers)
+}
+
+/**
+ * Closes the connection after this answer when the request's body was not read to its end (a
+ * refusal before reading it, or a route that reads none): to reach the next request on the
+ * connection, node:http would read and drop the rest, however long a stranger made it.
+ */
+function closeIfBodyUnread(res: ServerResponse): void {
+  const { complete, headers, rawHeaders } = res.req
+  const announced =
+    headers['transfer-encoding'] !== undefined ||
+    Number(headers['content-length']) > 0 ||
+    rawHeaders.length > 2 * MAX_HEADER_LINES // among the headers node:http dropped unseen, it may be
+  if (!complete && announced) res.shouldKeepAlive = false
+}
+
+/** Redirects with the given status (302 from `GET /auth`, 303 after a form, 307 to the issuer's own name). */
+function redirect(res: ServerResponse, status: number, location: string, headers: Record<string, string> = {}): void {
+  closeIfBodyUnread(res)
+  res.writeHead(status, { Location: location, ...NO_STORE, 'Referrer-Policy': 'no-referrer', ...headers })
+  res.end()
+}
+
+/** Adds parameters to a URL, keeping the query it already has byte for byte. */
+export function buildRedirectUrl(base: string, params: Record<string, string | undefined>): string {
+  const query = new URLSearchParams()
+  for (const [name, value] of Object.entries(params)) {
+    if (value !== undefined) query.append(name, value)
+  }
+  const separator = !base.includes('?') ? '?' : base.endsWith('?') || base.endsWith('&') ? '' : '&'
+  return `${base}${separator}${query}`
+}
+
+/** A clock that goes forward as `now` does, and waits while `now` goes back (see `Context.steadyNow`). */
+function steadyClock(now: () => number): () => number {
+  let wall = now()
+  let steady = wall
+  return () => {
+    const next = now()
+    steady += Math.max(0, next - wall)
+    wall = next
+    return steady
+  }
+}
+
+/**
+ * The client's address: the connection's, or, when that is a proxy of `TRUST_PROXY`, the one its
+ * `X-Forwarded-For` names. The header is read from the right, where each proxy appends the
+ * address it was reached from, past the trusted proxies: the first address that is not one is the
+ * client, and what lies left of it, anyone could have written. Without `X-Forwarded-For`, the
+ * `for=` of `Forwarded` (RFC 7239) is read the same way.
+ * @see https://www.rfc-editor.org/rfc/rfc7239#section-5.2
+ */
+function clientAddress(req: IncomingMessage, trusted: BlockList | undefined): string {
+  const peer = plainAddress(req.socket.remoteAddress ?? 'unknown')
+  if (trusted === undefined || !isTrustedProxy(peer, trusted)) return peer
+  let client = peer
+  for (const hop of forwardedChain(req).reverse()) {
+    const address = plainAddress(hop)
+    if (isIP(address) === 0) break // not an address: the client wrote it
+    client = address
+    if (!isTrustedProxy(address, trusted)) break
+  }
+  return client
+}
+
+/** The addresses a request passed through, as its proxies wrote them, the client's first. */
+function forwardedChain(req: IncomingMessage): string[] {
+  const forwardedFor = req.headers['x-forwarded-for']
+  if (forwardedFor !== undefined)
+    return [forwardedFor]
+      .flat()
+      .join(',')
+      .split(',')
+      .map((hop) => hop.trim())
+  const forwarded = req.headers.forwarded ?? ''
+  return [...forwarded.matchAll(/(?:^|[;,\s])for\s*=\s*("[^"]*"|[^;,\s]*)/gi)].map(([, value]) =>
+    value
+      .replace(/^"|"$/g, '')
+      .replace(/^\[([^\]]*)\](?::\d+)?$/, '$1') // "[2001:db8::1]:4711"
+      .replace(/^(\d+\.\d+\.\d+\.\d+):\d+$/, '$1'),
+  )
+}
+
+/** An IPv4 address as itself, not in the IPv6 form (`::ffff:192.0.2.1`) a dual-stack socket reports. */
+function plainAddress(address: string): string {
+  return address.startsWith('::ffff:') && isIP(address.slice(7)) === 4 ? address.slice(7) : address
+}
+
+function isTrustedProxy(address: string, trusted: BlockList): boolean {
+  return trusted.check(address, isIP(address) === 6 ? 'ipv6' : 'ipv4')
+}
+
+/** The proxies of `TRUST_PROXY` as a list to check addresses against, or undefined when there are none. */
+function trustedProxiesOf(config: Config): BlockList | undefined {
+  if (config.trustProxy.length === 0) return undefined
+  const list = new BlockList()
+  for (const entry of config.trustProxy) {
+    const [address, prefix] = entry.split('/')
+    const type = isIP(address) === 6 ? 'ipv6' : 'ipv4'
+    if (prefix === undefined) list.addAddress(address, type)
+    else list.addSubnet(address, Number(prefix), type)
+  }
+  return list
+}
+
+/**
+ * Runs a task when fewer than `limits.running` run, queued in order behind at most
+ * `limits.waiting`; past that, throws `busy()`.
+ */
+async function withSlot<T>(
+  slots: Slots,
+  limits: { running: number; waiting: number },
+  busy: () => Error,
+  task: () => Promise<T>,
+): Promise<T> {
+  if (slots.running < limits.running) {
+    slots.running++
+  } else if (slots.waiting.length < limits.waiting) {
+    await new Promise<void>((resolve) => slots.waiting.push(resolve)) // the slot is handed over by the task that ends
+  } else {
+    throw busy()
+  }
+  try {
+    return await task()
+  } finally {
+    const next = slots.waiting.shift()
+    if (next === undefined) slots.running--
+    else next()
+  }
+}
+
+// --- The server -----------------------------------------------------------------
+// node:http's server, with the limits a server open to strangers needs: how long a client may
+// take, how many connections one address and all of them may hold, how many answers may wait
+// behind one, and a stop that lets answers under way finish.
+
+/**
+ * How long a client may take: to send its headers, its whole request, and between requests; and
+ * how long nothing may move on its connection, which is how a client that stops reading its
+ * answers shows.
+ */
+export type ServerTimeouts = {
+  headersMs: number
+  requestMs: number
+  keepAliveMs: number
+  checkEveryMs: number
+  idleMs: number
+}
+
+const SERVER_TIMEOUTS: ServerTimeouts = {
+  headersMs: 10_000,
+  requestMs: 30_000,
+  keepAliveMs: 5_000,
+  checkEveryMs: 1_000,
+  idleMs: 60_000,
+}
+
+/**
+ * How many connections may be open at once: in all, and from one address. `groupOf` names what
+ * an address counts as, for the second limit, or undefined when it is not limited.
+ */
+export type ConnectionLimits = {
+  total: number
+  perAddress: number
+  groupOf: (address: string) => string | undefined
+}
+
+/**
+ * A person's server needs a few dozen connections. Each costs some 7 KB while it waits for its
+ * request, and closing many at once stalls node:http, so a stranger who opens them by the
+ * thousand must not be kept: past either limit, a new connection is closed at once. The limit
+ * by address keeps one stranger from taking them all; it spares loopback, where a proxy on this
+ * machine sends every client's requests from.
+ */
+export const CONNECTION_LIMITS: ConnectionLimits = {
+  total: 10_000,
+  perAddress: 100,
+  groupOf: (address) => (/^(127\.|::1$|::ffff:127\.)/.test(address) ? undefined : addressGroup(address)),
+}
+
+/**
+ * The most answers one connection may have waiting behind one not yet sent whole. A client may
+ * send its next requests without waiting for the answers (HTTP/1.1 pipelining; no browser does),
+ * and node:http answers them all, each kept in memory until the ones before it are sent: a
+ * consent page with its logo weighs some 90 KB, and a client that never reads had gigabytes
+ * piled up within seconds. Past this, the connection is closed at once, answers unsent. The
+ * requests that came in the same read go to the handler all the same, on a closed connection: it
+ * answers none of them.
+ */
+const MAX_QUEUED_ANSWERS = 8
+
+/**
+ * What one client's connections count as: an IPv4 address itself, and for IPv6 its /64, since
+ * one host is given a whole /64 and may use any address in it.
+ */
+function addressGroup(address: string): string {
+  if (!isIPv6(address) || address.startsWith('::ffff:')) return address
+  const [head, tail] = address.replace(/%.*$/, '').split('::')
+  const part = (text: string | undefined) => (text === undefined || text === '' ? [] : text.split(':'))
+  const [left, right] = [part(head), part(tail)]
+  const missing = 8 - left.length - right.length - (right.at(-1)?.includes('.') ? 1 : 0) // a.b.c.d is two groups
+  const groups = [...left, ...Array<string>(tail === undefined ? 0 : missing).fill('0'), ...right]
+  return `${groups
+    .slice(0, 4)
+    .map((group) => parseInt(group, 16).toString(16))
+    .join(':')}::/64`
+}
+
+/**
+ * An http server whose slow clients cannot hold a connection for long (slowloris): headers
+ * within 10 s, the whole request within 30 s, 5 s idle between requests, checked every second.
+ * A client that stops reading its answers stalls node:http's writes, and then none of those
+ * apply: a connection on which nothing moves for a minute, while it waits on its client, is
+ * closed. And no more connections than `limits` allow, nor more than 8 answers waiting on one of
+ * them (see `MAX_QUEUED_ANSWERS`). Connections closed for a limit are said in `log`, at most once
+ * a minute. An `Expect` other than 100-continue is answered 417, and the connection closed,
+ * without reading the body. Attach the handler with `server.on('request', handler)`.
+ */
+export function createLatchServer(
+  timeouts: ServerTimeouts = SERVER_TIMEOUTS,
+  limits: ConnectionLimits = CONNECTION_LIMITS,
+  log: (line: string) => void = () => {},
+): Server {
+  const server = createServer({
+    headersTimeout: timeouts.headersMs,
+    requestTimeout: timeouts.requestMs,
+    keepAliveTimeout: timeouts.keepAliveMs,
+    connectionsCheckingInterval: timeouts.checkEveryMs,
+  })
+  // Idle is a connection that waits on its client: one whose answer is all handed to node:http,
+  // or that has no request under way. One whose answer the server is still making (a journal
+  // write on a slow disk) is left alone; the next write starts its clock again.
+  const answers = new WeakMap<Socket, ServerResponse>()
+  let stopping = false // set by `closeLatchServer`
+  const closing = new WeakSet<ServerResponse>() // answers under way at the stop, marked to close their connection
+  const queued = new WeakMap<Socket, number>() // answers made behind one not yet sent whole
+  server.on('request', (req: IncomingMessage, res: ServerResponse) => {
+    const socket = req.socket
+    if (socket.destroyed) return // the rest of what a connection closed below had sent at once
+    const before = answers.get(socket)
+    answers.set(socket, res)
+    // a request behind one marked at the stop: this one's answer closes the connection instead
+    if (stopping && before !== undefined && closing.has(before) && !before.headersSent) before.shouldKeepAlive = true
+    if (before === undefined || before.writableFinished) return // the usual case: one at a time
+    const count = (queued.get(socket) ?? 0) + 1
+    if (count > MAX_QUEUED_ANSWERS) {
+      drop('queued', socket.remoteAddress)
+      return void socket.destroy()
+    }
+    queued.set(socket, count)
+    res.once('close', () => queued.set(socket, (queued.get(socket) ?? 1) - 1))
+  })
+  server.setTimeout(timeouts.idleMs, (socket: Socket) => {
+    if (answers.get(socket)?.writableEnded !== false) socket.destroy()
+  })
+  server.maxConnections = limits.total
+  // A flood closes thousands a second: the first is said at once; then, for as long as more
+  // come, one line a minute says how many were closed in it, for each limit.
+  const pastLimit = {
+    perAddress: `past ${limits.perAddress} from one client`,
+    total: `past ${limits.total} in all`,
+    queued: `past ${MAX_QUEUED_ANSWERS} answers waiting`,
+  }
+  const dropped = { perAddress: 0, total: 0, queued: 0, last: '', minute: undefined as NodeJS.Timeout | undefined }
+  const endMinute = () => {
+    const counts = (['perAddress', 'total', 'queued'] as const).filter((limit) => dropped[limit] > 0)
+    if (counts.length === 0) return void (dropped.minute = undefined)
+    const said = counts.map((limit) => `${dropped[limit]} ${pastLimit[limit]}`).join(', ')
+    log(`security: connections closed at once in the last minute: ${said} (the last from ${dropped.last})`)
+    Object.assign(dropped, { perAddress: 0, total: 0, queued: 0, minute: setTimeout(endMinute, 60_000).unref() })
+  }
+  const drop = (limit: 'perAddress' | 'total' | 'queued', address = 'an unknown address') => {
+    if (dropped.minute === undefined) {
+      log(`security: a connection from ${address} was closed at once, ${pastLimit[limit]}`)
+      dropped.minute = setTimeout(endMinute, 60_000).unref()
+    } else {
+      dropped[limit]++
+      dropped.last = address
+    }
+  }
+  server.on('drop', (data?: { remoteAddress?: string }) => drop('total', data?.remoteAddress)) // past maxConnections
+  // An expectation other than 100-continue: node:http would answer 417 itself, keep the
+  // connection, and read the body to its end however long it is. The 417 closes it instead.
+  server.on('checkExpectation', (_req: IncomingMessage, res: ServerResponse) => {
+    res.writeHead(417, { Connection: 'close', 'Content-Length': '0' })
+    res.end()
+  })
+  // CONNECT asks a proxy for a tunnel, and node:http hands it here instead of to the handler:
+  // without this, it would close the connection without a word. node:http no longer watches such
+  // a socket (no timeout, and `closeAllConnections` does not reach it): it is closed here, whole,
+  // once the answer is out, or after 5 s for a client that does not read it
+  server.on('connect', (_req: IncomingMessage, socket: Socket) => {
+    socket.on('error', () => {})
+    const cut = setTimeout(() => socket.destroy(), 5_000).unref()
+    socket.once('close', () => clearTimeout(cut))
+    socket.end(
+      'HTTP/1.1 405 Method Not Allowed\r\nAllow: GET, POST, OPTIONS\r\nContent-Length: 0\r\nConnection: close\r\n\r\n',
+      () => socket.destroy(),
+    )
+  })
+  const connections = new Set<Socket>()
+  // at a stop, an answer still being made goes out with `Connection: close`: its client sends no
+  // further request on a connection about to be closed under it
+  answersInFlight.set(server, () => {
+    stopping = true
+    for (const socket of connections) {
+      const answer = answers.get(socket)
+      if (answer === undefined || answer.headersSent || !answer.shouldKeepAlive) continue
+      answer.shouldKeepAlive = false
+      closing.add(answer)
+    }
+  })
+  const open = new Map<string, number>() // connections by address group, for those limited
+  server.on('connection', (socket: Socket) => {
+    connections.add(socket)
+    socket.once('close', () => connections.delete(socket))
+    const group = socket.remoteAddress === undefined ? undefined : limits.groupOf(socket.remoteAddress)
+    if (group === undefined) return
+    const count = (open.get(group) ?? 0) + 1
+    if (count > limits.perAddress) {
+      drop('perAddress', socket.remoteAddress)
+      return void socket.destroy()
+    }
+    open.set(group, count)
+    socket.once('close', () => {
+      const left = (open.get(group) ?? 1) - 1
+      if (left === 0) open.delete(group)
+      else open.set(group, left)
+    })
+  })
+  return server
+}
+
+/** For each server made by `createLatchServer`: marks the answers it is making to close their connection. */
+const answersInFlight = new WeakMap<Server, () => void>()
+
+/**
+ * Stops a server the way Latch's command does at SIGTERM, and resolves once it has: no new
+ * connections; requests in flight answered, and they and those that come meanwhile with
+ * `Connection: close` (those in flight, on a server made by `createLatchServer`); connections
+ * closed as soon as they are idle; and whatever is still open after 5 s (a client that sent half
+ * its headers, or never reads its answer) cut off. `server.close()` alone
+ * closes only the connections idle at that moment and stops node:http's request-timeout checks,
+ * so a stalled connection keeps it open until the idle timeout: a minute here.
+ */
+export function closeLatchServer(server: Server): Promise<void> {
+  return new Promise((resolve) => {
+    server.close(() => resolve())
+    // A client that keeps its connection busy never lets it go idle: each request from now on
+    // is answered with `Connection: close`, and a connection is closed once its answer is out.
+    server.prependListener('request', (_req: IncomingMessage, res: ServerResponse) => {
+      res.shouldKeepAlive = false
+    })
+    answersInFlight.get(server)?.()
+    server.closeIdleConnections()
+    const idle = setInterval(() => server.closeIdleConnections(), 100).unref()
+    const cut = setTimeout(() => server.closeAllConnections(), 5_000).unref()
+    server.once('close', () => {
+      clearInterval(idle)
+      clearTimeout(cut)
+    })
+  })
+}
+
+// --- Pages ----------------------------------------------------------------------
+// Plain HTML, nothing loaded from elsewhere, and no script but `/passkey.js`, on the pages that
+// offer a passkey (see `passkeyPageHeaders`). The one stylesheet is allowed by its hash, so the
+// Content-Security-Policy can keep `default-src 'none'`.
+
+const STYLESHEET = `
+:root {
+  color-scheme: light dark;
+  --fg: #1c1b1f;
+  --bg: #fbfbfd;
+  --muted: #55535e;
+  --line: #c9c7d1;
+  --accent: #1f4fd1;
+  --danger: #b3261e;
+  --panel: #fff;
+}
+@media (prefers-color-scheme: dark) {
+  :root {
+    --fg: #ecebf1;
+    --bg: #141318;
+    --muted: #b2b0bc;
+    --line: #45434d;
+    --accent: #9db7ff;
+    --danger: #ffb4ab;
+    --panel: #1d1c22;
+  }
+}
+* { box-sizing: border-box; }
+body {
+  margin: 0;
+  background: var(--bg);
+  color: var(--fg);
+  font: 1rem/1.5 system-ui, -apple-system, "Segoe UI", sans-serif;
+}
+main { max-width: 34rem; margin: 0 auto; padding: 2rem 1rem; }
+h1 { font-size: 1.5rem; line-height: 1.25; margin: 0 0 1rem; overflow-wrap: anywhere; }
+p, fieldset, pre { margin: 0 0 1rem; }
+code, pre { font-family: ui-monospace, Menlo, Consolas, monospace; font-size: .9rem; overflow-wrap: anywhere; }
+pre {
+  background: var(--panel);
+  border: 1px solid var(--line);
+  border-radius: .5rem;
+  padding: .75rem;
+  white-space: pre-wrap;
+}
+/* a new token: one click or tap takes it whole, and it breaks anywhere, not at a hyphen of its own */
+.token { user-select: all; -webkit-user-select: all; word-break: break-all; }
+.muted { color: var(--muted); }
+.error { border-left: 4px solid #d93025; padding: .25rem .75rem; overflow-wrap: anywhere; }
+.warning { border-left: 4px solid #f29900; padding: .25rem .75rem; }
+.notice { border-left: 4px solid var(--accent); padding: .25rem .75rem; }
+h1 .logo, h2 .logo { vertical-align: middle; margin-right: .5rem; }
+fieldset { border: 1px solid var(--line); border-radius: .5rem; padding: .75rem 1rem; background: var(--panel); }
+legend { padding: 0 .25rem; font-weight: 600; }
+label { display: block; padding: .5rem 0; }
+.bar { display: flex; justify-content: space-between; align-items: center; gap: 1rem; margin: 0 0 1rem; }
+.bar button { width: auto; padding: .4rem .8rem; font-weight: 400; }
+input[type=password],
+input[type=url],
+input:not([type]) {
+  display: block;
+  width: 100%;
+  margin-top: .25rem;
+  padding: .6rem;
+  font: inherit;
+  color: inherit;
+  background: var(--panel);
+  border: 1px solid var(--line);
+  border-radius: .4rem;
+}
+.actions { display: flex; gap: .75rem; margin: 1.25rem 0 1rem; }
+[hidden] { display: none !important; }
+.passkey { border-top: 1px solid var(--line); padding-top: .5rem; }
+.passkey h3 { font-size: 1rem; margin: 0 0 .25rem; overflow-wrap: anywhere; }
+.actions > * { flex: 1; }
+button {
+  width: 100%;
+  padding: .7rem 1rem;
+  font: inherit;
+  font-weight: 600;
+  border-radius: .4rem;
+  border: 1px solid var(--accent);
+  background: transparent;
+  color: var(--accent);
+  cursor: pointer;
+}
+button.primary { background: var(--accent); color: var(--bg); }
+button.danger { border-color: var(--danger); color: var(--danger); }
+select {
+  font: inherit;
+  color: inherit;
+  background: var(--panel);
+  border: 1px solid var(--line);
+  border-radius: .4rem;
+  padding: .4rem;
+  margin-left: .25rem;
+}
+.app, .maker, .passkeys {
+  border: 1px solid var(--line);
+  border-radius: .5rem;
+  padding: .75rem 1rem;
+  margin: 0 0 1rem;
+  background: var(--panel);
+}
+.app h2, .maker h2, .passkeys h2 { font-size: 1.1rem; margin: 0 0 .5rem; overflow-wrap: anywhere; }
+.logo { border-radius: .5rem; }
+dl { display: grid; grid-template-columns: max-content 1fr; gap: .2rem .75rem; margin: 0 0 .75rem; }
+dt { color: var(--muted); }
+dd { margin: 0; }
+a { color: var(--accent); }
+:focus-visible { outline: 3px solid var(--accent); outline-offset: 2px; }
+`
+
+/**
+ * The one script Latch serves, for the passkey buttons of the sign-in, consent and apps pages. A
+ * button shows only where the browser has WebAuthn; pressed, it asks Latch for a challenge, lets
+ * the browser make or use a passkey, puts the answer in hidden fields of the button's own form,
+ * and sends that form. Binary values travel in base64url, both ways.
+ */
+const PASSKEY_SCRIPT = `'use strict'
+const encode = (buffer) =>
+  btoa(String.fromCharCode(...new Uint8Array(buffer))).replaceAll('+', '-').replaceAll('/', '_').replaceAll('=', '')
+const decode = (text) => Uint8Array.from(atob(text.replaceAll('-', '+').replaceAll('_', '/')), (c) => c.charCodeAt(0))
+
+async function usePasskey(button) {
+  const form = button.form
+  const name = form.elements.namedItem('name')
+  if (name !== null && !name.reportValidity()) return
+  const body = new URLSearchParams({ csrf: form.elements.namedItem('csrf').value, purpose: button.dataset.passkey })
+  const request = form.elements.namedItem('request')
+  if (request !== null) body.set('request', request.value)
+  const answer = await fetch(button.dataset.challenge, { method: 'POST', body })
+  const options = await answer.json()
+  if (!answer.ok) throw new Error(options.error_description)
+  options.challenge = decode(options.challenge)
+  const fields = {}
+  if (button.dataset.passkey === 'register') {
+    options.user.id = decode(options.user.id)
+    for (const credential of options.excludeCredentials) credential.id = decode(credential.id)
+    const { rawId, response } = await navigator.credentials.create({ publicKey: options })
+    fields.credential = encode(rawId)
+    fields.client_data = encode(response.clientDataJSON)
+    fields.attestation = encode(response.attestationObject)
+  } else {
+    const { rawId, response } = await navigator.credentials.get({ publicKey: options })
+    fields.credential = encode(rawId)
+    fields.client_data = encode(response.clientDataJSON)
+    fields.authenticator_data = encode(response.authenticatorData)
+    fields.signature = encode(response.signature)
+    if (response.userHandle) fields.user_handle = encode(response.userHandle)
+  }
+  if (button.name) fields[button.name] = button.value
+  for (const [name, value] of Object.entries(fields)) {
+    const input = document.createElement('input')
+    Object.assign(input, { type: 'hidden', name, value })
+    form.append(input)
+  }
+  form.noValidate = true // the password field may stay empty
+  form.requestSubmit()
+}
+
+if (window.PublicKeyCredential) {
+  for (const note of document.querySelectorAll('[data-passkey-missing]')) note.hidden = true
+  for (const button of document.querySelectorAll('button[data-passkey]')) {
+    const status = document.createElement('p')
+    Object.assign(status, { className: 'error', role: 'alert', hidden: true })
+    button.closest('.actions').before(status)
+    button.hidden = false
+    button.addEventListener('click', () => {
+      button.disabled = true
+      status.hidden = true
+      usePasskey(button)
+        .catch((err) => {
+          status.textContent = 'The passkey did not work: ' + err.message
+          status.hidden = false
+        })
+        .finally(() => (button.disabled = false))
+    })
+    // Pressed, by a click or by Enter where it is the first button, it uses a passkey rather than
+    // send the form as it is; and so does Enter in a form without a button of its own (a name)
+    button.form.addEventListener('submit', (event) => {
+      if (button.form.elements.namedItem('client_data') !== null) return // the passkey's answer
+      if (event.submitter === button) return event.preventDefault()
+      if (event.submitter !== null) return // another button: Approve, Deny, Sign in
+      event.preventDefault()
+      button.click()
+    })
+  }
+}
+`
+
+const PAGE_POLICY = [
+  "default-src 'none'",
+  `style-src 'sha256-${hash('sha256', STYLESHEET, 'base64')}'`,
+  'img-src data:',
+  "frame-ancestors 'none'",
+  "base-uri 'none'",
+].join('; ')
+
+const PAGE_HEADERS = {
+  'Content-Type': 'text/html; charset=utf-8',
+  'Content-Security-Policy': PAGE_POLICY,
+  'X-Frame-Options': 'DENY',
+  'Referrer-Policy': 'no-referrer',
+  'X-Content-Type-Options': 'nosniff',
+  ...NO_STORE,
+}
+
+/**
+ * The policy of a page with a passkey button: it may run `/passkey.js`, by its full URL, and that
+ * script may fetch `/passkeys/challenge`; nothing else. Other pages keep the policy above.
+ */
+function passkeyPageHeaders(config: Config, scripted: boolean): Record<string, string> {
+  if (!scripted) return {}
+  const script = endpointUrl(config, '/passkey.js')
+  const challenge = endpointUrl(config, '/passkeys/challenge')
+  return { 'Content-Security-Policy': `${PAGE_POLICY}; script-src ${script}; connect-src ${challenge}` }
+}
+
+/** Escapes text for HTML element content and double-quoted attributes. */
+export function escapeHtml(text: string): string {
+  return text.replace(/[&<>"']/g, (char) => `&#${char.charCodeAt(0)};`)
+}
+
+/** Text a stranger chose, as plain text, escaped and isolated: whatever its direction, it cannot reorder the page. */
+function isolate(text: string): string {
+  return `<bdi>${escapeHtml(plainText(text))}</bdi>`
+}
+
+function renderPage(title: string, body: string, head = ''): string {
+  return `<!doctype html>
+<html lang="en">
+<head>
+<meta charset="utf-8">
+<meta name="viewport" content="width=device-width, initial-scale=1">
+<meta name="referrer" content="no-referrer">
+<title>${escapeHtml(title)}</title>
+<style>${STYLESHEET}</style>${head === '' ? '' : `\n${head}`}
+</head>
+<body>
+<main>
+${body}
+</main>
+</body>
+</html>
+`
+}
+
+/** Headers of a page: `Set-Cookie` may be several. */
+type PageHeaders = Record<string, string | string[]>
+
+function sendPage(res: ServerResponse, status: number, html: string, headers: PageHeaders = {}): void {
+  closeIfBodyUnread(res)
+  res.writeHead(status, { ...PAGE_HEADERS, 'Content-Length': String(Buffer.byteLength(html)), ...headers })
+  res.end(html)
+}
+
+/**
+ * Sends an error as a page that names the problem; used where a person, not a client, reads it:
+ * one an app sent to sign in, or the owner on a form of their own (`ownersForm`).
+ */
+function sendErrorPage(res: ServerResponse, err: OAuthError, ownersForm = false): void {
+  const words = (ownersForm ? OWNER_ERROR_PAGE_WORDS[err.status] : undefined) ?? ERROR_PAGE_WORDS[err.status]
+  const [title, next] = words ?? ERROR_PAGE_WORDS[400]
+  const detail = err.error === NO_ERROR_CODE ? `HTTP ${err.status}` : `${err.error}, HTTP ${err.status}`
+  const body = [
+    `<h1>${escapeHtml(title)}</h1>`,
+    `<p>${escapeHtml(next)}</p>`,
+    `<p class="error">${escapeHtml(err.message)}</p>`,
+    `<p class="muted">Technical detail: <code>${escapeHtml(detail)}</code></p>`,
+  ].join('\n')
+  sendPage(res, err.status, renderPage(title, body), err.headers)
+}
+
+/** What an error page says to the person first, by status: a title, and what to do next. */
+const ERROR_PAGE_WORDS: Record<number, [string, string]> = {
+  400: ['This sign-in cannot continue', 'Go back to the app you came from and start again.'],
+  403: ['This was refused', 'The line below says why, and what to do.'],
+  404: ['There is nothing here', 'Check the address, or start from the home page of this server.'],
+  405: ['This page cannot be used that way', 'Go back and follow a link or a button of this server.'],
+  414: ['This address is too long', 'Go back to the app you came from and start again.'],
+  421: ['This is not the name of this server', 'Use the address this server was set up with.'],
+  429: ['Too many attempts', 'Wait, then try again.'],
+  500: ['Something went wrong', 'Try again in a moment. If it goes on, the server log says why.'],
+  503: ['This could not be saved', 'Try again later. If it goes on, the server log says why.'],
+}
+
+/** What an error page says instead on the owner's own forms (apps, tokens, passkeys), to which no app sent them. */
+const FORM_REFUSED: [string, string] = [
+  'This form cannot be used',
+  'Go back and correct what the line below names; if the page is an old one, reload your apps page first.',
+]
+const OWNER_ERROR_PAGE_WORDS: Record<number, [string, string]> = {
+  400: FORM_REFUSED,
+  413: FORM_REFUSED,
+  414: ['This address is too long', 'Start again from your apps page.'],
+}
+
+/** Whether a path is one of the owner's pages or forms, as opposed to the sign-in an app asked for. */
+function isOwnersForm(path: string): boolean {
+  return /^\/(apps|passkeys|sign-in|sign-out)(\/|-|$)/.test(path)
+}
+
+/** The password field, with the message of a failed attempt right above it. */
+function renderPasswordField(message: string | undefined, autofocus = true): string {
+  const focus = autofocus ? ' autofocus' : ''
+  const input = `type="password" name="password" autocomplete="current-password" required${focus}`
+  if (message === undefined) return `<label>Password<input ${input}></label>`
+  return `<p class="error" id="password-error" role="alert">${escapeHtml(message)}</p>
+<label>Password<input ${input} aria-invalid="true" aria-describedby="password-error"></label>`
+}
+
+// --- Cookies --------------------------------------------------------------------
+// Two cookies, both HttpOnly and SameSite=Lax, and Secure on an https issuer: the browser's CSRF
+// value, and the owner's session. Both are Priority=High, which Chromium keeps when a page
+// elsewhere on the site (another port, or a sibling host of the same registrable domain) floods
+// it with ordinary cookies past the 180 it keeps for a site. On https both take the `__Host-`
+// prefix, which binds them to this host and the path `/`. Cookies ignore ports, though: a page
+// on another port of the same host can set a cookie of the same name, and its form posts count
+// as same-site. So the hidden `csrf` field of a signed-in owner's forms is not
+// the cookie's value but a token derived from the session cookie, which no page can read
+// (HttpOnly) nor derive without it; forms of someone not signed in carry the CSRF cookie's value
+// (double submit), and approve only with the password or a passkey.
+
+function csrfCookieName(config: Config): string {
+  return cookieName('latch_csrf', config)
+}
+
+function sessionCookieName(config: Config): string {
+  return cookieName('latch_session', config)
+}
+
+/**
+ * A cookie's name: on https, with the `__Host-` prefix, whose cookies must have `Path=/`. So two
+ * Latches under two paths of one https host (`/alice` and `/bob`) would share them, and signing
+ * in to one would sign out of the other: an issuer with a path adds a few characters of its own,
+ * from the path's hash.
+ */
+function cookieName(base: string, config: Config): string {
+  if (!config.issuer.startsWith('https:')) return base // the cookie's Path is the issuer's
+  let suffix = cookieSuffixes.get(config)
+  if (suffix === undefined) {
+    const path = new URL(config.issuer).pathname.replace(/\/$/, '')
+    suffix = path === '' ? '' : `-${hash('sha256', path, 'base64url').slice(0, 8)}`
+    cookieSuffixes.set(config, suffix)
+  }
+  return `__Host-${base}${suffix}`
+}
+
+/** Each configuration's cookie-name suffix, made once rather than at every request. */
+const cookieSuffixes = new WeakMap<Config, string>()
+
+/** A Set-Cookie value; `maxAgeSeconds` undefined makes a cookie that ends with the browser session. */
+function buildCookie(name: string, value: string, maxAgeSeconds: number | undefined, config: Config): string {
+  const issuer = new URL(config.issuer)
+  const path = name.startsWith('__Host-') ? '/' : `${issuer.pathname.replace(/\/$/, '')}/`
+  const maxAge = maxAgeSeconds === undefined ? '' : `; Max-Age=${maxAgeSeconds}`
+  const secure = issuer.protocol === 'https:' ? '; Secure' : ''
+  return `${name}=${value}; Path=${path}${maxAge}; HttpOnly; SameSite=Lax; Priority=High${secure}`
+}
+
+/** The browser's CSRF cookie, set again with the value its pages carry; it ends with the browser session. */
+function csrfCookie(visitor: Visitor, config: Config): string {
+  return buildCookie(csrfCookieName(config), visitor.csrf, undefined, config)
+}
+
+/** The session cookie, emptied: the browser forgets it at once. */
+function endedSessionCookie(config: Config): string {
+  return buildCookie(sessionCookieName(config), '', 0, config)
+}
+
+/**
+ * Who is at the browser: its CSRF value, the owner's session if any and when it signed in, and
+ * whether approving needs no password.
+ */
+type Visitor = { csrf: string; session: string | undefined; signedInAt: number | undefined; signedIn: boolean }
+
+/** Reads the visitor of a page. The CSRF value is the browser's own when it has one, so two open tabs both work. */
+async function readVisitor(req: IncomingMessage, ctx: Context): Promise<Visitor> {
+  const csrf = readCsrfCookies(req, ctx.config)[0] ?? createSecret()
+  const { session, signedInAt } = await findOwnerSession(req, ctx)
+  return { csrf, session, signedInAt, signedIn: ctx.config.passwordHash === undefined || session !== undefined }
+}
+
+/** The value a visitor's forms carry in their `csrf` field: derived from the session when signed in. */
+function formToken(visitor: Pick<Visitor, 'csrf' | 'session'>): string {
+  return visitor.session === undefined ? visitor.csrf : hash('sha256', `latch form ${visitor.session}`, 'base64url')
+}
+
+/**
+ * Checks the `csrf` field of a form posted from one of Latch's pages: with a live session it must
+ * be the session's token, and otherwise the browser's CSRF cookie; and a browser that says where
+ * the form came from (`Sec-Fetch-Site`) must say this origin. Returns the visitor it names. A
+ * form that this origin sent with a value that no longer fits is a page left open while the
+ * owner signed in or out: a 403 that says so, not a forgery.
+ */
+async function requireFormToken(form: Params, req: IncomingMessage, ctx: Context): Promise<Visitor> {
+  // sent by browsers since 2023: a form of this server's own pages is same-origin
+  const site = req.headers['sec-fetch-site']
+  const sent = site === undefined || site === 'same-origin' ? getParam(form, 'csrf') : undefined
+  const cookies = readCsrfCookies(req, ctx.config)
+  const { session, signedInAt } = await findOwnerSession(req, ctx)
+  // signed out, the form carries one of the browser's CSRF cookies; signed in, the session's token
+  const csrf =
+    session === undefined ? cookies.find((cookie) => sent !== undefined && safeEqual(sent, cookie)) : (cookies[0] ?? '')
+  const visitor = {
+    csrf: csrf ?? '',
+    session,
+    signedInAt,
+    signedIn: ctx.config.passwordHash === undefined || session !== undefined,
+  }
+  if (sent === undefined || csrf === undefined || !safeEqual(sent, formToken(visitor))) {
+    // the browser says a page of this server sent it: one made before the owner signed in or out
+    if (site === 'same-origin' && sent !== undefined) {
+      const stale =
+        'This page is out of date: you signed in or out since it was opened. Go back, reload it and try again'
+      throw new OAuthError('access_denied', stale, { status: 403 })
+    }
+    const sentTo = `${mountPath(ctx.config)}${pathOf(req.url ?? '/')}` // as the request's own log line says
+    // a page of this server opened under another name (a proxy's, an address): reloading it cannot
+    // help. Any site can send a form, so only a name of this machine is offered as one for ISSUER.
+    const origin = req.headers.origin ?? ''
+    const issuer = new URL(ctx.config.issuer).origin
+    const elsewhere = /^https?:\/\/[\w.:[\]-]{1,300}$/.test(origin) && URL.canParse(origin) && origin !== issuer
+    const local = elsewhere && LOOPBACK_HOSTS.has(new URL(origin).hostname.replace(/^\[(.*)\]$/, '$1'))
+    throw new OAuthError(
+      'access_denied',
+      elsewhere
+        ? `This form was sent from a page at ${origin}, but this server is at ${issuer}: ` +
+            `start again from the app, or open the page at ${issuer}` +
+            (local ? ', or set ISSUER to the address you use' : '')
+        : 'This form was not sent from a page of this server in this browser: go back, reload the page and try again',
+      {
+        status: 403,
+        event: `a form sent to ${sentTo} was refused: it did not come from this server's page`,
+      },
+    )
+  }
+  return visitor
+}
+
+/**
+ * The browser's CSRF cookies, well formed: its own, and any a page on another port of this host
+ * planted for a longer path, which the browser sends first. Any of them may be the one a form
+ * carries; a planted one proves nothing, but a page that can plant one can replace ours anyway.
+ */
+function readCsrfCookies(req: IncomingMessage, config: Config): string[] {
+  return readCookies(req, csrfCookieName(config), MAX_COOKIES_OF_A_NAME, /^[A-Za-z0-9_-]{43}$/)
+}
+
+/**
+ * The value of the browser's session cookie when it names a live session started with the
+ * current password, and when that sign-in was: a new `PASSWORD_HASH` ends every session made
+ * with the old one.
+ */
+async function findOwnerSession(
+  req: IncomingMessage,
+  ctx: Context,
+): Promise<{ session: string; signedInAt: number } | { session: undefined; signedInAt: undefined }> {
+  if (ctx.config.passwordHash === undefined) return NO_SESSION
+  // any of a few cookies of the name: one planted by another page on this host must not sign the owner out
+  for (const value of readCookies(req, sessionCookieName(ctx.config), MAX_COOKIES_OF_A_NAME)) {
+    const now = ctx.now()
+    const session = await ctx.store.findSession(hashSecret(value), now)
+    // a session of an old password is ignored, not deleted here: a read writes nothing, and it
+    // expires; so is one older than SESSION_TTL, which may have been made shorter since
+    const current = session !== undefined && session.createdAt + ctx.config.sessionTtlSeconds * 1000 > now
+    if (current && session.passwordTag === passwordTag(ctx.config.passwordHash))
+      return { session: value, signedInAt: session.createdAt }
+  }
+  return NO_SESSION
+}
+
+const NO_SESSION = { session: undefined, signedInAt: undefined }
+
+/**
+ * The most cookies of one name read from one request: the browser's own, and what other pages
+ * of this host or its parent domains could plant for each path and domain that matches. A
+ * session cookie is read for a hash and a lookup each.
+ */
+const MAX_COOKIES_OF_A_NAME = 16
+
+/** What a session keeps of the password it was started with: enough to tell a new one, nothing to guess it by. */
+function passwordTag(passwordHash: string): string {
+  return hashSecret(`latch session ${passwordHash}`)
+}
+
+/** Starts a session for the owner and returns its Set-Cookie value. */
+async function startSession(ctx: Context): Promise<string> {
+  const value = createSecret()
+  const now = ctx.now()
+  const ttl = ctx.config.sessionTtlSeconds
+  const session = {
+    createdAt: now,
+    expiresAt: now + ttl * 1000,
+    passwordTag: passwordTag(ctx.config.passwordHash ?? ''),
+  }
+  await ctx.store.saveSession(hashSecret(value), session, now)
+  return buildCookie(sessionCookieName(ctx.config), value, ttl, ctx.config)
+}
+
+// --- Sign-in checks -------------------------------------------------------------
+// A sign-in is the password or a passkey, and both are attempts alike. Attempts are counted
+// before the password's hash or the passkey's signature is checked, so guesses sent in parallel
+// count too: per client address, where five are free, and in total, where twenty are. Each
+// attempt past those is still checked but makes the next wait, 2 seconds, then twice as long each
+// time, up to 15 minutes (429 with Retry-After); a success clears the counts, and a day of quiet
+// forgets them. At most two scrypt checks run at once, so a flood cannot pin the CPU.
+
+const FREE_ATTEMPTS_PER_ADDRESS = 5
+const FREE_ATTEMPTS_IN_TOTAL = 20
+const MAX_PASSWORD_DELAY_SECONDS = 900
+const FORGET_PASSWORD_FAILURES_SECONDS = 86400
+const MAX_TRACKED_ADDRESSES = 10_000
+const MAX_PARALLEL_PASSWORD_CHECKS = 2
+const MAX_WAITING_PASSWORD_CHECKS = 32
+
+/**
+ * Why a sign-in is refused, for the form shown again: wrong (403), missing (400), or too many
+ * wrong ones (429). Never 401, here or on the owner's other forms: a 401 must carry an HTTP
+ * authentication challenge (`WWW-Authenticate`, RFC 9110 §15.5.2), and a form is not one.
+ */
+type SignInRefusal = { status: 400 | 403 | 429; message: string; headers: Record<string, string> }
+
+/**
+ * Checks the owner's sign-in on a form: the password, or a passkey's answer to a challenge made
+ * for this browser (and for this pending request, on a consent page). Both count as attempts
+ * alike. Returns undefined when it is right, else why it is refused.
+ */
+async function checkSignIn(
+  form: Params,
+  on: { visitor: Visitor; request?: string },
+  req: IncomingMessage,
+  res: ServerResponse,
+  ctx: Context,
+): Promise<SignInRefusal | undefined> {
+  const address = clientAddress(req, ctx.trustedProxies)
+  const group = addressGroup(address) // an IPv6 /64 is one host's: its addresses share their tries
+  const now = ctx.steadyNow()
+  const attempts = ctx.signInAttempts
+  const byPasskey = getParam(form, 'credential') !== undefined
+  const password = getParam(form, 'password')
+  const lockedUntil = Math.max(attempts.byAddress.get(group)?.lockedUntil ?? 0, attempts.total.lockedUntil)
+  if (lockedUntil > now) {
+    const retryAfter = String(Math.ceil((lockedUntil - now) / 1000))
+    noteError(res, 'too_many_requests')
+    const message = `Too many ${byPasskey ? 'failed sign-ins' : 'wrong passwords'}: try again in ${retryAfter} seconds`
+    return { status: 429, message, headers: { 'Retry-After': retryAfter } }
+  }
+  if (!byPasskey && !ctx.config.passwordSignIn)
+    return { status: 403, message: 'Password sign-in is off: sign in with a passkey', headers: {} }
+  if (!byPasskey && password === undefined) return { status: 400, message: 'Enter your password', headers: {} }
+  const previous = attempts.byAddress.get(group)
+  attempts.byAddress.delete(group) // re-inserted last, so the map stays ordered oldest first
+  if (attempts.byAddress.size >= MAX_TRACKED_ADDRESSES)
+    attempts.byAddress.delete(attempts.byAddress.keys().next().value ?? '')
+  attempts.byAddress.set(group, countAttempt(previous, now, FREE_ATTEMPTS_PER_ADDRESS))
+  attempts.total = countAttempt(attempts.total, now, FREE_ATTEMPTS_IN_TOTAL)
+  const passwordHash = ctx.config.passwordHash ?? ''
+  const refused = byPasskey
+    ? await checkPasskeySignIn(form, on, address, ctx)
+    : (await withPasswordSlot(ctx.passwordSlots, () => verifyPassword(password ?? '', passwordHash)))
+      ? undefined
+      : 'Wrong password'
+  if (refused !== undefined) {
+    const wait = Math.max(attempts.byAddress.get(group)?.lockedUntil ?? 0, attempts.total.lockedUntil) - now
+    if (wait > 0) {
+      const from = attempts.total.lockedUntil - now === wait ? 'in total' : `from ${group}`
+      logEvent(
+        ctx,
+        'security',
+        `too many ${byPasskey ? 'failed passkey sign-ins' : 'wrong passwords'} ${from}: ` +
+          `the next attempt must wait ${wait / 1000} seconds`,
+        address,
+      )
+    }
+    return { status: 403, message: refused, headers: {} }
+  }
+  attempts.byAddress.delete(group)
+  attempts.total = NO_ATTEMPTS
+  return undefined
+}
+
+const NO_ATTEMPTS: PasswordAttempts = { count: 0, lastAt: 0, lockedUntil: 0 }
+
+/** One more attempt: free up to `free`, then locked for 2, 4, 8, … seconds, up to 15 minutes. */
+export function countAttempt(previous: PasswordAttempts | undefined, now: number, free: number): PasswordAttempts {
+  const forgotten = previous === undefined || now - previous.lastAt > FORGET_PASSWORD_FAILURES_SECONDS * 1000
+  const count = forgotten ? 1 : previous.count + 1
+  const delaySeconds = count <= free ? 0 : Math.min(2 ** (count - free), MAX_PASSWORD_DELAY_SECONDS)
+  return { count, lastAt: now, lockedUntil: now + delaySeconds * 1000 }
+}
+
+/** Runs a password check when one of the few slots is free; past the queue's length, 429. */
+export function withPasswordSlot<T>(slots: PasswordSlots, check: () => Promise<T>): Promise<T> {
+  const busy = () =>
+    new OAuthError('too_many_requests', 'The server is busy checking passwords: try again in a few seconds', {
+      headers: { 'Retry-After': '5' },
+    })
+  return withSlot(slots, PASSWORD_CHECK_SLOTS, busy, check)
+}
+
+const PASSWORD_CHECK_SLOTS = { running: MAX_PARALLEL_PASSWORD_CHECKS, waiting: MAX_WAITING_PASSWORD_CHECKS }
+
+// --- Owner password -------------------------------------------------------------
+// The owner's password is stored as `scrypt:ln=15,r=8,p=1:<salt>:<hash>` (base64url): the
+// string carries its own salt and cost, and has no `$` for a shell to expand.
+
+const SCRYPT_KEY_LENGTH = 32
+const SCRYPT_DEFAULT_COST = { ln: 15, r: 8, p: 1 }
+
+type PasswordHash = { ln: number; r: number; p: number; salt: Buffer; hash: Buffer }
+
+/** Hashes a password with scrypt and a random salt; `ln` is log2 of the cost N. */
+export async function hashPassword(
+  password: string,
+  cost: { ln: number; r: number; p: number } = SCRYPT_DEFAULT_COST,
+): Promise<string> {
+  const salt = randomBytes(16)
+  const hash = await runScrypt(password, { ...cost, salt })
+  return `scrypt:ln=${cost.ln},r=${cost.r},p=${cost.p}:${base64url(salt)}:${base64url(hash)}`
+}
+
+/** Checks a password against a hash from `hashPassword`, comparing in constant time. */
+export async function verifyPassword(password: string, passwordHash: string): Promise<boolean> {
+  const parsed = parsePasswordHash(passwordHash)
+  if (parsed === undefined) return false
+  const hash = await runScrypt(password, parsed)
+  return timingSafeEqual(hash, parsed.hash)
+}
+
+/**
+ * A hash's cost must be one this machine can pay for every wrong password a stranger sends, two
+ * at a time: at most 256 MiB of work (128 · 2^ln · r · p bytes; 2^17 with r=8, OWASP's advice,
+ * is 128 MiB). And at least ln=10 with r=8 (the tests' cost): less makes each guess nearly free.
+ */
+function parsePasswordHash(value: string): PasswordHash | undefined {
+  const match = /^scrypt:ln=(\d+),r=(\d+),p=(\d+):([A-Za-z0-9_-]{16,}):([A-Za-z0-9_-]{43})$/.exec(value)
+  if (match === null) return undefined
+  const [ln, r, p] = [Number(match[1]), Number(match[2]), Number(match[3])]
+  if (ln < 10 || r < 8 || r > 16 || p < 1 || p > 4 || 128 * 2 ** ln * r * p > MAX_SCRYPT_BYTES) return undefined
+  return { ln, r, p, salt: Buffer.from(match[4], 'base64url'), hash: Buffer.from(match[5], 'base64url') }
+}
+
+const MAX_SCRYPT_BYTES = 256 * 2 ** 20
+
+function runScrypt(password: string, params: { ln: number; r: number; p: number; salt: Buffer }): Promise<Buffer> {
+  const N = 2 ** params.ln
+  const maxmem = 128 * N * params.r * params.p + 1024 * 1024
+  return new Promise((resolve, reject) => {
+    scrypt(
+      password.normalize('NFC'),
+      params.salt,
+      SCRYPT_KEY_LENGTH,
+      { N, r: params.r, p: params.p, maxmem },
+      (err, key) => {
+        if (err) reject(err)
+        else resolve(key)
+      },
+    )
+  })
+}
+
+// --- Passkeys (WebAuthn) --------------------------------------------------------
+// WebAuthn Level 3  https://www.w3.org/TR/webauthn-3/
+// A passkey is a key pair made by the owner's device: Latch keeps the public key, and signing in
+// is the device signing a challenge Latch made. What arrives is three byte strings a browser hands
+// over: `clientDataJSON` (what the browser saw: the challenge and the page's origin),
+// `authenticatorData` (what the device says: which site, whether the person was there, a counter)
+// and a signature over both. Registration sends an `attestationObject` instead, a CBOR map that
+// carries the authenticator data with the new public key in it, as a COSE key. So WebAuthn needs
+// no library: a small CBOR reader, COSE keys turned into JWKs for `createPublicKey`, and the checks
+// of the spec's two ceremonies (§7.1 and §7.2), each of which throws a `PasskeyError` that says
+// which check failed. Latch trusts the owner, not the device's maker: an attestation statement,
+// if the device sends one, is ignored.
+
+/** A WebAuthn check that failed; its message says which, for the log and the page. */
+export class PasskeyError extends Error {}
+
+const COSE_ALGORITHMS = { ES256: -7, EdDSA: -8, RS256: -257 } as const
+const SUPPORTED_ALGORITHMS: number[] = Object.values(COSE_ALGORITHMS)
+const MAX_CBOR_DEPTH = 16
+const MAX_CREDENTIAL_ID_BYTES = 1_023
+const MIN_RSA_BITS = 2_048
+const MAX_RSA_BITS = 4_096
+const utf8WithoutBom = new TextDecoder('utf-8', { fatal: true })
+
+/**
+ * Reads one CBOR data item (RFC 8949 §3) at `offset`: its value and where it ends. Enough CBOR for
+ * WebAuthn, whose authenticators must send the core deterministic encoding: integers, byte and
+ * text strings, arrays, maps, `true`, `false`, `null`. Indefinite lengths, tags and floats never
+ * occur there, and are refused, as is anything that claims more bytes than there are.
+ * @see https://www.rfc-editor.org/rfc/rfc8949#section-3
+ */
+export function readCbor(bytes: Buffer, offset = 0, depth = 0): { value: unknown; end: number } {
+  if (depth > MAX_CBOR_DEPTH) throw new PasskeyError(`CBOR nests deeper than ${MAX_CBOR_DEPTH}`)
+  if (offset >= bytes.length) throw new PasskeyError('CBOR ends before its data item')
+  const initial = bytes[offset]
+  const major = initial >> 5
+  const { argument, end: start } = readCborArgument(bytes, offset)
+  switch (major) {
+    case 0: // unsigned integer
+      return { value: argument, end: start }
+    case 1: // negative integer: -1 - argument
+      return { value: -1 - argument, end: start }
+    case 2: // byte string
+    case 3: {
+      // or text string: a length, then that many bytes
+      if (argument > bytes.length - start) throw new PasskeyError('a CBOR string runs past the end')
+      const slice = bytes.subarray(start, start + argument)
+      if (major === 2) return { value: Buffer.from(slice), end: start + argument }
+      try {
+        return { value: utf8.decode(slice), end: start + argument }
+      } catch {
+        throw new PasskeyError('a CBOR text string is not UTF-8')
+      }
+    }
+    case 4: {
+      // array: at least one byte per item, so a length past the end is caught before any work
+      if (argument > bytes.length - start) throw new PasskeyError('a CBOR array runs past the end')
+      const items: unknown[] = []
+      let end = start
+      for (let i = 0; i < argument; i++) {
+        const item = readCbor(bytes, end, depth + 1)
+        items.push(item.value)
+        end = item.end
+      }
+      return { value: items, end }
+    }
+    case 5: {
+      // map: keys and values in turn
+      if (argument > (bytes.length - start) / 2) throw new PasskeyError('a CBOR map runs past the end')
+      const map = new Map<unknown, unknown>()
+      let end = start
+      for (let i = 0; i < argument; i++) {
+        const key = readCbor(bytes, end, depth + 1)
+        if (typeof key.value !== 'number' && typeof key.value !== 'string')
+          throw new PasskeyError('a CBOR map key is neither an integer nor a text string')
+        if (map.has(key.value)) throw new PasskeyError('a CBOR map has a key twice')
+        const value = readCbor(bytes, key.end, depth + 1)
+        map.set(key.value, value.value)
+        end = value.end
+      }
+      return { value: map, end }
+    }
+    case 6:
+      throw new PasskeyError('CBOR tags are not used by WebAuthn')
+    default: {
+      // major type 7: simple values
+      const simple = initial & 0x1f
+      if (simple === 20) return { value: false, end: offset + 1 }
+      if (simple === 21) return { value: true, end: offset + 1 }
+      if (simple === 22) return { value: null, end: offset + 1 }
+      throw new PasskeyError('CBOR floats and other simple values are not used by WebAuthn')
+    }
+  }
+}
+
+/** A data item's argument: a length, a count or an integer, in the low 5 bits or the 1 to 8 bytes after them. */
+function readCborArgument(bytes: Buffer, offset: number): { argument: number; end: number } {
+  const low = bytes[offset] & 0x1f
+  const major = bytes[offset] >> 5
+  if (major === 7) return { argument: 0, end: offset + 1 }
+  if (low < 24) return { argument: low, end: offset + 1 }
+  if (low > 27) throw new PasskeyError('CBOR indefinite lengths are not used by WebAuthn')
+  const size = 2 ** (low - 24) // 1, 2, 4 or 8 bytes
+  if (offset + 1 + size > bytes.length) throw new PasskeyError('CBOR ends inside a length')
+  const big = size === 8 ? bytes.readBigUInt64BE(offset + 1) : BigInt(bytes.readUIntBE(offset + 1, size))
+  if (big > BigInt(Number.MAX_SAFE_INTEGER)) throw new PasskeyError('a CBOR integer is too large')
+  return { argument: Number(big), end: offset + 1 + size }
+}
+
+/**
+ * A COSE key (RFC 9052 §7, as a map `readCbor` made) as a node:crypto public key: each of the
+ * three kinds Latch accepts becomes the JWK it is (RFC 9053 §2, §7; RFC 8812 §2).
+ * @see https://www.w3.org/TR/webauthn-3/#sctn-encoded-credPubKey-examples
+ */
+export function readCoseKey(cose: unknown): { key: KeyObject; algorithm: number } {
+  if (!(cose instanceof Map)) throw new PasskeyError('the public key is not a COSE key')
+  const bytesAt = (label: number): Buffer => {
+    const value = cose.get(label)
+    if (!Buffer.isBuffer(value) || value.length === 0) throw new PasskeyError(`the COSE key lacks parameter ${label}`)
+    return value
+  }
+  const kty = cose.get(1)
+  const algorithm = cose.get(3)
+  const rsaRefused = `the RSA key is not of ${MIN_RSA_BITS} to ${MAX_RSA_BITS} bits with the exponent 65537`
+  let jwk: { kty: string; crv?: string; x?: string; y?: string; n?: string; e?: string }
+  let modulus: Buffer | undefined // an RSA key's
+  if (kty === 2 && algorithm === COSE_ALGORITHMS.ES256 && cose.get(-1) === 1) {
+    jwk = { kty: 'EC', crv: 'P-256', x: base64url(bytesAt(-2)), y: base64url(bytesAt(-3)) }
+  } else if (kty === 1 && algorithm === COSE_ALGORITHMS.EdDSA && cose.get(-1) === 6) {
+    const x = bytesAt(-2)
+    const point = x.length === 32 ? withoutSignBit(x) : undefined
+    if (point !== undefined && ED25519_SMALL_ORDER.some((small) => small.equals(point)))
+      throw new PasskeyError('the Ed25519 key is a point of small order, whose signatures anyone can make')
+    jwk = { kty: 'OKP', crv: 'Ed25519', x: base64url(x) }
+  } else if (kty === 3 && algorithm === COSE_ALGORITHMS.RS256) {
+    // the lengths first: node:crypto spends time in proportion to an exponent's before it can refuse it
+    const e = bytesAt(-2)
+    modulus = bytesAt(-1)
+    if (modulus.length > MAX_RSA_BITS / 8 + 1 || e.length > 4) throw new PasskeyError(rsaRefused)
+    jwk = { kty: 'RSA', n: base64url(modulus), e: base64url(e) }
+  } else {
+    throw new PasskeyError('the key is not ES256 on P-256, EdDSA on Ed25519 or RS256')
+  }
+  let key: KeyObject
+  try {
+    key = createPublicKey({ key: jwk, format: 'jwk' })
+  } catch {
+    throw new PasskeyError('the COSE key is not a valid public key')
+  }
+  if (modulus !== undefined) {
+    const details = key.asymmetricKeyDetails
+    const bits = details?.modulusLength ?? 0
+    if (bits < MIN_RSA_BITS || bits > MAX_RSA_BITS || details?.publicExponent !== 65537n)
+      throw new PasskeyError(rsaRefused)
+    // an even modulus has a private exponent anyone can work out (other weak moduli, a prime
+    // one say, only a device made to deceive would send, and they cost more to tell)
+    if (modulus[modulus.length - 1] % 2 === 0)
+      throw new PasskeyError('the RSA modulus is even, so anyone can sign with the key')
+  }
+  return { key, algorithm }
+}
+
+/**
+ * The points of small order on Ed25519, as 32 bytes with the sign bit of x cleared: a key that
+ * is one of them verifies signatures made without any private key (the list libsodium refuses).
+ */
+const ED25519_SMALL_ORDER = [
+  '0000000000000000000000000000000000000000000000000000000000000000', // y = 0, order 4
+  '0100000000000000000000000000000000000000000000000000000000000000', // y = 1, the identity
+  '26e8958fc2b227b045c3f489f2ef98f0d5dfac05d3c63339b13802886d53fc05', // order 8
+  'c7176a703d4dd84fba3c0b760d10670f2a2053fa2c39ccc64ec7fd7792ac037a', // order 8
+  'ecffffffffffffffffffffffffffffffffffffffffffffffffffffffffffff7f', // y = p - 1, order 2
+  'edffffffffffffffffffffffffffffffffffffffffffffffffffffffffffff7f', // y = p, that is 0
+  'eeffffffffffffffffffffffffffffffffffffffffffffffffffffffffffff7f', // y = p + 1, that is 1
+].map((hex) => Buffer.from(hex, 'hex'))
+
+function withoutSignBit(x: Buffer): Buffer {
+  const y = Buffer.from(x)
+  y[31] &= 0x7f
+  return y
+}
+
+/** What the device says, in the byte layout of WebAuthn §6.1. */
+export type AuthenticatorData = {
+  /** SHA-256 of the RP ID the device signed for: Latch's host name. */
+  rpIdHash: Buffer
+  flags: { userPresent: boolean; userVerified: boolean; backupEligible: boolean; backedUp: boolean }
+  counter: number
+  /** At registration: the new credential, with its public key as a COSE map. */
+  credential?: { aaguid: Buffer; id: Buffer; publicKey: unknown }
+}
+
+/**
+ * Reads authenticator data: 32 bytes of RP ID hash, a byte of flags, a 4-byte counter, then, when
+ * flag AT is set, the attested credential (16 bytes AAGUID, 2 bytes length, the id, a COSE key),
+ * and when flag ED is set, a CBOR map of extensions. Nothing may follow.
+ * @see https://www.w3.org/TR/webauthn-3/#sctn-authenticator-data
+ */
+export function readAuthenticatorData(bytes: Buffer): AuthenticatorData {
+  if (bytes.length < 37) throw new PasskeyError('the authenticator data is shorter than 37 bytes')
+  const flags = bytes[32]
+  let end = 37
+  let credential: AuthenticatorData['credential']
+  if (flags & 0x40) {
+    if (bytes.length < end + 18) throw new PasskeyError('the attested credential data is cut short')
+    const aaguid = Buffer.from(bytes.subarray(end, end + 16))
+    const length = bytes.readUInt16BE(end + 16)
+    if (length === 0 || length > MAX_CREDENTIAL_ID_BYTES)
+      throw new PasskeyError('the credential id is empty or longer than 1,023 bytes')
+    if (bytes.length < end + 18 + length) throw new PasskeyError('the credential id is cut short')
+    const id = Buffer.from(bytes.subarray(end + 18, end + 18 + length))
+    const publicKey = readCbor(bytes, end + 18 + length)
+    credential = { aaguid, id, publicKey: publicKey.value }
+    end = publicKey.end
+  }
+  if (flags & 0x80) {
+    const extensions = readCbor(bytes, end)
+    if (!(extensions.value instanceof Map)) throw new PasskeyError('the extensions are not a CBOR map')
+    end = extensions.end
+  }
+  if (end !== bytes.length) throw new PasskeyError('the authenticator data has bytes past its end')
+  return {
+    rpIdHash: Buffer.from(bytes.subarray(0, 32)),
+    flags: {
+      userPresent: (flags & 0x01) !== 0,
+      userVerified: (flags & 0x04) !== 0,
+      backupEligible: (flags & 0x08) !== 0,
+      backedUp: (flags & 0x10) !== 0,
+    },
+    counter: bytes.readUInt32BE(33),
+    credential,
+  }
+}
+
+/** What a ceremony is checked against: the challenge Latch made, its origin and its RP ID. */
+type CeremonyExpectations = { challenge: string; origin: string; rpId: string }
+
+/**
+ * Registration, WebAuthn §7.1: the checks of steps 7 to 25 that concern a relying party that
+ * accepts any attestation (steps 22 to 24 verify a statement Latch ignores; step 25, an id of at
+ * most 1,023 bytes, is in `readAuthenticatorData`). Returns the new credential; checking that its
+ * id is not registered yet (step 26) and saving it (step 27) are the caller's. The step numbers
+ * are those of Level 3, whose client data has `topOrigin`; earlier drafts count differently.
+ * @see https://www.w3.org/TR/webauthn-3/#sctn-registering-a-new-credential
+ */
+export function verifyRegistration(
+  response: { clientDataJSON: Buffer; attestationObject: Buffer },
+  expected: CeremonyExpectations,
+): { id: string; publicKey: string; algorithm: number; counter: number } {
+  checkClientData(response.clientDataJSON, 'webauthn.create', expected) // steps 7 to 11
+  const attestation = readCbor(response.attestationObject)
+  if (!(attestation.value instanceof Map) || attestation.end !== response.attestationObject.length)
+    throw new PasskeyError('the attestation object is not one CBOR map')
+  const authData = attestation.value.get('authData')
+  if (typeof attestation.value.get('fmt') !== 'string' || !Buffer.isBuffer(authData))
+    throw new PasskeyError('the attestation object lacks fmt or authData')
+  const data = readAuthenticatorData(authData) // step 13
+  checkAuthenticatorData(data, expected.rpId) // steps 14 to 17
+  if (data.credential === undefined) throw new PasskeyError('the authenticator data carries no new credential')
+  const { key, algorithm } = readCoseKey(data.credential.publicKey) // step 20: one of the algorithms offered
+  return {
+    id: base64url(data.credential.id),
+    publicKey: base64url(key.export({ type: 'spki', format: 'der' })),
+    algorithm,
+    counter: data.counter,
+  }
+}
+
+/**
+ * Authentication, WebAuthn §7.2, steps 10 to 22: the caller has found the passkey by the id the
+ * browser sent (steps 5 and 6). Returns the new signature counter, for the caller to store.
+ * @see https://www.w3.org/TR/webauthn-3/#sctn-verifying-assertion
+ */
+export function verifyAuthentication(
+  response: { clientDataJSON: Buffer; authenticatorData: Buffer; signature: Buffer },
+  expected: CeremonyExpectations & { publicKey: string; algorithm: number; counter: number },
+): { counter: number } {
+  checkClientData(response.clientDataJSON, 'webauthn.get', expected) // steps 10 to 14
+  const data = readAuthenticatorData(response.authenticatorData)
+  if (data.credential !== undefined) throw new PasskeyError('a sign-in carries a new credential')
+  checkAuthenticatorData(data, expected.rpId) // steps 15 to 18
+  // steps 20 and 21: the signature covers the authenticator data and the hash of the client data
+  const signed = Buffer.concat([response.authenticatorData, hash('sha256', response.clientDataJSON, 'buffer')])
+  let key: KeyObject
+  try {
+    key = createPublicKey({ key: Buffer.from(expected.publicKey, 'base64url'), format: 'der', type: 'spki' })
+  } catch {
+    throw new PasskeyError('the stored public key is not a valid key: remove this passkey and add it again')
+  }
+  const digest = expected.algorithm === COSE_ALGORITHMS.EdDSA ? null : 'sha256'
+  if (!SUPPORTED_ALGORITHMS.includes(expected.algorithm) || !verifies(digest, signed, key, response.signature))
+    throw new PasskeyError('the signature does not verify with the stored public key')
+  // step 22: a counter that does not grow means two devices hold the key: a clone
+  if ((data.counter !== 0 || expected.counter !== 0) && data.counter <= expected.counter)
+    throw new PasskeyError(
+      `the signature counter went from ${expected.counter} to ${data.counter}, not up: ` +
+        'the passkey may have been cloned',
+    )
+  return { counter: data.counter }
+}
+
+/** Whether a signature verifies; a signature that is not even well-formed does not. */
+function verifies(digest: string | null, data: Buffer, key: KeyObject, signature: Buffer): boolean {
+  try {
+    return verify(digest, data, key, signature)
+  } catch {
+    return false
+  }
+}
+
+/** The client data checks both ceremonies share: its type, the challenge, the origin, no cross-origin frame. */
+function checkClientData(json: Buffer, type: string, expected: CeremonyExpectations): void {
+  const clientData = readClientData(json)
+  if (!isObject(clientData)) throw new PasskeyError('the client data is not a JSON object')
+  if (clientData.type !== type) throw new PasskeyError(`the client data's type is not ${type}`)
+  if (typeof clientData.challenge !== 'string' || !safeEqual(clientData.challenge, expected.challenge))
+    throw new PasskeyError('the challenge is not the one this server made')
+  if (clientData.origin !== expected.origin) throw new PasskeyError(`the page was not on ${expected.origin}`)
+  if ((clientData.crossOrigin !== undefined && clientData.crossOrigin !== false) || clientData.topOrigin !== undefined)
+    throw new PasskeyError('the ceremony ran in a frame of another origin')
+}
+
+/**
+ * The client data as JSON: UTF-8, with a leading byte order mark passed over, as the UTF-8
+ * decode of §7.1 and §7.2 does (unlike a form's values, where the URL standard keeps one).
+ */
+function readClientData(json: Buffer): unknown {
+  try {
+    return JSON.parse(utf8WithoutBom.decode(json))
+  } catch {
+    throw new PasskeyError('the client data is not JSON')
+  }
+}
+
+/** The authenticator data checks both ceremonies share: the RP ID, a person present and verified, the backup flags. */
+function checkAuthenticatorData(data: AuthenticatorData, rpId: string): void {
+  if (!data.rpIdHash.equals(hash('sha256', rpId, 'buffer')))
+    throw new PasskeyError(`the passkey was made for another site than ${rpId}`)
+  if (!data.flags.userPresent) throw new PasskeyError('the device did not see a person present')
+  if (!data.flags.userVerified) throw new PasskeyError('the device did not verify the person (PIN or biometrics)')
+  if (data.flags.backedUp && !data.flags.backupEligible)
+    throw new PasskeyError('the device says a passkey that cannot be backed up was backed up')
+}
+
+// Where passkeys work, and the challenges: each is made for one browser (its session when the
+// owner is signed in, else its CSRF cookie), for one purpose, and on a consent page for one
+// pending request; it is used once, right or wrong, within five minutes. Anyone may ask for a
+// challenge, so making one stores nothing: a challenge is 16 random bytes, its expiry, and an
+// HMAC of both and of what it is bound to, under a key this process drew at start. Only a used
+// challenge is remembered, until it expires, and using one takes a sign-in attempt (counted and
+// limited as a password is) or the owner's session.
+
+/** What a challenge is made for: checked by its HMAC when an answer comes back. */
+export type PasskeyChallenge = {
+  purpose: 'register' | 'sign-in'
+  /** The hash of the session or CSRF cookie of the browser it was made for. */
+  browser: string
+  /** On a consent page: the hash of the pending request's id. */
+  request: string | undefined
+}
+
+const PASSKEY_CHALLENGE_SECONDS = 300
+const MAX_USED_CHALLENGES = 10_000
+
+/**
+ * The relying party a passkey is made for: the issuer's host name (its RP ID) and origin. None
+ * without a password, where no one signs in, nor where passkeys cannot work (`passkeyHostProblem`).
+ * @see https://www.w3.org/TR/webauthn-3/#rp-id
+ */
+function relyingParty(config: Config): { id: string; origin: string } | undefined {
+  const issuer = new URL(config.issuer)
+  if (config.passwordHash === undefined || passkeyHostProblem(config.issuer) !== undefined) return undefined
+  return { id: issuer.hostname, origin: issuer.origin }
+}
+
+/** The owner's WebAuthn user handle: opaque, the same on every device, and no secret. */
+function userHandleOf(config: Config): string {
+  return base64url(hash('sha256', `latch user ${config.me}`, 'buffer').subarray(0, 16))
+}
+
+/** What binds a challenge to a browser: its session when signed in, else its CSRF cookie. */
+function browserOf(visitor: Visitor): string {
+  return hashSecret(visitor.session ?? visitor.csrf)
+}
+
+/** A new challenge for what it is made for, in base64url: 16 random bytes, 4 of expiry, 16 of HMAC. */
+function makeChallenge(ctx: Context, made: PasskeyChallenge): string {
+  const body = Buffer.alloc(20)
+  randomFillSync(body, 0, 16)
+  body.writeUInt32BE(Math.ceil(ctx.now() / 1000) + PASSKEY_CHALLENGE_SECONDS, 16)
+  return base64url(Buffer.concat([body, challengeMac(ctx, body, made)]))
+}
+
+function challengeMac(ctx: Context, body: Buffer, made: PasskeyChallenge): Buffer {
+  const binding = `latch passkey ${made.purpose} ${made.browser} ${made.request ?? '-'} `
+  return createHmac('sha256', ctx.passkeys.key).update(binding).update(body).digest().subarray(0, 16)
+}
+
+/**
+ * Takes the challenge the client data names, if Latch made it for this purpose, browser and
+ * request and it has not expired: the expected challenge of the ceremony's checks. It is gone
+ * afterwards, whatever the outcome, so an answer can never be replayed.
+ */
+function takeChallenge(
+  ctx: Context,
+  clientDataJSON: Buffer,
+  wanted: { purpose: PasskeyChallenge['purpose']; browser: string; request?: string },
+): string {
+  const clientData = readClientData(clientDataJSON)
+  const challenge = isObject(clientData) ? clientData.challenge : undefined
+  if (typeof challenge !== 'string' || !/^[A-Za-z0-9_-]{48}$/.test(challenge))
+    throw new PasskeyError('the client data names no challenge of this server')
+  const bytes = Buffer.from(challenge, 'base64url')
+  const body = bytes.subarray(0, 20)
+  const made = { purpose: wanted.purpose, browser: wanted.browser, request: wanted.request }
+  if (!timingSafeEqual(bytes.subarray(20), challengeMac(ctx, body, made)))
+    throw new PasskeyError('the challenge was not made by this server for this page and browser: try again')
+  const expiresAt = body.readUInt32BE(16) * 1000
+  const { used } = ctx.passkeys
+  for (const [key, until] of used) {
+    if (until > ctx.now()) break // used in about the order they expire; one left behind goes later
+    used.delete(key)
+  }
+  if (expiresAt <= ctx.now() || used.has(challenge))
+    throw new PasskeyError('the challenge was used before or has expired: try again')
+  if (used.size >= MAX_USED_CHALLENGES)
+    throw new PasskeyError('too many passkey answers came in the last five minutes: try again later')
+  used.set(challenge, expiresAt)
+  return challenge
+}
+
+/** The byte strings a passkey form carries, each in base64url; a missing or malformed one is refused. */
+function readPasskeyFields<Name extends string>(form: Params, names: Name[]): Record<Name, Buffer> {
+  const fields = {} as Record<Name, Buffer>
+  for (const name of names) {
+    const value = getParam(form, name)
+    if (value === undefined || !/^[A-Za-z0-9_-]+$/.test(value))
+      throw new PasskeyError(`the form's ${name} is missing or not base64url`)
+    fields[name] = Buffer.from(value, 'base64url')
+  }
+  return fields
+}
+
+/**
+ * A passkey sign-in from a form (see `checkSignIn`): the challenge, the passkey by its id, the
+ * user handle, the authentication ceremony's checks; then the new counter and the time of use are
+ * stored. Returns why it is refused, after logging it, or undefined.
+ */
+async function checkPasskeySignIn(
+  form: Params,
+  on: { visitor: Visitor; request?: string },
+  address: string,
+  ctx: Context,
+): Promise<string | undefined> {
+  try {
+    const rp = relyingParty(ctx.config)
+    if (rp === undefined) throw new PasskeyError(noPasskeysHere(ctx.config))
+    const sent = readPasskeyFields(form, ['client_data', 'authenticator_data', 'signature'])
+    const browser = browserOf(on.visitor)
+    const challenge = takeChallenge(ctx, sent.client_data, { purpose: 'sign-in', browser, request: on.request })
+    const id = getParam(form, 'credential') ?? ''
+    const response = {
+      clientDataJSON: sent.client_data,
+      authenticatorData: sent.authenticator_data,
+      signature: sent.signature,
+    }
+    await changePasskeys(ctx, async () => {
+      const passkey = await ctx.store.findPasskey(id) // as the last change left it
+      if (passkey === undefined) throw new PasskeyError('it is not a passkey of this server, or it was removed')
+      if (!madeFor(passkey, rp.id)) throw new PasskeyError(`it was made for ${passkey.rpId}, not for ${rp.id}`)
+      // §7.2 step 6: the owner was not named before the ceremony, so the device must say whose
+      // passkey it is, with the handle it was made with. For one stored before Latch kept that
+      // handle, the signature alone shows it is the passkey stored: the handle is not signed, so
+      // it is kept only when it is the one Latch makes now, and a forged one cannot lock it out.
+      const userHandle = getParam(form, 'user_handle') ?? ''
+      if (
+        passkey.userHandle === undefined ? !/^[A-Za-z0-9_-]{1,86}$/.test(userHandle) : userHandle !== passkey.userHandle
+      )
+        throw new PasskeyError('the passkey is not the owner of this server')
+      const keptHandle = passkey.userHandle ?? (userHandle === userHandleOf(ctx.config) ? userHandle : undefined)
+      const { publicKey, algorithm, counter } = passkey
+      const expected = { challenge, origin: rp.origin, rpId: rp.id, publicKey, algorithm, counter }
+      const now = ctx.now()
+      const verified = verifyAuthentication(response, expected)
+      const used = { counter: verified.counter, lastUsedAt: now, userHandle: keptHandle, rpId: rp.id }
+      await ctx.store.savePasskey(id, { ...passkey, ...used }, now)
+    })
+    return undefined
+  } catch (err) {
+    if (!(err instanceof PasskeyError)) throw err
+    logEvent(ctx, 'security', `a passkey sign-in was refused: ${err.message}`, address)
+    return `The passkey was refused: ${err.message}`
+  }
 }
 
 // --- The owner's pages ----------------------------------------------------------
@@ -3011,2063 +5296,6 @@ function formatTime(ms: number): string {
   return `${new Date(ms).toISOString().slice(0, 16).replace('T', ' ')} UTC`
 }
 
-// --- Home page ------------------------------------------------------------------
-
-/**
- * Says what this server is, and shows the owner the `<link>` tags to paste into their site:
- * `indieauth-metadata`, and the two older relations that clients before 2022 look for. The same
- * links go out as a `Link` header, so a `ME` that points at this server is discoverable too; and
- * when `ME` is on this server's origin (the default), in the page's own `<head>`, for clients
- * that read only HTML.
- * @see https://indieauth.spec.indieweb.org/#discovery-by-clients IndieAuth §4.1
- */
-async function handleHomePage(_req: IncomingMessage, res: ServerResponse, ctx: Context): Promise<void> {
-  const { config } = ctx
-  const relations: [string, string][] = [
-    ['indieauth-metadata', endpointUrl(config, '/.well-known/oauth-authorization-server')],
-    ['authorization_endpoint', endpointUrl(config, '/auth')],
-    ['token_endpoint', endpointUrl(config, '/token')],
-  ]
-  const metadata = endpointUrl(config, '/.well-known/oauth-authorization-server')
-  const links = relations.map(([rel, href]) => `<link rel="${rel}" href="${escapeHtml(href)}">`).join('\n')
-  const linkHeader = relations.map(([rel, href]) => `<${href}>; rel="${rel}"`).join(', ')
-  const head = new URL(config.me).origin === new URL(config.issuer).origin ? links : ''
-  sendPage(
-    res,
-    200,
-    renderPage(
-      'Latch',
-      `<h1>Latch</h1>
-<p>This is the IndieAuth server of <code>${escapeHtml(config.me)}</code>.
-Apps that let you sign in with your website send you here to confirm that you are you.</p>
-<p>To use it, paste these lines into the <code>&lt;head&gt;</code> of <code>${escapeHtml(config.me)}</code>:</p>
-<pre>${escapeHtml(links)}</pre>
-<p><a href="${escapeHtml(endpointUrl(config, '/apps'))}">Your connected apps</a></p>
-<p class="muted">Server metadata: <a href="${escapeHtml(metadata)}">${escapeHtml(metadata)}</a></p>`,
-      head,
-    ),
-    { Link: linkHeader },
-  )
-}
-
-// --- Router ---------------------------------------------------------------------
-
-type Handler = (req: IncomingMessage, res: ServerResponse, ctx: Context) => Promise<void>
-
-/**
- * One row of the route table: a path, the methods one handler answers there, whether its errors
- * are shown to a person (a page) or to a program (JSON), whether browser apps on any origin may
- * call it (CORS: RFC 9700 §2.6 allows it on these endpoints, never on the authorization request
- * or the consent form, which are for the owner's own browser), and the spec that defines it.
- */
-type Route = { path: string; methods: string[]; handler: Handler; errors: 'page' | 'json'; cors: boolean; spec: string }
-
-/**
- * Every endpoint of Latch, in the order a client meets them. The router reads nothing else, and
- * the README's table of endpoints is this one (a test holds the two together). Every `GET`
- * answers `HEAD` too (RFC 9110 §9.3.2): node:http then sends the headers without the body.
- */
-// prettier-ignore
-const ROUTES: Route[] = [
-  route('/.well-known/oauth-authorization-server', 'GET HEAD', handleMetadataRequest, 'json', 'CORS', 'RFC 8414 §3'),
-  route('/auth',                'GET HEAD', handleAuthorizationRequest, 'page', '',     'IndieAuth §5.2'),
-  route('/auth/consent',        'POST',     handleConsent,              'page', '',     'IndieAuth §5.2.1'),
-  route('/auth',                'POST',     handleProfileRedemption,    'json', 'CORS', 'IndieAuth §5.3.2'),
-  route('/token',               'POST',     handleTokenRequest,         'json', 'CORS', 'IndieAuth §5.3.3, §5.5'),
-  route('/introspect',          'POST',     handleIntrospectionRequest, 'json', 'CORS', 'IndieAuth §6, RFC 7662'),
-  route('/revoke',              'POST',     handleRevocationRequest,    'json', 'CORS', 'IndieAuth §7, RFC 7009'),
-  route('/userinfo',            'GET HEAD POST', handleUserinfoRequest, 'json', 'CORS', 'IndieAuth §9, RFC 6750'),
-  route('/token',               'GET HEAD', handleTokenVerification,    'json', 'CORS', 'IndieAuth before §6'),
-  route('/apps',                'GET HEAD', handleAppsPage,             'page', '',     ''),
-  route('/apps/revoke',         'POST',     handleAppRevocation,        'page', '',     ''),
-  route('/apps/revoke-all',     'POST',     handleAllAppsRevocation,    'page', '',     ''),
-  route('/apps/tokens',         'POST',     handleScriptToken,          'page', '',     ''),
-  route('/sign-in',             'POST',     handleSignIn,               'page', '',     ''),
-  route('/sign-out',            'POST',     handleSignOut,              'page', '',     ''),
-  route('/sign-out-everywhere', 'POST',     handleSignOutEverywhere,    'page', '',     ''),
-  route('/passkeys/challenge',  'POST',     handlePasskeyChallenge,     'json', '',     'WebAuthn §5.4, §5.5'),
-  route('/passkeys/add',        'POST',     handlePasskeyAddition,      'page', '',     'WebAuthn §7.1'),
-  route('/passkeys/remove',     'POST',     handlePasskeyRemoval,       'page', '',     ''),
-  route('/passkey.js',          'GET HEAD', handlePasskeyScript,        'page', '',     ''),
-  route('/',                    'GET HEAD', handleHomePage,             'page', '',     'IndieAuth §4.1'),
-]
-
-/** A row of the table, from its columns. */
-function route(
-  path: string,
-  methods: string,
-  handler: Handler,
-  errors: Route['errors'],
-  cors: string,
-  spec: string,
-): Route {
-  return { path, methods: methods.split(' '), handler, errors, cors: cors === 'CORS', spec }
-}
-
-/** The route table by path, then by method. */
-const ROUTES_BY_PATH = new Map<string, Map<string, Route>>()
-for (const row of ROUTES) {
-  const methods = ROUTES_BY_PATH.get(row.path) ?? new Map<string, Route>()
-  for (const method of row.methods) methods.set(method, row)
-  ROUTES_BY_PATH.set(row.path, methods)
-}
-
-/** Picks the route for a method and path: 404 for an unknown path, 405 for another method. */
-function selectRoute(method: string, path: string): Pick<Route, 'handler' | 'errors' | 'cors'> {
-  const methods = ROUTES_BY_PATH.get(path)
-  if (methods === undefined) return { handler: rejectUnknownPath, errors: 'json', cors: false }
-  const found = methods.get(method)
-  if (found !== undefined) return found
-  const corsMethods = [...methods].filter(([, row]) => row.cors).map(([name]) => name)
-  if (method === 'OPTIONS' && corsMethods.length > 0) {
-    return { handler: async (_req, res) => writePreflight(res, corsMethods.sort()), errors: 'json', cors: true }
-  }
-  const allow = [...methods.keys()].sort().join(', ')
-  const rejectMethod = async () => {
-    throw new OAuthError('method_not_allowed', `This endpoint accepts ${allow} only`, { headers: { Allow: allow } })
-  }
-  return { handler: rejectMethod, errors: 'json', cors: corsMethods.length > 0 } // a browser app may read why
-}
-
-/**
- * Answers a CORS preflight: any origin may send these methods with `Authorization`, and with
- * `MCP-Protocol-Version`, which MCP clients (the TypeScript SDK's, for one) send when they fetch
- * the metadata; refused, it costs a browser client a second fetch without it.
- * @see https://fetch.spec.whatwg.org/#http-cors-protocol
- */
-function writePreflight(res: ServerResponse, methods: string[]): void {
-  closeIfBodyUnread(res)
-  res.writeHead(204, {
-    'Access-Control-Allow-Origin': '*',
-    'Access-Control-Allow-Methods': methods.join(', '),
-    'Access-Control-Allow-Headers': 'Authorization, Content-Type, MCP-Protocol-Version',
-    'Access-Control-Max-Age': '86400',
-  })
-  res.end()
-}
-
-async function rejectUnknownPath(): Promise<void> {
-  throw new OAuthError('not_found', 'There is no endpoint at this path')
-}
-
-/**
- * Creates the request handler: a plain `(req, res) => void` for node:http, Express or Connect.
- * It logs one line per request (method, path, status, milliseconds) and never a secret.
- */
-export function createHandler(options: HandlerOptions): (req: IncomingMessage, res: ServerResponse) => void {
-  // `openStore` not awaited: else every request that reads the store would answer 500
-  if (typeof (options.store as { then?: unknown } | undefined)?.then === 'function')
-    throw new TypeError('createHandler: store is a Promise: pass await openStore(config)')
-  const log = options.log ?? console.log
-  const now = options.now ?? Date.now
-  const ctx: Context = {
-    config: options.config,
-    store: options.store ?? new MemoryStore({ log }),
-    now,
-    steadyNow: steadyClock(now),
-    log,
-    signInAttempts: { byAddress: new Map(), total: NO_ATTEMPTS },
-    passwordSlots: { running: 0, waiting: [] },
-    clientFetch: options.clientFetch ?? {},
-    clients: new Map(),
-    failedClients: new Map(),
-    clientLookups: new Map(),
-    lookupsBy: new Map(),
-    clientFetchSlots: { running: 0, waiting: [] },
-    trustedProxies: trustedProxiesOf(options.config),
-    refreshes: new Map(),
-    passkeys: { key: randomBytes(32), used: new Map(), changes: Promise.resolve() },
-    startedAt: now(),
-    scriptGrantsUnderWay: new Map(),
-    scriptGrantsWithoutToken: new Set(),
-    answered: new Map(),
-  }
-  // expired entries go even while no one writes, without costing a request anything
-  const { store } = ctx
-  if ((store instanceof MemoryStore || store instanceof FileStore) && options.signal?.aborted !== true) {
-    const sweeping = setInterval(() => store.sweep(ctx.now()), 100).unref()
-    options.signal?.addEventListener('abort', () => clearInterval(sweeping), { once: true })
-  }
-  const ownHosts = ownHostsOf(ctx.config)
-  // the issuer's host and port, when on loopback: a page asked for under another loopback name is sent there
-  const issuerUrl = new URL(ctx.config.issuer)
-  const loopbackIssuerHost = LOOPBACK_HOSTS.has(issuerUrl.hostname.replace(/^\[(.*)\]$/, '$1'))
-    ? issuerUrl.host
-    : undefined
-  const mountedAt = mountPath(ctx.config)
-  let lastOwnHost: string | undefined // the Host header that passed last time: nearly every request repeats it
-  // cleared once said; without a password, such a request is refused (`refusalOf`) and says why itself
-  let warnOfUnnamedProxy = ctx.config.passwordHash !== undefined
-  let namedProxy: string | undefined // the last proxy on loopback seen named, not looked up again
-  return (req, res) => {
-    if (req.socket.destroyed) return // a connection closed already (see `MAX_QUEUED_ANSWERS`): no one to answer
-    const started = process.hrtime.bigint() // not `performance`: its first use loads perf_hooks, on the first request
-    if (req.url !== undefined && req.url[0] !== '/') takeAbsoluteForm(req)
-    const path = pathOf(req.url ?? '/')
-    const { handler, errors, cors } = selectRoute(req.method ?? 'GET', path)
-    if (cors) (res as MarkedResponse)[CORS] = true
-    // the address now: once the connection is gone, node:http no longer knows it
-    const address = clientAddress(req, ctx.trustedProxies)
-    if (warnOfUnnamedProxy && req.headers['x-forwarded-for'] !== undefined && isLoopbackPeer(req)) {
-      const peer = plainAddress(req.socket.remoteAddress ?? '')
-      if (peer !== namedProxy && ctx.trustedProxies !== undefined && isTrustedProxy(peer, ctx.trustedProxies))
-        namedProxy = peer
-      if (peer !== namedProxy) {
-        warnOfUnnamedProxy = false
-        logEvent(
-          ctx,
-          'warning',
-          'requests come through a proxy on this machine (X-Forwarded-For) that TRUST_PROXY does not name: ' +
-            "every client is logged, and counted for password tries, under the proxy's address; " +
-            'add 127.0.0.1,::1 to TRUST_PROXY',
-        )
-      }
-    }
-    let answered = false
-    res.on('finish', () => (answered = true))
-    const logged = describePath(path, handler, mountedAt)
-    res.on('close', () => logRequest(req, res, { address, path: logged, started, answered }, ctx))
-    const host = req.headers.host
-    const own = ownHosts === undefined || (host !== undefined && (host === lastOwnHost || isOwnHost(host, ownHosts)))
-    if (own) lastOwnHost = host
-    const refused = refusalOf(req, own, ctx.config.passwordHash === undefined)
-    if (refused === undefined && loopbackIssuerHost !== undefined && host !== loopbackIssuerHost && errors === 'page') {
-      const there = issuerAliasUrl(req, loopbackIssuerHost, ctx.config)
-      if (there !== undefined) return redirect(res, 307, there)
-    }
-    const checked = refused === undefined ? handler(req, res, ctx) : Promise.reject(refused)
-    checked.catch((err: unknown) => renderError(err, req, res, errors === 'page', ctx))
-  }
-}
-
-/**
- * Where to send a page asked for under another loopback name of this machine than `ISSUER`'s,
- * on its port: `http://127.0.0.1:3000/auth?…` for an issuer of `http://localhost:3000`. The page
- * would show, but its forms post to the issuer, where the browser holds other cookies, and they
- * would be refused (and a passkey works only under the issuer's name). Behind a proxy the Host
- * header may name anything, so only an issuer on loopback (`loopbackIssuerHost`) is checked at all.
- */
-function issuerAliasUrl(req: IncomingMessage, loopbackIssuerHost: string, config: Config): string | undefined {
-  if (req.method !== 'GET' && req.method !== 'HEAD') return undefined
-  const [, name, port] = /^(.*?)(:\d*)?$/.exec((req.headers.host ?? '').toLowerCase()) ?? []
-  const [, issuerName, issuerPort] = /^(.*?)(:\d*)?$/.exec(loopbackIssuerHost) ?? []
-  if (name === issuerName || port !== issuerPort || !LOOPBACK_HOSTS.has(name.replace(/^\[(.*)\]$/, '$1')))
-    return undefined
-  return endpointUrl(config, req.url ?? '/')
-}
-
-/**
- * Whether a request says it came through a proxy: a header a proxy adds (nginx's `proxy_params`,
- * Caddy, CDNs), or HTTP/1.0, which nginx speaks to the server behind it by default and no
- * browser speaks at all.
- */
-function cameThroughProxy(req: IncomingMessage): boolean {
-  const { headers } = req
-  if (req.httpVersion === '1.0' || PROXY_HEADERS.some((name) => headers[name] !== undefined)) return true
-  for (const name in headers) if (name.startsWith('x-forwarded-')) return true
-  return false
-}
-
-const PROXY_HEADERS = ['forwarded', 'via', 'x-real-ip', 'x-client-ip', 'cf-connecting-ip', 'true-client-ip']
-
-/** Why a request is refused before any handler reads it, or undefined. */
-function refusalOf(req: IncomingMessage, own: boolean, passwordless: boolean): OAuthError | undefined {
-  if (req.rawHeaders.length > 2 * MAX_HEADER_LINES) {
-    return new OAuthError('invalid_request', `The request has more than ${MAX_HEADER_LINES} header lines`, {
-      status: 431,
-    })
-  }
-  if (!own) {
-    return new OAuthError(
-      'invalid_request',
-      'This server answers only to its own host name: set ISSUER to the URL you use, or set PASSWORD_HASH',
-      { status: 421 },
-    )
-  }
-  if (passwordless && !isLocalPeer(req)) {
-    return new OAuthError(
-      'access_denied',
-      'This server has no password, so it answers only to this machine: set PASSWORD_HASH',
-      { status: 403 },
-    )
-  }
-  // A proxy on this machine connects from loopback for whoever it serves, under a Host header
-  // it may set to ISSUER's. Most say so; one that says nothing cannot be told from a browser.
-  if (passwordless && cameThroughProxy(req)) {
-    return new OAuthError(
-      'access_denied',
-      'This server has no password, and this request came through a proxy, so it may be anyone: set PASSWORD_HASH',
-      { status: 403 },
-    )
-  }
-  if (hasSeveralHosts(req)) return new OAuthError('invalid_request', 'The request has more than one Host header')
-  if ((req.url ?? '').length > MAX_REQUEST_TARGET) {
-    return new OAuthError('invalid_request', `The request URL is longer than ${MAX_REQUEST_TARGET} characters`, {
-      status: 414,
-    })
-  }
-  return undefined
-}
-
-/**
- * A request target in absolute form, `POST http://host/token`, which "a server MUST accept" though
- * clients send it only to proxies: the path and query are routed as if sent alone, untouched,
- * and the authority stands for the Host header ("MUST ignore the received Host header field").
- * Any other target (`*`, or no scheme) is left as it came, and finds no route.
- * @see https://www.rfc-editor.org/rfc/rfc9112#section-3.2.2 RFC 9112 §3.2.2
- */
-function takeAbsoluteForm(req: IncomingMessage): void {
-  const target = /^https?:\/\/([^/?#@]+)([/?][^#]*)?$/i.exec(req.url ?? '')
-  if (target === null) return
-  const [, authority, rest = '/'] = target
-  req.url = rest[0] === '?' ? `/${rest}` : rest
-  req.headers.host = authority
-}
-
-/** The longest request target (path and query) Latch reads: what it keeps of a request is bounded by it. */
-const MAX_REQUEST_TARGET = 8_192
-
-/**
- * The most header lines Latch reads. node:http keeps about the first 1,000 (`maxHeadersCount`
- * counts names and values) and drops the rest unseen, 16 KiB holds 4,000 short ones, and a
- * second `Host` or a `Content-Encoding` past them would go unchecked: a request with more is
- * refused whole.
- */
-const MAX_HEADER_LINES = 1_000
-
-/**
- * Without a password, anyone who can load a page from this server can approve a sign-in. A web
- * page on another name that resolves to 127.0.0.1 (DNS rebinding) could; so only requests for
- * the issuer's host or a loopback name are served; not one that names no host (HTTP/1.0 allows it).
- */
-function isOwnHost(hostHeader: string, ownHosts: Set<string>): boolean {
-  return ownHosts.has(
-    hostHeader
-      .toLowerCase()
-      .replace(/:\d*$/, '')
-      .replace(/^\[(.*)\]$/, '$1'),
-  )
-}
-
-/**
- * Whether a request came from this machine: over loopback, or a Unix socket. Without a password,
- * `HOST` keeps Latch's own command on loopback; an app that embeds Latch listens where it likes
- * (Express's `app.listen(port)` takes every interface), so a server without a password also looks
- * at who connected, and the Host header a stranger writes is not enough. A TCP connection already
- * reset has no address either: only a server listening on a path (a Unix socket) vouches for it.
- */
-function isLocalPeer(req: IncomingMessage): boolean {
-  if (req.socket.remoteAddress !== undefined) return isLoopbackPeer(req)
-  const server = (req.socket as Socket & { server?: NetServer }).server
-  return typeof server?.address() === 'string'
-}
-
-/** Whether a request came over loopback TCP. */
-function isLoopbackPeer(req: IncomingMessage): boolean {
-  const address = plainAddress(req.socket.remoteAddress ?? '')
-  return address === '::1' || address.startsWith('127.') // no IPv6 address starts so
-}
-
-/**
- * Whether a request names its host more than once, which "a server MUST respond [to] with a 400
- * (Bad Request)": node:http keeps the first, and a proxy in front might have read another.
- * @see https://www.rfc-editor.org/rfc/rfc9112#section-3.2 RFC 9112 §3.2
- */
-function hasSeveralHosts(req: IncomingMessage): boolean {
-  let hosts = 0
-  for (let i = 0; i < req.rawHeaders.length; i += 2) {
-    if (req.rawHeaders[i].length === 4 && req.rawHeaders[i].toLowerCase() === 'host') hosts++
-  }
-  return hosts > 1
-}
-
-/** The host names served without a password: loopback names and the issuer's; with a password, any. */
-function ownHostsOf(config: Config): Set<string> | undefined {
-  if (config.passwordHash !== undefined) return undefined
-  return new Set([...LOOPBACK_HOSTS, new URL(config.issuer).hostname.replace(/^\[(.*)\]$/, '$1')])
-}
-
-/**
- * Logs a request once its connection is done with it. It counts as `answered` only once the whole
- * answer went to the socket: node:http may have closed it first, after bytes it could not parse,
- * and the client may have gone away. That takes the 'finish' event: when 'close' comes, the
- * response's own flags (`writableFinished`) can claim an answer that never left.
- */
-function logRequest(
-  req: IncomingMessage,
-  res: MarkedResponse,
-  { address, path, started, answered }: { address: string; path: string; started: bigint; answered: boolean },
-  ctx: Context,
-): void {
-  ctx.log(
-    formatLogEntry(
-      {
-        time: logTime(ctx.now()),
-        address,
-        method: req.method ?? 'GET',
-        path,
-        status: answered ? res.statusCode : 'closed before the answer',
-        ms: Math.round(Number(process.hrtime.bigint() - started) / 1e6),
-        error: res[LOGGED_ERROR],
-        client_id: res[LOGGED_CLIENT],
-      },
-      ctx.config.logFormat,
-    ),
-  )
-}
-
-/** The last time a log line was stamped with: the requests answered in one millisecond share it. */
-let lastLogTime = { ms: NaN, text: '' }
-
-/** A log line's time, in ISO 8601. Formatting a `Date` was the costliest part of a request's log line. */
-function logTime(now: number): string {
-  if (now !== lastLogTime.ms) lastLogTime = { ms: now, text: new Date(now).toISOString() }
-  return lastLogTime.text
-}
-
-/** The path of `ISSUER`, where an app mounts Latch or a proxy strips: the log shows paths under it. */
-function mountPath(config: Config): string {
-  const { pathname } = new URL(config.issuer)
-  return pathname === '/' ? '' : pathname
-}
-
-/**
- * The path as logged, under the path of `ISSUER` (where an app mounts Latch, or a proxy strips):
- * the one the client asked for. An unknown path is not, since a client may have put anything in it.
- */
-function describePath(path: string, handler: Handler, mountedAt: string): string {
-  return handler === rejectUnknownPath ? '(unknown path)' : mountedAt + path
-}
-
-/**
- * The router's one catch: an `OAuthError` is rendered; a change the data file could not take
- * (`NotStored`: a full disk, say) is a 503, as it may succeed later and the journal has logged
- * why; anything else is a logged 500.
- */
-function renderError(error: unknown, req: IncomingMessage, res: ServerResponse, asPage: boolean, ctx: Context): void {
-  const err = error instanceof NotStored ? NOT_STORED : error
-  ;(res as MarkedResponse)[LOGGED_ERROR] = err instanceof OAuthError ? err.error || undefined : 'server_error'
-  if (err instanceof OAuthError && err.event !== undefined) logEvent(ctx, 'security', err.event, req)
-  if (res.headersSent) {
-    res.destroy()
-    return
-  }
-  if (err instanceof OAuthError) {
-    // a browser that followed a wrong link gets a page, a program its JSON
-    const browser = (err.status === 404 || err.status === 405) && /\btext\/html\b/.test(req.headers.accept ?? '')
-    if (asPage || browser) sendErrorPage(res, err, isOwnersForm(pathOf(req.url ?? '/')))
-    else sendJsonError(res, err)
-    return
-  }
-  logEvent(ctx, 'error', err instanceof Error ? (err.stack ?? err.message) : String(err), req)
-  if (asPage)
-    sendErrorPage(
-      res,
-      new OAuthError('server_error', 'Something went wrong on the server: try again later', { status: 500 }),
-    )
-  else sendJson(res, 500, { error: 'server_error' })
-}
-
-// =================================================================================================
-// PART 2: WHAT IT LEANS ON
-// The log, HTTP plumbing and pages, cookies and sessions, sign-in checks (password and passkey
-// attempts), the owner's password and passkeys (WebAuthn), client fetching, the stores and the
-// journal, the performance internals, the configuration and the command line. Each section says
-// first what the protocol needs from it.
-// =================================================================================================
-
-// --- The log --------------------------------------------------------------------
-// One line per request: when, from where, what, how it ended, and for whom; and a line of its
-// own for what deserves one: a security event, an app that could not be fetched, a server error.
-// `LOG_FORMAT=json` makes each line a JSON object. Never a code, token, verifier, password or
-// hash. Of what a request sent, only its `client_id`, its address (from `X-Forwarded-For` behind
-// a trusted proxy) and the names the owner gives tokens and passkeys are logged.
-
-/** A line of the log: a request answered (`method` to `ms`), or an `event` and its `message`. */
-type LogEntry = {
-  time: string
-  address?: string
-  method?: string
-  path?: string
-  status?: number | string
-  ms?: number
-  error?: string
-  client_id?: string
-  event?: string
-  message?: string
-}
-
-/** The marks a handler leaves on a response for its log line: the OAuth error code and the client_id. */
-const LOGGED_ERROR = Symbol('logged error')
-const LOGGED_CLIENT = Symbol('logged client')
-
-/** Notes the client a request is for, for its log line. */
-function noteClient(res: ServerResponse, clientId: string | undefined): void {
-  if (clientId !== undefined) (res as MarkedResponse)[LOGGED_CLIENT] = clientId
-}
-
-/** Notes the OAuth error an answer carries, for its log line (an error redirect is a 302 or a 303). */
-function noteError(res: ServerResponse, error: string): void {
-  ;(res as MarkedResponse)[LOGGED_ERROR] = error
-}
-
-/** Logs something that happened (`security`, `discovery`, `warning`, `error`), with the request's address, if any. */
-function logEvent(ctx: Context, event: string, message: string, from?: IncomingMessage | string): void {
-  const address = from === undefined || typeof from === 'string' ? from : clientAddress(from, ctx.trustedProxies)
-  ctx.log(formatLogEntry({ time: new Date(ctx.now()).toISOString(), address, event, message }, ctx.config.logFormat))
-}
-
-/**
- * One line: `time address METHOD path status Nms error=… client_id=…`, or `time address event:
- * message`; or the entry as JSON. What a client chose is quoted as JSON when it holds anything but
- * printable ASCII, so that no one can write a line of their own into the log.
- */
-function formatLogEntry(entry: LogEntry, format: Config['logFormat']): string {
-  if (format === 'json') return JSON.stringify(entry)
-  const words = entry.address === undefined ? [entry.time] : [entry.time, entry.address]
-  if (entry.method === undefined) return [...words, `${entry.event}: ${loggable(entry.message ?? '')}`].join(' ')
-  words.push(entry.method, entry.path ?? '', String(entry.status), `${entry.ms}ms`)
-  if (entry.error !== undefined) words.push(`error=${entry.error}`)
-  if (entry.client_id !== undefined)
-    words.push(
-      `client_id=${/^[\x21-\x7e]*$/.test(entry.client_id) ? entry.client_id : JSON.stringify(entry.client_id)}`,
-    )
-  return words.join(' ')
-}
-
-function loggable(text: string): string {
-  return /^[\x20-\x7e]*$/.test(text) ? text : JSON.stringify(text)
-}
-
-// --- HTTP plumbing --------------------------------------------------------------
-// Read a form, send JSON, redirect. What OAuth asks of them (its error codes, and the JSON body of
-// an error) is said where it is used; the pages are the next section.
-
-const MAX_BODY_BYTES = 64 * 1024
-
-/**
- * Reads an `application/x-www-form-urlencoded` body of at most 64 KiB. A larger body is
- * answered with 413 and the rest of it is never buffered.
- *
- * The form is UTF-8 (RFC 6749 Appendix B), and the media type has no `charset` parameter. Some
- * clients send one all the same (Java's Apache HttpClient says ISO-8859-1 by default): a form
- * labelled with a charset that agrees with ASCII is read if it is plain ASCII, which means the
- * same in either, and refused if it is not; one labelled UTF-16 or anything else, refused.
- * @see https://www.rfc-editor.org/rfc/rfc6749#appendix-B
- */
-export async function readForm(req: IncomingMessage): Promise<Params> {
-  const contentType = req.headers['content-type'] ?? ''
-  if (contentType === FORM_TYPE) return parseForm((await readBody(req)).toString('latin1'))
-  const [mediaType, ...parameters] = contentType.split(';').map((part) => part.trim().toLowerCase())
-  if (mediaType !== FORM_TYPE) throw new OAuthError('invalid_request', `The body must be ${FORM_TYPE}`)
-  // `charset=x`, `charset = x` from a sloppy client, or `charset="x"` with its quoted pairs undone
-  const charsets = parameters.flatMap((parameter) => /^charset\s*=\s*(.*)$/.exec(parameter)?.[1] ?? [])
-  if (charsets.length > 1) throw new OAuthError('invalid_request', 'The Content-Type names more than one charset')
-  const charset = charsets[0]?.replace(/^"(.*)"$/, (_, quoted: string) => quoted.replace(/\\(.)/g, '$1'))
-  if (charset === undefined || charset === 'utf-8' || charset === 'utf8') return parseForm(await readText(req))
-  if (!ASCII_CHARSETS.test(charset)) throw new OAuthError('invalid_request', 'The body must be UTF-8')
-  const text = await readText(req)
-  // a byte past ASCII, sent as it is or percent-encoded, means one thing in UTF-8 and another in
-  // this charset; a control byte sent as it is, no form holds
-  if (/[^\t\n\r\x20-\x7e]|%[89a-f][0-9a-f]/i.test(text))
-    throw new OAuthError('invalid_request', `The body is ${charset}, not plain ASCII: send it as UTF-8`)
-  return parseForm(text)
-}
-
-/**
- * Charsets in which ASCII means what it means in UTF-8, under the names clients send: the common
- * labels (IANA's and the WHATWG Encoding Standard's) of ASCII, ISO 8859, KOI8 and the Windows
- * code pages. A form in one of them that is plain ASCII is read. The pattern also takes a few
- * spellings no registry lists (`iso8859_1`), and leaves out rarer labels (`iso-ir-101`, `greek`),
- * whose forms are refused as not UTF-8.
- */
-const ASCII_CHARSETS = new RegExp(
-  '^(us-ascii|ascii|us|csascii|cp367|ibm367|iso-ir-6|iso646-us|ansi_x3\\.4-19(68|86)' + // ASCII
-    '|iso[-_]?8859[-_]?([1-9]|1[013-6])(:19(8[789]|92))?|iso-8859-[68]-i|csisolatin[1-69]|iso-ir-100|(ibm|cp)819' +
-    '|latin-?([1-6]|8|9|10)|l([1-6]|8|9|10)|koi8-[ru]' + // ISO 8859, KOI8
-    '|(x-)?cp125[0-8]|windows-125[0-8]|windows-874)$', // Windows
-)
-
-async function readText(req: IncomingMessage): Promise<string> {
-  return (await readBody(req)).toString('latin1')
-}
-
-const FORM_TYPE = 'application/x-www-form-urlencoded'
-
-/** The media type of a request's body, in lower case, without its parameters. */
-function mediaTypeOf(req: IncomingMessage): string {
-  return (req.headers['content-type'] ?? '').split(';')[0].trim().toLowerCase()
-}
-
-function readBody(req: IncomingMessage): Promise<Buffer> {
-  if (Number(req.headers['content-length']) > MAX_BODY_BYTES) return Promise.reject(bodyTooLarge())
-  const coding = codingRefused(req)
-  if (coding !== undefined) return Promise.reject(coding)
-  // the server's fault, not the client's: a logged 500 that tells the developer what to change
-  if (req.readableEnded)
-    return Promise.reject(
-      new Error('the request body was read before Latch: mount Latch before any body parser (express.urlencoded)'),
-    )
-  return new Promise((resolve, reject) => {
-    const body = new Gathered()
-    let ended = false
-    req.on('data', (chunk: Buffer) => {
-      if (body.size + chunk.length <= MAX_BODY_BYTES) body.add(chunk)
-      else if (body.size <= MAX_BODY_BYTES) {
-        body.size = Infinity // later chunks are read and dropped until the connection closes
-        reject(bodyTooLarge())
-      }
-    })
-    req.on('end', () => {
-      ended = true
-      resolve(body.bytes)
-    })
-    req.on('error', () => ended || reject(bodyCutShort()))
-    req.on('close', () => ended || reject(bodyCutShort()))
-  })
-}
-
-/**
- * A body in a coding Latch does not undo. node:http takes `chunked` off and leaves any other
- * transfer coding (`gzip, chunked`) on, so the bytes would be read as a form when they are not,
- * and perhaps not as a proxy in front read them. RFC 9112 §6.1 suggests 501 for a transfer
- * coding a server does not know; a stranger's request gets a 4xx here, as every other does.
- * @see https://www.rfc-editor.org/rfc/rfc9112#section-6.1 RFC 9112 §6.1
- * @see https://www.rfc-editor.org/rfc/rfc9110#section-15.5.16 RFC 9110 §15.5.16
- */
-function codingRefused(req: IncomingMessage): OAuthError | undefined {
-  const transfer = req.headers['transfer-encoding']
-  if (transfer !== undefined && transfer.toLowerCase() !== 'chunked') {
-    return new OAuthError('invalid_request', 'The body must be sent as it is, or chunked: no other Transfer-Encoding')
-  }
-  const content = req.headers['content-encoding']
-  if (content !== undefined && content.toLowerCase() !== 'identity') {
-    return new OAuthError('invalid_request', 'The body must not be compressed: no Content-Encoding', {
-      status: 415,
-      headers: { 'Accept-Encoding': 'identity' },
-    })
-  }
-  return undefined
-}
-
-/**
- * A body's bytes, gathered into one buffer as its pieces come. Each piece kept as it came costs a
- * few hundred bytes beside its own, however small it is: a body sent one byte at a time (a piece
- * of chunked encoding each) held hundreds of bytes of memory for every byte sent. A body that
- * comes in one piece, as nearly every one does, is kept as it came, without a copy.
- */
-class Gathered {
-  size = 0
-  #bytes: Buffer = Buffer.alloc(0)
-  #copied = false
-
-  add(piece: Buffer): void {
-    const size = this.size + piece.length
-    if (this.size === 0) this.#bytes = piece
-    else {
-      if (!this.#copied || size > this.#bytes.length) {
-        const room = Buffer.allocUnsafe(Math.max(2 * size, 4096))
-        this.#bytes.copy(room, 0, 0, this.size)
-        this.#bytes = room
-        this.#copied = true
-      }
-      piece.copy(this.#bytes, this.size)
-    }
-    this.size = size
-  }
-
-  get bytes(): Buffer {
-    return this.#copied ? this.#bytes.subarray(0, this.size) : this.#bytes
-  }
-}
-
-const bodyTooLarge = () =>
-  new OAuthError('invalid_request', 'The request body is larger than 64 KiB', {
-    status: 413,
-    headers: { Connection: 'close' },
-  })
-const bodyCutShort = () => new OAuthError('invalid_request', 'The request body ended early')
-
-/** The path of a request target, without its query. */
-function pathOf(target: string): string {
-  const query = target.indexOf('?')
-  return query === -1 ? target : target.slice(0, query)
-}
-
-/** The query parameters of a request target. */
-function queryOf(target: string): Params {
-  const query = target.indexOf('?')
-  return parseForm(query === -1 ? '' : target.slice(query + 1))
-}
-
-/**
- * Up to `max` values of the cookies of one name, in the order the browser sent them. A page on
- * another port of this host can set a cookie of the same name (browsers do not keep ports
- * apart) for a longer path, and the browser then sends that one first.
- */
-function readCookies(req: IncomingMessage, name: string, max: number, wellFormed = /./): string[] {
-  const values: string[] = []
-  for (const pair of (req.headers.cookie ?? '').split(';')) {
-    const equals = pair.indexOf('=')
-    if (equals === -1 || pair.slice(0, equals).trim() !== name) continue
-    const value = pair.slice(equals + 1).trim()
-    if (wellFormed.test(value) && values.push(value) === max) break
-  }
-  return values
-}
-
-const NO_STORE = { 'Cache-Control': 'no-store', Pragma: 'no-cache' }
-
-/**
- * Marks the responses of endpoints that browser apps on any origin may call, as the router
- * finds them. Their headers get `Access-Control-Allow-Origin: *` where they are written:
- * setting it early with `res.setHeader` would send node:http down a slower path for every
- * other header. A mark on the response itself, not a WeakSet: adding to a WeakSet on every
- * request costs the garbage collector more than the rest of the router.
- */
-const CORS = Symbol('cors')
-
-type MarkedResponse = ServerResponse & { [CORS]?: true; [LOGGED_ERROR]?: string; [LOGGED_CLIENT]?: string }
-
-/** Adds `Access-Control-Allow-Origin: *` to a fresh headers object when the response is a CORS one. */
-function withCors(res: MarkedResponse, headers: OutgoingHttpHeaders): OutgoingHttpHeaders {
-  if (res[CORS] === true) headers['Access-Control-Allow-Origin'] = '*'
-  return headers
-}
-
-/** Sends a JSON body. Every JSON answer carries `no-store`: most hold codes or tokens. */
-function sendJson(res: ServerResponse, status: number, body: unknown, headers?: Record<string, string>): void {
-  const json = JSON.stringify(body)
-  const head = withCors(res, {
-    'Content-Type': 'application/json',
-    'Content-Length': Buffer.byteLength(json),
-    'Cache-Control': 'no-store',
-    Pragma: 'no-cache',
-  })
-  writeAnswer(res, status, headers === undefined ? head : Object.assign(head, headers), json)
-}
-
-/** Answers 200 with no body, as revocation does. */
-function sendEmptyOk(res: ServerResponse): void {
-  // a length, not an empty chunked body
-  writeAnswer(res, 200, withCors(res, { 'Content-Length': 0, ...NO_STORE }), '')
-}
-
-/**
- * Writes an answer of the endpoints that programs call (JSON, and revocation's empty 200), at
- * once. Deferring it to `setImmediate`, so that the answers to many connections leave together,
- * saved CPU only for a load generator on the same machine; a client one request at a time, or
- * across a network, pays for the extra turn of the event loop instead (`npm run bench`, paced).
- */
-function writeAnswer(res: ServerResponse, status: number, headers: OutgoingHttpHeaders, body: string): void {
-  if (res.headersSent || res.destroyed) return // answered meanwhile, or the connection is gone
-  try {
-    closeIfBodyUnread(res)
-    res.writeHead(status, headers)
-    res.end(body)
-  } catch {
-    res.destroy() // only an embedding app's hook on writeHead could throw here: close, do not crash
-  }
-}
-
-/** Sends an OAuth error as JSON. */
-function sendJsonError(res: ServerResponse, err: OAuthError): void {
-  const error = err.error === NO_ERROR_CODE ? undefined : err.error
-  // a browser app may read a challenge, or when to try again, only once told it may
-  const exposed = Object.keys(err.headers).filter((name) => name === 'WWW-Authenticate' || name === 'Retry-After')
-  const cors = exposed.length > 0 && (res as MarkedResponse)[CORS] === true
-  const headers = cors ? { ...err.headers, 'Access-Control-Expose-Headers': exposed.join(', ') } : err.headers
-  sendJson(res, err.status, { error, error_description: err.message }, headers)
-}
-
-/**
- * Closes the connection after this answer when the request's body was not read to its end (a
- * refusal before reading it, or a route that reads none): to reach the next request on the
- * connection, node:http would read and drop the rest, however long a stranger made it.
- */
-function closeIfBodyUnread(res: ServerResponse): void {
-  const { complete, headers, rawHeaders } = res.req
-  const announced =
-    headers['transfer-encoding'] !== undefined ||
-    Number(headers['content-length']) > 0 ||
-    rawHeaders.length > 2 * MAX_HEADER_LINES // among the headers node:http dropped unseen, it may be
-  if (!complete && announced) res.shouldKeepAlive = false
-}
-
-/** Redirects with the given status (302 from `GET /auth`, 303 after a form, 307 to the issuer's own name). */
-function redirect(res: ServerResponse, status: number, location: string, headers: Record<string, string> = {}): void {
-  closeIfBodyUnread(res)
-  res.writeHead(status, { Location: location, ...NO_STORE, 'Referrer-Policy': 'no-referrer', ...headers })
-  res.end()
-}
-
-/** Adds parameters to a URL, keeping the query it already has byte for byte. */
-export function buildRedirectUrl(base: string, params: Record<string, string | undefined>): string {
-  const query = new URLSearchParams()
-  for (const [name, value] of Object.entries(params)) {
-    if (value !== undefined) query.append(name, value)
-  }
-  const separator = !base.includes('?') ? '?' : base.endsWith('?') || base.endsWith('&') ? '' : '&'
-  return `${base}${separator}${query}`
-}
-
-// --- Pages ----------------------------------------------------------------------
-// Plain HTML, nothing loaded from elsewhere, and no script but `/passkey.js`, on the pages that
-// offer a passkey (see `passkeyPageHeaders`). The one stylesheet is allowed by its hash, so the
-// Content-Security-Policy can keep `default-src 'none'`.
-
-const STYLESHEET = `
-:root {
-  color-scheme: light dark;
-  --fg: #1c1b1f;
-  --bg: #fbfbfd;
-  --muted: #55535e;
-  --line: #c9c7d1;
-  --accent: #1f4fd1;
-  --danger: #b3261e;
-  --panel: #fff;
-}
-@media (prefers-color-scheme: dark) {
-  :root {
-    --fg: #ecebf1;
-    --bg: #141318;
-    --muted: #b2b0bc;
-    --line: #45434d;
-    --accent: #9db7ff;
-    --danger: #ffb4ab;
-    --panel: #1d1c22;
-  }
-}
-* { box-sizing: border-box; }
-body {
-  margin: 0;
-  background: var(--bg);
-  color: var(--fg);
-  font: 1rem/1.5 system-ui, -apple-system, "Segoe UI", sans-serif;
-}
-main { max-width: 34rem; margin: 0 auto; padding: 2rem 1rem; }
-h1 { font-size: 1.5rem; line-height: 1.25; margin: 0 0 1rem; overflow-wrap: anywhere; }
-p, fieldset, pre { margin: 0 0 1rem; }
-code, pre { font-family: ui-monospace, Menlo, Consolas, monospace; font-size: .9rem; overflow-wrap: anywhere; }
-pre {
-  background: var(--panel);
-  border: 1px solid var(--line);
-  border-radius: .5rem;
-  padding: .75rem;
-  white-space: pre-wrap;
-}
-/* a new token: one click or tap takes it whole, and it breaks anywhere, not at a hyphen of its own */
-.token { user-select: all; -webkit-user-select: all; word-break: break-all; }
-.muted { color: var(--muted); }
-.error { border-left: 4px solid #d93025; padding: .25rem .75rem; overflow-wrap: anywhere; }
-.warning { border-left: 4px solid #f29900; padding: .25rem .75rem; }
-.notice { border-left: 4px solid var(--accent); padding: .25rem .75rem; }
-h1 .logo, h2 .logo { vertical-align: middle; margin-right: .5rem; }
-fieldset { border: 1px solid var(--line); border-radius: .5rem; padding: .75rem 1rem; background: var(--panel); }
-legend { padding: 0 .25rem; font-weight: 600; }
-label { display: block; padding: .5rem 0; }
-.bar { display: flex; justify-content: space-between; align-items: center; gap: 1rem; margin: 0 0 1rem; }
-.bar button { width: auto; padding: .4rem .8rem; font-weight: 400; }
-input[type=password],
-input[type=url],
-input:not([type]) {
-  display: block;
-  width: 100%;
-  margin-top: .25rem;
-  padding: .6rem;
-  font: inherit;
-  color: inherit;
-  background: var(--panel);
-  border: 1px solid var(--line);
-  border-radius: .4rem;
-}
-.actions { display: flex; gap: .75rem; margin: 1.25rem 0 1rem; }
-[hidden] { display: none !important; }
-.passkey { border-top: 1px solid var(--line); padding-top: .5rem; }
-.passkey h3 { font-size: 1rem; margin: 0 0 .25rem; overflow-wrap: anywhere; }
-.actions > * { flex: 1; }
-button {
-  width: 100%;
-  padding: .7rem 1rem;
-  font: inherit;
-  font-weight: 600;
-  border-radius: .4rem;
-  border: 1px solid var(--accent);
-  background: transparent;
-  color: var(--accent);
-  cursor: pointer;
-}
-button.primary { background: var(--accent); color: var(--bg); }
-button.danger { border-color: var(--danger); color: var(--danger); }
-select {
-  font: inherit;
-  color: inherit;
-  background: var(--panel);
-  border: 1px solid var(--line);
-  border-radius: .4rem;
-  padding: .4rem;
-  margin-left: .25rem;
-}
-.app, .maker, .passkeys {
-  border: 1px solid var(--line);
-  border-radius: .5rem;
-  padding: .75rem 1rem;
-  margin: 0 0 1rem;
-  background: var(--panel);
-}
-.app h2, .maker h2, .passkeys h2 { font-size: 1.1rem; margin: 0 0 .5rem; overflow-wrap: anywhere; }
-.logo { border-radius: .5rem; }
-dl { display: grid; grid-template-columns: max-content 1fr; gap: .2rem .75rem; margin: 0 0 .75rem; }
-dt { color: var(--muted); }
-dd { margin: 0; }
-a { color: var(--accent); }
-:focus-visible { outline: 3px solid var(--accent); outline-offset: 2px; }
-`
-
-/**
- * The one script Latch serves, for the passkey buttons of the sign-in, consent and apps pages. A
- * button shows only where the browser has WebAuthn; pressed, it asks Latch for a challenge, lets
- * the browser make or use a passkey, puts the answer in hidden fields of the button's own form,
- * and sends that form. Binary values travel in base64url, both ways.
- */
-const PASSKEY_SCRIPT = `'use strict'
-const encode = (buffer) =>
-  btoa(String.fromCharCode(...new Uint8Array(buffer))).replaceAll('+', '-').replaceAll('/', '_').replaceAll('=', '')
-const decode = (text) => Uint8Array.from(atob(text.replaceAll('-', '+').replaceAll('_', '/')), (c) => c.charCodeAt(0))
-
-async function usePasskey(button) {
-  const form = button.form
-  const name = form.elements.namedItem('name')
-  if (name !== null && !name.reportValidity()) return
-  const body = new URLSearchParams({ csrf: form.elements.namedItem('csrf').value, purpose: button.dataset.passkey })
-  const request = form.elements.namedItem('request')
-  if (request !== null) body.set('request', request.value)
-  const answer = await fetch(button.dataset.challenge, { method: 'POST', body })
-  const options = await answer.json()
-  if (!answer.ok) throw new Error(options.error_description)
-  options.challenge = decode(options.challenge)
-  const fields = {}
-  if (button.dataset.passkey === 'register') {
-    options.user.id = decode(options.user.id)
-    for (const credential of options.excludeCredentials) credential.id = decode(credential.id)
-    const { rawId, response } = await navigator.credentials.create({ publicKey: options })
-    fields.credential = encode(rawId)
-    fields.client_data = encode(response.clientDataJSON)
-    fields.attestation = encode(response.attestationObject)
-  } else {
-    const { rawId, response } = await navigator.credentials.get({ publicKey: options })
-    fields.credential = encode(rawId)
-    fields.client_data = encode(response.clientDataJSON)
-    fields.authenticator_data = encode(response.authenticatorData)
-    fields.signature = encode(response.signature)
-    if (response.userHandle) fields.user_handle = encode(response.userHandle)
-  }
-  if (button.name) fields[button.name] = button.value
-  for (const [name, value] of Object.entries(fields)) {
-    const input = document.createElement('input')
-    Object.assign(input, { type: 'hidden', name, value })
-    form.append(input)
-  }
-  form.noValidate = true // the password field may stay empty
-  form.requestSubmit()
-}
-
-if (window.PublicKeyCredential) {
-  for (const note of document.querySelectorAll('[data-passkey-missing]')) note.hidden = true
-  for (const button of document.querySelectorAll('button[data-passkey]')) {
-    const status = document.createElement('p')
-    Object.assign(status, { className: 'error', role: 'alert', hidden: true })
-    button.closest('.actions').before(status)
-    button.hidden = false
-    button.addEventListener('click', () => {
-      button.disabled = true
-      status.hidden = true
-      usePasskey(button)
-        .catch((err) => {
-          status.textContent = 'The passkey did not work: ' + err.message
-          status.hidden = false
-        })
-        .finally(() => (button.disabled = false))
-    })
-    // Pressed, by a click or by Enter where it is the first button, it uses a passkey rather than
-    // send the form as it is; and so does Enter in a form without a button of its own (a name)
-    button.form.addEventListener('submit', (event) => {
-      if (button.form.elements.namedItem('client_data') !== null) return // the passkey's answer
-      if (event.submitter === button) return event.preventDefault()
-      if (event.submitter !== null) return // another button: Approve, Deny, Sign in
-      event.preventDefault()
-      button.click()
-    })
-  }
-}
-`
-
-const PAGE_POLICY = [
-  "default-src 'none'",
-  `style-src 'sha256-${hash('sha256', STYLESHEET, 'base64')}'`,
-  'img-src data:',
-  "frame-ancestors 'none'",
-  "base-uri 'none'",
-].join('; ')
-
-const PAGE_HEADERS = {
-  'Content-Type': 'text/html; charset=utf-8',
-  'Content-Security-Policy': PAGE_POLICY,
-  'X-Frame-Options': 'DENY',
-  'Referrer-Policy': 'no-referrer',
-  'X-Content-Type-Options': 'nosniff',
-  ...NO_STORE,
-}
-
-/**
- * The policy of a page with a passkey button: it may run `/passkey.js`, by its full URL, and that
- * script may fetch `/passkeys/challenge`; nothing else. Other pages keep the policy above.
- */
-function passkeyPageHeaders(config: Config, scripted: boolean): Record<string, string> {
-  if (!scripted) return {}
-  const script = endpointUrl(config, '/passkey.js')
-  const challenge = endpointUrl(config, '/passkeys/challenge')
-  return { 'Content-Security-Policy': `${PAGE_POLICY}; script-src ${script}; connect-src ${challenge}` }
-}
-
-/** Escapes text for HTML element content and double-quoted attributes. */
-export function escapeHtml(text: string): string {
-  return text.replace(/[&<>"']/g, (char) => `&#${char.charCodeAt(0)};`)
-}
-
-/** Text a stranger chose, as plain text, escaped and isolated: whatever its direction, it cannot reorder the page. */
-function isolate(text: string): string {
-  return `<bdi>${escapeHtml(plainText(text))}</bdi>`
-}
-
-function renderPage(title: string, body: string, head = ''): string {
-  return `<!doctype html>
-<html lang="en">
-<head>
-<meta charset="utf-8">
-<meta name="viewport" content="width=device-width, initial-scale=1">
-<meta name="referrer" content="no-referrer">
-<title>${escapeHtml(title)}</title>
-<style>${STYLESHEET}</style>${head === '' ? '' : `\n${head}`}
-</head>
-<body>
-<main>
-${body}
-</main>
-</body>
-</html>
-`
-}
-
-/** Headers of a page: `Set-Cookie` may be several. */
-type PageHeaders = Record<string, string | string[]>
-
-function sendPage(res: ServerResponse, status: number, html: string, headers: PageHeaders = {}): void {
-  closeIfBodyUnread(res)
-  res.writeHead(status, { ...PAGE_HEADERS, 'Content-Length': String(Buffer.byteLength(html)), ...headers })
-  res.end(html)
-}
-
-/**
- * Sends an error as a page that names the problem; used where a person, not a client, reads it:
- * one an app sent to sign in, or the owner on a form of their own (`ownersForm`).
- */
-function sendErrorPage(res: ServerResponse, err: OAuthError, ownersForm = false): void {
-  const words = (ownersForm ? OWNER_ERROR_PAGE_WORDS[err.status] : undefined) ?? ERROR_PAGE_WORDS[err.status]
-  const [title, next] = words ?? ERROR_PAGE_WORDS[400]
-  const detail = err.error === NO_ERROR_CODE ? `HTTP ${err.status}` : `${err.error}, HTTP ${err.status}`
-  const body = [
-    `<h1>${escapeHtml(title)}</h1>`,
-    `<p>${escapeHtml(next)}</p>`,
-    `<p class="error">${escapeHtml(err.message)}</p>`,
-    `<p class="muted">Technical detail: <code>${escapeHtml(detail)}</code></p>`,
-  ].join('\n')
-  sendPage(res, err.status, renderPage(title, body), err.headers)
-}
-
-/** What an error page says to the person first, by status: a title, and what to do next. */
-const ERROR_PAGE_WORDS: Record<number, [string, string]> = {
-  400: ['This sign-in cannot continue', 'Go back to the app you came from and start again.'],
-  403: ['This was refused', 'The line below says why, and what to do.'],
-  404: ['There is nothing here', 'Check the address, or start from the home page of this server.'],
-  405: ['This page cannot be used that way', 'Go back and follow a link or a button of this server.'],
-  414: ['This address is too long', 'Go back to the app you came from and start again.'],
-  421: ['This is not the name of this server', 'Use the address this server was set up with.'],
-  429: ['Too many attempts', 'Wait, then try again.'],
-  500: ['Something went wrong', 'Try again in a moment. If it goes on, the server log says why.'],
-  503: ['This could not be saved', 'Try again later. If it goes on, the server log says why.'],
-}
-
-/** What an error page says instead on the owner's own forms (apps, tokens, passkeys), to which no app sent them. */
-const FORM_REFUSED: [string, string] = [
-  'This form cannot be used',
-  'Go back and correct what the line below names; if the page is an old one, reload your apps page first.',
-]
-const OWNER_ERROR_PAGE_WORDS: Record<number, [string, string]> = {
-  400: FORM_REFUSED,
-  413: FORM_REFUSED,
-  414: ['This address is too long', 'Start again from your apps page.'],
-}
-
-/** Whether a path is one of the owner's pages or forms, as opposed to the sign-in an app asked for. */
-function isOwnersForm(path: string): boolean {
-  return /^\/(apps|passkeys|sign-in|sign-out)(\/|-|$)/.test(path)
-}
-
-/** The password field, with the message of a failed attempt right above it. */
-function renderPasswordField(message: string | undefined, autofocus = true): string {
-  const focus = autofocus ? ' autofocus' : ''
-  const input = `type="password" name="password" autocomplete="current-password" required${focus}`
-  if (message === undefined) return `<label>Password<input ${input}></label>`
-  return `<p class="error" id="password-error" role="alert">${escapeHtml(message)}</p>
-<label>Password<input ${input} aria-invalid="true" aria-describedby="password-error"></label>`
-}
-
-// --- Cookies --------------------------------------------------------------------
-// Two cookies, both HttpOnly and SameSite=Lax, and Secure on an https issuer: the browser's CSRF
-// value, and the owner's session. Both are Priority=High, which Chromium keeps when a page
-// elsewhere on the site (another port, or a sibling host of the same registrable domain) floods
-// it with ordinary cookies past the 180 it keeps for a site. On https both take the `__Host-`
-// prefix, which binds them to this host and the path `/`. Cookies ignore ports, though: a page
-// on another port of the same host can set a cookie of the same name, and its form posts count
-// as same-site. So the hidden `csrf` field of a signed-in owner's forms is not
-// the cookie's value but a token derived from the session cookie, which no page can read
-// (HttpOnly) nor derive without it; forms of someone not signed in carry the CSRF cookie's value
-// (double submit), and approve only with the password or a passkey.
-
-function csrfCookieName(config: Config): string {
-  return cookieName('latch_csrf', config)
-}
-
-function sessionCookieName(config: Config): string {
-  return cookieName('latch_session', config)
-}
-
-/**
- * A cookie's name: on https, with the `__Host-` prefix, whose cookies must have `Path=/`. So two
- * Latches under two paths of one https host (`/alice` and `/bob`) would share them, and signing
- * in to one would sign out of the other: an issuer with a path adds a few characters of its own,
- * from the path's hash.
- */
-function cookieName(base: string, config: Config): string {
-  if (!config.issuer.startsWith('https:')) return base // the cookie's Path is the issuer's
-  let suffix = cookieSuffixes.get(config)
-  if (suffix === undefined) {
-    const path = new URL(config.issuer).pathname.replace(/\/$/, '')
-    suffix = path === '' ? '' : `-${hash('sha256', path, 'base64url').slice(0, 8)}`
-    cookieSuffixes.set(config, suffix)
-  }
-  return `__Host-${base}${suffix}`
-}
-
-/** Each configuration's cookie-name suffix, made once rather than at every request. */
-const cookieSuffixes = new WeakMap<Config, string>()
-
-/** A Set-Cookie value; `maxAgeSeconds` undefined makes a cookie that ends with the browser session. */
-function buildCookie(name: string, value: string, maxAgeSeconds: number | undefined, config: Config): string {
-  const issuer = new URL(config.issuer)
-  const path = name.startsWith('__Host-') ? '/' : `${issuer.pathname.replace(/\/$/, '')}/`
-  const maxAge = maxAgeSeconds === undefined ? '' : `; Max-Age=${maxAgeSeconds}`
-  const secure = issuer.protocol === 'https:' ? '; Secure' : ''
-  return `${name}=${value}; Path=${path}${maxAge}; HttpOnly; SameSite=Lax; Priority=High${secure}`
-}
-
-/** The browser's CSRF cookie, set again with the value its pages carry; it ends with the browser session. */
-function csrfCookie(visitor: Visitor, config: Config): string {
-  return buildCookie(csrfCookieName(config), visitor.csrf, undefined, config)
-}
-
-/** The session cookie, emptied: the browser forgets it at once. */
-function endedSessionCookie(config: Config): string {
-  return buildCookie(sessionCookieName(config), '', 0, config)
-}
-
-/**
- * Who is at the browser: its CSRF value, the owner's session if any and when it signed in, and
- * whether approving needs no password.
- */
-type Visitor = { csrf: string; session: string | undefined; signedInAt: number | undefined; signedIn: boolean }
-
-/** Reads the visitor of a page. The CSRF value is the browser's own when it has one, so two open tabs both work. */
-async function readVisitor(req: IncomingMessage, ctx: Context): Promise<Visitor> {
-  const csrf = readCsrfCookies(req, ctx.config)[0] ?? createSecret()
-  const { session, signedInAt } = await findOwnerSession(req, ctx)
-  return { csrf, session, signedInAt, signedIn: ctx.config.passwordHash === undefined || session !== undefined }
-}
-
-/** The value a visitor's forms carry in their `csrf` field: derived from the session when signed in. */
-function formToken(visitor: Pick<Visitor, 'csrf' | 'session'>): string {
-  return visitor.session === undefined ? visitor.csrf : hash('sha256', `latch form ${visitor.session}`, 'base64url')
-}
-
-/**
- * Checks the `csrf` field of a form posted from one of Latch's pages: with a live session it must
- * be the session's token, and otherwise the browser's CSRF cookie; and a browser that says where
- * the form came from (`Sec-Fetch-Site`) must say this origin. Returns the visitor it names. A
- * form that this origin sent with a value that no longer fits is a page left open while the
- * owner signed in or out: a 403 that says so, not a forgery.
- */
-async function requireFormToken(form: Params, req: IncomingMessage, ctx: Context): Promise<Visitor> {
-  // sent by browsers since 2023: a form of this server's own pages is same-origin
-  const site = req.headers['sec-fetch-site']
-  const sent = site === undefined || site === 'same-origin' ? getParam(form, 'csrf') : undefined
-  const cookies = readCsrfCookies(req, ctx.config)
-  const { session, signedInAt } = await findOwnerSession(req, ctx)
-  // signed out, the form carries one of the browser's CSRF cookies; signed in, the session's token
-  const csrf =
-    session === undefined ? cookies.find((cookie) => sent !== undefined && safeEqual(sent, cookie)) : (cookies[0] ?? '')
-  const visitor = {
-    csrf: csrf ?? '',
-    session,
-    signedInAt,
-    signedIn: ctx.config.passwordHash === undefined || session !== undefined,
-  }
-  if (sent === undefined || csrf === undefined || !safeEqual(sent, formToken(visitor))) {
-    // the browser says a page of this server sent it: one made before the owner signed in or out
-    if (site === 'same-origin' && sent !== undefined) {
-      const stale =
-        'This page is out of date: you signed in or out since it was opened. Go back, reload it and try again'
-      throw new OAuthError('access_denied', stale, { status: 403 })
-    }
-    const sentTo = `${mountPath(ctx.config)}${pathOf(req.url ?? '/')}` // as the request's own log line says
-    // a page of this server opened under another name (a proxy's, an address): reloading it cannot
-    // help. Any site can send a form, so only a name of this machine is offered as one for ISSUER.
-    const origin = req.headers.origin ?? ''
-    const issuer = new URL(ctx.config.issuer).origin
-    const elsewhere = /^https?:\/\/[\w.:[\]-]{1,300}$/.test(origin) && URL.canParse(origin) && origin !== issuer
-    const local = elsewhere && LOOPBACK_HOSTS.has(new URL(origin).hostname.replace(/^\[(.*)\]$/, '$1'))
-    throw new OAuthError(
-      'access_denied',
-      elsewhere
-        ? `This form was sent from a page at ${origin}, but this server is at ${issuer}: ` +
-            `start again from the app, or open the page at ${issuer}` +
-            (local ? ', or set ISSUER to the address you use' : '')
-        : 'This form was not sent from a page of this server in this browser: go back, reload the page and try again',
-      {
-        status: 403,
-        event: `a form sent to ${sentTo} was refused: it did not come from this server's page`,
-      },
-    )
-  }
-  return visitor
-}
-
-/**
- * The browser's CSRF cookies, well formed: its own, and any a page on another port of this host
- * planted for a longer path, which the browser sends first. Any of them may be the one a form
- * carries; a planted one proves nothing, but a page that can plant one can replace ours anyway.
- */
-function readCsrfCookies(req: IncomingMessage, config: Config): string[] {
-  return readCookies(req, csrfCookieName(config), MAX_COOKIES_OF_A_NAME, /^[A-Za-z0-9_-]{43}$/)
-}
-
-/**
- * The value of the browser's session cookie when it names a live session started with the
- * current password, and when that sign-in was: a new `PASSWORD_HASH` ends every session made
- * with the old one.
- */
-async function findOwnerSession(
-  req: IncomingMessage,
-  ctx: Context,
-): Promise<{ session: string; signedInAt: number } | { session: undefined; signedInAt: undefined }> {
-  if (ctx.config.passwordHash === undefined) return NO_SESSION
-  // any of a few cookies of the name: one planted by another page on this host must not sign the owner out
-  for (const value of readCookies(req, sessionCookieName(ctx.config), MAX_COOKIES_OF_A_NAME)) {
-    const now = ctx.now()
-    const session = await ctx.store.findSession(hashSecret(value), now)
-    // a session of an old password is ignored, not deleted here: a read writes nothing, and it
-    // expires; so is one older than SESSION_TTL, which may have been made shorter since
-    const current = session !== undefined && session.createdAt + ctx.config.sessionTtlSeconds * 1000 > now
-    if (current && session.passwordTag === passwordTag(ctx.config.passwordHash))
-      return { session: value, signedInAt: session.createdAt }
-  }
-  return NO_SESSION
-}
-
-const NO_SESSION = { session: undefined, signedInAt: undefined }
-
-/**
- * The most cookies of one name read from one request: the browser's own, and what other pages
- * of this host or its parent domains could plant for each path and domain that matches. A
- * session cookie is read for a hash and a lookup each.
- */
-const MAX_COOKIES_OF_A_NAME = 16
-
-/** What a session keeps of the password it was started with: enough to tell a new one, nothing to guess it by. */
-function passwordTag(passwordHash: string): string {
-  return hashSecret(`latch session ${passwordHash}`)
-}
-
-/** Starts a session for the owner and returns its Set-Cookie value. */
-async function startSession(ctx: Context): Promise<string> {
-  const value = createSecret()
-  const now = ctx.now()
-  const ttl = ctx.config.sessionTtlSeconds
-  const session = {
-    createdAt: now,
-    expiresAt: now + ttl * 1000,
-    passwordTag: passwordTag(ctx.config.passwordHash ?? ''),
-  }
-  await ctx.store.saveSession(hashSecret(value), session, now)
-  return buildCookie(sessionCookieName(ctx.config), value, ttl, ctx.config)
-}
-
-// --- Sign-in checks -------------------------------------------------------------
-// A sign-in is the password or a passkey, and both are attempts alike. Attempts are counted
-// before the password's hash or the passkey's signature is checked, so guesses sent in parallel
-// count too: per client address, where five are free, and in total, where twenty are. Each
-// attempt past those is still checked but makes the next wait, 2 seconds, then twice as long each
-// time, up to 15 minutes (429 with Retry-After); a success clears the counts, and a day of quiet
-// forgets them. At most two scrypt checks run at once, so a flood cannot pin the CPU.
-
-const FREE_ATTEMPTS_PER_ADDRESS = 5
-const FREE_ATTEMPTS_IN_TOTAL = 20
-const MAX_PASSWORD_DELAY_SECONDS = 900
-const FORGET_PASSWORD_FAILURES_SECONDS = 86400
-const MAX_TRACKED_ADDRESSES = 10_000
-const MAX_PARALLEL_PASSWORD_CHECKS = 2
-const MAX_WAITING_PASSWORD_CHECKS = 32
-
-/** A clock that goes forward as `now` does, and waits while `now` goes back (see `Context.steadyNow`). */
-function steadyClock(now: () => number): () => number {
-  let wall = now()
-  let steady = wall
-  return () => {
-    const next = now()
-    steady += Math.max(0, next - wall)
-    wall = next
-    return steady
-  }
-}
-
-/**
- * The client's address: the connection's, or, when that is a proxy of `TRUST_PROXY`, the one its
- * `X-Forwarded-For` names. The header is read from the right, where each proxy appends the
- * address it was reached from, past the trusted proxies: the first address that is not one is the
- * client, and what lies left of it, anyone could have written. Without `X-Forwarded-For`, the
- * `for=` of `Forwarded` (RFC 7239) is read the same way.
- * @see https://www.rfc-editor.org/rfc/rfc7239#section-5.2
- */
-function clientAddress(req: IncomingMessage, trusted: BlockList | undefined): string {
-  const peer = plainAddress(req.socket.remoteAddress ?? 'unknown')
-  if (trusted === undefined || !isTrustedProxy(peer, trusted)) return peer
-  let client = peer
-  for (const hop of forwardedChain(req).reverse()) {
-    const address = plainAddress(hop)
-    if (isIP(address) === 0) break // not an address: the client wrote it
-    client = address
-    if (!isTrustedProxy(address, trusted)) break
-  }
-  return client
-}
-
-/** The addresses a request passed through, as its proxies wrote them, the client's first. */
-function forwardedChain(req: IncomingMessage): string[] {
-  const forwardedFor = req.headers['x-forwarded-for']
-  if (forwardedFor !== undefined)
-    return [forwardedFor]
-      .flat()
-      .join(',')
-      .split(',')
-      .map((hop) => hop.trim())
-  const forwarded = req.headers.forwarded ?? ''
-  return [...forwarded.matchAll(/(?:^|[;,\s])for\s*=\s*("[^"]*"|[^;,\s]*)/gi)].map(([, value]) =>
-    value
-      .replace(/^"|"$/g, '')
-      .replace(/^\[([^\]]*)\](?::\d+)?$/, '$1') // "[2001:db8::1]:4711"
-      .replace(/^(\d+\.\d+\.\d+\.\d+):\d+$/, '$1'),
-  )
-}
-
-/** An IPv4 address as itself, not in the IPv6 form (`::ffff:192.0.2.1`) a dual-stack socket reports. */
-function plainAddress(address: string): string {
-  return address.startsWith('::ffff:') && isIP(address.slice(7)) === 4 ? address.slice(7) : address
-}
-
-function isTrustedProxy(address: string, trusted: BlockList): boolean {
-  return trusted.check(address, isIP(address) === 6 ? 'ipv6' : 'ipv4')
-}
-
-/** The proxies of `TRUST_PROXY` as a list to check addresses against, or undefined when there are none. */
-function trustedProxiesOf(config: Config): BlockList | undefined {
-  if (config.trustProxy.length === 0) return undefined
-  const list = new BlockList()
-  for (const entry of config.trustProxy) {
-    const [address, prefix] = entry.split('/')
-    const type = isIP(address) === 6 ? 'ipv6' : 'ipv4'
-    if (prefix === undefined) list.addAddress(address, type)
-    else list.addSubnet(address, Number(prefix), type)
-  }
-  return list
-}
-
-/**
- * Why a sign-in is refused, for the form shown again: wrong (403), missing (400), or too many
- * wrong ones (429). Never 401, here or on the owner's other forms: a 401 must carry an HTTP
- * authentication challenge (`WWW-Authenticate`, RFC 9110 §15.5.2), and a form is not one.
- */
-type SignInRefusal = { status: 400 | 403 | 429; message: string; headers: Record<string, string> }
-
-/**
- * Checks the owner's sign-in on a form: the password, or a passkey's answer to a challenge made
- * for this browser (and for this pending request, on a consent page). Both count as attempts
- * alike. Returns undefined when it is right, else why it is refused.
- */
-async function checkSignIn(
-  form: Params,
-  on: { visitor: Visitor; request?: string },
-  req: IncomingMessage,
-  res: ServerResponse,
-  ctx: Context,
-): Promise<SignInRefusal | undefined> {
-  const address = clientAddress(req, ctx.trustedProxies)
-  const group = addressGroup(address) // an IPv6 /64 is one host's: its addresses share their tries
-  const now = ctx.steadyNow()
-  const attempts = ctx.signInAttempts
-  const byPasskey = getParam(form, 'credential') !== undefined
-  const password = getParam(form, 'password')
-  const lockedUntil = Math.max(attempts.byAddress.get(group)?.lockedUntil ?? 0, attempts.total.lockedUntil)
-  if (lockedUntil > now) {
-    const retryAfter = String(Math.ceil((lockedUntil - now) / 1000))
-    noteError(res, 'too_many_requests')
-    const message = `Too many ${byPasskey ? 'failed sign-ins' : 'wrong passwords'}: try again in ${retryAfter} seconds`
-    return { status: 429, message, headers: { 'Retry-After': retryAfter } }
-  }
-  if (!byPasskey && !ctx.config.passwordSignIn)
-    return { status: 403, message: 'Password sign-in is off: sign in with a passkey', headers: {} }
-  if (!byPasskey && password === undefined) return { status: 400, message: 'Enter your password', headers: {} }
-  const previous = attempts.byAddress.get(group)
-  attempts.byAddress.delete(group) // re-inserted last, so the map stays ordered oldest first
-  if (attempts.byAddress.size >= MAX_TRACKED_ADDRESSES)
-    attempts.byAddress.delete(attempts.byAddress.keys().next().value ?? '')
-  attempts.byAddress.set(group, countAttempt(previous, now, FREE_ATTEMPTS_PER_ADDRESS))
-  attempts.total = countAttempt(attempts.total, now, FREE_ATTEMPTS_IN_TOTAL)
-  const passwordHash = ctx.config.passwordHash ?? ''
-  const refused = byPasskey
-    ? await checkPasskeySignIn(form, on, address, ctx)
-    : (await withPasswordSlot(ctx.passwordSlots, () => verifyPassword(password ?? '', passwordHash)))
-      ? undefined
-      : 'Wrong password'
-  if (refused !== undefined) {
-    const wait = Math.max(attempts.byAddress.get(group)?.lockedUntil ?? 0, attempts.total.lockedUntil) - now
-    if (wait > 0) {
-      const from = attempts.total.lockedUntil - now === wait ? 'in total' : `from ${group}`
-      logEvent(
-        ctx,
-        'security',
-        `too many ${byPasskey ? 'failed passkey sign-ins' : 'wrong passwords'} ${from}: ` +
-          `the next attempt must wait ${wait / 1000} seconds`,
-        address,
-      )
-    }
-    return { status: 403, message: refused, headers: {} }
-  }
-  attempts.byAddress.delete(group)
-  attempts.total = NO_ATTEMPTS
-  return undefined
-}
-
-const NO_ATTEMPTS: PasswordAttempts = { count: 0, lastAt: 0, lockedUntil: 0 }
-
-/** One more attempt: free up to `free`, then locked for 2, 4, 8, … seconds, up to 15 minutes. */
-export function countAttempt(previous: PasswordAttempts | undefined, now: number, free: number): PasswordAttempts {
-  const forgotten = previous === undefined || now - previous.lastAt > FORGET_PASSWORD_FAILURES_SECONDS * 1000
-  const count = forgotten ? 1 : previous.count + 1
-  const delaySeconds = count <= free ? 0 : Math.min(2 ** (count - free), MAX_PASSWORD_DELAY_SECONDS)
-  return { count, lastAt: now, lockedUntil: now + delaySeconds * 1000 }
-}
-
-/** Runs a password check when one of the few slots is free; past the queue's length, 429. */
-export function withPasswordSlot<T>(slots: PasswordSlots, check: () => Promise<T>): Promise<T> {
-  const busy = () =>
-    new OAuthError('too_many_requests', 'The server is busy checking passwords: try again in a few seconds', {
-      headers: { 'Retry-After': '5' },
-    })
-  return withSlot(slots, PASSWORD_CHECK_SLOTS, busy, check)
-}
-
-const PASSWORD_CHECK_SLOTS = { running: MAX_PARALLEL_PASSWORD_CHECKS, waiting: MAX_WAITING_PASSWORD_CHECKS }
-
-/**
- * Runs a task when fewer than `limits.running` run, queued in order behind at most
- * `limits.waiting`; past that, throws `busy()`.
- */
-async function withSlot<T>(
-  slots: Slots,
-  limits: { running: number; waiting: number },
-  busy: () => Error,
-  task: () => Promise<T>,
-): Promise<T> {
-  if (slots.running < limits.running) {
-    slots.running++
-  } else if (slots.waiting.length < limits.waiting) {
-    await new Promise<void>((resolve) => slots.waiting.push(resolve)) // the slot is handed over by the task that ends
-  } else {
-    throw busy()
-  }
-  try {
-    return await task()
-  } finally {
-    const next = slots.waiting.shift()
-    if (next === undefined) slots.running--
-    else next()
-  }
-}
-
-// --- Owner password -------------------------------------------------------------
-// The owner's password is stored as `scrypt:ln=15,r=8,p=1:<salt>:<hash>` (base64url): the
-// string carries its own salt and cost, and has no `$` for a shell to expand.
-
-const SCRYPT_KEY_LENGTH = 32
-const SCRYPT_DEFAULT_COST = { ln: 15, r: 8, p: 1 }
-
-type PasswordHash = { ln: number; r: number; p: number; salt: Buffer; hash: Buffer }
-
-/** Hashes a password with scrypt and a random salt; `ln` is log2 of the cost N. */
-export async function hashPassword(
-  password: string,
-  cost: { ln: number; r: number; p: number } = SCRYPT_DEFAULT_COST,
-): Promise<string> {
-  const salt = randomBytes(16)
-  const hash = await runScrypt(password, { ...cost, salt })
-  return `scrypt:ln=${cost.ln},r=${cost.r},p=${cost.p}:${base64url(salt)}:${base64url(hash)}`
-}
-
-/** Checks a password against a hash from `hashPassword`, comparing in constant time. */
-export async function verifyPassword(password: string, passwordHash: string): Promise<boolean> {
-  const parsed = parsePasswordHash(passwordHash)
-  if (parsed === undefined) return false
-  const hash = await runScrypt(password, parsed)
-  return timingSafeEqual(hash, parsed.hash)
-}
-
-/**
- * A hash's cost must be one this machine can pay for every wrong password a stranger sends, two
- * at a time: at most 256 MiB of work (128 · 2^ln · r · p bytes; 2^17 with r=8, OWASP's advice,
- * is 128 MiB). And at least ln=10 with r=8 (the tests' cost): less makes each guess nearly free.
- */
-function parsePasswordHash(value: string): PasswordHash | undefined {
-  const match = /^scrypt:ln=(\d+),r=(\d+),p=(\d+):([A-Za-z0-9_-]{16,}):([A-Za-z0-9_-]{43})$/.exec(value)
-  if (match === null) return undefined
-  const [ln, r, p] = [Number(match[1]), Number(match[2]), Number(match[3])]
-  if (ln < 10 || r < 8 || r > 16 || p < 1 || p > 4 || 128 * 2 ** ln * r * p > MAX_SCRYPT_BYTES) return undefined
-  return { ln, r, p, salt: Buffer.from(match[4], 'base64url'), hash: Buffer.from(match[5], 'base64url') }
-}
-
-const MAX_SCRYPT_BYTES = 256 * 2 ** 20
-
-function runScrypt(password: string, params: { ln: number; r: number; p: number; salt: Buffer }): Promise<Buffer> {
-  const N = 2 ** params.ln
-  const maxmem = 128 * N * params.r * params.p + 1024 * 1024
-  return new Promise((resolve, reject) => {
-    scrypt(
-      password.normalize('NFC'),
-      params.salt,
-      SCRYPT_KEY_LENGTH,
-      { N, r: params.r, p: params.p, maxmem },
-      (err, key) => {
-        if (err) reject(err)
-        else resolve(key)
-      },
-    )
-  })
-}
-
-// --- Passkeys (WebAuthn) --------------------------------------------------------
-// WebAuthn Level 3  https://www.w3.org/TR/webauthn-3/
-// A passkey is a key pair made by the owner's device: Latch keeps the public key, and signing in
-// is the device signing a challenge Latch made. What arrives is three byte strings a browser hands
-// over: `clientDataJSON` (what the browser saw: the challenge and the page's origin),
-// `authenticatorData` (what the device says: which site, whether the person was there, a counter)
-// and a signature over both. Registration sends an `attestationObject` instead, a CBOR map that
-// carries the authenticator data with the new public key in it, as a COSE key. So WebAuthn needs
-// no library: a small CBOR reader, COSE keys turned into JWKs for `createPublicKey`, and the checks
-// of the spec's two ceremonies (§7.1 and §7.2), each of which throws a `PasskeyError` that says
-// which check failed. Latch trusts the owner, not the device's maker: an attestation statement,
-// if the device sends one, is ignored.
-
-/** A WebAuthn check that failed; its message says which, for the log and the page. */
-export class PasskeyError extends Error {}
-
-const COSE_ALGORITHMS = { ES256: -7, EdDSA: -8, RS256: -257 } as const
-const SUPPORTED_ALGORITHMS: number[] = Object.values(COSE_ALGORITHMS)
-const MAX_CBOR_DEPTH = 16
-const MAX_CREDENTIAL_ID_BYTES = 1_023
-const MIN_RSA_BITS = 2_048
-const MAX_RSA_BITS = 4_096
-const utf8WithoutBom = new TextDecoder('utf-8', { fatal: true })
-
-/**
- * Reads one CBOR data item (RFC 8949 §3) at `offset`: its value and where it ends. Enough CBOR for
- * WebAuthn, whose authenticators must send the core deterministic encoding: integers, byte and
- * text strings, arrays, maps, `true`, `false`, `null`. Indefinite lengths, tags and floats never
- * occur there, and are refused, as is anything that claims more bytes than there are.
- * @see https://www.rfc-editor.org/rfc/rfc8949#section-3
- */
-export function readCbor(bytes: Buffer, offset = 0, depth = 0): { value: unknown; end: number } {
-  if (depth > MAX_CBOR_DEPTH) throw new PasskeyError(`CBOR nests deeper than ${MAX_CBOR_DEPTH}`)
-  if (offset >= bytes.length) throw new PasskeyError('CBOR ends before its data item')
-  const initial = bytes[offset]
-  const major = initial >> 5
-  const { argument, end: start } = readCborArgument(bytes, offset)
-  switch (major) {
-    case 0: // unsigned integer
-      return { value: argument, end: start }
-    case 1: // negative integer: -1 - argument
-      return { value: -1 - argument, end: start }
-    case 2: // byte string
-    case 3: {
-      // or text string: a length, then that many bytes
-      if (argument > bytes.length - start) throw new PasskeyError('a CBOR string runs past the end')
-      const slice = bytes.subarray(start, start + argument)
-      if (major === 2) return { value: Buffer.from(slice), end: start + argument }
-      try {
-        return { value: utf8.decode(slice), end: start + argument }
-      } catch {
-        throw new PasskeyError('a CBOR text string is not UTF-8')
-      }
-    }
-    case 4: {
-      // array: at least one byte per item, so a length past the end is caught before any work
-      if (argument > bytes.length - start) throw new PasskeyError('a CBOR array runs past the end')
-      const items: unknown[] = []
-      let end = start
-      for (let i = 0; i < argument; i++) {
-        const item = readCbor(bytes, end, depth + 1)
-        items.push(item.value)
-        end = item.end
-      }
-      return { value: items, end }
-    }
-    case 5: {
-      // map: keys and values in turn
-      if (argument > (bytes.length - start) / 2) throw new PasskeyError('a CBOR map runs past the end')
-      const map = new Map<unknown, unknown>()
-      let end = start
-      for (let i = 0; i < argument; i++) {
-        const key = readCbor(bytes, end, depth + 1)
-        if (typeof key.value !== 'number' && typeof key.value !== 'string')
-          throw new PasskeyError('a CBOR map key is neither an integer nor a text string')
-        if (map.has(key.value)) throw new PasskeyError('a CBOR map has a key twice')
-        const value = readCbor(bytes, key.end, depth + 1)
-        map.set(key.value, value.value)
-        end = value.end
-      }
-      return { value: map, end }
-    }
-    case 6:
-      throw new PasskeyError('CBOR tags are not used by WebAuthn')
-    default: {
-      // major type 7: simple values
-      const simple = initial & 0x1f
-      if (simple === 20) return { value: false, end: offset + 1 }
-      if (simple === 21) return { value: true, end: offset + 1 }
-      if (simple === 22) return { value: null, end: offset + 1 }
-      throw new PasskeyError('CBOR floats and other simple values are not used by WebAuthn')
-    }
-  }
-}
-
-/** A data item's argument: a length, a count or an integer, in the low 5 bits or the 1 to 8 bytes after them. */
-function readCborArgument(bytes: Buffer, offset: number): { argument: number; end: number } {
-  const low = bytes[offset] & 0x1f
-  const major = bytes[offset] >> 5
-  if (major === 7) return { argument: 0, end: offset + 1 }
-  if (low < 24) return { argument: low, end: offset + 1 }
-  if (low > 27) throw new PasskeyError('CBOR indefinite lengths are not used by WebAuthn')
-  const size = 2 ** (low - 24) // 1, 2, 4 or 8 bytes
-  if (offset + 1 + size > bytes.length) throw new PasskeyError('CBOR ends inside a length')
-  const big = size === 8 ? bytes.readBigUInt64BE(offset + 1) : BigInt(bytes.readUIntBE(offset + 1, size))
-  if (big > BigInt(Number.MAX_SAFE_INTEGER)) throw new PasskeyError('a CBOR integer is too large')
-  return { argument: Number(big), end: offset + 1 + size }
-}
-
-/**
- * A COSE key (RFC 9052 §7, as a map `readCbor` made) as a node:crypto public key: each of the
- * three kinds Latch accepts becomes the JWK it is (RFC 9053 §2, §7; RFC 8812 §2).
- * @see https://www.w3.org/TR/webauthn-3/#sctn-encoded-credPubKey-examples
- */
-export function readCoseKey(cose: unknown): { key: KeyObject; algorithm: number } {
-  if (!(cose instanceof Map)) throw new PasskeyError('the public key is not a COSE key')
-  const bytesAt = (label: number): Buffer => {
-    const value = cose.get(label)
-    if (!Buffer.isBuffer(value) || value.length === 0) throw new PasskeyError(`the COSE key lacks parameter ${label}`)
-    return value
-  }
-  const kty = cose.get(1)
-  const algorithm = cose.get(3)
-  const rsaRefused = `the RSA key is not of ${MIN_RSA_BITS} to ${MAX_RSA_BITS} bits with the exponent 65537`
-  let jwk: { kty: string; crv?: string; x?: string; y?: string; n?: string; e?: string }
-  let modulus: Buffer | undefined // an RSA key's
-  if (kty === 2 && algorithm === COSE_ALGORITHMS.ES256 && cose.get(-1) === 1) {
-    jwk = { kty: 'EC', crv: 'P-256', x: base64url(bytesAt(-2)), y: base64url(bytesAt(-3)) }
-  } else if (kty === 1 && algorithm === COSE_ALGORITHMS.EdDSA && cose.get(-1) === 6) {
-    const x = bytesAt(-2)
-    const point = x.length === 32 ? withoutSignBit(x) : undefined
-    if (point !== undefined && ED25519_SMALL_ORDER.some((small) => small.equals(point)))
-      throw new PasskeyError('the Ed25519 key is a point of small order, whose signatures anyone can make')
-    jwk = { kty: 'OKP', crv: 'Ed25519', x: base64url(x) }
-  } else if (kty === 3 && algorithm === COSE_ALGORITHMS.RS256) {
-    // the lengths first: node:crypto spends time in proportion to an exponent's before it can refuse it
-    const e = bytesAt(-2)
-    modulus = bytesAt(-1)
-    if (modulus.length > MAX_RSA_BITS / 8 + 1 || e.length > 4) throw new PasskeyError(rsaRefused)
-    jwk = { kty: 'RSA', n: base64url(modulus), e: base64url(e) }
-  } else {
-    throw new PasskeyError('the key is not ES256 on P-256, EdDSA on Ed25519 or RS256')
-  }
-  let key: KeyObject
-  try {
-    key = createPublicKey({ key: jwk, format: 'jwk' })
-  } catch {
-    throw new PasskeyError('the COSE key is not a valid public key')
-  }
-  if (modulus !== undefined) {
-    const details = key.asymmetricKeyDetails
-    const bits = details?.modulusLength ?? 0
-    if (bits < MIN_RSA_BITS || bits > MAX_RSA_BITS || details?.publicExponent !== 65537n)
-      throw new PasskeyError(rsaRefused)
-    // an even modulus has a private exponent anyone can work out (other weak moduli, a prime
-    // one say, only a device made to deceive would send, and they cost more to tell)
-    if (modulus[modulus.length - 1] % 2 === 0)
-      throw new PasskeyError('the RSA modulus is even, so anyone can sign with the key')
-  }
-  return { key, algorithm }
-}
-
-/**
- * The points of small order on Ed25519, as 32 bytes with the sign bit of x cleared: a key that
- * is one of them verifies signatures made without any private key (the list libsodium refuses).
- */
-const ED25519_SMALL_ORDER = [
-  '0000000000000000000000000000000000000000000000000000000000000000', // y = 0, order 4
-  '0100000000000000000000000000000000000000000000000000000000000000', // y = 1, the identity
-  '26e8958fc2b227b045c3f489f2ef98f0d5dfac05d3c63339b13802886d53fc05', // order 8
-  'c7176a703d4dd84fba3c0b760d10670f2a2053fa2c39ccc64ec7fd7792ac037a', // order 8
-  'ecffffffffffffffffffffffffffffffffffffffffffffffffffffffffffff7f', // y = p - 1, order 2
-  'edffffffffffffffffffffffffffffffffffffffffffffffffffffffffffff7f', // y = p, that is 0
-  'eeffffffffffffffffffffffffffffffffffffffffffffffffffffffffffff7f', // y = p + 1, that is 1
-].map((hex) => Buffer.from(hex, 'hex'))
-
-function withoutSignBit(x: Buffer): Buffer {
-  const y = Buffer.from(x)
-  y[31] &= 0x7f
-  return y
-}
-
-/** What the device says, in the byte layout of WebAuthn §6.1. */
-export type AuthenticatorData = {
-  /** SHA-256 of the RP ID the device signed for: Latch's host name. */
-  rpIdHash: Buffer
-  flags: { userPresent: boolean; userVerified: boolean; backupEligible: boolean; backedUp: boolean }
-  counter: number
-  /** At registration: the new credential, with its public key as a COSE map. */
-  credential?: { aaguid: Buffer; id: Buffer; publicKey: unknown }
-}
-
-/**
- * Reads authenticator data: 32 bytes of RP ID hash, a byte of flags, a 4-byte counter, then, when
- * flag AT is set, the attested credential (16 bytes AAGUID, 2 bytes length, the id, a COSE key),
- * and when flag ED is set, a CBOR map of extensions. Nothing may follow.
- * @see https://www.w3.org/TR/webauthn-3/#sctn-authenticator-data
- */
-export function readAuthenticatorData(bytes: Buffer): AuthenticatorData {
-  if (bytes.length < 37) throw new PasskeyError('the authenticator data is shorter than 37 bytes')
-  const flags = bytes[32]
-  let end = 37
-  let credential: AuthenticatorData['credential']
-  if (flags & 0x40) {
-    if (bytes.length < end + 18) throw new PasskeyError('the attested credential data is cut short')
-    const aaguid = Buffer.from(bytes.subarray(end, end + 16))
-    const length = bytes.readUInt16BE(end + 16)
-    if (length === 0 || length > MAX_CREDENTIAL_ID_BYTES)
-      throw new PasskeyError('the credential id is empty or longer than 1,023 bytes')
-    if (bytes.length < end + 18 + length) throw new PasskeyError('the credential id is cut short')
-    const id = Buffer.from(bytes.subarray(end + 18, end + 18 + length))
-    const publicKey = readCbor(bytes, end + 18 + length)
-    credential = { aaguid, id, publicKey: publicKey.value }
-    end = publicKey.end
-  }
-  if (flags & 0x80) {
-    const extensions = readCbor(bytes, end)
-    if (!(extensions.value instanceof Map)) throw new PasskeyError('the extensions are not a CBOR map')
-    end = extensions.end
-  }
-  if (end !== bytes.length) throw new PasskeyError('the authenticator data has bytes past its end')
-  return {
-    rpIdHash: Buffer.from(bytes.subarray(0, 32)),
-    flags: {
-      userPresent: (flags & 0x01) !== 0,
-      userVerified: (flags & 0x04) !== 0,
-      backupEligible: (flags & 0x08) !== 0,
-      backedUp: (flags & 0x10) !== 0,
-    },
-    counter: bytes.readUInt32BE(33),
-    credential,
-  }
-}
-
-/** What a ceremony is checked against: the challenge Latch made, its origin and its RP ID. */
-type CeremonyExpectations = { challenge: string; origin: string; rpId: string }
-
-/**
- * Registration, WebAuthn §7.1: the checks of steps 7 to 25 that concern a relying party that
- * accepts any attestation (steps 22 to 24 verify a statement Latch ignores; step 25, an id of at
- * most 1,023 bytes, is in `readAuthenticatorData`). Returns the new credential; checking that its
- * id is not registered yet (step 26) and saving it (step 27) are the caller's. The step numbers
- * are those of Level 3, whose client data has `topOrigin`; earlier drafts count differently.
- * @see https://www.w3.org/TR/webauthn-3/#sctn-registering-a-new-credential
- */
-export function verifyRegistration(
-  response: { clientDataJSON: Buffer; attestationObject: Buffer },
-  expected: CeremonyExpectations,
-): { id: string; publicKey: string; algorithm: number; counter: number } {
-  checkClientData(response.clientDataJSON, 'webauthn.create', expected) // steps 7 to 11
-  const attestation = readCbor(response.attestationObject)
-  if (!(attestation.value instanceof Map) || attestation.end !== response.attestationObject.length)
-    throw new PasskeyError('the attestation object is not one CBOR map')
-  const authData = attestation.value.get('authData')
-  if (typeof attestation.value.get('fmt') !== 'string' || !Buffer.isBuffer(authData))
-    throw new PasskeyError('the attestation object lacks fmt or authData')
-  const data = readAuthenticatorData(authData) // step 13
-  checkAuthenticatorData(data, expected.rpId) // steps 14 to 17
-  if (data.credential === undefined) throw new PasskeyError('the authenticator data carries no new credential')
-  const { key, algorithm } = readCoseKey(data.credential.publicKey) // step 20: one of the algorithms offered
-  return {
-    id: base64url(data.credential.id),
-    publicKey: base64url(key.export({ type: 'spki', format: 'der' })),
-    algorithm,
-    counter: data.counter,
-  }
-}
-
-/**
- * Authentication, WebAuthn §7.2, steps 10 to 22: the caller has found the passkey by the id the
- * browser sent (steps 5 and 6). Returns the new signature counter, for the caller to store.
- * @see https://www.w3.org/TR/webauthn-3/#sctn-verifying-assertion
- */
-export function verifyAuthentication(
-  response: { clientDataJSON: Buffer; authenticatorData: Buffer; signature: Buffer },
-  expected: CeremonyExpectations & { publicKey: string; algorithm: number; counter: number },
-): { counter: number } {
-  checkClientData(response.clientDataJSON, 'webauthn.get', expected) // steps 10 to 14
-  const data = readAuthenticatorData(response.authenticatorData)
-  if (data.credential !== undefined) throw new PasskeyError('a sign-in carries a new credential')
-  checkAuthenticatorData(data, expected.rpId) // steps 15 to 18
-  // steps 20 and 21: the signature covers the authenticator data and the hash of the client data
-  const signed = Buffer.concat([response.authenticatorData, hash('sha256', response.clientDataJSON, 'buffer')])
-  let key: KeyObject
-  try {
-    key = createPublicKey({ key: Buffer.from(expected.publicKey, 'base64url'), format: 'der', type: 'spki' })
-  } catch {
-    throw new PasskeyError('the stored public key is not a valid key: remove this passkey and add it again')
-  }
-  const digest = expected.algorithm === COSE_ALGORITHMS.EdDSA ? null : 'sha256'
-  if (!SUPPORTED_ALGORITHMS.includes(expected.algorithm) || !verifies(digest, signed, key, response.signature))
-    throw new PasskeyError('the signature does not verify with the stored public key')
-  // step 22: a counter that does not grow means two devices hold the key: a clone
-  if ((data.counter !== 0 || expected.counter !== 0) && data.counter <= expected.counter)
-    throw new PasskeyError(
-      `the signature counter went from ${expected.counter} to ${data.counter}, not up: ` +
-        'the passkey may have been cloned',
-    )
-  return { counter: data.counter }
-}
-
-/** Whether a signature verifies; a signature that is not even well-formed does not. */
-function verifies(digest: string | null, data: Buffer, key: KeyObject, signature: Buffer): boolean {
-  try {
-    return verify(digest, data, key, signature)
-  } catch {
-    return false
-  }
-}
-
-/** The client data checks both ceremonies share: its type, the challenge, the origin, no cross-origin frame. */
-function checkClientData(json: Buffer, type: string, expected: CeremonyExpectations): void {
-  const clientData = readClientData(json)
-  if (!isObject(clientData)) throw new PasskeyError('the client data is not a JSON object')
-  if (clientData.type !== type) throw new PasskeyError(`the client data's type is not ${type}`)
-  if (typeof clientData.challenge !== 'string' || !safeEqual(clientData.challenge, expected.challenge))
-    throw new PasskeyError('the challenge is not the one this server made')
-  if (clientData.origin !== expected.origin) throw new PasskeyError(`the page was not on ${expected.origin}`)
-  if ((clientData.crossOrigin !== undefined && clientData.crossOrigin !== false) || clientData.topOrigin !== undefined)
-    throw new PasskeyError('the ceremony ran in a frame of another origin')
-}
-
-/**
- * The client data as JSON: UTF-8, with a leading byte order mark passed over, as the UTF-8
- * decode of §7.1 and §7.2 does (unlike a form's values, where the URL standard keeps one).
- */
-function readClientData(json: Buffer): unknown {
-  try {
-    return JSON.parse(utf8WithoutBom.decode(json))
-  } catch {
-    throw new PasskeyError('the client data is not JSON')
-  }
-}
-
-/** The authenticator data checks both ceremonies share: the RP ID, a person present and verified, the backup flags. */
-function checkAuthenticatorData(data: AuthenticatorData, rpId: string): void {
-  if (!data.rpIdHash.equals(hash('sha256', rpId, 'buffer')))
-    throw new PasskeyError(`the passkey was made for another site than ${rpId}`)
-  if (!data.flags.userPresent) throw new PasskeyError('the device did not see a person present')
-  if (!data.flags.userVerified) throw new PasskeyError('the device did not verify the person (PIN or biometrics)')
-  if (data.flags.backedUp && !data.flags.backupEligible)
-    throw new PasskeyError('the device says a passkey that cannot be backed up was backed up')
-}
-
-// Where passkeys work, and the challenges: each is made for one browser (its session when the
-// owner is signed in, else its CSRF cookie), for one purpose, and on a consent page for one
-// pending request; it is used once, right or wrong, within five minutes. Anyone may ask for a
-// challenge, so making one stores nothing: a challenge is 16 random bytes, its expiry, and an
-// HMAC of both and of what it is bound to, under a key this process drew at start. Only a used
-// challenge is remembered, until it expires, and using one takes a sign-in attempt (counted and
-// limited as a password is) or the owner's session.
-
-/** What a challenge is made for: checked by its HMAC when an answer comes back. */
-export type PasskeyChallenge = {
-  purpose: 'register' | 'sign-in'
-  /** The hash of the session or CSRF cookie of the browser it was made for. */
-  browser: string
-  /** On a consent page: the hash of the pending request's id. */
-  request: string | undefined
-}
-
-const PASSKEY_CHALLENGE_SECONDS = 300
-const MAX_USED_CHALLENGES = 10_000
-
-/**
- * The relying party a passkey is made for: the issuer's host name (its RP ID) and origin. None
- * without a password, where no one signs in, nor where passkeys cannot work (`passkeyHostProblem`).
- * @see https://www.w3.org/TR/webauthn-3/#rp-id
- */
-function relyingParty(config: Config): { id: string; origin: string } | undefined {
-  const issuer = new URL(config.issuer)
-  if (config.passwordHash === undefined || passkeyHostProblem(config.issuer) !== undefined) return undefined
-  return { id: issuer.hostname, origin: issuer.origin }
-}
-
-/** The owner's WebAuthn user handle: opaque, the same on every device, and no secret. */
-function userHandleOf(config: Config): string {
-  return base64url(hash('sha256', `latch user ${config.me}`, 'buffer').subarray(0, 16))
-}
-
-/** What binds a challenge to a browser: its session when signed in, else its CSRF cookie. */
-function browserOf(visitor: Visitor): string {
-  return hashSecret(visitor.session ?? visitor.csrf)
-}
-
-/** A new challenge for what it is made for, in base64url: 16 random bytes, 4 of expiry, 16 of HMAC. */
-function makeChallenge(ctx: Context, made: PasskeyChallenge): string {
-  const body = Buffer.alloc(20)
-  randomFillSync(body, 0, 16)
-  body.writeUInt32BE(Math.ceil(ctx.now() / 1000) + PASSKEY_CHALLENGE_SECONDS, 16)
-  return base64url(Buffer.concat([body, challengeMac(ctx, body, made)]))
-}
-
-function challengeMac(ctx: Context, body: Buffer, made: PasskeyChallenge): Buffer {
-  const binding = `latch passkey ${made.purpose} ${made.browser} ${made.request ?? '-'} `
-  return createHmac('sha256', ctx.passkeys.key).update(binding).update(body).digest().subarray(0, 16)
-}
-
-/**
- * Takes the challenge the client data names, if Latch made it for this purpose, browser and
- * request and it has not expired: the expected challenge of the ceremony's checks. It is gone
- * afterwards, whatever the outcome, so an answer can never be replayed.
- */
-function takeChallenge(
-  ctx: Context,
-  clientDataJSON: Buffer,
-  wanted: { purpose: PasskeyChallenge['purpose']; browser: string; request?: string },
-): string {
-  const clientData = readClientData(clientDataJSON)
-  const challenge = isObject(clientData) ? clientData.challenge : undefined
-  if (typeof challenge !== 'string' || !/^[A-Za-z0-9_-]{48}$/.test(challenge))
-    throw new PasskeyError('the client data names no challenge of this server')
-  const bytes = Buffer.from(challenge, 'base64url')
-  const body = bytes.subarray(0, 20)
-  const made = { purpose: wanted.purpose, browser: wanted.browser, request: wanted.request }
-  if (!timingSafeEqual(bytes.subarray(20), challengeMac(ctx, body, made)))
-    throw new PasskeyError('the challenge was not made by this server for this page and browser: try again')
-  const expiresAt = body.readUInt32BE(16) * 1000
-  const { used } = ctx.passkeys
-  for (const [key, until] of used) {
-    if (until > ctx.now()) break // used in about the order they expire; one left behind goes later
-    used.delete(key)
-  }
-  if (expiresAt <= ctx.now() || used.has(challenge))
-    throw new PasskeyError('the challenge was used before or has expired: try again')
-  if (used.size >= MAX_USED_CHALLENGES)
-    throw new PasskeyError('too many passkey answers came in the last five minutes: try again later')
-  used.set(challenge, expiresAt)
-  return challenge
-}
-
-/** The byte strings a passkey form carries, each in base64url; a missing or malformed one is refused. */
-function readPasskeyFields<Name extends string>(form: Params, names: Name[]): Record<Name, Buffer> {
-  const fields = {} as Record<Name, Buffer>
-  for (const name of names) {
-    const value = getParam(form, name)
-    if (value === undefined || !/^[A-Za-z0-9_-]+$/.test(value))
-      throw new PasskeyError(`the form's ${name} is missing or not base64url`)
-    fields[name] = Buffer.from(value, 'base64url')
-  }
-  return fields
-}
-
-/**
- * A passkey sign-in from a form (see `checkSignIn`): the challenge, the passkey by its id, the
- * user handle, the authentication ceremony's checks; then the new counter and the time of use are
- * stored. Returns why it is refused, after logging it, or undefined.
- */
-async function checkPasskeySignIn(
-  form: Params,
-  on: { visitor: Visitor; request?: string },
-  address: string,
-  ctx: Context,
-): Promise<string | undefined> {
-  try {
-    const rp = relyingParty(ctx.config)
-    if (rp === undefined) throw new PasskeyError(noPasskeysHere(ctx.config))
-    const sent = readPasskeyFields(form, ['client_data', 'authenticator_data', 'signature'])
-    const browser = browserOf(on.visitor)
-    const challenge = takeChallenge(ctx, sent.client_data, { purpose: 'sign-in', browser, request: on.request })
-    const id = getParam(form, 'credential') ?? ''
-    const response = {
-      clientDataJSON: sent.client_data,
-      authenticatorData: sent.authenticator_data,
-      signature: sent.signature,
-    }
-    await changePasskeys(ctx, async () => {
-      const passkey = await ctx.store.findPasskey(id) // as the last change left it
-      if (passkey === undefined) throw new PasskeyError('it is not a passkey of this server, or it was removed')
-      if (!madeFor(passkey, rp.id)) throw new PasskeyError(`it was made for ${passkey.rpId}, not for ${rp.id}`)
-      // §7.2 step 6: the owner was not named before the ceremony, so the device must say whose
-      // passkey it is, with the handle it was made with. For one stored before Latch kept that
-      // handle, the signature alone shows it is the passkey stored: the handle is not signed, so
-      // it is kept only when it is the one Latch makes now, and a forged one cannot lock it out.
-      const userHandle = getParam(form, 'user_handle') ?? ''
-      if (
-        passkey.userHandle === undefined ? !/^[A-Za-z0-9_-]{1,86}$/.test(userHandle) : userHandle !== passkey.userHandle
-      )
-        throw new PasskeyError('the passkey is not the owner of this server')
-      const keptHandle = passkey.userHandle ?? (userHandle === userHandleOf(ctx.config) ? userHandle : undefined)
-      const { publicKey, algorithm, counter } = passkey
-      const expected = { challenge, origin: rp.origin, rpId: rp.id, publicKey, algorithm, counter }
-      const now = ctx.now()
-      const verified = verifyAuthentication(response, expected)
-      const used = { counter: verified.counter, lastUsedAt: now, userHandle: keptHandle, rpId: rp.id }
-      await ctx.store.savePasskey(id, { ...passkey, ...used }, now)
-    })
-    return undefined
-  } catch (err) {
-    if (!(err instanceof PasskeyError)) throw err
-    logEvent(ctx, 'security', `a passkey sign-in was refused: ${err.message}`, address)
-    return `The passkey was refused: ${err.message}`
-  }
-}
-
 // --- Client information discovery -----------------------------------------------
 // IndieAuth §4.2  https://indieauth.spec.indieweb.org/#client-information-discovery
 // Latch fetches the client_id URL to learn the app's name, logo and redirect URIs. Fetching a
@@ -5114,8 +5342,97 @@ const MAX_METADATA_DOCUMENT_BYTES = 5 * 1024
 const MAX_LOGO_BYTES = 64 * 1024
 const MAX_CLIENT_CACHE_SECONDS = 86_400
 const MAX_REDIRECT_URIS = 20
-const MAX_URL_LENGTH = 2_048
 const LOGO_TYPES = new Set(['image/png', 'image/jpeg', 'image/gif', 'image/webp', 'image/avif'])
+
+/**
+ * What discovery knows of a client, or that it knows nothing. A client is fetched at most once
+ * per Cache-Control lifetime; requests for the same client while it is being fetched share the
+ * fetch; a failure is remembered for 30 seconds; and at most 8 fetches run at once, with 8 more
+ * waiting, so that a flood of made-up clients costs a bounded amount of memory. One address
+ * (the request's, as `CONNECTION_LIMITS` groups them; loopback is not counted) may have at most 2
+ * of those under way, host-name lookups they left behind included, so that a stranger whose
+ * pages or names never answer cannot hold every slot and keep other people's apps from being
+ * looked up. Why a fetch failed goes to the log only: it can name addresses and ports of the
+ * server's network.
+ */
+async function findClient(clientId: string, req: IncomingMessage, ctx: Context): Promise<ClientLookup> {
+  const now = ctx.steadyNow()
+  const cached = ctx.clients.get(clientId)
+  if (cached !== undefined && cached.expiresAt > now) return { info: cached.info }
+  if (isLoopbackClient(clientId) || (ctx.failedClients.get(clientId) ?? 0) > now) return {}
+  let lookup = ctx.clientLookups.get(clientId)
+  if (lookup === undefined) {
+    const requester = CONNECTION_LIMITS.groupOf(clientAddress(req, ctx.trustedProxies))
+    const started = requester === undefined ? 0 : (ctx.lookupsBy.get(requester) ?? 0)
+    if (started >= MAX_LOOKUPS_BY_ONE) {
+      logEvent(
+        ctx,
+        'discovery',
+        `${clientId} was not fetched: ${requester} has ${started} apps being looked up already`,
+      )
+      return {}
+    }
+    if (requester !== undefined) ctx.lookupsBy.set(requester, started + 1)
+    const hostLookups: Promise<unknown>[] = []
+    lookup = fetchClient(clientId, ctx, hostLookups).finally(() => ctx.clientLookups.delete(clientId))
+    ctx.clientLookups.set(clientId, lookup)
+    // The requester's count lasts as long as its host-name lookups, which may go on long after
+    // the fetch gave up: else one address, trying again at each deadline, would hold all
+    // MAX_LOOKUPS_UNDERWAY of them.
+    if (requester !== undefined) {
+      void lookup
+        .then(() => Promise.allSettled(hostLookups))
+        .then(() => {
+          const left = (ctx.lookupsBy.get(requester) ?? 1) - 1
+          if (left === 0) ctx.lookupsBy.delete(requester)
+          else ctx.lookupsBy.set(requester, left)
+        })
+    }
+  }
+  return lookup
+}
+
+/** The lookups one address may have under way at once (see `findClient`). */
+const MAX_LOOKUPS_BY_ONE = 2
+
+async function fetchClient(clientId: string, ctx: Context, hostLookups: Promise<unknown>[]): Promise<ClientLookup> {
+  try {
+    const options = { allowPrivate: ctx.config.clientFetchPrivate, fetch: ctx.clientFetch, hostLookups }
+    const { info, maxAgeSeconds } = await withSlot(
+      ctx.clientFetchSlots,
+      CLIENT_FETCH_SLOTS,
+      () => new DiscoveryBusy('too many apps are being looked up at once'),
+      () => discoverClient(clientId, options),
+    )
+    ctx.clients.delete(clientId)
+    if (maxAgeSeconds > 0) {
+      if (ctx.clients.size >= MAX_CACHED_CLIENTS) ctx.clients.delete(ctx.clients.keys().next().value ?? '')
+      ctx.clients.set(clientId, { info, expiresAt: ctx.steadyNow() + maxAgeSeconds * 1000 })
+    }
+    return { info }
+  } catch (err) {
+    const failure = err instanceof Error ? err.message : String(err)
+    // An invalid Client ID Metadata Document refuses the request, and is not remembered: its
+    // author may fix it and try again at once (draft-ietf-oauth-client-id-metadata-document §5.2).
+    if (err instanceof InvalidClientDocument) return { refused: failure }
+    logEvent(ctx, 'discovery', `${clientId} could not be fetched: ${failure}`)
+    if (!(err instanceof DiscoveryBusy)) {
+      ctx.failedClients.delete(clientId)
+      if (ctx.failedClients.size >= MAX_REMEMBERED_FAILURES)
+        ctx.failedClients.delete(ctx.failedClients.keys().next().value ?? '')
+      ctx.failedClients.set(clientId, ctx.steadyNow() + FAILED_CLIENT_MEMORY_SECONDS * 1000)
+    }
+    return {}
+  }
+}
+
+/** Discovery refused for the server's own load, not the client's fault: not remembered as a failure. */
+class DiscoveryBusy extends Error {}
+
+const MAX_CACHED_CLIENTS = 100
+const MAX_REMEMBERED_FAILURES = 1_000
+const FAILED_CLIENT_MEMORY_SECONDS = 30
+const CLIENT_FETCH_SLOTS = { running: 8, waiting: 8 }
 
 /**
  * Addresses Latch never connects to: every range of the IANA IPv4 and IPv6 special-purpose
@@ -8117,312 +8434,6 @@ async function runHashPassword(): Promise<void> {
   const passwordHash = await hashPassword(password)
   process.stdout.write(`${passwordHash}\n`) // the command's one line of output, for PASSWORD_HASH
 }
-
-/**
- * How long a client may take: to send its headers, its whole request, and between requests; and
- * how long nothing may move on its connection, which is how a client that stops reading its
- * answers shows.
- */
-export type ServerTimeouts = {
-  headersMs: number
-  requestMs: number
-  keepAliveMs: number
-  checkEveryMs: number
-  idleMs: number
-}
-
-const SERVER_TIMEOUTS: ServerTimeouts = {
-  headersMs: 10_000,
-  requestMs: 30_000,
-  keepAliveMs: 5_000,
-  checkEveryMs: 1_000,
-  idleMs: 60_000,
-}
-
-/**
- * How many connections may be open at once: in all, and from one address. `groupOf` names what
- * an address counts as, for the second limit, or undefined when it is not limited.
- */
-export type ConnectionLimits = {
-  total: number
-  perAddress: number
-  groupOf: (address: string) => string | undefined
-}
-
-/**
- * A person's server needs a few dozen connections. Each costs some 7 KB while it waits for its
- * request, and closing many at once stalls node:http, so a stranger who opens them by the
- * thousand must not be kept: past either limit, a new connection is closed at once. The limit
- * by address keeps one stranger from taking them all; it spares loopback, where a proxy on this
- * machine sends every client's requests from.
- */
-export const CONNECTION_LIMITS: ConnectionLimits = {
-  total: 10_000,
-  perAddress: 100,
-  groupOf: (address) => (/^(127\.|::1$|::ffff:127\.)/.test(address) ? undefined : addressGroup(address)),
-}
-
-/**
- * The most answers one connection may have waiting behind one not yet sent whole. A client may
- * send its next requests without waiting for the answers (HTTP/1.1 pipelining; no browser does),
- * and node:http answers them all, each kept in memory until the ones before it are sent: a
- * consent page with its logo weighs some 90 KB, and a client that never reads had gigabytes
- * piled up within seconds. Past this, the connection is closed at once, answers unsent. The
- * requests that came in the same read go to the handler all the same, on a closed connection: it
- * answers none of them.
- */
-const MAX_QUEUED_ANSWERS = 8
-
-/**
- * What one client's connections count as: an IPv4 address itself, and for IPv6 its /64, since
- * one host is given a whole /64 and may use any address in it.
- */
-function addressGroup(address: string): string {
-  if (!isIPv6(address) || address.startsWith('::ffff:')) return address
-  const [head, tail] = address.replace(/%.*$/, '').split('::')
-  const part = (text: string | undefined) => (text === undefined || text === '' ? [] : text.split(':'))
-  const [left, right] = [part(head), part(tail)]
-  const missing = 8 - left.length - right.length - (right.at(-1)?.includes('.') ? 1 : 0) // a.b.c.d is two groups
-  const groups = [...left, ...Array<string>(tail === undefined ? 0 : missing).fill('0'), ...right]
-  return `${groups
-    .slice(0, 4)
-    .map((group) => parseInt(group, 16).toString(16))
-    .join(':')}::/64`
-}
-
-/**
- * An http server whose slow clients cannot hold a connection for long (slowloris): headers
- * within 10 s, the whole request within 30 s, 5 s idle between requests, checked every second.
- * A client that stops reading its answers stalls node:http's writes, and then none of those
- * apply: a connection on which nothing moves for a minute, while it waits on its client, is
- * closed. And no more connections than `limits` allow, nor more than 8 answers waiting on one of
- * them (see `MAX_QUEUED_ANSWERS`). Connections closed for a limit are said in `log`, at most once
- * a minute. An `Expect` other than 100-continue is answered 417, and the connection closed,
- * without reading the body. Attach the handler with `server.on('request', handler)`.
- */
-export function createLatchServer(
-  timeouts: ServerTimeouts = SERVER_TIMEOUTS,
-  limits: ConnectionLimits = CONNECTION_LIMITS,
-  log: (line: string) => void = () => {},
-): Server {
-  const server = createServer({
-    headersTimeout: timeouts.headersMs,
-    requestTimeout: timeouts.requestMs,
-    keepAliveTimeout: timeouts.keepAliveMs,
-    connectionsCheckingInterval: timeouts.checkEveryMs,
-  })
-  // Idle is a connection that waits on its client: one whose answer is all handed to node:http,
-  // or that has no request under way. One whose answer the server is still making (a journal
-  // write on a slow disk) is left alone; the next write starts its clock again.
-  const answers = new WeakMap<Socket, ServerResponse>()
-  let stopping = false // set by `closeLatchServer`
-  const closing = new WeakSet<ServerResponse>() // answers under way at the stop, marked to close their connection
-  const queued = new WeakMap<Socket, number>() // answers made behind one not yet sent whole
-  server.on('request', (req: IncomingMessage, res: ServerResponse) => {
-    const socket = req.socket
-    if (socket.destroyed) return // the rest of what a connection closed below had sent at once
-    const before = answers.get(socket)
-    answers.set(socket, res)
-    // a request behind one marked at the stop: this one's answer closes the connection instead
-    if (stopping && before !== undefined && closing.has(before) && !before.headersSent) before.shouldKeepAlive = true
-    if (before === undefined || before.writableFinished) return // the usual case: one at a time
-    const count = (queued.get(socket) ?? 0) + 1
-    if (count > MAX_QUEUED_ANSWERS) {
-      drop('queued', socket.remoteAddress)
-      return void socket.destroy()
-    }
-    queued.set(socket, count)
-    res.once('close', () => queued.set(socket, (queued.get(socket) ?? 1) - 1))
-  })
-  server.setTimeout(timeouts.idleMs, (socket: Socket) => {
-    if (answers.get(socket)?.writableEnded !== false) socket.destroy()
-  })
-  server.maxConnections = limits.total
-  // A flood closes thousands a second: the first is said at once; then, for as long as more
-  // come, one line a minute says how many were closed in it, for each limit.
-  const pastLimit = {
-    perAddress: `past ${limits.perAddress} from one client`,
-    total: `past ${limits.total} in all`,
-    queued: `past ${MAX_QUEUED_ANSWERS} answers waiting`,
-  }
-  const dropped = { perAddress: 0, total: 0, queued: 0, last: '', minute: undefined as NodeJS.Timeout | undefined }
-  const endMinute = () => {
-    const counts = (['perAddress', 'total', 'queued'] as const).filter((limit) => dropped[limit] > 0)
-    if (counts.length === 0) return void (dropped.minute = undefined)
-    const said = counts.map((limit) => `${dropped[limit]} ${pastLimit[limit]}`).join(', ')
-    log(`security: connections closed at once in the last minute: ${said} (the last from ${dropped.last})`)
-    Object.assign(dropped, { perAddress: 0, total: 0, queued: 0, minute: setTimeout(endMinute, 60_000).unref() })
-  }
-  const drop = (limit: 'perAddress' | 'total' | 'queued', address = 'an unknown address') => {
-    if (dropped.minute === undefined) {
-      log(`security: a connection from ${address} was closed at once, ${pastLimit[limit]}`)
-      dropped.minute = setTimeout(endMinute, 60_000).unref()
-    } else {
-      dropped[limit]++
-      dropped.last = address
-    }
-  }
-  server.on('drop', (data?: { remoteAddress?: string }) => drop('total', data?.remoteAddress)) // past maxConnections
-  // An expectation other than 100-continue: node:http would answer 417 itself, keep the
-  // connection, and read the body to its end however long it is. The 417 closes it instead.
-  server.on('checkExpectation', (_req: IncomingMessage, res: ServerResponse) => {
-    res.writeHead(417, { Connection: 'close', 'Content-Length': '0' })
-    res.end()
-  })
-  // CONNECT asks a proxy for a tunnel, and node:http hands it here instead of to the handler:
-  // without this, it would close the connection without a word. node:http no longer watches such
-  // a socket (no timeout, and `closeAllConnections` does not reach it): it is closed here, whole,
-  // once the answer is out, or after 5 s for a client that does not read it
-  server.on('connect', (_req: IncomingMessage, socket: Socket) => {
-    socket.on('error', () => {})
-    const cut = setTimeout(() => socket.destroy(), 5_000).unref()
-    socket.once('close', () => clearTimeout(cut))
-    socket.end(
-      'HTTP/1.1 405 Method Not Allowed\r\nAllow: GET, POST, OPTIONS\r\nContent-Length: 0\r\nConnection: close\r\n\r\n',
-      () => socket.destroy(),
-    )
-  })
-  const connections = new Set<Socket>()
-  // at a stop, an answer still being made goes out with `Connection: close`: its client sends no
-  // further request on a connection about to be closed under it
-  answersInFlight.set(server, () => {
-    stopping = true
-    for (const socket of connections) {
-      const answer = answers.get(socket)
-      if (answer === undefined || answer.headersSent || !answer.shouldKeepAlive) continue
-      answer.shouldKeepAlive = false
-      closing.add(answer)
-    }
-  })
-  const open = new Map<string, number>() // connections by address group, for those limited
-  server.on('connection', (socket: Socket) => {
-    connections.add(socket)
-    socket.once('close', () => connections.delete(socket))
-    const group = socket.remoteAddress === undefined ? undefined : limits.groupOf(socket.remoteAddress)
-    if (group === undefined) return
-    const count = (open.get(group) ?? 0) + 1
-    if (count > limits.perAddress) {
-      drop('perAddress', socket.remoteAddress)
-      return void socket.destroy()
-    }
-    open.set(group, count)
-    socket.once('close', () => {
-      const left = (open.get(group) ?? 1) - 1
-      if (left === 0) open.delete(group)
-      else open.set(group, left)
-    })
-  })
-  return server
-}
-
-/** For each server made by `createLatchServer`: marks the answers it is making to close their connection. */
-const answersInFlight = new WeakMap<Server, () => void>()
-
-/**
- * Stops a server the way Latch's command does at SIGTERM, and resolves once it has: no new
- * connections; requests in flight answered, and they and those that come meanwhile with
- * `Connection: close` (those in flight, on a server made by `createLatchServer`); connections
- * closed as soon as they are idle; and whatever is still open after 5 s (a client that sent half
- * its headers, or never reads its answer) cut off. `server.close()` alone
- * closes only the connections idle at that moment and stops node:http's request-timeout checks,
- * so a stalled connection keeps it open until the idle timeout: a minute here.
- */
-export function closeLatchServer(server: Server): Promise<void> {
-  return new Promise((resolve) => {
-    server.close(() => resolve())
-    // A client that keeps its connection busy never lets it go idle: each request from now on
-    // is answered with `Connection: close`, and a connection is closed once its answer is out.
-    server.prependListener('request', (_req: IncomingMessage, res: ServerResponse) => {
-      res.shouldKeepAlive = false
-    })
-    answersInFlight.get(server)?.()
-    server.closeIdleConnections()
-    const idle = setInterval(() => server.closeIdleConnections(), 100).unref()
-    const cut = setTimeout(() => server.closeAllConnections(), 5_000).unref()
-    server.once('close', () => {
-      clearInterval(idle)
-      clearTimeout(cut)
-    })
-  })
-}
-
-/**
- * A log that gathers lines for up to `everyMs` (or 64 KiB) and writes them in one go. Writing to
- * a file or a terminal blocks; once a request, it cost as much as answering one. Lines still
- * waiting are written when the process exits. When the log cannot be written (the program that
- * read it has gone: EPIPE), the server goes on and its lines are dropped: an authorization
- * server must not stop because its log did. Nor may it grow without end: a pipe keeps in memory
- * whatever its reader has not read yet, and a reader can stop (a stuck log shipper, a paused
- * pager) or fall behind for good. Past 16 million characters unread, lines are counted and
- * dropped; as soon as the reader has caught up, a line of the writer's own (in the log's
- * format, by `format`) says how many.
- *
- * The writer's `flush` writes at once what waits, as before the process ends by a signal.
- *
- * `output` may also be the descriptor of a file (standard output sent to one: `>> latch.log`),
- * written directly. A stream that fails a write is done for good, and a full disk is not: its
- * lines are counted and dropped the same way, and once there is room the log goes on, with the
- * line that says how many it lost.
- */
-export function createLineWriter(
-  output: Writable | number,
-  everyMs = 100,
-  format = (line: string) => line,
-): ((line: string) => void) & { flush: () => void } {
-  let pending = ''
-  let lines = 0
-  let dropped = 0
-  let timer: NodeJS.Timeout | undefined
-  let broken = false
-  const stream = typeof output === 'number' ? undefined : output
-  const fd = typeof output === 'number' ? output : undefined
-  stream?.on('error', () => (broken = true))
-  let torn = false // the file ends with part of a line, where the disk filled up
-  /** Writes to the file: false when the disk took none of it, or only part (ended on the next write). */
-  const writeFile = (fd: number, text: string): boolean => {
-    const bytes = Buffer.from(torn ? `\n${text}` : text)
-    let at = 0
-    try {
-      while (at < bytes.length) at += writeSync(fd, bytes, at)
-      torn = false
-      return true
-    } catch {
-      torn ||= at > 0
-      return false
-    }
-  }
-  const flush = () => {
-    clearTimeout(timer)
-    timer = undefined
-    if (stream !== undefined && stream.writableLength > MAX_UNREAD_LOG) dropped += lines
-    else if ((pending !== '' || dropped > 0) && !broken) {
-      // after the lines, so that the times go on rising: the dropped lines came before them all
-      const why = fd !== undefined ? 'the disk was full' : "the log's reader was behind"
-      const notice = `log: ${dropped} lines dropped while ${why}`
-      const text = dropped === 0 ? pending : `${pending}${format(notice)}\n`
-      const written = fd !== undefined ? writeFile(fd, text) : (stream?.write(text), true)
-      dropped = written ? 0 : dropped + lines
-    }
-    pending = ''
-    lines = 0
-  }
-  stream?.on('drain', () => dropped > 0 && flush()) // the reader has caught up: say so now
-  process.on('exit', flush)
-  const write = (line: string) => {
-    if (broken) return
-    pending += `${line}\n`
-    lines++
-    if (pending.length >= 65_536) flush()
-    else timer ??= setTimeout(flush, everyMs).unref() // the exit handler writes what is left
-  }
-  return Object.assign(write, { flush })
-}
-
-/**
- * The most log output kept in memory for a reader that is behind, in characters (what a stream
- * counts of text): 16 MiB of ASCII.
- */
-const MAX_UNREAD_LOG = 16 * 1024 * 1024
 
 const NO_PASSWORD = 'not set: anyone who can reach this loopback address can approve sign-ins'
 
