@@ -2063,6 +2063,15 @@ describe('POST /token (IndieAuth §5.3.3)', () => {
     assert.equal(body.expires_in, 604800)
   })
 
+  it("takes an OAuth request's exchange without redirect_uri, as OAuth 2.1 clients send it, and checks one sent", async () => {
+    // OAuth 2.1 §10.2 drops it from the token request: the PKCE verifier already binds the code
+    const resource = { resource: 'https://mcp.example/' }
+    const response = await exchange(latch, await obtainCode(latch, resource), { redirect_uri: undefined })
+    assert.equal(response.status, 200)
+    const other = await exchange(latch, await obtainCode(latch, resource), { redirect_uri: `${REDIRECT_URI}x` })
+    await assertError(other, 400, 'invalid_grant')
+  })
+
   it('compares client_id canonically and redirect_uri byte for byte', async () => {
     const response = await exchange(latch, await obtainCode(latch), { client_id: 'HTTP://127.0.0.1:8080' })
     assert.equal(response.status, 200)

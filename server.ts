@@ -1458,13 +1458,17 @@ async function handleProfileRedemption(req: IncomingMessage, res: ServerResponse
 async function checkCode(form: Params, options: { clientRequired: boolean }, ctx: Context) {
   const value = requireParam(form, 'code')
   const clientId = options.clientRequired ? requireParam(form, 'client_id') : getParam(form, 'client_id')
-  const redirectUri = options.clientRequired ? requireParam(form, 'redirect_uri') : getParam(form, 'redirect_uri')
+  const redirectUri = getParam(form, 'redirect_uri')
   const verifier = requireParam(form, 'code_verifier')
   if (!isCodeVerifier(verifier))
     throw new OAuthError('invalid_request', 'code_verifier must be 43 to 128 characters of A-Z, a-z, 0-9 and -._~')
   const codeHash = hashSecret(value)
   const code = await ctx.store.findCodeUsedOrNot(codeHash, ctx.now())
   if (code === undefined) throw new OAuthError('invalid_grant', 'The authorization code is unknown or has expired')
+  // IndieAuth's token request names the redirect_uri; OAuth 2.1's need not (its §10.2), since the
+  // verifier binds the code already: an OAuth request's code (one with `resource`) is taken without
+  if (redirectUri === undefined && options.clientRequired && code.resource.length === 0)
+    throw new OAuthError('invalid_request', 'Parameter redirect_uri is missing')
   if (clientId !== undefined && !isSameClientId(clientId, code.client_id)) {
     throw new OAuthError('invalid_grant', 'client_id does not match the client the code was issued to')
   }
