@@ -5775,6 +5775,13 @@ export async function discoverClient(
   const isJson = fetched.type === 'application/json' || fetched.type.endsWith('+json')
   // JSON at an https URL: a Client ID Metadata Document, which IndieAuth's JSON metadata is too
   const metadataDocument = isJson && url.protocol === 'https:'
+  // a document served as text (a raw file on a code host, say) would be read as a page without
+  // redirect URIs, and the refusal would name the wrong cause; the type is named if it is one
+  const jsonAsText = !isJson && !fetched.type.includes('html') && /^\s*\{/.test(fetched.body.toString('latin1', 0, 64))
+  if (url.protocol === 'https:' && jsonAsText) {
+    const type = /^[\w.+-]{1,40}\/[\w.+-]{1,80}$/.test(fetched.type) ? fetched.type : 'another type'
+    throw new InvalidClientDocument(`it is served as ${type}: it must be application/json`)
+  }
   if (metadataDocument && fetched.body.length > MAX_METADATA_DOCUMENT_BYTES)
     throw new InvalidClientDocument(`it is larger than ${MAX_METADATA_DOCUMENT_BYTES / 1024} KiB`)
   const document = isJson

@@ -825,6 +825,18 @@ describe('Loopback redirects and Client ID Metadata Documents', () => {
     assert.equal(accepted.status, 200, pageError(await accepted.text()))
   })
 
+  it('refuses a document served as another type than JSON, and says so', async () => {
+    for (const type of ['text/plain; charset=utf-8', 'application/octet-stream']) {
+      const clientId = `https://app.example/typed-${type.split('/')[0]}.json`
+      serveClient(clientId, {}, { 'Content-Type': type })
+      await assertRefusedPage(
+        await authorizeClient(latch, clientId, 'https://app.example/callback'),
+        /Client ID Metadata Document cannot be used/,
+        new RegExp(`served as ${type.split(';')[0]}: it must be application/json`),
+      )
+    }
+  })
+
   it('refuses a document larger than 5 KiB', async () => {
     const clientId = 'https://app.example/big.json'
     serveClient(clientId, { description: 'x'.repeat(5 * 1024) })
