@@ -496,6 +496,8 @@ const NOT_STORED = new OAuthError(
 )
 
 // --- Small helpers --------------------------------------------------------------
+// Secrets, PKCE and parameters. A few reuse buffers made once (`randomPool`, `challengeBytes`) or
+// cut a hash short (`cutHash`): Performance internals, in Part 2, says why and how.
 
 /** Base64url without padding (RFC 4648 §5), the encoding of codes, tokens and PKCE. */
 export function base64url(bytes: Buffer): string {
