@@ -5970,15 +5970,15 @@ const MAX_OPEN_ELEMENTS = 256
 /**
  * Where the text of an element whose text holds no markup ends: its end tag, in upper or lower
  * case, its name followed by a space, `/` or `>`. A `<link>` written in a `<textarea>`, a
- * `<title>` or a `<noscript>` (read by a browser that runs scripts) is text, as in a browser.
- * The scanner knows no SVG, whose `<title>` holds markup, nor a script's `<!--<script>`, which
+ * `<title>` or a `<noscript>` (read by a browser that runs scripts) is text, as in a browser,
+ * and a `<template>`'s content is passed over, as it is not in the page (a template inside it
+ * ends it early). The scanner knows no SVG, whose `<title>` holds markup, nor a script's `<!--<script>`, which
  * a browser ends only at a second `</script>`: there it reads other links than a browser.
  */
 const RAW_TEXT_ENDS: Record<string, RegExp> = Object.fromEntries(
-  ['script', 'style', 'title', 'textarea', 'xmp', 'iframe', 'noembed', 'noframes', 'noscript'].map((name) => [
-    name,
-    new RegExp(`</${name}[\\t\\n\\f\\r />]`, 'gi'),
-  ]),
+  ['script', 'style', 'title', 'textarea', 'xmp', 'iframe', 'noembed', 'noframes', 'noscript', 'template'].map(
+    (name) => [name, new RegExp(`</${name}[\\t\\n\\f\\r />]`, 'gi')],
+  ),
 )
 RAW_TEXT_ENDS.plaintext = /(?!)/g // it never ends
 
@@ -6049,7 +6049,8 @@ export function scanHtml(html: string): HtmlElement[] {
       close.lastIndex = at
       at = close.exec(html)?.index ?? html.length
       elements[elements.length - 1].textEnd = at
-    } else if (!VOID_ELEMENTS.has(name) && !tag.selfClosing && open.length < MAX_OPEN_ELEMENTS) {
+    } else if (!VOID_ELEMENTS.has(name) && open.length < MAX_OPEN_ELEMENTS) {
+      // a `/` before the `>` closes nothing: HTML ignores it (`<div/>` is `<div>`)
       open.push(elements.length - 1)
       openByName.set(name, (openByName.get(name) ?? 0) + 1)
     }
@@ -6064,31 +6065,32 @@ export function scanHtml(html: string): HtmlElement[] {
 /**
  * Reads a tag from just past its name to its `>`, as HTML's tokenizer does: an attribute's name
  * runs to a space, `/`, `>` or `=` (a quote in it is part of it, and so is an `=` it starts
- * with), and only a value may be quoted. Returns where the tag ends, the attributes asked for
- * (by default those discovery reads; the first of a name counts), and whether a `/` came right
- * before the `>`; undefined for a tag the page never ends.
+ * with), and only a value may be quoted. Returns where the tag ends and the attributes asked
+ * for (by default those discovery reads; the first of a name counts, and one without a value has
+ * an empty one); undefined for a tag the page never ends.
  * @see https://html.spec.whatwg.org/multipage/parsing.html#before-attribute-name-state
  */
 function readTag(
   html: string,
   from: number,
   read = READ_ATTRIBUTES,
-): { end: number; attributes: Record<string, string>; selfClosing: boolean } | undefined {
+): { end: number; attributes: Record<string, string> } | undefined {
   const attributes: Record<string, string> = {}
-  let selfClosing = false
   let at = from
   for (;;) {
-    // between attributes: spaces, and any `/` (one right before the `>` makes the tag self-closing)
-    for (; at < html.length && (isHtmlSpace(html[at]) || html[at] === '/'); at++) selfClosing = html[at] === '/'
+    while (at < html.length && (isHtmlSpace(html[at]) || html[at] === '/')) at++ // between attributes
     if (at === html.length) return undefined
-    if (html[at] === '>') return { end: at, attributes, selfClosing }
-    selfClosing = false
+    if (html[at] === '>') return { end: at, attributes }
     const nameStart = at++
     while (at < html.length && !isHtmlSpace(html[at]) && html[at] !== '/' && html[at] !== '>' && html[at] !== '=') at++
     const name = asciiLowerCase(html.slice(nameStart, at))
     let equals = at
     while (equals < html.length && isHtmlSpace(html[equals])) equals++
-    if (html[equals] !== '=') continue // an attribute without a value
+    if (html[equals] !== '=') {
+      // an attribute without a value has an empty one, and a later one of its name is ignored
+      if (read.has(name) && !Object.hasOwn(attributes, name)) attributes[name] = ''
+      continue
+    }
     for (at = equals + 1; at < html.length && isHtmlSpace(html[at]);) at++
     let value: string
     const quote = html[at]
@@ -6121,33 +6123,83 @@ function asciiLowerCase(text: string): string {
  * characters are read, and a tag that limit cuts in two is dropped, not shown.
  */
 function elementText(html: string, element: HtmlElement): string {
-  const end = Math.min(element.textEnd, element.textStart + 2_000)
-  const text = html.slice(element.textStart, end)
-  return htmlText(end < element.textEnd ? text.replace(/<[^<>]*$/, '') : text) // a bare `<` is text, as in `I <3 it`
+  return htmlText(html.slice(element.textStart, Math.min(element.textEnd, element.textStart + 2_000)))
 }
 
 /** The attributes discovery reads; the rest are passed over, so a tag of many costs little. */
 const READ_ATTRIBUTES = new Set(['class', 'rel', 'href', 'src'])
 
+/** Text as a browser shows it: markup out (a tag or comment left open runs to the end), entities decoded. */
 function htmlText(html: string): string {
-  return decodeEntities(html.replace(HTML_COMMENTS, ' ').replace(/<[^<>]*>/g, ' '))
+  let text = ''
+  let at = 0
+  for (let lt = html.indexOf('<'); lt !== -1; lt = html.indexOf('<', at)) {
+    const end = markupEnd(html, lt)
+    text += `${html.slice(at, lt)}${end === lt + 1 ? '<' : ' '}` // a bare `<` is text, as in `I <3 it`
+    at = end
+  }
+  return decodeEntities(text + html.slice(at))
     .replace(/\s+/g, ' ')
     .trim()
 }
 
+/**
+ * Where the markup that starts at a `<` ends: past a comment, a bogus one (`<!…>`, `<?…>`, `</3…>`)
+ * or a tag, whose quoted values may hold a `>`; just past the `<` when it starts none.
+ */
+function markupEnd(html: string, lt: number): number {
+  if (html.startsWith('<!--', lt)) {
+    HTML_COMMENTS.lastIndex = lt
+    return lt + (HTML_COMMENTS.exec(html)?.[0].length ?? html.length)
+  }
+  const next = html[lt + 1] ?? ''
+  if (next === '!' || next === '?' || (next === '/' && /^[^a-zA-Z]/.test(html[lt + 2] ?? ''))) {
+    const end = html.indexOf('>', lt + 2)
+    return end === -1 ? html.length : end + 1
+  }
+  const name = /\/?[a-zA-Z][^\t\n\f\r />]*/y
+  name.lastIndex = lt + 1
+  if (name.exec(html) === null) return lt + 1
+  return (readTag(html, name.lastIndex)?.end ?? html.length) + 1
+}
+
+/**
+ * Decodes character references as HTML does: a number (0x80–0x9F taken as windows-1252, as a
+ * browser takes them; 0, a surrogate or past Unicode as U+FFFD), or a name, in its case
+ * (`&AMP;` is none). The names known are those of Latin-1 and windows-1252, which old pages use;
+ * a name of another character is left as written.
+ * @see https://html.spec.whatwg.org/multipage/parsing.html#numeric-character-reference-end-state
+ */
 function decodeEntities(text: string): string {
-  const named: Record<string, string> = { amp: '&', lt: '<', gt: '>', quot: '"', apos: "'", nbsp: ' ' }
-  return text.replace(/&(#x[0-9a-f]{1,6}|#\d{1,7}|[a-z]{1,10});/gi, (entity, body: string) => {
-    const code =
-      body[0] !== '#'
-        ? undefined
-        : body[1].toLowerCase() === 'x'
-          ? parseInt(body.slice(2), 16)
-          : parseInt(body.slice(1), 10)
-    if (code === undefined) return named[body.toLowerCase()] ?? entity
-    return code > 0 && code <= 0x10ffff ? String.fromCodePoint(code) : entity
+  return text.replace(/&(?:#[xX]([0-9a-fA-F]+)|#(\d+)|([A-Za-z][A-Za-z0-9]*));/g, (entity, hex, decimal, name) => {
+    if (name !== undefined) return NAMED_CHARACTERS.get(name) ?? entity
+    const code = hex === undefined ? Number(decimal) : parseInt(hex, 16)
+    if (code >= 0x80 && code <= 0x9f) return WINDOWS_1252_HIGH[code - 0x80]
+    return code === 0 || code > 0x10ffff || (code >= 0xd800 && code <= 0xdfff) ? '\ufffd' : String.fromCodePoint(code)
   })
 }
+
+/** The named characters `decodeEntities` knows: ASCII's five, Latin-1's from U+00A0, windows-1252's. */
+const NAMED_CHARACTERS = new Map<string, string>([
+  ...Object.entries({ amp: '&', lt: '<', gt: '>', quot: '"', apos: "'" }),
+  ...(
+    'nbsp iexcl cent pound curren yen brvbar sect uml copy ordf laquo not shy reg macr deg plusmn sup2 sup3 ' +
+    'acute micro para middot cedil sup1 ordm raquo frac14 frac12 frac34 iquest Agrave Aacute Acirc Atilde Auml ' +
+    'Aring AElig Ccedil Egrave Eacute Ecirc Euml Igrave Iacute Icirc Iuml ETH Ntilde Ograve Oacute Ocirc Otilde ' +
+    'Ouml times Oslash Ugrave Uacute Ucirc Uuml Yacute THORN szlig agrave aacute acirc atilde auml aring aelig ' +
+    'ccedil egrave eacute ecirc euml igrave iacute icirc iuml eth ntilde ograve oacute ocirc otilde ouml divide ' +
+    'oslash ugrave uacute ucirc uuml yacute thorn yuml'
+  )
+    .split(' ')
+    .map((name, i): [string, string] => [name, String.fromCharCode(0xa0 + i)]),
+  ...(
+    'euro - sbquo fnof bdquo hellip dagger Dagger circ permil Scaron lsaquo OElig - Zcaron - ' +
+    '- lsquo rsquo ldquo rdquo bull ndash mdash tilde trade scaron rsaquo oelig - zcaron Yuml'
+  )
+    .split(' ')
+    .map((name, i): [string, string] => [name, WINDOWS_1252_HIGH[i]])
+    .filter(([name]) => name !== '-'),
+])
 
 function hasToken(list: string | undefined, token: string): boolean {
   return asciiLowerCase(list ?? '')
@@ -6168,7 +6220,8 @@ export function readLinkHeader(header: string, rel: string, base: string): strin
 }
 
 function resolveUrl(href: string, base: string): string | undefined {
-  return URL.canParse(href.trim(), base) ? new URL(href.trim(), base).href : undefined
+  // not `trim()`: the URL parser strips C0 controls and spaces, and a no-break space is part of the URL
+  return URL.canParse(href, base) ? new URL(href, base).href : undefined
 }
 
 /**

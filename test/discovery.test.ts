@@ -1045,9 +1045,21 @@ describe('Discovery parsers and address rules', () => {
       `<link:x rel=redirect_uri href=/namespaced><link rel="x\u00a0redirect_uri" href=/nbsp>`, // not a link, not the rel
       `<lin\u212a rel=redirect_uri href=/kelvin><link rel=redirect_uri\u00a0href=/nbsp-between>`, // K is no k
       `<div a"b c='x">' ${link('/quote-in-name')} '><link =rel=redirect_uri href=/equals-first>`,
+      `<link rel rel=redirect_uri href=/valueless-first><link rel="x&nbsp;redirect_uri" href=/nbsp-entity>`,
+      `<template>${link('/template')}</template>`,
       `${link('/last')}<plaintext>${link('/plaintext')}`,
     ]
     assert.deepEqual(readClientPage(text.join(''), 'https://a.example/').redirectUris, ['https://a.example/last'])
+  })
+
+  it('reads a name and a link as a browser shows them: entities, a > in a quoted value, a no-break space', () => {
+    const page = readClientPage(
+      '<div class="h-app"/><span class="p-name"><b title="x>Evil Corp">Caf&eacute; &mdash; &#147;Q&#148;</b> ' +
+        '&AMP; &#0;</span></div><link rel=redirect_uri href="&nbsp;https://evil.example/cb">',
+      'https://a.example/',
+    )
+    assert.equal(page.name, 'Caf\u00e9 \u2014 \u201cQ\u201d &AMP; \ufffd')
+    assert.deepEqual(page.redirectUris, ['https://a.example/%C2%A0https://evil.example/cb']) // a path of its own
   })
 
   it('reads a name written in a <title> or a <textarea>, and passes over a comment in it, whatever it holds', () => {
