@@ -4255,6 +4255,7 @@ describe('Router and errors', () => {
         return [words.slice(0, -1).join(' '), words.at(-1), errors.toLowerCase(), cors === 'yes', spec]
       },
     )
+    assert.equal(rows.length, section.match(/^\| `/gm)?.length) // every row was read
     assert.deepEqual(rows, routes)
   })
 
