@@ -5676,8 +5676,9 @@ const HTML_COMMENTS = /<!--(>|->|[^]*?(--!?>|$))/g
  * (outside comments) that names an encoding: its `charset`, or the `content` of one that is
  * `http-equiv="Content-Type"`. UTF-8 if none does, or TextDecoder here cannot decode it
  * (ISO-2022-KR, which a browser shows as nothing, for one). The browser's pre-scan is shortened:
- * a `<meta>` written in another tag's attribute value is taken too, and one past the first 1,024
- * bytes (a browser may look further) is not. So a page can be read in another encoding than a
+ * a `<meta>` written in another tag's attribute value, in `<?…>` or in a doctype is taken too;
+ * one past the first 1,024 bytes (a browser may look further), or after a `<!--` that is no
+ * comment (in an attribute's value, a script or a style), is not. So a page can be read in another encoding than a
  * browser reads it in, and show another name or publish other redirect URIs; it is the app's
  * own page either way.
  * @see https://html.spec.whatwg.org/multipage/parsing.html#determining-the-character-encoding
@@ -7941,7 +7942,7 @@ export const SETTINGS = [
     default: 'on',
     help:
       '`off`: sign in with a passkey only (start is refused while none is for the host of ISSUER). ' +
-      'Needs PASSWORD_HASH, an ISSUER where passkeys work (https, or http on localhost) and a DATA_FILE.',
+      'Needs PASSWORD_HASH, an ISSUER where passkeys work (a host name on https, or localhost) and a DATA_FILE.',
   },
   {
     name: 'DATA_FILE',
