@@ -5978,8 +5978,9 @@ const MAX_OPEN_ELEMENTS = 256
  * case, its name followed by a space, `/` or `>`. A `<link>` written in a `<textarea>`, a
  * `<title>` or a `<noscript>` (read by a browser that runs scripts) is text, as in a browser,
  * and a `<template>`'s content is passed over, as it is not in the page (a template inside it
- * ends it early). The scanner knows no SVG, whose `<title>` holds markup, nor a script's `<!--<script>`, which
- * a browser ends only at a second `</script>`: there it reads other links than a browser.
+ * ends it early). The scanner knows no SVG, whose `<title>` holds markup, nor a script's
+ * `<!--<script>`, which a browser ends only at a second `</script>`: there it reads other links
+ * than a browser.
  */
 const RAW_TEXT_ENDS: Record<string, RegExp> = Object.fromEntries(
   ['script', 'style', 'title', 'textarea', 'xmp', 'iframe', 'noembed', 'noframes', 'noscript', 'template'].map(
@@ -6001,32 +6002,18 @@ export function scanHtml(html: string): HtmlElement[] {
   const elements: HtmlElement[] = []
   const open: number[] = [] // the elements not closed yet, outermost first
   const openByName = new Map<string, number>() // how many of `open` have each name
-  const tagName = /\/?[a-zA-Z][^\t\n\f\r />]*/y // a name runs to a space, `/` or `>`, as in HTML
   let closingTags = 0
   let at = 0
   while (elements.length < MAX_HTML_ELEMENTS && closingTags < MAX_HTML_CLOSING_TAGS) {
     const lt = html.indexOf('<', at)
     if (lt === -1) break
-    if (html.startsWith('<!--', lt)) {
-      HTML_COMMENTS.lastIndex = lt // it matches here, and one left open runs to the end
-      at = lt + (HTML_COMMENTS.exec(html)?.[0].length ?? html.length)
-      continue
-    }
-    const next = html[lt + 1]
-    if (next === '!' || next === '?' || (next === '/' && !/[a-zA-Z]/.test(html[lt + 2] ?? ''))) {
-      // `<!DOCTYPE …>`, `<?…?>`, `</3…>`: what HTML takes for comments, ended by the next `>`
-      const end = html.indexOf('>', lt + 2)
-      if (end === -1) break
-      at = end + 1
-      continue
-    }
-    tagName.lastIndex = lt + 1
-    const named = tagName.exec(html)
+    TAG_NAME.lastIndex = lt + 1
+    const named = TAG_NAME.exec(html)
     if (named === null) {
-      at = lt + 1
+      at = markupEnd(html, lt) // a comment, what HTML takes for one, or a `<` that is text
       continue
     }
-    const tag = readTag(html, tagName.lastIndex)
+    const tag = readTag(html, TAG_NAME.lastIndex)
     if (tag === undefined) break // no tag can end after this point
     at = tag.end + 1
     const name = asciiLowerCase(named[0].replace('/', '')) // as HTML does: `linK` (a Kelvin sign) is no link
@@ -6150,12 +6137,13 @@ function htmlText(html: string): string {
 }
 
 /**
- * Where the markup that starts at a `<` ends: past a comment, a bogus one (`<!…>`, `<?…>`, `</3…>`)
- * or a tag, whose quoted values may hold a `>`; just past the `<` when it starts none.
+ * Where the markup that starts at a `<` ends: past a comment (one left open runs to the end), past
+ * what HTML takes for one (`<!DOCTYPE …>`, `<?…?>`, `</3…>`, ended by the next `>`), or past a
+ * tag, whose quoted values may hold a `>`; just past the `<` when it starts none.
  */
 function markupEnd(html: string, lt: number): number {
   if (html.startsWith('<!--', lt)) {
-    HTML_COMMENTS.lastIndex = lt
+    HTML_COMMENTS.lastIndex = lt // it matches here
     return lt + (HTML_COMMENTS.exec(html)?.[0].length ?? html.length)
   }
   const next = html[lt + 1] ?? ''
@@ -6163,11 +6151,13 @@ function markupEnd(html: string, lt: number): number {
     const end = html.indexOf('>', lt + 2)
     return end === -1 ? html.length : end + 1
   }
-  const name = /\/?[a-zA-Z][^\t\n\f\r />]*/y
-  name.lastIndex = lt + 1
-  if (name.exec(html) === null) return lt + 1
-  return (readTag(html, name.lastIndex)?.end ?? html.length) + 1
+  TAG_NAME.lastIndex = lt + 1
+  if (TAG_NAME.exec(html) === null) return lt + 1
+  return (readTag(html, TAG_NAME.lastIndex)?.end ?? html.length) + 1
 }
+
+/** A tag's name, from just past its `<`: it runs to a space, `/` or `>`, as in HTML. */
+const TAG_NAME = /\/?[a-zA-Z][^\t\n\f\r />]*/y
 
 /**
  * Decodes character references as HTML does: a number (0x80–0x9F taken as windows-1252, as a
