@@ -3350,8 +3350,9 @@ describe('Sign-in sessions and connected apps', () => {
   it('names the address a refused form came from, and the issuer, when it came from a page under another name', async () => {
     const consent = await openConsent(latch)
     const sent = form({ request: consent.request, csrf: createSecret(), scope: 'create', decision: 'approve' })
-    const page = async (origin: string) => {
-      const response = await post(`${latch.base}/auth/consent`, sent, { Origin: origin, 'Sec-Fetch-Site': 'same-site' })
+    const page = async (origin: string, site = 'same-site') => {
+      const headers = { Origin: origin, ...(site === '' ? {} : { 'Sec-Fetch-Site': site }) }
+      const response = await post(`${latch.base}/auth/consent`, sent, headers)
       assert.equal(response.status, 403)
       return response.text()
     }
@@ -3365,10 +3366,17 @@ describe('Sign-in sessions and connected apps', () => {
     assert.doesNotMatch(elsewhere, /reload/) // reloading that page cannot help
     const local = await page(`http://localhost:${latch.port}`) // a name of this machine
     assert.match(local, /, or set ISSUER to the address you use<\/p>/)
-    assert.match(await page(issuer), /not sent from a page of this server in this browser/)
-    for (const origin of ['null', 'http://[::1', 'http://a:99999'])
+    // Latch's pages send no Referer, so Chromium says `Origin: null` for a form from one opened
+    // under another name: only Sec-Fetch-Site says that it was elsewhere
+    for (const origin of ['null', 'http://[::1', 'http://a:99999']) {
       // not an origin: not named
-      assert.match(await page(origin), /not sent from a page of this server in this browser/)
+      const unnamed = await page(origin, 'cross-site')
+      assert.match(unnamed, new RegExp(`sent from a page at another address, but this server is at ${issuer}`))
+      assert.doesNotMatch(unnamed, /reload/)
+    }
+    // a browser that says nothing of where the form came from
+    assert.match(await page(issuer, ''), /not sent from a page of this server in this browser/)
+    assert.match(await page('null', ''), /not sent from a page of this server in this browser/)
   })
 
   it('refuses a form whose browser says it came from another origin (Sec-Fetch-Site), even with the right value', async () => {

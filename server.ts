@@ -3727,15 +3727,18 @@ async function requireFormToken(form: Params, req: IncomingMessage, ctx: Context
     const sentTo = `${mountPath(ctx.config)}${pathOf(req.url ?? '/')}` // as the request's own log line says
     // a page of this server opened under another name (a proxy's, an address): reloading it cannot
     // help. Any site can send a form, so only a name of this machine is offered as one for ISSUER.
+    // Latch's pages send no Referer, so a browser says `Origin: null` for theirs: then only
+    // Sec-Fetch-Site tells that the page was elsewhere, and not where.
     const origin = req.headers.origin ?? ''
     const issuer = new URL(ctx.config.issuer).origin
-    const elsewhere = /^https?:\/\/[\w.:[\]-]{1,300}$/.test(origin) && URL.canParse(origin) && origin !== issuer
-    const local = elsewhere && LOOPBACK_HOSTS.has(new URL(origin).hostname.replace(/^\[(.*)\]$/, '$1'))
+    const named = /^https?:\/\/[\w.:[\]-]{1,300}$/.test(origin) && URL.canParse(origin) && origin !== issuer
+    const elsewhere = named || site === 'same-site' || site === 'cross-site'
+    const local = named && LOOPBACK_HOSTS.has(new URL(origin).hostname.replace(/^\[(.*)\]$/, '$1'))
     throw new OAuthError(
       'access_denied',
       elsewhere
-        ? `This form was sent from a page at ${origin}, but this server is at ${issuer}: ` +
-            `start again from the app, or open the page at ${issuer}` +
+        ? `This form was sent from a page at ${named ? origin : 'another address'}, but this server is at ` +
+            `${issuer}: start again from the app, or open the page at ${issuer}` +
             (local ? ', or set ISSUER to the address you use' : '')
         : 'This form was not sent from a page of this server in this browser: go back, reload the page and try again',
       {
