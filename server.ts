@@ -5680,30 +5680,29 @@ const HTML_COMMENTS = /<!--(>|->|[^]*?(--!?>|$))/g
 
 /**
  * An HTML page's text in the encoding it names, much as a browser finds it: a byte order mark,
- * then the Content-Type's charset, then the first `<meta>` charset in the first 1,024 bytes
- * (outside comments) that names an encoding: its `charset`, or the `content` of one that is
+ * then the Content-Type's charset, then the first `<meta>` that names an encoding, as the page
+ * scanner reads the first 1,024 bytes: its `charset`, or the `content` of one that is
  * `http-equiv="Content-Type"`. UTF-8 if none does, or TextDecoder here cannot decode it
- * (ISO-2022-KR, which a browser shows as nothing, for one). The browser's pre-scan is shortened:
- * a `<meta>` written in another tag's attribute value, in `<?…>` or in a doctype is taken too;
- * one past the first 1,024 bytes (a browser may look further), or after a `<!--` that is no
- * comment (in an attribute's value, a script or a style), is not. So a page can be read in another encoding than a
- * browser reads it in, and show another name or publish other redirect URIs; it is the app's
- * own page either way.
+ * (ISO-2022-KR, which a browser shows as nothing, for one). A browser may look past 1,024 bytes
+ * while it is still in the page's head, and where the scanner reads otherwise than a browser
+ * (see `scanHtml`), so may this. So a page can be read in another encoding than a browser reads
+ * it in, and show another name or publish other redirect URIs; it is the app's own page either
+ * way.
  * @see https://html.spec.whatwg.org/multipage/parsing.html#determining-the-character-encoding
  */
 function decodePage(body: Buffer, contentType: string): string {
   const bom = BOMS.find(([bytes]) => bytes.equals(body.subarray(0, bytes.length)))?.[1]
   const sent = decoderOf(bom ?? parametersOf(contentType).get('charset'))
   if (sent !== undefined) return decode(sent, body)
-  const head = body.subarray(0, 1024).toString('latin1').replace(HTML_COMMENTS, '')
-  for (const meta of head.matchAll(/<meta[\t\n\f\r /]/gi)) {
-    const tag = readTag(head, meta.index + 5, META_ATTRIBUTES)
-    if (tag === undefined) break
-    const { charset, content } = tag.attributes
+  for (const meta of scanHtml(body.subarray(0, 1024).toString('latin1'), META_ATTRIBUTES)) {
+    if (meta.name !== 'meta') continue
+    const { charset, content } = meta.attributes
     // a `content` charset counts only in a <meta http-equiv="Content-Type">
-    const pragma = asciiLowerCase(tag.attributes['http-equiv'] ?? '') === 'content-type'
-    const label = charset ?? (pragma ? /charset\s*=\s*["']?([^\s"';]+)/i.exec(content ?? '')?.[1] : undefined)
-    const decoder = decoderOf(label?.trim().toLowerCase() === 'x-user-defined' ? 'windows-1252' : label?.trim())
+    const pragma = asciiLowerCase(meta.attributes['http-equiv'] ?? '') === 'content-type'
+    const label = charset ?? (pragma && content !== undefined ? charsetOfContent(content) : undefined)
+    // TextDecoder takes a label with ASCII spaces around it, as HTML's "get an encoding" does
+    const named = label?.replace(/^[\t\n\f\r ]+|[\t\n\f\r ]+$/g, '').toLowerCase()
+    const decoder = decoderOf(named === 'x-user-defined' ? 'windows-1252' : label)
     if (decoder === undefined) continue
     // one naming UTF-16 (or ucs-2, unicode…), which its own bytes cannot be, means UTF-8
     return decoder.encoding.startsWith('utf-16') ? body.toString('utf8') : decode(decoder, body)
@@ -5726,6 +5725,23 @@ function decode(decoder: TextDecoder, body: Buffer): string {
 const WINDOWS_1252_HIGH =
   '\u20ac\x81\u201a\u0192\u201e\u2026\u2020\u2021\u02c6\u2030\u0160\u2039\u0152\x8d\u017d\x8f' +
   '\x90\u2018\u2019\u201c\u201d\u2022\u2013\u2014\u02dc\u2122\u0161\u203a\u0153\x9d\u017e\u0178'
+
+/**
+ * The charset a `<meta http-equiv="Content-Type">`'s `content` names, as HTML extracts it: after
+ * the first `charset` followed by `=`, a value in matching quotes (none if the quote is left
+ * open), or up to a space or `;`.
+ * @see https://html.spec.whatwg.org/multipage/urls-and-fetching.html#extracting-character-encodings-from-meta-elements
+ */
+function charsetOfContent(content: string): string | undefined {
+  const found = /charset[\t\n\f\r ]*=[\t\n\f\r ]*/i.exec(content)
+  if (found === null) return undefined
+  const rest = content.slice(found.index + found[0].length)
+  if (rest[0] === '"' || rest[0] === "'") {
+    const close = rest.indexOf(rest[0], 1)
+    return close === -1 ? undefined : rest.slice(1, close)
+  }
+  return /^[^\t\n\f\r ;]+/.exec(rest)?.[0]
+}
 
 /** What a `<meta>` may name its page's encoding with. */
 const META_ATTRIBUTES = new Set(['charset', 'http-equiv', 'content'])
@@ -5930,7 +5946,7 @@ export function readClientPage(html: string, pageUrl: string): ClientDocument {
       hasToken(element.attributes.rel, 'redirect_uri') &&
       element.attributes.href !== undefined
     ) {
-      const resolved = resolveUrl(element.attributes.href, pageUrl)
+      const resolved = resolveLink(element.attributes.href, pageUrl)
       if (resolved !== undefined) redirectUris.push(resolved)
     }
   }
@@ -5943,7 +5959,7 @@ export function readClientPage(html: string, pageUrl: string): ClientDocument {
   const logoElement = inside.find((element) => hasToken(element.attributes.class, 'u-logo'))
   const logo = logoElement?.attributes.src ?? logoElement?.attributes.href
   const href = inside.find((element) => hasToken(element.attributes.class, 'u-url'))?.attributes.href
-  const url = href === undefined ? undefined : resolveUrl(href, pageUrl)
+  const url = href === undefined ? undefined : resolveLink(href, pageUrl)
   return {
     name: cleanName(elementText(html, nameElement ?? elements[app])),
     // shown as the app's own, so only on the page's origin (the JSON's client_uri must even be a prefix of client_id)
@@ -5951,7 +5967,7 @@ export function readClientPage(html: string, pageUrl: string): ClientDocument {
       url !== undefined && url.length <= MAX_URL_LENGTH && new URL(url).origin === new URL(pageUrl).origin
         ? url
         : undefined,
-    logoUrl: logo === undefined ? undefined : resolveUrl(logo, pageUrl),
+    logoUrl: logo === undefined ? undefined : resolveLink(logo, pageUrl),
     redirectUris,
   }
 }
@@ -5979,16 +5995,17 @@ const MAX_OPEN_ELEMENTS = 256
 /**
  * Where the text of an element whose text holds no markup ends: its end tag, in upper or lower
  * case, its name followed by a space, `/` or `>`. A `<link>` written in a `<textarea>`, a
- * `<title>` or a `<noscript>` (read by a browser that runs scripts) is text, as in a browser,
- * and a `<template>`'s content is passed over, as it is not in the page (a template inside it
- * ends it early). The scanner knows no SVG, whose `<title>` holds markup, nor a script's
- * `<!--<script>`, which a browser ends only at a second `</script>`: there it reads other links
- * than a browser.
+ * `<title>` or a `<noscript>` (read by a browser that runs scripts) is text, as in a browser.
+ * The scanner knows no SVG or MathML (whose `<title>` holds markup, and whose `<link>` is no
+ * HTML link), no `<frameset>` (after which a browser reads no start tag), no end tag a browser
+ * implies (`<p>` before a `<div>`), nor a script's `<!--<script>`, which a browser ends only at a
+ * second `</script>`: there it reads other links or another name than a browser.
  */
 const RAW_TEXT_ENDS: Record<string, RegExp> = Object.fromEntries(
-  ['script', 'style', 'title', 'textarea', 'xmp', 'iframe', 'noembed', 'noframes', 'noscript', 'template'].map(
-    (name) => [name, new RegExp(`</${name}[\\t\\n\\f\\r />]`, 'gi')],
-  ),
+  ['script', 'style', 'title', 'textarea', 'xmp', 'iframe', 'noembed', 'noframes', 'noscript'].map((name) => [
+    name,
+    new RegExp(`</${name}[\\t\\n\\f\\r />]`, 'gi'),
+  ]),
 )
 RAW_TEXT_ENDS.plaintext = /(?!)/g // it never ends
 
@@ -6001,10 +6018,11 @@ RAW_TEXT_ENDS.plaintext = /(?!)/g // it never ends
  * looks among the open elements only when one of its name is open (and each element is closed
  * once), and the scan stops at 10,000 start tags or 10,000 closing tags.
  */
-export function scanHtml(html: string): HtmlElement[] {
+export function scanHtml(html: string, read = READ_ATTRIBUTES): HtmlElement[] {
   const elements: HtmlElement[] = []
   const open: number[] = [] // the elements not closed yet, outermost first
   const openByName = new Map<string, number>() // how many of `open` have each name
+  let inTemplates = 0 // how many `<template>`s are open: what they hold is not in the page
   let closingTags = 0
   let at = 0
   while (elements.length < MAX_HTML_ELEMENTS && closingTags < MAX_HTML_CLOSING_TAGS) {
@@ -6016,18 +6034,32 @@ export function scanHtml(html: string): HtmlElement[] {
       at = markupEnd(html, lt) // a comment, what HTML takes for one, or a `<` that is text
       continue
     }
-    const tag = readTag(html, TAG_NAME.lastIndex)
+    const tag = readTag(html, TAG_NAME.lastIndex, read)
     if (tag === undefined) break // no tag can end after this point
     at = tag.end + 1
     const name = asciiLowerCase(named[0].replace('/', '')) // as HTML does: `linK` (a Kelvin sign) is no link
+    const close = Object.hasOwn(RAW_TEXT_ENDS, name) ? RAW_TEXT_ENDS[name] : undefined
     if (named[0].startsWith('/')) {
       closingTags++
+      if (inTemplates > 0) {
+        if (name === 'template') inTemplates--
+        continue
+      }
       if ((openByName.get(name) ?? 0) === 0) continue // nothing to close: no search
       const index = open.findLastIndex((element) => elements[element].name === name)
       for (const element of open.splice(index)) {
         openByName.set(elements[element].name, (openByName.get(elements[element].name) ?? 1) - 1)
         elements[element].end = elements.length
         elements[element].textEnd = lt
+      }
+      continue
+    }
+    if (name === 'template' || inTemplates > 0) {
+      // a template's content is read as markup, to find where it ends, but kept out of the page
+      if (name === 'template') inTemplates++
+      else if (close !== undefined) {
+        close.lastIndex = at
+        at = close.exec(html)?.index ?? html.length
       }
       continue
     }
@@ -6038,7 +6070,6 @@ export function scanHtml(html: string): HtmlElement[] {
       textEnd: at,
       end: elements.length + 1,
     })
-    const close = Object.hasOwn(RAW_TEXT_ENDS, name) ? RAW_TEXT_ENDS[name] : undefined
     if (close !== undefined) {
       // text, not markup, up to its end tag: sought in `html` itself, since a lower-case copy
       // may be longer (`İ` becomes two characters), and its places not the same
@@ -6119,13 +6150,19 @@ function asciiLowerCase(text: string): string {
  * characters are read, and a tag that limit cuts in two is dropped, not shown.
  */
 function elementText(html: string, element: HtmlElement): string {
-  return htmlText(html.slice(element.textStart, Math.min(element.textEnd, element.textStart + 2_000)))
+  const end = Math.min(element.textEnd, element.textStart + 2_000)
+  const text = html.slice(element.textStart, end)
+  return htmlText(end < element.textEnd ? text.replace(/<\/?$/, '') : text) // a cut `</` may be a tag's start
 }
 
 /** The attributes discovery reads; the rest are passed over, so a tag of many costs little. */
 const READ_ATTRIBUTES = new Set(['class', 'rel', 'href', 'src'])
 
-/** Text as a browser shows it: markup out (a tag or comment left open runs to the end), entities decoded. */
+/**
+ * Text much as a browser shows it: markup out (a tag or comment left open runs to the end),
+ * entities decoded. It knows no raw text nor templates: a `<textarea>` in a name loses what looks
+ * like tags in it, and a `<template>`'s text is shown.
+ */
 function htmlText(html: string): string {
   let text = ''
   let at = 0
@@ -6216,6 +6253,15 @@ export function readLinkHeader(header: string, rel: string, base: string): strin
     if (rels !== null && hasToken(rels[1] ?? rels[2], rel) && resolved !== undefined) urls.push(resolved)
   }
   return urls
+}
+
+/**
+ * A URL of a page's markup, resolved: none where it still holds a character's name after
+ * `decodeEntities`, which knows only a few. A browser reads another character there (`&sol;` is
+ * `/`), and so may find another host in it than Latch would.
+ */
+function resolveLink(href: string, pageUrl: string): string | undefined {
+  return /&[A-Za-z][A-Za-z0-9]*;/.test(href) ? undefined : resolveUrl(href, pageUrl)
 }
 
 function resolveUrl(href: string, base: string): string | undefined {

@@ -175,6 +175,13 @@ function site(req: IncomingMessage, res: ServerResponse): void {
         '/short-comment': ['text/html', '<!--><meta/charset="iso-8859-1"><!--->'],
         '/spaced': ['text/html', '<meta charset=" iso-8859-1 ">'],
         '/pragma': ['text/html', '<meta http-equiv=Content-Type content="text/html;charset=iso-8859-1">'],
+        // a label a browser does not know, a quote left open, a <meta> in a script: each passed over
+        '/nbsp-label': ['text/html', '<meta charset="utf-8\u00a0"><meta charset="iso-8859-1">'],
+        '/open-quote-content': [
+          'text/html',
+          `<meta http-equiv=content-type content="text/html; charset='utf-8"><meta charset=iso-8859-1>`,
+        ],
+        '/scripted': ['text/html', '<script>"<meta charset=utf-8>"</script><meta charset=iso-8859-1>'],
       }[req.url ?? ''] ?? ['text/plain', '']
       res.writeHead(200, { 'Content-Type': contentType })
       return void res.end(
@@ -550,10 +557,10 @@ describe('Client discovery (IndieAuth §4.2)', () => {
       ['charsets.example/quoted', 'Caf\u00e9 App'],
       ['charsets.example/named', 'Caf\u00e9 App'],
       ['charsets.example/no-pragma', 'Caf\u00e9 App'],
-      ...['unknown-first', 'first-of-two', 'open-quote', 'short-comment', 'spaced', 'pragma'].map((path) => [
-        `latin1s.example/${path}`,
-        'Caf\u00e9 App',
-      ]),
+      ...[
+        ...['unknown-first', 'first-of-two', 'open-quote', 'short-comment', 'spaced', 'pragma'],
+        ...['nbsp-label', 'open-quote-content', 'scripted'],
+      ].map((path) => [`latin1s.example/${path}`, 'Caf\u00e9 App']),
     ]) {
       const response = await authorize(latch, `http://${host}`, `http://${host.split('/')[0]}/callback`)
       const html = await response.text()
@@ -1046,10 +1053,20 @@ describe('Discovery parsers and address rules', () => {
       `<lin\u212a rel=redirect_uri href=/kelvin><link rel=redirect_uri\u00a0href=/nbsp-between>`, // K is no k
       `<div a"b c='x">' ${link('/quote-in-name')} '><link =rel=redirect_uri href=/equals-first>`,
       `<link rel rel=redirect_uri href=/valueless-first><link rel="x&nbsp;redirect_uri" href=/nbsp-entity>`,
-      `<template>${link('/template')}</template>`,
+      `<template>${link('/template')}<!--</template>${link('/template-comment')}--></template>`,
+      `<template><a title="</template>${link('/template-value')}"></a></template>`,
+      `<link rel=redirect_uri href="https://a.example&sol;@evil.example/cb">`, // a name Latch does not know
       `${link('/last')}<plaintext>${link('/plaintext')}`,
     ]
     assert.deepEqual(readClientPage(text.join(''), 'https://a.example/').redirectUris, ['https://a.example/last'])
+  })
+
+  it('never shows half a tag where the 2,000 characters of a name end inside one', () => {
+    const page = readClientPage(
+      `<div class=h-app><span class=p-name>${'<i></i>'.repeat(285)}App</b></span></div>`,
+      'https://a.example/',
+    )
+    assert.equal(page.name, 'App')
   })
 
   it('reads a name and a link as a browser shows them: entities, a > in a quoted value, a no-break space', () => {
