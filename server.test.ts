@@ -3665,6 +3665,17 @@ describe('Passkeys only (PASSWORD_SIGN_IN=off), and passkeys in the journal', ()
       () => loadConfig({ PASSWORD_HASH, PASSWORD_SIGN_IN: 'off' }),
       (err: Error) => err instanceof ConfigError && /need this server to be reached by a host name/.test(err.message),
     )
+    // the name offered is this server's own, on its port and path
+    for (const [issuer, offered] of [
+      ['http://127.0.0.1:47123/latch', 'http://localhost:47123/latch'],
+      ['http://[::1]', 'http://localhost'],
+      ['https://192.0.2.7', 'https://auth.example.com'],
+    ])
+      assert.throws(
+        () => loadConfig({ PASSWORD_HASH, PASSWORD_SIGN_IN: 'off', ISSUER: issuer }),
+        (err: Error) => err instanceof ConfigError && err.message.includes(`such as ${offered}`),
+        issuer,
+      )
     // plain http on a name other than localhost: no browser offers passkeys there
     assert.throws(
       () => loadConfig({ PASSWORD_HASH, PASSWORD_SIGN_IN: 'off', ISSUER: 'http://latch.test:3000' }),

@@ -4939,9 +4939,15 @@ function passkeyHostProblem(issuer: string): string | undefined {
   const { protocol } = new URL(issuer)
   const hostname = new URL(issuer).hostname.replace(/\.$/, '') // `localhost.` is localhost too
   if (isIpAddress(hostname)) {
+    // on this machine, the same server under localhost; elsewhere, a name of one's own
+    const { port, pathname } = new URL(issuer)
+    const local = LOOPBACK_HOSTS.has(hostname.replace(/^\[(.*)\]$/, '$1'))
+    const named = local
+      ? `${protocol}//localhost${port === '' ? '' : `:${port}`}${pathname}`
+      : 'https://auth.example.com'
     return (
       'Passkeys need this server to be reached by a host name, not an IP address: set ISSUER to one, ' +
-      'such as http://localhost:3000'
+      `such as ${named.replace(/\/$/, '')}`
     )
   }
   if (protocol === 'http:' && hostname !== 'localhost' && !hostname.endsWith('.localhost')) {
