@@ -8477,7 +8477,8 @@ async function readPassword(): Promise<string> {
   }
   // what comes after the first Enter in one chunk (a pasted "password⏎password⏎") is the second
   const typed = { ahead: '' }
-  const first = withoutControlKeys(await promptHidden('Password: ', typed))
+  const first = withoutControlKeys(await promptHidden(`Password (${MIN_PASSWORD_LENGTH} characters or more): `, typed))
+  refuseWeakPassword(first) // before asking again for what cannot be used
   const second = withoutControlKeys(await promptHidden('Again: ', typed))
   if (first !== second) throw new ConfigError('The two passwords differ: run the command again')
   return first
@@ -8536,6 +8537,12 @@ function withoutControlKeys(password: string): string {
 
 async function runHashPassword(): Promise<void> {
   const password = await readPassword()
+  refuseWeakPassword(password)
+  const passwordHash = await hashPassword(password)
+  process.stdout.write(`${passwordHash}\n`) // the command's one line of output, for PASSWORD_HASH
+}
+
+function refuseWeakPassword(password: string): void {
   if (password === '') {
     throw new ConfigError(
       `No password was given (its input was empty): type one of ${MIN_PASSWORD_LENGTH} characters or more, ` +
@@ -8548,8 +8555,6 @@ async function runHashPassword(): Promise<void> {
         'for a password that signs in on its own: choose a longer one, a few words are easy to remember',
     )
   }
-  const passwordHash = await hashPassword(password)
-  process.stdout.write(`${passwordHash}\n`) // the command's one line of output, for PASSWORD_HASH
 }
 
 const NO_PASSWORD = 'not set: anyone who can reach this loopback address can approve sign-ins'

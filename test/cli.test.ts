@@ -529,7 +529,7 @@ describe('hash-password', () => {
     let prompted = 0
     child.stdout.setEncoding('utf8').on('data', (chunk: string) => {
       output += chunk
-      const prompts = output.match(/(Password|Again): $/gm)?.length ?? 0
+      const prompts = output.match(/(Password[^:\n]*|Again): $/gm)?.length ?? 0
       for (; prompted < prompts && prompted < atPrompts.length; prompted++) child.stdin.write(atPrompts[prompted])
       if (atPrompts.length > 0 && prompted === atPrompts.length) child.stdin.end()
     })
@@ -565,6 +565,19 @@ describe('hash-password', () => {
     const hash = /^scrypt:\S+/m.exec(output)?.[0] ?? ''
     assert.equal(await verifyPassword('correct horse battery', hash), true, output)
   })
+
+  it(
+    'says how long a password must be, and refuses a short one before asking again',
+    { timeout: 30_000 },
+    async (t) => {
+      if (noTerminal) return t.skip('no `script` (util-linux) to give it a terminal')
+      const { code, output } = await typeIntoHashPassword('', ['too short\r', 'too short\r'])
+      assert.notEqual(code, 0, output)
+      assert.match(output, /Password \(15 characters or more\): /)
+      assert.match(output, /shorter than 15 characters/)
+      assert.doesNotMatch(output, /Again: |scrypt:/)
+    },
+  )
 
   it('erases the line typed so far at Ctrl-U, as passwd and sudo do', { timeout: 30_000 }, async (t) => {
     if (noTerminal) return t.skip('no `script` (util-linux) to give it a terminal')
