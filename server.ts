@@ -61,16 +61,8 @@ import { lookup } from 'node:dns/promises'
 import type { LookupAddress } from 'node:dns'
 import { BlockList, connect, createServer as createNetServer, isIP, isIPv6 } from 'node:net'
 import type { Server as NetServer, Socket } from 'node:net'
-import {
-  createHmac,
-  createPublicKey,
-  hash,
-  randomBytes,
-  randomFillSync,
-  scrypt,
-  timingSafeEqual,
-  verify,
-} from 'node:crypto'
+import * as crypto from 'node:crypto'
+import { createHmac, createPublicKey, randomBytes, randomFillSync, scrypt, timingSafeEqual, verify } from 'node:crypto'
 import type { KeyObject } from 'node:crypto'
 import {
   closeSync,
@@ -104,6 +96,12 @@ import type { Writable } from 'node:stream'
 import { basename, dirname, join, resolve } from 'node:path'
 import { isatty } from 'node:tty'
 import { fileURLToPath } from 'node:url'
+
+// Node 20.12 or later: node:crypto's one-shot `hash` came then. An older Node is told so here,
+// before anything runs, rather than failing on a missing export with a SyntaxError.
+if (typeof crypto.hash !== 'function')
+  throw new Error(`Latch needs Node 20.12 or later, and this is Node ${process.versions.node}: install a newer one`)
+const { hash } = crypto
 
 // --- Types ----------------------------------------------------------------------
 // The protocol's nouns. Times are milliseconds since the epoch, as `now()` returns them.
