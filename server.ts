@@ -8275,7 +8275,8 @@ function readSettings(env: Record<string, string | undefined>, argv: readonly st
     const arg = argv[i]
     const equals = arg.indexOf('=')
     const flag = equals === -1 ? arg : arg.slice(0, equals)
-    const name = SETTINGS.find((setting) => flagName(setting.name) === flag)?.name
+    // a flag misspelled by case or dashes (`--dataFile`) is named as it is written
+    const name = SETTINGS.find((setting) => squeeze(flagName(setting.name)) === squeeze(flag))?.name
     if (name === undefined)
       throw new ConfigError(`Unknown option ${flag}: run \`npx tsx server.ts --help\` for the list`)
     // every user of the machine reads a process's arguments (`ps`): a secret goes in the environment
@@ -8284,6 +8285,7 @@ function readSettings(env: Record<string, string | undefined>, argv: readonly st
         `${flag} would show ${name} to every user of this machine (ps lists a command's arguments): ` +
           `set the ${name} variable instead, in the environment or the service's EnvironmentFile`,
       )
+    if (flag !== flagName(name)) throw new ConfigError(`Unknown option ${flag}: it is written ${flagName(name)}`)
     const value = equals === -1 ? argv[++i] : arg.slice(equals + 1)
     if (value === undefined) throw new ConfigError(`Option ${flag} needs a value, as in \`${flag} VALUE\``)
     if (value === '') delete values[name]
@@ -8445,7 +8447,7 @@ export function buildHelp(): string {
     'Latch: an IndieAuth authorization server.',
     '',
     'Usage:',
-    '  npx tsx server.ts [--flag value ...]  serve',
+    '  npx tsx server.ts [--flag value ...]  serve (the flags are below)',
     '  npx tsx server.ts hash-password       read a password, print its PASSWORD_HASH',
     '  npx tsx server.ts --help              print this help',
     '',
