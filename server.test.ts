@@ -746,6 +746,13 @@ describe('Identifiers (IndieAuth §3.2, §3.3)', () => {
       assert.equal(profileUrlProblem(url) === undefined, valid))
   }
 
+  it('says a URL of another scheme must use https or http, and one without // is not absolute', () => {
+    assert.equal(profileUrlProblem('mailto:me@example.com'), 'it must use https or http')
+    assert.equal(profileUrlProblem('ftp://example.com/'), 'it must use https or http')
+    assert.equal(profileUrlProblem('https:example.com'), 'it is not an absolute URL')
+    assert.equal(profileUrlProblem('example.com'), 'it is not an absolute URL')
+  })
+
   it('canonicalizes scheme and host to lowercase and an empty path to /', () => {
     assert.equal(canonicalizeUrl('HTTPS://App.Example.COM'), 'https://app.example.com/')
     assert.equal(canonicalizeUrl('https://app.example.com/Path'), 'https://app.example.com/Path')

@@ -671,7 +671,12 @@ function splitHttpUrl(raw: string): UrlParts | string {
   if (raw.includes('\\')) return 'it contains a backslash'
   if (raw.includes('#')) return 'it contains a fragment'
   const match = /^([A-Za-z][A-Za-z0-9+.-]*):\/\/([^/?#]*)([^?#]*)/.exec(raw)
-  if (match === null) return 'it is not an absolute URL'
+  if (match === null) {
+    const scheme = /^([A-Za-z][A-Za-z0-9+.-]*):/.exec(raw)?.[1].toLowerCase() // `mailto:` says so
+    return scheme === undefined || scheme === 'http' || scheme === 'https'
+      ? 'it is not an absolute URL'
+      : 'it must use https or http'
+  }
   const [, scheme, authority, path] = match
   const at = authority.lastIndexOf('@')
   const hostAndPort = authority.slice(at + 1)
