@@ -6028,13 +6028,14 @@ const RAW_TEXT_ENDS: Record<string, RegExp> = Object.fromEntries(
 RAW_TEXT_ENDS.plaintext = /(?!)/g // it never ends
 
 /**
- * A small HTML scanner, enough for microformats: every start tag in order, with its attributes,
- * where its text starts and ends, and the index just past its last descendant. Comments (and
- * what HTML takes for them: `<!DOCTYPE …>`, `<?…>`) are skipped, and the text of a script, a
- * style, a title, a text area and the like is read as text, not markup. The work is linear in
- * the page, however hostile: each character is read a bounded number of times, a closing tag
- * looks among the open elements only when one of its name is open (and each element is closed
- * once), and the scan stops at 10,000 start tags or 10,000 closing tags.
+ * A small HTML scanner, enough for microformats: every start tag in order, with the attributes
+ * asked for, where its text starts and ends, and the index just past its last descendant.
+ * Comments (and what HTML takes for them: `<!DOCTYPE …>`, `<?…>`) are skipped, the text of a
+ * script, a style, a title, a text area and the like is read as text, not markup, and what a
+ * `<template>` holds is kept out, as it is not in the page. The work is linear in the page,
+ * however hostile: each character is read a bounded number of times, a closing tag looks among
+ * the open elements only when one of its name is open (and each element is closed once), and the
+ * scan stops at 10,000 start tags or 10,000 closing tags.
  */
 export function scanHtml(html: string, read = READ_ATTRIBUTES): HtmlElement[] {
   const elements: HtmlElement[] = []
