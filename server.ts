@@ -1051,13 +1051,7 @@ function buildPendingRequest(
     if (name !== 'resource' && values.filter((value) => value !== '').length > 1)
       throw new OAuthError('invalid_request', `Parameter ${name} was sent more than once`)
   }
-  // IndieAuth's older clients left it out to sign someone in, meaning `id`; OAuth requires it, so
-  // a request that asks for access (a scope or a resource) without it is refused, not cut down
-  const sent = getParam(query, 'response_type')
-  const asksForAccess = getParam(query, 'scope') !== undefined || query.get('resource')?.some((value) => value !== '')
-  if (sent === undefined && asksForAccess)
-    throw new OAuthError('invalid_request', 'response_type is missing: send code to ask for access')
-  const responseType = sent ?? 'id'
+  const responseType = getParam(query, 'response_type') ?? 'code' // older clients omit it
   if (responseType !== 'code' && responseType !== 'id')
     throw new OAuthError('unsupported_response_type', 'response_type must be code (or id, for the profile only)')
   // The code goes back in the query (RFC 6749 §4.1.2), the one mode the metadata lists: a client

@@ -84,7 +84,6 @@ async function stop(child: ChildProcess): Promise<void> {
 /** Mints one code through GET /auth and an approving POST /auth/consent. */
 async function mintCode(base: string): Promise<string> {
   const query = new URLSearchParams({
-    response_type: 'code',
     client_id: CLIENT_ID,
     redirect_uri: REDIRECT_URI,
     state: 's',

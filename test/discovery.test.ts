@@ -373,7 +373,6 @@ async function startLatch(
 
 function authorize(latch: Latch, clientId: string, redirectUri: string, from?: string): Promise<Response> {
   const query = new URLSearchParams({
-    response_type: 'code',
     client_id: clientId,
     redirect_uri: redirectUri,
     state: 's',

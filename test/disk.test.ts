@@ -96,7 +96,6 @@ function post(url: string, fields: Record<string, string>, headers: Record<strin
 
 async function obtainCode(base: string): Promise<string> {
   const query = new URLSearchParams({
-    response_type: 'code',
     client_id: CLIENT_ID,
     redirect_uri: REDIRECT_URI,
     state: 's',

@@ -57,7 +57,6 @@ function post(url: string, body: string): Promise<Response> {
 
 async function obtainCode(base: string): Promise<string> {
   const query = form({
-    response_type: 'code',
     client_id: CLIENT_ID,
     redirect_uri: REDIRECT_URI,
     state: 's',
