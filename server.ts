@@ -41,7 +41,7 @@
 // PART 1: THE PROTOCOL
 // The nouns, the checks and the endpoints of IndieAuth, in the order a client meets them. To learn
 // IndieAuth, read to the end of this part: it calls what Part 2 provides by names that say what
-// they do (`readForm`, `sendJson`, `hashSecret`, `store.markCodeUsed`, ...).
+// they do (`readForm`, `sendJson`, `findClient`, `checkSignIn`, `store.markCodeUsed`, ...).
 // =================================================================================================
 
 // --- Imports --------------------------------------------------------------------
@@ -629,7 +629,7 @@ function decodeFormComponent(text: string): string {
 
 /**
  * Returns the one value of a parameter, or undefined when it is absent or empty (RFC 6749 §3.1).
- * Throws `invalid_request` when it was sent more than once.
+ * Throws `invalid_request` when it was sent with a value more than once (an empty one is none).
  * @see https://www.rfc-editor.org/rfc/rfc6749#section-3.1
  */
 export function getParam(params: Params, name: string): string | undefined {
@@ -660,7 +660,8 @@ export function parseScope(value: string | undefined): string[] {
 
 // --- Identifiers ----------------------------------------------------------------
 // IndieAuth §3.2 (user profile URL) and §3.3 (client identifier), checked on the raw string:
-// `new URL()` would silently remove dot segments and default ports before we could see them.
+// `new URL()` would silently remove dot segments and default ports before we could see them;
+// and §4.2.2, the redirect URLs a client may use (RFC 8252 §7.3 for loopback ones).
 // https://indieauth.spec.indieweb.org/#user-profile-url
 // https://indieauth.spec.indieweb.org/#client-identifier
 
@@ -839,7 +840,9 @@ function isSameRedirect(published: string, requested: string): boolean {
   return a !== null && b !== null && a[1] === b[1] && (a[2] ?? '') === (b[2] ?? '')
 }
 
-// --- Configuration of the endpoints ---------------------------------------------
+// --- Scopes and lifetimes -------------------------------------------------------
+// The scopes the consent page describes, how long a pending request waits, the lifetimes the
+// owner may choose, and `endpointUrl`, which builds every URL Latch hands out from `ISSUER`.
 
 /** Words for the scopes people meet most, so the consent page can say what each one allows. */
 const SCOPE_DESCRIPTIONS: Record<string, string> = {
@@ -1425,11 +1428,13 @@ const MAX_ANSWERS_REMEMBERED = 100
 //  2. `checkCode`: the code is found, used or not (`store.findCodeUsedOrNot`); client_id and
 //     redirect_uri must match it (IndieAuth §5.3.1), and `verifyCodeChallenge` checks the PKCE
 //     verifier against the challenge (RFC 7636 §4.6). A failed check uses nothing up. IndieAuth
-//     lists client_id and redirect_uri in both requests; `POST /token` requires them, while
-//     `POST /auth` checks them only when sent, for clients that redeem with the code and
-//     verifier alone. The verifier binds the code to the client that started the flow anyway.
-//  3. `POST /auth`: `store.markCodeUsed`; `POST /token`: `store.redeemForTokens`, which marks it
-//     used in the same write as the grant and the tokens. Either is true for the first caller only.
+//     lists client_id and redirect_uri in both requests; `POST /token` requires them (but takes
+//     an OAuth request's code, one issued with `resource`, without redirect_uri, as OAuth 2.1
+//     §10.2 allows), while `POST /auth` checks them only when sent, for clients that redeem with
+//     the code and verifier alone. The verifier binds the code to the client that started the
+//     flow anyway.
+//  3. `POST /auth`: `store.markCodeUsed`; `POST /token`: `issueTokens` calls
+//     `store.redeemForTokens`, which marks it used in the same write as the grant and the tokens. Either is true for the first caller only.
 //  4. A replay is caught there: the code was used before. The grant made from it, whose id is the
 //     code's hash, is revoked with every token issued from it (`revokeReplayedCode`,
 //     RFC 6749 §4.1.2), and the request gets `invalid_grant`.
@@ -2090,6 +2095,7 @@ function noteUse(store: Store, grantId: string, now: number): Promise<void> {
 }
 
 // --- Home page ------------------------------------------------------------------
+// IndieAuth §4.1: what the owner pastes into their site so that clients find this server.
 
 /**
  * Says what this server is, and shows the owner the `<link>` tags to paste into their site:
@@ -2129,6 +2135,8 @@ Apps that let you sign in with your website send you here to confirm that you ar
 }
 
 // --- Router ---------------------------------------------------------------------
+// The route table, and `createHandler`: the checks it makes before any handler (the number of
+// header lines, the Host, a proxy, the request target), and the one catch that renders errors.
 
 type Handler = (req: IncomingMessage, res: ServerResponse, ctx: Context) => Promise<void>
 
@@ -2142,8 +2150,9 @@ type Route = { path: string; methods: string[]; handler: Handler; errors: 'page'
 
 /**
  * Every endpoint of Latch, in the order a client meets them. The router reads nothing else, and
- * the README's table of endpoints is this one (a test holds the two together). Every `GET`
- * answers `HEAD` too (RFC 9110 §9.3.2): node:http then sends the headers without the body.
+ * the README's table of endpoints is this one (a test holds the two together). Every `GET` row
+ * lists `HEAD` too (RFC 9110 §9.3.2; a new one must): node:http then sends the headers without
+ * the body. The spec column is for the reader and the README; the router does not read it.
  */
 // prettier-ignore
 const ROUTES: Route[] = [
@@ -2507,7 +2516,7 @@ class EmbeddingError extends Error {}
 // sign-in checks (password and passkey attempts), the owner's password and passkeys (WebAuthn),
 // the owner's pages (sign-in, connected apps, tokens for scripts, passkeys), client fetching, the
 // stores and the journal, the performance internals, the configuration and the command line.
-// Each section says first what the protocol needs from it.
+// Each section says first what it is for.
 // =================================================================================================
 
 // --- The log --------------------------------------------------------------------
@@ -4474,9 +4483,10 @@ async function checkPasskeySignIn(
 }
 
 // --- The owner's pages ----------------------------------------------------------
-// Signing in once starts a session, so later consents take one click (the explicit approve
-// stays). `GET /apps` lists every live grant with a Revoke button; every button is a POST that
-// carries the CSRF value.
+// Sign-in and sign-out, `/apps` with its Revoke buttons, tokens for scripts, and the passkey
+// forms. Signing in once starts a session, so later consents take one click (the explicit
+// approve stays). Every button is a POST that carries the CSRF value (`requireFormToken`, and
+// `requireOwner` where only the signed-in owner may act).
 
 /**
  * Shows the connected apps to the signed-in owner, and a sign-in form to anyone else.
@@ -6318,9 +6328,10 @@ async function fetchLogo(logoUrl: string, options: FetchRules): Promise<string |
 // This one keeps them in Maps. Every read checks expiry, and a timer sweeps expired entries away
 // a few thousand at a time, between requests, so no request pays for expiry. (The owner's
 // `/apps` lists every grant, and so walks them all; no client's request does.) Pending
-// requests, codes and sessions all live equally long, so a Map's insertion order is already
-// their order of expiry: the sweep takes them from the front. Grants and tokens need not; the
-// sweep walks them in turn, a few thousand steps a time.
+// requests, codes and sessions each live equally long, so a Map's insertion order is already
+// their order of expiry: the sweep takes them from the front. (A lifetime shortened between
+// starts leaves older entries behind the sweep's front for a while: reads still hide them.)
+// Grants and tokens need not; the sweep walks them in turn, a few thousand steps a time.
 // To put SQLite or Redis behind Latch, implement `Store`: twenty-four small methods.
 
 /** Options of the in-memory store: caps so that a flood cannot grow memory without limit. */
@@ -7764,7 +7775,9 @@ export async function openStore(config: Config, options: FileStoreOptions = {}):
 // --- Performance internals ------------------------------------------------------
 // What the protocol needs from this part: secrets hashed and drawn fast, and a million live
 // tokens kept in little memory, expiring without stalling the server. Nothing here changes
-// what Latch answers; `npm run bench` measures what each piece saves.
+// what Latch answers, but for whole seconds: an expiry is kept rounded up (introspection's `exp`
+// may be a second past `expires_in`), and a rotation's time rounded down (the refresh grace may
+// last a second longer). `npm run bench` measures what each piece saves.
 
 const BASE64URL_ALPHABET = 'ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789-_'
 
@@ -8486,10 +8499,13 @@ async function readPassword(): Promise<string> {
   }
   // what comes after the first Enter in one chunk (a pasted "password⏎password⏎") is the second
   const typed = { ahead: '' }
-  const first = withoutControlKeys(await promptHidden(`Password (${MIN_PASSWORD_LENGTH} characters or more): `, typed))
-  refuseWeakPassword(first) // before asking again for what cannot be used
-  const second = withoutControlKeys(await promptHidden('Again: ', typed))
-  if (first !== second) throw new ConfigError('The two passwords differ: run the command again')
+  const first = await promptHidden(`Password (${MIN_PASSWORD_LENGTH} characters or more): `, typed)
+  // both are read, hidden, before either is judged: refused at once, a second entry typed ahead
+  // would go to the shell, shown on the screen and kept in its history
+  const second = await promptHidden('Again: ', typed)
+  refuseWeakPassword(withoutControlKeys(first))
+  if (withoutControlKeys(first) !== withoutControlKeys(second))
+    throw new ConfigError('The two passwords differ: run the command again')
   return first
 }
 
