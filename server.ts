@@ -97,10 +97,12 @@ import { basename, dirname, join, resolve } from 'node:path'
 import { isatty } from 'node:tty'
 import { fileURLToPath } from 'node:url'
 
-// Node 20.12 or later: node:crypto's one-shot `hash` came then. An older Node is told so here,
-// before anything runs, rather than failing on a missing export with a SyntaxError.
-if (typeof crypto.hash !== 'function')
-  throw new Error(`Latch needs Node 20.12 or later, and this is Node ${process.versions.node}: install a newer one`)
+// Node 20.12 or later (21.7 or later on Node 21): node:crypto's one-shot `hash` came then. An
+// older Node is told so here, before anything runs, rather than failing on a missing export.
+if (typeof crypto.hash !== 'function') {
+  const needed = 'Latch needs Node 20.12 or later (21.7 or later on Node 21)'
+  throw new Error(`${needed}, and this is Node ${process.versions.node}: install a newer one`)
+}
 const { hash } = crypto
 
 // --- Types ----------------------------------------------------------------------
