@@ -751,6 +751,16 @@ export function isClientId(raw: string): boolean {
 }
 
 /**
+ * Whether a URL names this machine: a client there is never fetched ("the authorization endpoint
+ * MUST NOT fetch" it, IndieAuth §4.2), so it publishes nothing, and its redirect URI must share
+ * its scheme, host and port.
+ */
+function isLoopbackClient(url: string): boolean {
+  const host = new URL(url).hostname
+  return host === '127.0.0.1' || host === '[::1]' || host === 'localhost'
+}
+
+/**
  * Why a string is not a valid profile URL, or undefined when it is one. A port or an IP
  * address is only warned about, so that Latch can be tried on a laptop.
  * @see https://indieauth.spec.indieweb.org/#user-profile-url IndieAuth §3.2
@@ -1414,6 +1424,21 @@ type Answer = { request: PendingRequest; decision: string; granted: string[]; li
 function answeredLately(idHash: string, ctx: Context): Answer | undefined {
   const answer = ctx.answered.get(idHash)
   return answer !== undefined && answer.until > ctx.steadyNow() ? answer : undefined
+}
+
+/** The first key, in the map's order, of the group that holds the most entries: one walk of the map. */
+function oldestOfBusiest<V>(map: Map<string, V>, groupOf: (value: V) => string | undefined): string | undefined {
+  const counts = new Map<string | undefined, number>()
+  let busiest: string | undefined
+  let most = 0
+  for (const value of map.values()) {
+    const group = groupOf(value)
+    const count = (counts.get(group) ?? 0) + 1
+    counts.set(group, count)
+    if (count > most) [busiest, most] = [group, count]
+  }
+  for (const [key, value] of map) if (groupOf(value) === busiest) return key
+  return undefined
 }
 
 const ANSWER_REPEAT_SECONDS = 60
@@ -3542,6 +3567,24 @@ function passkeyPageHeaders(config: Config, scripted: boolean): Record<string, s
   return { 'Content-Security-Policy': `${PAGE_POLICY}; script-src ${script}; connect-src ${challenge}` }
 }
 
+/** A length of time, exactly, in the largest unit that divides it: `30 days`, `36 hours`, `90 seconds`. */
+function formatPeriod(seconds: number): string {
+  const [size, unit] = PERIOD_UNITS.find(([size]) => seconds % size === 0) ?? [1, 'second']
+  const count = seconds / size
+  return `${count} ${unit}${count === 1 ? '' : 's'}`
+}
+
+const PERIOD_UNITS: [number, string][] = [
+  [86400, 'day'],
+  [3600, 'hour'],
+  [60, 'minute'],
+]
+
+/** A time as people read it: `2027-01-01 12:00 UTC`. */
+function formatTime(ms: number): string {
+  return `${new Date(ms).toISOString().slice(0, 16).replace('T', ' ')} UTC`
+}
+
 /** Escapes text for HTML element content and double-quoted attributes. */
 export function escapeHtml(text: string): string {
   return text.replace(/[&<>"']/g, (char) => `&#${char.charCodeAt(0)};`)
@@ -3763,6 +3806,16 @@ async function requireFormToken(form: Params, req: IncomingMessage, ctx: Context
         event: `a form sent to ${sentTo} was refused: it did not come from this server's page`,
       },
     )
+  }
+  return visitor
+}
+
+/** Like `requireFormToken`, for what only the signed-in owner may do: a 403 to anyone else. */
+async function requireOwner(form: Params, req: IncomingMessage, ctx: Context): Promise<Visitor> {
+  const visitor = await requireFormToken(form, req, ctx)
+  if (!visitor.signedIn) {
+    const ended = 'You are not signed in (your session has ended): sign in again on your apps page, then try again'
+    throw new OAuthError('access_denied', ended, { status: 403 })
   }
   return visitor
 }
@@ -4352,6 +4405,57 @@ export type PasskeyChallenge = {
 
 const PASSKEY_CHALLENGE_SECONDS = 300
 const MAX_USED_CHALLENGES = 10_000
+
+/**
+ * Why an issuer cannot have passkeys, or undefined when it can. WebAuthn refuses an IP address
+ * as RP ID, and browsers offer it only in a secure context: https, or http on localhost.
+ * @see https://www.w3.org/TR/webauthn-3/#sctn-api
+ */
+function passkeyHostProblem(issuer: string): string | undefined {
+  const { protocol } = new URL(issuer)
+  const hostname = new URL(issuer).hostname.replace(/\.$/, '') // `localhost.` is localhost too
+  if (isIpAddress(hostname)) {
+    // on this machine, the same server under localhost; elsewhere, a name of one's own
+    const { port, pathname } = new URL(issuer)
+    const local = LOOPBACK_HOSTS.has(hostname.replace(/^\[(.*)\]$/, '$1'))
+    const named = local
+      ? `${protocol}//localhost${port === '' ? '' : `:${port}`}${pathname}`
+      : 'https://auth.example.com'
+    return (
+      'Passkeys need this server to be reached by a host name, not an IP address: set ISSUER to one, ' +
+      `such as ${named.replace(/\/$/, '')}`
+    )
+  }
+  if (protocol === 'http:' && hostname !== 'localhost' && !hostname.endsWith('.localhost')) {
+    return (
+      'Passkeys need https, or http on localhost: browsers offer them nowhere else. ' +
+      'Put Latch behind TLS and set ISSUER to its https URL'
+    )
+  }
+  return undefined
+}
+
+/** What a page or a refusal says where passkeys cannot work (without a password, none are offered at all). */
+function noPasskeysHere(config: Config): string {
+  return passkeyHostProblem(config.issuer) ?? 'Passkeys need PASSWORD_HASH to be set'
+}
+
+/** Whether the sign-in and consent pages offer a passkey: when passkeys work here and the owner has one for here. */
+async function offersPasskeys(ctx: Context): Promise<boolean> {
+  return passkeysForHere(await ctx.store.listPasskeys(), ctx.config).length > 0
+}
+
+/** The passkeys that can sign in on the issuer's host. */
+function passkeysForHere(passkeys: [string, Passkey][], config: Config): [string, Passkey][] {
+  const rp = relyingParty(config)
+  if (rp === undefined) return []
+  return passkeys.filter(([, passkey]) => madeFor(passkey, rp.id))
+}
+
+/** Whether a passkey works on a host: only on the one it was made for (one stored before Latch noted it, anywhere). */
+function madeFor(passkey: Passkey, rpId: string): boolean {
+  return passkey.rpId === undefined || passkey.rpId === rpId
+}
 
 /**
  * The relying party a passkey is made for: the issuer's host name (its RP ID) and origin. None
@@ -4948,65 +5052,6 @@ async function handlePasskeyScript(_req: IncomingMessage, res: ServerResponse): 
 }
 
 const MAX_PASSKEYS = 20
-/**
- * Why an issuer cannot have passkeys, or undefined when it can. WebAuthn refuses an IP address
- * as RP ID, and browsers offer it only in a secure context: https, or http on localhost.
- * @see https://www.w3.org/TR/webauthn-3/#sctn-api
- */
-function passkeyHostProblem(issuer: string): string | undefined {
-  const { protocol } = new URL(issuer)
-  const hostname = new URL(issuer).hostname.replace(/\.$/, '') // `localhost.` is localhost too
-  if (isIpAddress(hostname)) {
-    // on this machine, the same server under localhost; elsewhere, a name of one's own
-    const { port, pathname } = new URL(issuer)
-    const local = LOOPBACK_HOSTS.has(hostname.replace(/^\[(.*)\]$/, '$1'))
-    const named = local
-      ? `${protocol}//localhost${port === '' ? '' : `:${port}`}${pathname}`
-      : 'https://auth.example.com'
-    return (
-      'Passkeys need this server to be reached by a host name, not an IP address: set ISSUER to one, ' +
-      `such as ${named.replace(/\/$/, '')}`
-    )
-  }
-  if (protocol === 'http:' && hostname !== 'localhost' && !hostname.endsWith('.localhost')) {
-    return (
-      'Passkeys need https, or http on localhost: browsers offer them nowhere else. ' +
-      'Put Latch behind TLS and set ISSUER to its https URL'
-    )
-  }
-  return undefined
-}
-
-/** What a page or a refusal says where passkeys cannot work (without a password, none are offered at all). */
-function noPasskeysHere(config: Config): string {
-  return passkeyHostProblem(config.issuer) ?? 'Passkeys need PASSWORD_HASH to be set'
-}
-
-/** Whether the sign-in and consent pages offer a passkey: when passkeys work here and the owner has one for here. */
-async function offersPasskeys(ctx: Context): Promise<boolean> {
-  return passkeysForHere(await ctx.store.listPasskeys(), ctx.config).length > 0
-}
-
-/** The passkeys that can sign in on the issuer's host. */
-function passkeysForHere(passkeys: [string, Passkey][], config: Config): [string, Passkey][] {
-  const rp = relyingParty(config)
-  if (rp === undefined) return []
-  return passkeys.filter(([, passkey]) => madeFor(passkey, rp.id))
-}
-
-/** Whether a passkey works on a host: only on the one it was made for (one stored before Latch noted it, anywhere). */
-function madeFor(passkey: Passkey, rpId: string): boolean {
-  return passkey.rpId === undefined || passkey.rpId === rpId
-}
-
-async function requireOwner(form: Params, req: IncomingMessage, ctx: Context): Promise<Visitor> {
-  const visitor = await requireFormToken(form, req, ctx)
-  if (!visitor.signedIn) {
-    const ended = 'You are not signed in (your session has ended): sign in again on your apps page, then try again'
-    throw new OAuthError('access_denied', ended, { status: 403 })
-  }
-  return visitor
-}
 
 /**
  * A passkey is a way to sign in, and it outlasts every session: "Sign out everywhere" and a new
@@ -5285,19 +5330,6 @@ function untilRevoked(grant: Grant, config: Config): string {
   return `When you revoke it, or after ${formatPeriod(config.refreshTokenTtlSeconds)} unused`
 }
 
-/** A length of time, exactly, in the largest unit that divides it: `30 days`, `36 hours`, `90 seconds`. */
-function formatPeriod(seconds: number): string {
-  const [size, unit] = PERIOD_UNITS.find(([size]) => seconds % size === 0) ?? [1, 'second']
-  const count = seconds / size
-  return `${count} ${unit}${count === 1 ? '' : 's'}`
-}
-
-const PERIOD_UNITS: [number, string][] = [
-  [86400, 'day'],
-  [3600, 'hour'],
-  [60, 'minute'],
-]
-
 /** The form that makes a token for a script: a name, scopes, an optional service, a lifetime. */
 function renderScriptTokenForm(config: Config, csrfField: string): string {
   return `<section class="maker">
@@ -5327,11 +5359,6 @@ function renderButton(config: Config, path: string, fields: string, kind: string
   const named = about === undefined ? '' : ` aria-label="${escapeHtml(`${label} ${about}`)}"`
   const button = `<button${kind === '' ? '' : ` class="${kind}"`}${named}>${label}</button>`
   return `<form method="post" action="${escapeHtml(endpointUrl(config, path))}">${fields}${button}</form>`
-}
-
-/** A time as people read it: `2027-01-01 12:00 UTC`. */
-function formatTime(ms: number): string {
-  return `${new Date(ms).toISOString().slice(0, 16).replace('T', ' ')} UTC`
 }
 
 // --- Client information discovery -----------------------------------------------
@@ -5886,11 +5913,6 @@ export function cacheLifetime(headers: IncomingHttpHeaders, now: number): number
 }
 
 const LOOPBACK_CLIENT = 'it is a loopback address, which IndieAuth forbids fetching'
-
-function isLoopbackClient(url: string): boolean {
-  const host = new URL(url).hostname
-  return host === '127.0.0.1' || host === '[::1]' || host === 'localhost'
-}
 
 type ClientDocument = { clientId?: string; name?: string; url?: string; logoUrl?: string; redirectUris: string[] }
 
@@ -6748,21 +6770,6 @@ export class MemoryStore implements Store {
     this.#dropped.set(what, count)
     if (count % 1000 === 1) this.#log(`store: the cap of ${max} ${what} was reached; dropped one (${count} so far)`)
   }
-}
-
-/** The first key, in the map's order, of the group that holds the most entries: one walk of the map. */
-function oldestOfBusiest<V>(map: Map<string, V>, groupOf: (value: V) => string | undefined): string | undefined {
-  const counts = new Map<string | undefined, number>()
-  let busiest: string | undefined
-  let most = 0
-  for (const value of map.values()) {
-    const group = groupOf(value)
-    const count = (counts.get(group) ?? 0) + 1
-    counts.set(group, count)
-    if (count > most) [busiest, most] = [group, count]
-  }
-  for (const [key, value] of map) if (groupOf(value) === busiest) return key
-  return undefined
 }
 
 /** The audience of every IndieAuth token: none. */
