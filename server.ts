@@ -22,10 +22,10 @@
  *     createLatchServer().on('request', handler).listen(3000, '127.0.0.1')
  *
  * Reading guide. The file has two parts. Part 1, "The protocol", is IndieAuth: the nouns and the
- * `Store` contract, errors, parameters, PKCE and identifiers, then the endpoints in the order a
- * client meets them (metadata, authorization, consent, redemption, token, introspection,
- * revocation, the Bearer endpoints, the home page), then the route table and `createHandler`.
- * To learn IndieAuth, read to the end of Part 1. Part 2, "What it leans on", is the machinery:
+ * `Store` contract, errors, parameters, PKCE, identifiers and what a client publishes, then the
+ * endpoints in the order a client meets them (metadata, authorization, consent, redemption,
+ * token, introspection, revocation, the Bearer endpoints, the home page), then the route table
+ * and `createHandler`. To learn IndieAuth, read to the end of Part 1. Part 2, "What it leans on", is the machinery:
  * the log, HTTP and the server, pages, sessions and sign-in throttling, the owner's password and
  * passkeys (WebAuthn), the owner's own pages, client fetching, the stores and the journal,
  * performance, configuration, `main()`.
@@ -850,6 +850,151 @@ function isSameRedirect(published: string, requested: string): boolean {
   const a = loopback.exec(published)
   const b = loopback.exec(requested)
   return a !== null && b !== null && a[1] === b[1] && (a[2] ?? '') === (b[2] ?? '')
+}
+
+// --- Client information ---------------------------------------------------------
+// IndieAuth §4.2: a client publishes its name, logo and redirect URIs at its client_id URL, as
+// JSON metadata (a Client ID Metadata Document, at an https URL, under the OAuth draft's stricter
+// rules) or as a page with an `h-app` and `<link rel="redirect_uri">` elements. This is what Latch
+// reads from either; fetching it safely, and caching it, is Part 2's (`findClient`).
+// https://indieauth.spec.indieweb.org/#client-information-discovery
+// https://datatracker.ietf.org/doc/draft-ietf-oauth-client-id-metadata-document/
+
+/**
+ * What a client publishes about itself. `logo` is a `data:` URL, fetched by Latch.
+ * `metadataDocument` is true when it came from a Client ID Metadata Document, whose rules are
+ * stricter than IndieAuth's.
+ */
+export type ClientInfo = {
+  name?: string
+  url?: string
+  logo?: string
+  redirectUris: string[]
+  metadataDocument: boolean
+  /** The `client_id` a Client ID Metadata Document names, spelt as it spells it. */
+  documentClientId?: string
+}
+
+/** What discovery found: the client's information, nothing, or why its document refuses the request. */
+export type ClientLookup = { info?: ClientInfo; refused?: string }
+
+/** A Client ID Metadata Document that was fetched and breaks a rule of the draft. */
+class InvalidClientDocument extends Error {}
+
+type ClientDocument = { clientId?: string; name?: string; url?: string; logoUrl?: string; redirectUris: string[] }
+
+/**
+ * Reads a client metadata document: its `client_id` must be the URL it came from, and its
+ * `client_uri` a prefix of it. A Client ID Metadata Document (`metadataDocument`, JSON at an
+ * https URL) must also spell the URL as the request does, or canonically (checked by
+ * `handleAuthorizationRequest`, with `documentClientId`; its `client_uri`, if not a prefix, is
+ * only left unshown), list its `redirect_uris`, and hold no client secret
+ * (§4.1); Latch serves public clients only, so `token_endpoint_auth_method` may only be `none`.
+ * Its faults throw `InvalidClientDocument`, which refuses the request.
+ * @see https://indieauth.spec.indieweb.org/#client-metadata IndieAuth §4.2.1
+ * @see https://datatracker.ietf.org/doc/draft-ietf-oauth-client-id-metadata-document/
+ */
+export function readClientMetadata(text: string, clientId: string, metadataDocument = false): ClientDocument {
+  const fault = (message: string) => (metadataDocument ? new InvalidClientDocument(message) : new Error(message))
+  let metadata: Record<string, unknown>
+  try {
+    metadata = JSON.parse(text) as Record<string, unknown>
+  } catch {
+    throw fault('its metadata is not valid JSON')
+  }
+  if (!isObject(metadata)) throw fault('its metadata is not a JSON object')
+  const { client_id } = metadata
+  // "the client_id property MUST match the URL": the URL, however spelt; a Client ID Metadata
+  // Document must spell it as the request does, which the request checks (`documentClientId`)
+  if (typeof client_id !== 'string' || !isClientId(client_id) || canonicalizeUrl(client_id) !== clientId)
+    throw fault(`its metadata names another client_id: it must be ${clientId}`)
+  // a prefix, and of the same origin: "http://paypal.com" begins "http://paypal.com.evil.example/" too
+  const clientUri = typeof metadata.client_uri === 'string' ? metadata.client_uri : undefined
+  const clientUriIsPrefix =
+    clientUri !== undefined &&
+    clientId.startsWith(clientUri) &&
+    URL.canParse(clientUri) &&
+    new URL(clientUri).origin === new URL(clientId).origin
+  if (metadata.client_uri !== undefined && !clientUriIsPrefix && !metadataDocument) {
+    // "The client_uri MUST be a prefix of the client_id"
+    throw fault('its client_uri is not a prefix of its client_id')
+  }
+  // URLs only, without spaces: the list may be shown on an error page, where a stranger's prose
+  // ("this server has moved, sign in at…") must not be
+  const redirectUris = Array.isArray(metadata.redirect_uris)
+    ? metadata.redirect_uris.filter(
+        (uri): uri is string => typeof uri === 'string' && /^[^\s\p{C}]+$/u.test(uri) && URL.canParse(uri),
+      )
+    : []
+  if (metadataDocument) {
+    if (redirectUris.length === 0) throw fault('it lists no redirect_uris')
+    if (metadata.client_secret !== undefined || metadata.client_secret_expires_at !== undefined)
+      throw fault('it holds a client_secret, which a public document must not')
+    const method = metadata.token_endpoint_auth_method
+    const named = typeof method === 'string' && /^[\w-]{1,40}$/.test(method) ? ` (${method})` : '' // a name, not prose
+    if (method !== undefined && method !== 'none')
+      throw fault(`its token_endpoint_auth_method is not none${named}: this server serves public clients only`)
+  }
+  return {
+    clientId: client_id,
+    name: typeof metadata.client_name === 'string' ? cleanName(metadata.client_name) : undefined,
+    // where the draft does not ask it to be a prefix, one that is not is not shown
+    url: clientUriIsPrefix ? resolveUrl(clientUri, clientId) : undefined,
+    logoUrl: typeof metadata.logo_uri === 'string' ? resolveUrl(metadata.logo_uri, clientId) : undefined,
+    redirectUris,
+  }
+}
+
+/**
+ * Reads an HTML client page: the first `h-app` or `h-x-app` (its name, logo and url) and every
+ * `<link rel="redirect_uri">`, resolved against the page's URL.
+ * @see https://indieauth.spec.indieweb.org/#client-information-discovery IndieAuth §4.2 (2022: §4.2.1, §4.2.2)
+ */
+export function readClientPage(html: string, pageUrl: string): ClientDocument {
+  const elements = scanHtml(html)
+  const redirectUris: string[] = []
+  for (const element of elements) {
+    if (
+      element.name === 'link' &&
+      hasToken(element.attributes.rel, 'redirect_uri') &&
+      element.attributes.href !== undefined
+    ) {
+      const resolved = resolveLink(element.attributes.href, pageUrl)
+      if (resolved !== undefined) redirectUris.push(resolved)
+    }
+  }
+  const app = elements.findIndex(
+    (element) => hasToken(element.attributes.class, 'h-app') || hasToken(element.attributes.class, 'h-x-app'),
+  )
+  if (app === -1) return { redirectUris }
+  const inside = elements.slice(app + 1, elements[app].end)
+  const nameElement = inside.find((element) => hasToken(element.attributes.class, 'p-name'))
+  const logoElement = inside.find((element) => hasToken(element.attributes.class, 'u-logo'))
+  const logo = logoElement?.attributes.src ?? logoElement?.attributes.href
+  const href = inside.find((element) => hasToken(element.attributes.class, 'u-url'))?.attributes.href
+  const url = href === undefined ? undefined : resolveLink(href, pageUrl)
+  return {
+    name: cleanName(elementText(html, nameElement ?? elements[app])),
+    // shown as the app's own, so only on the page's origin (the JSON's client_uri must even be a prefix of client_id)
+    url:
+      url !== undefined && url.length <= MAX_URL_LENGTH && new URL(url).origin === new URL(pageUrl).origin
+        ? url
+        : undefined,
+    logoUrl: logo === undefined ? undefined : resolveLink(logo, pageUrl),
+    redirectUris,
+  }
+}
+
+/** The URLs of one relation in a `Link` header, resolved against the page's URL. */
+export function readLinkHeader(header: string, rel: string, base: string): string[] {
+  const urls: string[] = []
+  for (const link of header.split(/,(?=\s*<)/)) {
+    const match = /^\s*<([^>]*)>([^]*)$/.exec(link)
+    const rels = match === null ? null : /;\s*rel\s*=\s*(?:"([^"]*)"|([^\s;,]+))/i.exec(match[2])
+    const resolved = match === null ? undefined : resolveUrl(match[1], base)
+    if (rels !== null && hasToken(rels[1] ?? rels[2], rel) && resolved !== undefined) urls.push(resolved)
+  }
+  return urls
 }
 
 // --- Scopes and lifetimes -------------------------------------------------------
@@ -5361,34 +5506,13 @@ function renderButton(config: Config, path: string, fields: string, kind: string
   return `<form method="post" action="${escapeHtml(endpointUrl(config, path))}">${fields}${button}</form>`
 }
 
-// --- Client information discovery -----------------------------------------------
+// --- Fetching client information ------------------------------------------------
 // IndieAuth §4.2  https://indieauth.spec.indieweb.org/#client-information-discovery
 // Latch fetches the client_id URL to learn the app's name, logo and redirect URIs. Fetching a
 // URL a stranger chose is the classic way into a private network, so: http(s) only; never a
 // loopback client ("the authorization endpoint MUST NOT fetch the client_id"); the name is
 // resolved first, every address checked, and the connection made to the address checked; no
 // redirects; a short deadline; a capped body; only a 200 counts.
-
-/**
- * What a client publishes about itself. `logo` is a `data:` URL, fetched by Latch.
- * `metadataDocument` is true when it came from a Client ID Metadata Document, whose rules are
- * stricter than IndieAuth's.
- */
-export type ClientInfo = {
-  name?: string
-  url?: string
-  logo?: string
-  redirectUris: string[]
-  metadataDocument: boolean
-  /** The `client_id` a Client ID Metadata Document names, spelt as it spells it. */
-  documentClientId?: string
-}
-
-/** What discovery found: the client's information, nothing, or why its document refuses the request. */
-export type ClientLookup = { info?: ClientInfo; refused?: string }
-
-/** A Client ID Metadata Document that was fetched and breaks a rule of the draft. */
-class InvalidClientDocument extends Error {}
 
 /** How Latch fetches clients: tests and embedders may swap the resolver and the HTTP agent. */
 export type ClientFetchOptions = {
@@ -5914,110 +6038,6 @@ export function cacheLifetime(headers: IncomingHttpHeaders, now: number): number
 
 const LOOPBACK_CLIENT = 'it is a loopback address, which IndieAuth forbids fetching'
 
-type ClientDocument = { clientId?: string; name?: string; url?: string; logoUrl?: string; redirectUris: string[] }
-
-/**
- * Reads a client metadata document: its `client_id` must be the URL it came from, and its
- * `client_uri` a prefix of it. A Client ID Metadata Document (`metadataDocument`, JSON at an
- * https URL) must also spell the URL as the request does, or canonically (checked by
- * `handleAuthorizationRequest`, with `documentClientId`; its `client_uri`, if not a prefix, is
- * only left unshown), list its `redirect_uris`, and hold no client secret
- * (§4.1); Latch serves public clients only, so `token_endpoint_auth_method` may only be `none`.
- * Its faults throw `InvalidClientDocument`, which refuses the request.
- * @see https://indieauth.spec.indieweb.org/#client-metadata IndieAuth §4.2.1
- * @see https://datatracker.ietf.org/doc/draft-ietf-oauth-client-id-metadata-document/
- */
-export function readClientMetadata(text: string, clientId: string, metadataDocument = false): ClientDocument {
-  const fault = (message: string) => (metadataDocument ? new InvalidClientDocument(message) : new Error(message))
-  let metadata: Record<string, unknown>
-  try {
-    metadata = JSON.parse(text) as Record<string, unknown>
-  } catch {
-    throw fault('its metadata is not valid JSON')
-  }
-  if (!isObject(metadata)) throw fault('its metadata is not a JSON object')
-  const { client_id } = metadata
-  // "the client_id property MUST match the URL": the URL, however spelt; a Client ID Metadata
-  // Document must spell it as the request does, which the request checks (`documentClientId`)
-  if (typeof client_id !== 'string' || !isClientId(client_id) || canonicalizeUrl(client_id) !== clientId)
-    throw fault(`its metadata names another client_id: it must be ${clientId}`)
-  // a prefix, and of the same origin: "http://paypal.com" begins "http://paypal.com.evil.example/" too
-  const clientUri = typeof metadata.client_uri === 'string' ? metadata.client_uri : undefined
-  const clientUriIsPrefix =
-    clientUri !== undefined &&
-    clientId.startsWith(clientUri) &&
-    URL.canParse(clientUri) &&
-    new URL(clientUri).origin === new URL(clientId).origin
-  if (metadata.client_uri !== undefined && !clientUriIsPrefix && !metadataDocument) {
-    // "The client_uri MUST be a prefix of the client_id"
-    throw fault('its client_uri is not a prefix of its client_id')
-  }
-  // URLs only, without spaces: the list may be shown on an error page, where a stranger's prose
-  // ("this server has moved, sign in at…") must not be
-  const redirectUris = Array.isArray(metadata.redirect_uris)
-    ? metadata.redirect_uris.filter(
-        (uri): uri is string => typeof uri === 'string' && /^[^\s\p{C}]+$/u.test(uri) && URL.canParse(uri),
-      )
-    : []
-  if (metadataDocument) {
-    if (redirectUris.length === 0) throw fault('it lists no redirect_uris')
-    if (metadata.client_secret !== undefined || metadata.client_secret_expires_at !== undefined)
-      throw fault('it holds a client_secret, which a public document must not')
-    const method = metadata.token_endpoint_auth_method
-    const named = typeof method === 'string' && /^[\w-]{1,40}$/.test(method) ? ` (${method})` : '' // a name, not prose
-    if (method !== undefined && method !== 'none')
-      throw fault(`its token_endpoint_auth_method is not none${named}: this server serves public clients only`)
-  }
-  return {
-    clientId: client_id,
-    name: typeof metadata.client_name === 'string' ? cleanName(metadata.client_name) : undefined,
-    // where the draft does not ask it to be a prefix, one that is not is not shown
-    url: clientUriIsPrefix ? resolveUrl(clientUri, clientId) : undefined,
-    logoUrl: typeof metadata.logo_uri === 'string' ? resolveUrl(metadata.logo_uri, clientId) : undefined,
-    redirectUris,
-  }
-}
-
-/**
- * Reads an HTML client page: the first `h-app` or `h-x-app` (its name, logo and url) and every
- * `<link rel="redirect_uri">`, resolved against the page's URL.
- * @see https://indieauth.spec.indieweb.org/#client-information-discovery IndieAuth §4.2 (2022: §4.2.1, §4.2.2)
- */
-export function readClientPage(html: string, pageUrl: string): ClientDocument {
-  const elements = scanHtml(html)
-  const redirectUris: string[] = []
-  for (const element of elements) {
-    if (
-      element.name === 'link' &&
-      hasToken(element.attributes.rel, 'redirect_uri') &&
-      element.attributes.href !== undefined
-    ) {
-      const resolved = resolveLink(element.attributes.href, pageUrl)
-      if (resolved !== undefined) redirectUris.push(resolved)
-    }
-  }
-  const app = elements.findIndex(
-    (element) => hasToken(element.attributes.class, 'h-app') || hasToken(element.attributes.class, 'h-x-app'),
-  )
-  if (app === -1) return { redirectUris }
-  const inside = elements.slice(app + 1, elements[app].end)
-  const nameElement = inside.find((element) => hasToken(element.attributes.class, 'p-name'))
-  const logoElement = inside.find((element) => hasToken(element.attributes.class, 'u-logo'))
-  const logo = logoElement?.attributes.src ?? logoElement?.attributes.href
-  const href = inside.find((element) => hasToken(element.attributes.class, 'u-url'))?.attributes.href
-  const url = href === undefined ? undefined : resolveLink(href, pageUrl)
-  return {
-    name: cleanName(elementText(html, nameElement ?? elements[app])),
-    // shown as the app's own, so only on the page's origin (the JSON's client_uri must even be a prefix of client_id)
-    url:
-      url !== undefined && url.length <= MAX_URL_LENGTH && new URL(url).origin === new URL(pageUrl).origin
-        ? url
-        : undefined,
-    logoUrl: logo === undefined ? undefined : resolveLink(logo, pageUrl),
-    redirectUris,
-  }
-}
-
 type HtmlElement = { name: string; attributes: Record<string, string>; textStart: number; textEnd: number; end: number }
 
 const VOID_ELEMENTS = new Set([
@@ -6288,18 +6308,6 @@ function hasToken(list: string | undefined, token: string): boolean {
   return asciiLowerCase(list ?? '')
     .split(/[\t\n\f\r ]+/)
     .includes(token) // HTML's spaces, not Unicode's
-}
-
-/** The URLs of one relation in a `Link` header, resolved against the page's URL. */
-export function readLinkHeader(header: string, rel: string, base: string): string[] {
-  const urls: string[] = []
-  for (const link of header.split(/,(?=\s*<)/)) {
-    const match = /^\s*<([^>]*)>([^]*)$/.exec(link)
-    const rels = match === null ? null : /;\s*rel\s*=\s*(?:"([^"]*)"|([^\s;,]+))/i.exec(match[2])
-    const resolved = match === null ? undefined : resolveUrl(match[1], base)
-    if (rels !== null && hasToken(rels[1] ?? rels[2], rel) && resolved !== undefined) urls.push(resolved)
-  }
-  return urls
 }
 
 /**
