@@ -422,6 +422,7 @@ export type PasswordAttempts = { count: number; lastAt: number; lockedUntil: num
 /** Tasks running, and the tasks waiting for one of them to end. */
 export type Slots = { running: number; waiting: (() => void)[] }
 
+/** The slots of `withPasswordSlot`: the scrypt checks running, and those waiting for one. */
 export type PasswordSlots = Slots
 
 /** Query or form parameters: every value of every name, in the order sent. */
@@ -496,8 +497,9 @@ const NOT_STORED = new OAuthError(
 )
 
 // --- Small helpers --------------------------------------------------------------
-// Secrets, PKCE and parameters. A few reuse buffers made once (`randomPool`, `challengeBytes`) or
-// cut a hash short (`cutHash`): Performance internals, in Part 2, says why and how.
+// Secrets, PKCE and parameters. A few reuse buffers made once (`randomPool`, `challengeBytes`),
+// cut a hash short (`cutHash`) or copy a string out of a larger one (`detached`): Performance
+// internals, in Part 2, says why and how.
 
 /** Base64url without padding (RFC 4648 §5), the encoding of codes, tokens and PKCE. */
 export function base64url(bytes: Buffer): string {
@@ -629,6 +631,11 @@ function decodeFormComponent(text: string): string {
   }
 }
 
+/** Whether a parsed JSON value is an object (not null, not an array). */
+function isObject(value: unknown): value is Record<string, unknown> {
+  return typeof value === 'object' && value !== null && !Array.isArray(value)
+}
+
 /**
  * Returns the one value of a parameter, or undefined when it is absent or empty (RFC 6749 §3.1).
  * Throws `invalid_request` when it was sent with a value more than once (an empty one is none).
@@ -733,7 +740,7 @@ function isDomainName(host: string): boolean {
  * @see https://indieauth.spec.indieweb.org/#client-identifier IndieAuth §3.3
  */
 export function clientIdProblem(raw: string): string | undefined {
-  if (raw.length > 2_048) return 'it is longer than 2048 characters'
+  if (raw.length > MAX_URL_LENGTH) return `it is longer than ${MAX_URL_LENGTH} characters`
   const parts = splitHttpUrl(raw)
   if (typeof parts === 'string') return parts
   const problem = commonUrlProblem(parts)
@@ -798,6 +805,7 @@ const UNSAFE_SCHEMES = new Set([
  * §7.3). `client` is what discovery found, if anything.
  * @see https://indieauth.spec.indieweb.org/#redirect-url IndieAuth §4.2.2
  * @see https://www.rfc-editor.org/rfc/rfc8252#section-7.3 RFC 8252 §7.3
+ * @see https://datatracker.ietf.org/doc/draft-ietf-oauth-client-id-metadata-document/ the draft
  */
 export function redirectUriProblem(
   redirectUri: string,
@@ -1106,7 +1114,7 @@ export function createMetadataHandler(config: Config): (req: IncomingMessage, re
       res.end()
       return
     }
-    ;(res as MarkedResponse)[CORS] = true
+    ;(res as MarkedResponse)[CORS] = true // any origin may read it (`sendJson` says so: see `CORS`)
     sendJson(res, 200, buildMetadata(config))
   }
 }
@@ -1450,7 +1458,6 @@ async function handleConsent(req: IncomingMessage, res: ServerResponse, ctx: Con
       'access_denied',
       'This sign-in request was opened in another browser: start again from the app',
       {
-        status: 403,
         event: `a consent for ${request.client_id} was sent from another browser than the one that opened it`,
       },
     )
@@ -1606,7 +1613,8 @@ const MAX_ANSWERS_REMEMBERED = 100
 //     the code and verifier alone. The verifier binds the code to the client that started the
 //     flow anyway.
 //  3. `POST /auth`: `store.markCodeUsed`; `POST /token`: `issueTokens` calls
-//     `store.redeemForTokens`, which marks it used in the same write as the grant and the tokens. Either is true for the first caller only.
+//     `store.redeemForTokens`, which marks it used in the same write as the grant and the
+//     tokens. Either is true for the first caller only.
 //  4. A replay is caught there: the code was used before. The grant made from it, whose id is the
 //     code's hash, is revoked with every token issued from it (`revokeReplayedCode`,
 //     RFC 6749 §4.1.2), and the request gets `invalid_grant`.
@@ -2547,7 +2555,6 @@ function refusalOf(req: IncomingMessage, own: boolean, passwordless: boolean): O
     return new OAuthError(
       'access_denied',
       'This server has no password, so it answers only to this machine: set PASSWORD_HASH',
-      { status: 403 },
     )
   }
   // A proxy on this machine connects from loopback for whoever it serves, under a Host header
@@ -2556,7 +2563,6 @@ function refusalOf(req: IncomingMessage, own: boolean, passwordless: boolean): O
     return new OAuthError(
       'access_denied',
       'This server has no password, and this request came through a proxy, so it may be anyone: set PASSWORD_HASH',
-      { status: 403 },
     )
   }
   if (hasSeveralHosts(req)) return new OAuthError('invalid_request', 'The request has more than one Host header')
@@ -3048,22 +3054,6 @@ function pathOf(target: string): string {
 function queryOf(target: string): Params {
   const query = target.indexOf('?')
   return parseForm(query === -1 ? '' : target.slice(query + 1))
-}
-
-/**
- * Up to `max` values of the cookies of one name, in the order the browser sent them. A page on
- * another port of this host can set a cookie of the same name (browsers do not keep ports
- * apart) for a longer path, and the browser then sends that one first.
- */
-function readCookies(req: IncomingMessage, name: string, max: number, wellFormed = /./): string[] {
-  const values: string[] = []
-  for (const pair of (req.headers.cookie ?? '').split(';')) {
-    const equals = pair.indexOf('=')
-    if (equals === -1 || pair.slice(0, equals).trim() !== name) continue
-    const value = pair.slice(equals + 1).trim()
-    if (wellFormed.test(value) && values.push(value) === max) break
-  }
-  return values
 }
 
 const NO_STORE = { 'Cache-Control': 'no-store', Pragma: 'no-cache' }
@@ -3835,6 +3825,22 @@ function renderPasswordField(message: string | undefined, autofocus = true): str
 // (HttpOnly) nor derive without it; forms of someone not signed in carry the CSRF cookie's value
 // (double submit), and approve only with the password or a passkey.
 
+/**
+ * Up to `max` values of the cookies of one name, in the order the browser sent them. A page on
+ * another port of this host can set a cookie of the same name (browsers do not keep ports
+ * apart) for a longer path, and the browser then sends that one first.
+ */
+function readCookies(req: IncomingMessage, name: string, max: number, wellFormed = /./): string[] {
+  const values: string[] = []
+  for (const pair of (req.headers.cookie ?? '').split(';')) {
+    const equals = pair.indexOf('=')
+    if (equals === -1 || pair.slice(0, equals).trim() !== name) continue
+    const value = pair.slice(equals + 1).trim()
+    if (wellFormed.test(value) && values.push(value) === max) break
+  }
+  return values
+}
+
 function csrfCookieName(config: Config): string {
   return cookieName('latch_csrf', config)
 }
@@ -3927,7 +3933,7 @@ async function requireFormToken(form: Params, req: IncomingMessage, ctx: Context
     if (site === 'same-origin' && sent !== undefined) {
       const stale =
         'This page is out of date: you signed in or out since it was opened. Go back, reload it and try again'
-      throw new OAuthError('access_denied', stale, { status: 403 })
+      throw new OAuthError('access_denied', stale)
     }
     const sentTo = `${mountPath(ctx.config)}${pathOf(req.url ?? '/')}` // as the request's own log line says
     // a page of this server opened under another name (a proxy's, an address): reloading it cannot
@@ -3947,7 +3953,6 @@ async function requireFormToken(form: Params, req: IncomingMessage, ctx: Context
             (local ? ', or set ISSUER to the address you use' : '')
         : 'This form was not sent from a page of this server in this browser: go back, reload the page and try again',
       {
-        status: 403,
         event: `a form sent to ${sentTo} was refused: it did not come from this server's page`,
       },
     )
@@ -3960,7 +3965,7 @@ async function requireOwner(form: Params, req: IncomingMessage, ctx: Context): P
   const visitor = await requireFormToken(form, req, ctx)
   if (!visitor.signedIn) {
     const ended = 'You are not signed in (your session has ended): sign in again on your apps page, then try again'
-    throw new OAuthError('access_denied', ended, { status: 403 })
+    throw new OAuthError('access_denied', ended)
   }
   return visitor
 }
@@ -4698,7 +4703,7 @@ async function checkPasskeySignIn(
     const sent = readPasskeyFields(form, ['client_data', 'authenticator_data', 'signature'])
     const browser = browserOf(on.visitor)
     const challenge = takeChallenge(ctx, sent.client_data, { purpose: 'sign-in', browser, request: on.request })
-    const id = getParam(form, 'credential') ?? ''
+    const id = requireParam(form, 'credential') // sent: `checkSignIn` came here for it
     const response = {
       clientDataJSON: sent.client_data,
       authenticatorData: sent.authenticator_data,
@@ -5066,7 +5071,7 @@ async function handlePasskeyChallenge(req: IncomingMessage, res: ServerResponse,
   const rp = relyingParty(ctx.config)
   if (rp === undefined) throw new OAuthError('invalid_request', noPasskeysHere(ctx.config))
   if (purpose === 'register' && !signedInWithin(RECENT_SIGN_IN_SECONDS, visitor, ctx))
-    throw new OAuthError('access_denied', `${SIGN_IN_AGAIN} Reload this page to do so.`, { status: 403 })
+    throw new OAuthError('access_denied', `${SIGN_IN_AGAIN} Reload this page to do so.`)
   const id = getParam(form, 'request')
   const request = id === undefined ? undefined : await ctx.store.findPending(hashSecret(id), ctx.now())
   if (id !== undefined && (request === undefined || !safeEqual(request.csrfHash, hashSecret(visitor.csrf))))
@@ -7749,10 +7754,6 @@ const JOURNAL_CHECKS = Object.fromEntries(
 /** A key: what `hashSecret` made, or a whole SHA-256 as Latch 0.1 kept it, or a store's own id. */
 function isJournalKey(key: unknown): key is string {
   return typeof key === 'string' && key !== ''
-}
-
-function isObject(value: unknown): value is Record<string, unknown> {
-  return typeof value === 'object' && value !== null && !Array.isArray(value)
 }
 
 async function applyRecord(memory: MemoryStore, record: JournalRecord, now: number): Promise<void> {
