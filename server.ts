@@ -2673,20 +2673,13 @@ function renderError(error: unknown, req: IncomingMessage, res: ServerResponse, 
     return
   }
   logEvent(ctx, 'error', err instanceof Error ? (err.stack ?? err.message) : String(err), req)
-  // an embedding's mistake is said to whoever tries it; any other failure's detail stays in the log
-  const description = err instanceof EmbeddingError ? err.message : undefined
   if (asPage)
     sendErrorPage(
       res,
-      new OAuthError('server_error', description ?? 'Something went wrong on the server: try again later', {
-        status: 500,
-      }),
+      new OAuthError('server_error', 'Something went wrong on the server: try again later', { status: 500 }),
     )
-  else sendJson(res, 500, { error: 'server_error', error_description: description })
+  else sendJson(res, 500, { error: 'server_error' })
 }
-
-/** A server error that an app embedding Latch made, whose message says how to mend it. */
-class EmbeddingError extends Error {}
 
 // =================================================================================================
 // PART 2: WHAT IT LEANS ON
@@ -2960,9 +2953,7 @@ function readBody(req: IncomingMessage): Promise<Buffer> {
   // the server's fault, not the client's: a logged 500 that tells the developer what to change
   if (req.readableEnded)
     return Promise.reject(
-      new EmbeddingError(
-        'The request body was read before Latch: mount Latch before any body parser (express.urlencoded)',
-      ),
+      new Error('the request body was read before Latch: mount Latch before any body parser (express.urlencoded)'),
     )
   return new Promise((resolve, reject) => {
     const body = new Gathered()
