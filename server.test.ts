@@ -2450,7 +2450,7 @@ describe('POST /token with grant_type=refresh_token (IndieAuth ยง5.5, RFC 6749 ย
       const roomAgain = fillDisk(store, 'redeemForTokens')
       const fields = { grant_type: 'refresh_token', refresh_token: tokens.refresh_token, client_id: CLIENT_ID }
       const again = () => post(`${own.base}/token`, form(fields))
-      for (let i = 0; i < 1000; i++) assert.equal((await again()).status, 503)
+      for (let i = 0; i < 1000; i++) assert.equal((await again()).status, 500)
       roomAgain()
       assert.equal((await again()).status, 200)
     } finally {
@@ -4300,16 +4300,16 @@ describe('Router and errors', () => {
     await broken.close()
   })
 
-  it('answers a change the data file did not take with a 503 page, and logs no failure of its own', async () => {
+  it('answers a change the data file did not take with a 500 page that says so, and logs no failure of its own', async () => {
     const store = new MemoryStore()
     fillDisk(store, 'saveCode')
     const password = 'correct horse battery staple'
     const latch = await startLatch({ PASSWORD_HASH: await hashPassword(password, FAST_COST) }, { store })
     const refused = await submitConsent(latch, await openConsent(latch), { password })
-    assert.equal(refused.status, 503)
+    assert.equal(refused.status, 500)
     const page = await refused.text()
-    assert.match(page, /<h1>This could not be saved<\/h1>/)
-    assert.match(page, /temporarily_unavailable, HTTP 503/)
+    assert.match(page, /The change could not be stored, so it did not happen: try again later/)
+    assert.match(page, /server_error, HTTP 500/)
     assert.doesNotMatch(page, /ENOSPC/)
     assert.ok(!latch.logs.some((line) => line.includes('ENOSPC')), 'logged as a failure of Latch, not of the disk')
     await latch.close()
@@ -4321,7 +4321,7 @@ describe('Router and errors', () => {
     try {
       const roomAgain = fillDisk(store, 'saveToken')
       const sent = form({ csrf: token, once, name: 'Deploy', scope: 'create', lifetime: '604800' })
-      assert.equal((await post(`${latch.base}/apps/tokens`, sent, { Cookie: cookie })).status, 503)
+      assert.equal((await post(`${latch.base}/apps/tokens`, sent, { Cookie: cookie })).status, 500)
       roomAgain()
       const other = form({ csrf: token, once, name: 'Deploy', scope: 'read', lifetime: '86400' })
       const refused = await post(`${latch.base}/apps/tokens`, other, { Cookie: cookie }) // the same form, changed
@@ -4355,7 +4355,7 @@ describe('Router and errors', () => {
       const answers = await Promise.all([1, 2].map(() => post(`${latch.base}/apps/tokens`, sent, { Cookie: cookie })))
       assert.deepEqual(
         answers.map((answer) => answer.status),
-        [503, 503],
+        [500, 500],
       )
       // the grant the first try left, revoked on /apps: the form sent again says no token was made
       const [[grantId]] = await store.listGrants(START)
@@ -4375,7 +4375,7 @@ describe('Router and errors', () => {
     try {
       const consent = await openConsent(latch)
       const roomAgain = fillDisk(store, 'saveCode')
-      assert.equal((await submitConsent(latch, consent, { password })).status, 503)
+      assert.equal((await submitConsent(latch, consent, { password })).status, 500)
       roomAgain()
       latch.advance(120) // past the minute a second press is answered in
       const approved = await submitConsent(latch, consent, { password })

@@ -287,8 +287,9 @@ export type Passkey = {
  * every grant approved by a time and every code issued by then, and deletes those codes, in one
  * transaction. On Redis, each entry is a key with a TTL, and the same step is a `WATCH`/`MULTI`
  * or a small Lua script. A write the database refused (full, or unreachable) is thrown as
- * `NotStored`, once its cause is logged: the client is told 503, to try again later (and a
- * `touchGrant` that fails so refuses no token). Any other error is a fault, answered 500.
+ * `NotStored`, once its cause is logged: the client is told 500 `server_error`, and nothing
+ * happened (a `touchGrant` that fails so refuses no token). Any other error is a fault,
+ * answered 500 too, with its stack in the log.
  * Latch sweeps expired entries out of its own two stores; one of your own expires them itself (a
  * TTL, or a periodic `DELETE ... WHERE expires_at < ?`).
  */
@@ -431,7 +432,7 @@ export type Params = Map<string, string[]>
 // --- Errors ---------------------------------------------------------------------
 // RFC 6749 §5.2  https://www.rfc-editor.org/rfc/rfc6749#section-5.2
 // Handlers throw OAuthError; one catch in the router (`renderError`) renders it, as a page or as
-// JSON. A store's `NotStored` is a 503, anything else a 500. One handler catches its own:
+// JSON. Anything else is a 500, a store's `NotStored` included. One handler catches its own:
 // `GET /auth` sends an error to the app in a redirect, once its `redirect_uri` is trusted.
 
 const ERROR_STATUS: Record<string, number> = {
@@ -481,8 +482,9 @@ export class OAuthError extends Error {
 /**
  * A change the store did not take, so it did not happen: the disk is full, say, or the journal
  * was replaced by another hand (Part 2, "Durable storage"). The store has logged why; the
- * request is answered 503 `temporarily_unavailable` (`NOT_STORED`), without the cause, since a
- * client can try again once the disk has room.
+ * request is answered 500 `{"error":"server_error"}`, as the wire contract answers every failure
+ * of the server, without the cause (a page says the change did not happen); a client can try
+ * again once the disk has room.
  */
 export class NotStored extends Error {
   constructor(cause: unknown) {
@@ -491,9 +493,9 @@ export class NotStored extends Error {
 }
 
 const NOT_STORED = new OAuthError(
-  'temporarily_unavailable',
+  'server_error',
   'The change could not be stored, so it did not happen: try again later',
-  { status: 503 },
+  { status: 500 },
 )
 
 // --- Small helpers --------------------------------------------------------------
@@ -2654,8 +2656,8 @@ function ownHostsOf(config: Config): Set<string> | undefined {
 
 /**
  * The router's one catch: an `OAuthError` is rendered; a change the data file could not take
- * (`NotStored`: a full disk, say) is a 503, as it may succeed later and the journal has logged
- * why; anything else is a logged 500.
+ * (`NotStored`: a full disk, say) is a 500 whose cause the journal has logged already; anything
+ * else is a 500 whose stack is logged here. A 500's JSON is `{"error":"server_error"}` alone.
  */
 function renderError(error: unknown, req: IncomingMessage, res: ServerResponse, asPage: boolean, ctx: Context): void {
   const err = error instanceof NotStored ? NOT_STORED : error
@@ -2669,6 +2671,7 @@ function renderError(error: unknown, req: IncomingMessage, res: ServerResponse, 
     // a browser that followed a wrong link gets a page, a program its JSON
     const browser = (err.status === 404 || err.status === 405) && /\btext\/html\b/.test(req.headers.accept ?? '')
     if (asPage || browser) sendErrorPage(res, err, isOwnersForm(pathOf(req.url ?? '/')))
+    else if (err === NOT_STORED) sendJson(res, 500, { error: 'server_error' })
     else sendJsonError(res, err)
     return
   }
@@ -3776,7 +3779,6 @@ const ERROR_PAGE_WORDS: Record<number, [string, string]> = {
   421: ['This is not the name of this server', 'Use the address this server was set up with.'],
   429: ['Too many attempts', 'Wait, then try again.'],
   500: ['Something went wrong', 'Try again in a moment. If it goes on, the server log says why.'],
-  503: ['This could not be saved', 'Try again later. If it goes on, the server log says why.'],
 }
 
 /** What an error page says instead on the owner's own forms (apps, tokens, passkeys), to which no app sent them. */

@@ -1,7 +1,7 @@
 // DATA_FILE on a full disk. Latch runs on a small tmpfs that a filler file fills up, so that its
 // journal meets what a full disk really does: a write that stores fewer bytes than asked without
 // an error, then writes that fail with ENOSPC. Checked: a change is answered as done only once all
-// of its bytes are on disk; a write that fails or is cut short answers 503 temporarily_unavailable and leaves
+// of its bytes are on disk; a write that fails or is cut short answers 500 server_error and leaves
 // only whole lines; once space returns, writes work again without a restart; every restart opens
 // the file and finds every token answered 200 active; and a compaction that runs out of space
 // leaves the journal as it was and says so in the log.
@@ -169,7 +169,7 @@ async function assertWholeLines(file: string, when: string): Promise<void> {
 // --- The tests -----------------------------------------------------------------------------
 
 describe('DATA_FILE: a full disk', () => {
-  it('answers 200 only for an exchange wholly on disk, 503 for one that does not fit, and writes again once space returns', async (t) => {
+  it('answers 200 only for an exchange wholly on disk, 500 for one that does not fit, and writes again once space returns', async (t) => {
     if (!haveDisk(t)) return
     const file = join(disk, 'full', 'data.jsonl')
     const filler = join(disk, 'full-filler')
@@ -184,8 +184,8 @@ describe('DATA_FILE: a full disk', () => {
     for (const code of codes) {
       const response = await exchange(running.base, code)
       if (response.status !== 200) {
-        assert.equal(response.status, 503)
-        assert.equal(((await response.json()) as { error: string }).error, 'temporarily_unavailable')
+        assert.equal(response.status, 500)
+        assert.equal(((await response.json()) as { error: string }).error, 'server_error')
         failed = code
         break
       }
@@ -205,7 +205,7 @@ describe('DATA_FILE: a full disk', () => {
     try {
       for (const token of promised)
         assert.equal(await isActive(restarted.base, token), true, 'a token answered 200 is lost after a restart')
-      assert.equal(restarted.store.memory.tokens.size, 2 * promised.length) // nothing of the exchange answered 503
+      assert.equal(restarted.store.memory.tokens.size, 2 * promised.length) // nothing of the exchange answered 500
     } finally {
       await restarted.stop()
     }
@@ -231,7 +231,7 @@ describe('DATA_FILE: a full disk', () => {
     }
   })
 
-  it('takes a refresh answered 503 back whole: the token rotated before it is still the one to retry', async (t) => {
+  it('takes a refresh answered 500 back whole: the token rotated before it is still the one to retry', async (t) => {
     if (!haveDisk(t)) return
     const file = join(disk, 'rotate', 'data.jsonl')
     const filler = join(disk, 'rotate-filler')
@@ -247,10 +247,10 @@ describe('DATA_FILE: a full disk', () => {
       for (let fitted = 0; ; fitted++) {
         assert.ok(fitted < 100, 'every refresh fitted: the disk never filled up')
         const answer = await refresh(running.base, spare)
-        if (answer.status === 503) break
+        if (answer.status === 500) break
         spare = (await tokensOf(answer)).refresh_token
       }
-      assert.equal((await refresh(running.base, second.refresh_token)).status, 503)
+      assert.equal((await refresh(running.base, second.refresh_token)).status, 500)
       // the grant names the first as rotated last again, not none (which would let any used token retry)
       const grantId = running.store.memory.tokens.get(hashSecret(first.refresh_token))?.grantId ?? ''
       assert.equal(running.store.memory.grants.get(grantId)?.lastRotated, hashSecret(first.refresh_token))

@@ -281,8 +281,8 @@ describe('DATA_FILE: replaced while Latch runs', () => {
       const code = await obtainCode(running.base)
       await putBack(`${file}.copy`, file) // a restore while Latch runs
       const backup = await readFile(file, 'utf8')
-      assert.equal((await exchange(running.base, code)).status, 503) // the write that finds it
-      assert.equal((await post(`${running.base}/revoke`, form({ token: kept }))).status, 503) // and every one after
+      assert.equal((await exchange(running.base, code)).status, 500) // the write that finds it
+      assert.equal((await post(`${running.base}/revoke`, form({ token: kept }))).status, 500) // and every one after
       assert.ok(running.logs.some((line) => /was replaced or changed while Latch ran, .* restart Latch/.test(line)))
       await running.stop()
       assert.equal(await readFile(file, 'utf8'), backup, 'the file put back was written to')
@@ -1086,20 +1086,17 @@ describe('DATA_FILE: compaction and failures', () => {
     assert.equal(first?.value?.lastRotated, 'r0')
   })
 
-  it('answers 503 temporarily_unavailable, and says why in the log once, when the disk write fails', async () => {
+  it('answers 500 server_error, and says why in the log once, when the disk write fails', async () => {
     const file = join(directory, 'failing.jsonl')
     const running = await startOn(file)
     const { access_token } = await obtainTokens(running.base)
     await running.store.close() // every later write to the file fails
     const response = await post(`${running.base}/revoke`, form({ token: access_token }))
-    assert.equal(response.status, 503)
-    assert.deepEqual(await response.json(), {
-      error: 'temporarily_unavailable',
-      error_description: 'The change could not be stored, so it did not happen: try again later',
-    })
+    assert.equal(response.status, 500)
+    assert.deepEqual(await response.json(), { error: 'server_error' }) // the contract's 500: no detail
     assert.ok(running.logs.some((line) => line.startsWith('journal: writing')))
     assert.ok(!running.logs.some((line) => / error: /.test(line)), 'the cause was logged again, as a failure of Latch')
-    assert.ok(running.logs.some((line) => / POST \/revoke 503 .*error=temporarily_unavailable/.test(line)))
+    assert.ok(running.logs.some((line) => / POST \/revoke 500 .*error=server_error/.test(line)))
     assert.equal(await isActive(running.base, access_token), true) // a revocation that was not stored did not happen
     await running.stop().catch(() => {}) // the file is closed already
   })
@@ -1123,7 +1120,7 @@ describe('DATA_FILE: compaction and failures', () => {
     const code = await obtainCode(running.base)
     await running.store.close() // every later write to the file fails
     const grants = running.store.memory.grants.size
-    assert.equal((await exchange(running.base, code)).status, 503)
+    assert.equal((await exchange(running.base, code)).status, 500)
     assert.equal(running.store.memory.grants.size, grants)
     assert.deepEqual(
       [...running.store.memory.codes.values()].map((stored) => stored.usedAt === undefined),
