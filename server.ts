@@ -8510,7 +8510,9 @@ async function readPassword(): Promise<string> {
   }
   // what comes after the first Enter in one chunk (a pasted "password⏎password⏎") is the second
   const typed = { ahead: '' }
-  const first = await promptHidden(`Password (${MIN_PASSWORD_LENGTH} characters or more): `, typed)
+  // the terminal stays raw from the first prompt to the last Enter: between the two, a key typed
+  // ahead would be echoed
+  const first = await promptHidden(`Password (${MIN_PASSWORD_LENGTH} characters or more): `, typed, true)
   // both are read, hidden, before either is judged: refused at once, a second entry typed ahead
   // would go to the shell, shown on the screen and kept in its history
   const second = await promptHidden('Again: ', typed)
@@ -8520,7 +8522,7 @@ async function readPassword(): Promise<string> {
   return first
 }
 
-function promptHidden(prompt: string, typed: { ahead: string }): Promise<string> {
+function promptHidden(prompt: string, typed: { ahead: string }, another = false): Promise<string> {
   // raw first, then the prompt: a key typed the moment it shows must not be echoed by the terminal
   process.stdin.setRawMode(true)
   process.stderr.write(prompt)
@@ -8532,7 +8534,7 @@ function promptHidden(prompt: string, typed: { ahead: string }): Promise<string>
       for (const [i, char] of chars.entries()) {
         if (char === '\u0003' || char === '\u0004') process.exit(130) // Ctrl-C, or Ctrl-D: given up
         if (char === '\r' || char === '\n') {
-          process.stdin.setRawMode(false)
+          if (!another) process.stdin.setRawMode(false) // no other prompt follows
           process.stdin.pause()
           process.stdin.off('data', onData)
           process.stderr.write('\n')
