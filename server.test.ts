@@ -1867,15 +1867,18 @@ describe('POST /auth/consent with a password', () => {
     }
   })
 
-  it('answers a wrong password with 403, a missing one with 400, and the page again, keeping the request usable', async () => {
+  it('answers a wrong or missing password with 401 and a challenge, and the page again, keeping the request usable', async () => {
     const consent = await openConsent(latch)
     const wrong = await submitConsent(latch, consent, { password: 'wrong horse' })
-    assert.equal(wrong.status, 403)
+    assert.equal(wrong.status, 401)
     const html = await wrong.text()
     assert.match(html, /role="alert"/)
     assert.match(html, new RegExp(`name="request" value="${consent.request}"`))
-    assert.equal(wrong.headers.get('www-authenticate'), null) // a form is no HTTP challenge: not a 401
-    assert.equal((await submitConsent(latch, consent)).status, 400)
+    // the contract's 401, with the challenge RFC 9110 asks of one: the form, which no browser prompts for
+    assert.equal(wrong.headers.get('www-authenticate'), `Form realm="${latch.issuer}"`)
+    const missing = await submitConsent(latch, consent)
+    assert.equal(missing.status, 401)
+    assert.equal(missing.headers.get('www-authenticate'), `Form realm="${latch.issuer}"`)
     assert.equal((await submitConsent(latch, consent, { password: 'correct horse' })).status, 303)
   })
 
@@ -1884,7 +1887,7 @@ describe('POST /auth/consent with a password', () => {
     assert.match(consent.html, /value="profile" checked>[^]*value="create" checked>/)
     assert.match(consent.html, /<option value="0" selected>/)
     const wrong = await submitConsent(latch, consent, { password: 'wrong horse', scope: 'create', lifetime: '86400' })
-    assert.equal(wrong.status, 403)
+    assert.equal(wrong.status, 401)
     const html = await wrong.text()
     assert.match(html, /name="scope" value="profile">[^]*name="scope" value="create" checked>/)
     assert.match(html, /<option value="86400" selected>/)
@@ -1902,8 +1905,8 @@ describe('POST /auth/consent with a password', () => {
     latch.advance(3600) // forget the failures of earlier tests
     const consent = await openConsent(latch)
     for (let i = 0; i < 5; i++)
-      assert.equal((await submitConsent(latch, consent, { password: `guess ${i}` })).status, 403)
-    assert.equal((await submitConsent(latch, consent, { password: 'guess 5' })).status, 403) // locks for 2 seconds
+      assert.equal((await submitConsent(latch, consent, { password: `guess ${i}` })).status, 401)
+    assert.equal((await submitConsent(latch, consent, { password: 'guess 5' })).status, 401) // locks for 2 seconds
     const throttled = await submitConsent(latch, consent, { password: 'correct horse' })
     assert.equal(throttled.status, 429)
     assert.equal(throttled.headers.get('retry-after'), '2')
@@ -1915,7 +1918,7 @@ describe('POST /auth/consent with a password', () => {
     latch.advance(86401) // a day of quiet: the counts of earlier tests are forgotten
     const consent = await openConsent(latch)
     for (let i = 0; i < 6; i++)
-      assert.equal((await submitConsent(latch, consent, { password: `guess ${i}` })).status, 403)
+      assert.equal((await submitConsent(latch, consent, { password: `guess ${i}` })).status, 401)
     latch.advance(-3600) // the clock is set back an hour, as NTP may do to a clock that ran fast
     const throttled = await submitConsent(latch, consent, { password: 'correct horse' })
     assert.equal(throttled.status, 429)
@@ -1930,7 +1933,7 @@ describe('POST /auth/consent with a password', () => {
     const consent = await openConsent(latch)
     const guesses = Array.from({ length: 20 }, (_, i) => submitConsent(latch, consent, { password: `parallel ${i}` }))
     const statuses = (await Promise.all(guesses)).map((response) => response.status)
-    assert.equal(statuses.filter((status) => status === 403).length, 6)
+    assert.equal(statuses.filter((status) => status === 401).length, 6)
     assert.equal(statuses.filter((status) => status === 429).length, 14)
   })
 
@@ -1940,9 +1943,9 @@ describe('POST /auth/consent with a password', () => {
     // Each address stays under its own five free guesses; 127.0.0.0/8 all reaches the server.
     const from = (host: number, password: string) => submitConsentFrom(latch, consent, `127.0.0.${host}`, password)
     for (let host = 10; host < 15; host++) {
-      for (let i = 0; i < 4; i++) assert.equal(await from(host, `guess ${host}.${i}`), 403)
+      for (let i = 0; i < 4; i++) assert.equal(await from(host, `guess ${host}.${i}`), 401)
     }
-    assert.equal(await from(20, 'guess 21'), 403) // the twenty-first locks them all for 2 seconds
+    assert.equal(await from(20, 'guess 21'), 401) // the twenty-first locks them all for 2 seconds
     assert.equal(await from(21, 'correct horse'), 429)
     latch.advance(2)
     assert.equal(await from(21, 'correct horse'), 303)
@@ -3079,7 +3082,7 @@ describe('Sign-in sessions and connected apps', () => {
     latch.advance(604800)
     const later = await openConsent(latch, {}, `${first.cookie}; ${session}`)
     assert.match(later.html, /type="password"/)
-    assert.equal((await submitConsent(latch, { ...later, cookie: `${first.cookie}; ${session}` })).status, 400)
+    assert.equal((await submitConsent(latch, { ...later, cookie: `${first.cookie}; ${session}` })).status, 401)
   })
 
   it('ends a session older than SESSION_TTL as set now, after a restart with a shorter one', async () => {
@@ -3142,12 +3145,12 @@ describe('Sign-in sessions and connected apps', () => {
     assert.ok(new URL(approved.headers.get('location') ?? '').searchParams.get('code'))
   })
 
-  it('answers a wrong password at sign-in with 403 and the form again', async () => {
+  it('answers a wrong password at sign-in with 401 and the form again', async () => {
     const csrf = createSecret()
     const response = await post(`${latch.base}/sign-in`, form({ csrf, password: 'wrong' }), {
       Cookie: `latch_csrf=${csrf}`,
     })
-    assert.equal(response.status, 403)
+    assert.equal(response.status, 401)
     assert.equal(response.headers.get('set-cookie'), null)
     assert.match(await response.text(), /role="alert"/)
   })
@@ -3909,9 +3912,9 @@ describe('Pages that explain themselves', () => {
         )
       const statuses: number[] = []
       for (let attempt = 1; attempt <= 7; attempt++) statuses.push((await from(`2001:db8:1:2::${attempt}`)).status)
-      assert.deepEqual(statuses, [403, 403, 403, 403, 403, 403, 429]) // five free, the sixth locks
+      assert.deepEqual(statuses, [401, 401, 401, 401, 401, 401, 429]) // five free, the sixth locks
       assert.equal((await from('2001:db8:1:2:ffff::8')).status, 429)
-      assert.equal((await from('2001:db8:1:3::1')).status, 403) // another /64: another host
+      assert.equal((await from('2001:db8:1:3::1')).status, 401) // another /64: another host
       assert.match(proxied.logs.join('\n'), /security: too many wrong passwords from 2001:db8:1:2::\/64/)
     } finally {
       await proxied.close()

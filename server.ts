@@ -4040,11 +4040,20 @@ const MAX_PARALLEL_PASSWORD_CHECKS = 2
 const MAX_WAITING_PASSWORD_CHECKS = 32
 
 /**
- * Why a sign-in is refused, for the form shown again: wrong (403), missing (400), or too many
- * wrong ones (429). Never 401, here or on the owner's other forms: a 401 must carry an HTTP
- * authentication challenge (`WWW-Authenticate`, RFC 9110 §15.5.2), and a form is not one.
+ * Why a sign-in is refused, for the form shown again: a wrong or missing password, or a passkey
+ * refused (401, as the wire contract answers a consent's), password sign-in turned off (403), or
+ * too many wrong ones (429).
  */
-type SignInRefusal = { status: 400 | 403 | 429; message: string; headers: Record<string, string> }
+type SignInRefusal = { status: 401 | 403 | 429; message: string; headers: Record<string, string> }
+
+/**
+ * The challenge a 401 must carry (RFC 9110 §15.5.2), for a sign-in that is a form on the page:
+ * no browser knows the scheme, so none asks in a dialog of its own; it shows the page, whose form
+ * is the way to authenticate.
+ */
+function formChallenge(config: Config): Record<string, string> {
+  return { 'WWW-Authenticate': `Form realm="${config.issuer}"` }
+}
 
 /**
  * Checks the owner's sign-in on a form: the password, or a passkey's answer to a challenge made
@@ -4073,7 +4082,8 @@ async function checkSignIn(
   }
   if (!byPasskey && !ctx.config.passwordSignIn)
     return { status: 403, message: 'Password sign-in is off: sign in with a passkey', headers: {} }
-  if (!byPasskey && password === undefined) return { status: 400, message: 'Enter your password', headers: {} }
+  if (!byPasskey && password === undefined)
+    return { status: 401, message: 'Enter your password', headers: formChallenge(ctx.config) }
   const previous = attempts.byAddress.get(group)
   attempts.byAddress.delete(group) // re-inserted last, so the map stays ordered oldest first
   if (attempts.byAddress.size >= MAX_TRACKED_ADDRESSES)
@@ -4098,7 +4108,7 @@ async function checkSignIn(
         address,
       )
     }
-    return { status: 403, message: refused, headers: {} }
+    return { status: 401, message: refused, headers: formChallenge(ctx.config) }
   }
   attempts.byAddress.delete(group)
   attempts.total = NO_ATTEMPTS

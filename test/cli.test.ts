@@ -1038,7 +1038,7 @@ describe('The log: one line per request, and security events', () => {
       const guesses = Array.from({ length: 6 }, (_, i) => `wrong guess ${i}`)
       for (const password of guesses) {
         const wrong = await submitConsent(latch, consent, { password })
-        assert.equal(wrong.status, 403)
+        assert.equal(wrong.status, 401)
         await settle(wrong)
       }
       const lockouts = latch.logs.filter((line) =>

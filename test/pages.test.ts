@@ -454,7 +454,7 @@ describe("The owner's pages, at a phone's width and a desktop's, in light and da
         await guesser.getByLabel('Password').fill(`not the password ${attempt}`)
         assert.equal(
           await press(guesser, guesser.getByRole('button', { name: 'Sign in', exact: true })),
-          403,
+          401,
           `attempt ${attempt}`,
         )
         assert.equal(await guesser.getByRole('alert').innerText(), 'Wrong password')

@@ -373,9 +373,9 @@ describe('The owner signs in with a passkey (WebAuthn) in a browser', () => {
     assert.equal((await credentialsOf(authenticator)).length, 1)
   })
 
-  it('refuses the removed passkey: 403, an error on the page, and no session', { skip: SKIP }, async () => {
+  it('refuses the removed passkey: 401, an error on the page, and no session', { skip: SKIP }, async () => {
     const response = await submit(stalePage, passkeyButton(stalePage), '/sign-in', seen)
-    assert.equal(response.status(), 403, await describePage(stalePage, seen))
+    assert.equal(response.status(), 401, await describePage(stalePage, seen))
     assert.equal(await heading(stalePage), 'Sign in')
     // refused for the key itself, not for a stale challenge or form
     const alert = await stalePage.getByRole('alert').innerText()

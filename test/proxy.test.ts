@@ -437,7 +437,7 @@ describe('Latch behind nginx with TLS (docs/deploy.md)', () => {
     secrets.push(consent.csrf, consent.request)
     for (let attempt = 1; attempt <= 5; attempt++) {
       const answer = await postConsent(port, guesser, consent, `wrong guess ${attempt}`)
-      assert.equal(answer.status, 403, `attempt ${attempt} from ${guesser}: ${answer.status}`)
+      assert.equal(answer.status, 401, `attempt ${attempt} from ${guesser}: ${answer.status}`)
       assert.match(answer.body, /Wrong password/)
     }
     // Past the five free attempts, each one must wait longer than the last: a fast guesser is
@@ -448,19 +448,19 @@ describe('Latch behind nginx with TLS (docs/deploy.md)', () => {
       const answer = await postConsent(port, guesser, consent, `wrong guess ${attempt}`)
       statuses.push(answer.status)
       if (answer.status === 429) refused = answer
-      else assert.equal(answer.status, 403, answer.body)
+      else assert.equal(answer.status, 401, answer.body)
     }
     assert.ok(refused !== undefined, `${guesser} was never refused after 5 wrong passwords: ${statuses.join(', ')}`)
     assert.match(String(refused.headers['retry-after']), /^\d+$/)
 
     const other = await openConsent(port, owner)
     const answer = await postConsent(port, owner, other, 'an honest typo')
-    assert.equal(answer.status, 403, `${owner} has free attempts of its own: ${answer.status}`)
+    assert.equal(answer.status, 401, `${owner} has free attempts of its own: ${answer.status}`)
     assert.match(answer.body, /Wrong password/)
 
     const locked = await withPassword!.waitForLine(logLine(guesser, 'POST', '/auth/consent', 429))
     assert.ok(locked.includes(' error=too_many_requests'), locked)
-    await withPassword!.waitForLine(logLine(owner, 'POST', '/auth/consent', 403))
+    await withPassword!.waitForLine(logLine(owner, 'POST', '/auth/consent', 401))
     // a security event, on a line of its own, that names the guesser's address
     await withPassword!.waitForLine(new RegExp(`^\\S+ ${escape(guesser)} security: .*(?:lockout|wrong password)`, 'i'))
     const proxied = withPassword!.lines.filter((line) => / 127\.0\.0\.1 (?:GET|POST) /.test(line))

@@ -1278,7 +1278,7 @@ describe('Passkeys over HTTP', () => {
     )
 
     const wrong = await browser.post('/sign-in', { csrf: await formToken(browser), password: 'wrong' })
-    assert.equal(wrong.status, 403)
+    assert.equal(wrong.status, 401)
     const wrongPage = await wrong.text()
     assert.match(wrongPage, /<h1>Connected apps<\/h1>/) // still signed in, and still on /apps
     assert.match(wrongPage, /role="alert">Wrong password<\/p>/)
@@ -1315,7 +1315,7 @@ describe('Passkeys over HTTP', () => {
     assert.equal((await browser.post('/sign-in', fields)).status, 303)
     browser.cookies.delete('latch_session') // signed out again, with the same CSRF cookie
     const replayed = await browser.post('/sign-in', fields)
-    assert.equal(replayed.status, 403)
+    assert.equal(replayed.status, 401)
     assert.equal(browser.cookies.has('latch_session'), false)
   })
 
@@ -1330,7 +1330,7 @@ describe('Passkeys over HTTP', () => {
     const fields = await passkeyFields(latch, browser, synced, { counter: 0 })
     assert.equal((await browser.post('/sign-in', fields)).status, 303)
     browser.cookies.delete('latch_session') // signed out again, with the same CSRF cookie
-    assert.equal((await browser.post('/sign-in', fields)).status, 403) // only the challenge's single use stops it
+    assert.equal((await browser.post('/sign-in', fields)).status, 401) // only the challenge's single use stops it
   })
 
   for (const [what, changes] of [
@@ -1341,7 +1341,7 @@ describe('Passkeys over HTTP', () => {
       quietDay()
       const browser = openBrowser(latch)
       const response = await signInWithPasskey(latch, browser, owner, changes)
-      assert.equal(response.status, 403)
+      assert.equal(response.status, 401)
       assert.equal(browser.cookies.has('latch_session'), false)
     })
   }
@@ -1360,7 +1360,7 @@ describe('Passkeys over HTTP', () => {
     browser.cookies.delete('latch_session')
     const logged = latch.logs.length
     const cloned = await signInWithPasskey(latch, browser, owner, { counter: 9 })
-    assert.equal(cloned.status, 403)
+    assert.equal(cloned.status, 401)
     assert.equal(browser.cookies.has('latch_session'), false)
     assert.ok(
       latch.logs.slice(logged).some((line) => /clone/i.test(line)),
@@ -1374,7 +1374,7 @@ describe('Passkeys over HTTP', () => {
     const other = openBrowser(latch)
     const fields = await passkeyFields(latch, browser, owner, { counter: 100 }) // above any counter before
     const stolen = await other.post('/sign-in', { ...fields, csrf: await formToken(other) })
-    assert.equal(stolen.status, 403)
+    assert.equal(stolen.status, 401)
     assert.equal(other.cookies.has('latch_session'), false)
     assert.match(latch.logs.at(-2) ?? '', /not made by this server for this page and browser/)
     assert.equal((await browser.post('/sign-in', fields)).status, 303)
@@ -1385,14 +1385,14 @@ describe('Passkeys over HTTP', () => {
     const browser = openBrowser(latch)
     const fields = await passkeyFields(latch, browser, owner)
     latch.advance(301)
-    assert.equal((await browser.post('/sign-in', fields)).status, 403)
+    assert.equal((await browser.post('/sign-in', fields)).status, 401)
   })
 
   it('refuses a passkey it does not know', async () => {
     quietDay()
     const browser = openBrowser(latch)
     const response = await signInWithPasskey(latch, browser, createCredential(ES256))
-    assert.equal(response.status, 403)
+    assert.equal(response.status, 401)
   })
 
   it('counts failed passkey sign-ins against the throttle it shares with passwords', async () => {
@@ -1401,7 +1401,7 @@ describe('Passkeys over HTTP', () => {
     // as with passwords: five free attempts, the sixth still answered but locking for 2 seconds
     for (let i = 0; i < 6; i++) {
       const failed = await signInWithPasskey(latch, browser, owner, { origin: 'https://evil.example' })
-      assert.equal(failed.status, 403, `attempt ${i + 1}`)
+      assert.equal(failed.status, 401, `attempt ${i + 1}`)
     }
     const throttled = await signInWithPasskey(latch, browser, owner)
     assert.equal(throttled.status, 429)
@@ -1445,7 +1445,7 @@ describe('Passkeys over HTTP', () => {
     assert.match(await removed.text(), /Removed the passkey (?:<bdi>)?Laptop(?:<\/bdi>)?/)
     assert.ok(!(await (await browser.get('/apps')).text()).includes(base64url(owner.id)))
     await signOut(browser)
-    assert.equal((await signInWithPasskey(latch, browser, owner)).status, 403)
+    assert.equal((await signInWithPasskey(latch, browser, owner)).status, 401)
   })
 })
 
@@ -1536,7 +1536,7 @@ describe('Passkeys under attack', () => {
       await store.savePasskey(id, { ...passkey, rpId: 'old.example' }, Date.now()) // as if ISSUER had changed since
       await signOut(browser)
       const refused = await signInWithPasskey(latch, browser, credential)
-      assert.equal(refused.status, 403)
+      assert.equal(refused.status, 401)
       assert.match(await refused.text(), /made for old\.example/)
       assert.equal(browser.cookies.has('latch_session'), false)
       assert.equal((await store.findPasskey(id))?.rpId, 'old.example')
@@ -1622,7 +1622,7 @@ describe('Passkeys under attack', () => {
       const stranger = openBrowser(moved)
       const fields = { ...(await passkeyFields(moved, stranger, owner)), user_handle: base64url(Buffer.alloc(16)) }
       const refused = await stranger.post('/sign-in', fields)
-      assert.equal(refused.status, 403)
+      assert.equal(refused.status, 401)
       assert.match(await refused.text(), /the passkey is not the owner of this server/)
     } finally {
       await moved.close()
@@ -1659,7 +1659,7 @@ describe('Passkeys under attack', () => {
       await signOut(browser)
       const { user_handle: _, ...withoutHandle } = await passkeyFields(latch, browser, owner)
       const refused = await browser.post('/sign-in', withoutHandle)
-      assert.equal(refused.status, 403)
+      assert.equal(refused.status, 401)
       assert.match(await refused.text(), /the passkey is not the owner of this server/)
       const options = await askChallenge(browser, 'sign-in')
       const framed = Buffer.from(
