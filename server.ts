@@ -2056,12 +2056,19 @@ function describeToken(token: Token, grant: Grant): Record<string, unknown> {
  */
 function requireIntrospectionCaller(req: IncomingMessage, config: Config): void {
   if (config.introspectionSecret === undefined) return
-  const credential = bearerCredential(req, config)
-  if (credential === undefined)
-    throw credentialsMissing(
-      'This endpoint needs the introspection secret as a Bearer credential',
-      bearerChallenge(config),
-    )
+  // the wire contract: whoever did not send it as a Bearer credential (none, another scheme, a
+  // malformed header) gets 401 `invalid_token`; the challenge, as RFC 6750 §3.1 asks, names no error
+  let credential: string | undefined
+  try {
+    credential = bearerCredential(req, config)
+  } catch {
+    credential = undefined
+  }
+  if (credential === undefined) {
+    throw new OAuthError('invalid_token', 'This endpoint needs the introspection secret as a Bearer credential', {
+      headers: { 'WWW-Authenticate': bearerChallenge(config) },
+    })
+  }
   if (!safeEqual(credential, config.introspectionSecret)) {
     throw new OAuthError('invalid_token', 'The Bearer credential is not the introspection secret', {
       headers: { 'WWW-Authenticate': bearerChallenge(config, 'invalid_token') },
