@@ -607,6 +607,7 @@ describe('Request bodies', () => {
           const answer = (await refused(head)).split('\r\n\r\n')[0] // its head: a 408 would follow 30 s later
           assert.match(answer, /^HTTP\/1\.1 [2-4]\d\d /, head)
           assert.match(answer, /\r\nConnection: close$/im, head)
+          if (/^HTTP\/1\.1 417 /.test(answer)) assert.match(answer, /\r\nCache-Control: no-store\r\n/i, head)
         }
       } finally {
         server.closeAllConnections()
@@ -2929,6 +2930,9 @@ describe('CORS for browser clients', () => {
       assert.equal(response.status, 204)
       assert.equal(response.headers.get('access-control-allow-origin'), '*')
       assert.match(response.headers.get('access-control-allow-headers') ?? '', /Authorization/)
+      // every answer of /token, /auth and /introspect is uncached, the wire contract says: one rule for all
+      assert.equal(response.headers.get('cache-control'), 'no-store')
+      assert.equal(response.headers.get('pragma'), 'no-cache')
     })
   }
 

@@ -2418,6 +2418,7 @@ function writePreflight(res: ServerResponse, methods: string[]): void {
     'Access-Control-Allow-Methods': methods.join(', '),
     'Access-Control-Allow-Headers': 'Authorization, Content-Type, MCP-Protocol-Version',
     'Access-Control-Max-Age': '86400',
+    ...NO_STORE, // as every answer of /token, /auth and /introspect is
   })
   res.end()
 }
@@ -3404,7 +3405,7 @@ export function createLatchServer(
   // An expectation other than 100-continue: node:http would answer 417 itself, keep the
   // connection, and read the body to its end however long it is. The 417 closes it instead.
   server.on('checkExpectation', (_req: IncomingMessage, res: ServerResponse) => {
-    res.writeHead(417, { Connection: 'close', 'Content-Length': '0' })
+    res.writeHead(417, { Connection: 'close', 'Content-Length': '0', ...NO_STORE })
     res.end()
   })
   // CONNECT asks a proxy for a tunnel, and node:http hands it here instead of to the handler:
