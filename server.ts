@@ -6225,7 +6225,7 @@ function isHtmlSpace(char: string): boolean {
 
 /** Lower case for ASCII letters only, as HTML folds names: `K` (Kelvin) is not `k`. */
 function asciiLowerCase(text: string): string {
-  return text.replace(/[A-Z]+/g, (letters) => letters.toLowerCase())
+  return /[A-Z]/.test(text) ? text.replace(/[A-Z]+/g, (letters) => letters.toLowerCase()) : text // most are lower
 }
 
 /**
