@@ -2061,8 +2061,8 @@ function requireIntrospectionCaller(req: IncomingMessage, config: Config): void 
   let credential: string | undefined
   try {
     credential = bearerCredential(req, config)
-  } catch {
-    credential = undefined
+  } catch (err) {
+    if (!(err instanceof OAuthError)) throw err // a malformed Bearer header: not sent, here
   }
   if (credential === undefined) {
     throw new OAuthError('invalid_token', 'This endpoint needs the introspection secret as a Bearer credential', {
