@@ -9,11 +9,14 @@ import { spawn } from 'node:child_process'
 import { readdirSync } from 'node:fs'
 
 const QUIET_MS = 120_000
-const files = ['server.test.ts', ...readdirSync('test').filter((name) => name.endsWith('.test.ts'))]
+const files = [
+  'server.test.ts',
+  ...readdirSync('test').flatMap((name) => (name.endsWith('.test.ts') ? [`test/${name}`] : [])),
+]
 const reporter = process.stdout.isTTY ? ['--test-reporter=spec'] : [] // as node --test picks on its own
 const child = spawn(
   process.execPath,
-  ['--import', 'tsx', '--test', ...reporter, ...process.argv.slice(2), ...files.map(testPath)],
+  ['--import', 'tsx', '--test', ...reporter, ...process.argv.slice(2), ...files],
   { stdio: ['ignore', 'pipe', 'pipe'], detached: true }, // its own process group: stopped whole
 )
 
@@ -24,7 +27,7 @@ const heard = () => {
     process.stderr.write(
       `\nnpm test: nothing was printed for ${QUIET_MS / 1000} s, so a test left something running: stopped\n`,
     )
-    process.kill(-(child.pid ?? 0), 'SIGKILL')
+    stop('SIGKILL')
     process.exit(1)
   }, QUIET_MS)
 }
@@ -37,11 +40,12 @@ child.on('close', (code, signal) => {
 })
 for (const signal of ['SIGINT', 'SIGTERM'] as const) {
   process.on(signal, () => {
-    process.kill(-(child.pid ?? 0), signal) // Ctrl-C stops the tests too
+    stop(signal) // Ctrl-C stops the tests too
     process.exit(130)
   })
 }
 
-function testPath(name: string): string {
-  return name === 'server.test.ts' ? name : `test/${name}`
+/** Stops the tests' process group, if it was started: its node --test and every file's process. */
+function stop(signal: NodeJS.Signals): void {
+  if (child.pid !== undefined) process.kill(-child.pid, signal)
 }
