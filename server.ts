@@ -2679,7 +2679,8 @@ function renderError(error: unknown, req: IncomingMessage, res: ServerResponse, 
     // a browser that followed a wrong link gets a page, a program its JSON
     const browser = (err.status === 404 || err.status === 405) && /\btext\/html\b/.test(req.headers.accept ?? '')
     if (asPage || browser) sendErrorPage(res, err, isOwnersForm(pathOf(req.url ?? '/')))
-    else if (err === NOT_STORED) sendJson(res, 500, { error: 'server_error' })
+    else if (err.status === 500)
+      sendJson(res, 500, { error: 'server_error' }) // the contract's 500: no detail
     else sendJsonError(res, err)
     return
   }
