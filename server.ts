@@ -3491,6 +3491,14 @@ export function closeLatchServer(server: Server): Promise<void> {
 // offer a passkey (see `passkeyPageHeaders`). The one stylesheet is allowed by its hash, so the
 // Content-Security-Policy can keep `default-src 'none'`.
 
+/**
+ * The one stylesheet. Its buttons that act (Approve, Sign in, Revoke, Make a token) take no click
+ * for the first 0.6 s of a page: a page elsewhere that asks for a double click can open the
+ * consent page on the first click, under the pointer, so that the second lands on Approve
+ * ("double-clickjacking"); a signed-in owner's consent needs nothing more. Framing is refused
+ * (`frame-ancestors`), but this is a page of its own. A consent page opened earlier behind
+ * another window, and shown when that window closes, is not covered.
+ */
 const STYLESHEET = `
 :root {
   color-scheme: light dark;
@@ -3574,6 +3582,9 @@ button {
 }
 button.primary { background: var(--accent); color: var(--bg); }
 button.danger { border-color: var(--danger); color: var(--danger); }
+/* a button that acts takes no click in a page's first moments: see \`ARMING\` */
+button.primary, button.danger { animation: arm .6s; }
+@keyframes arm { from, to { pointer-events: none; } }
 select {
   font: inherit;
   color: inherit;

@@ -134,6 +134,42 @@ describe('A person signs in with a browser', () => {
   })
 
   it(
+    "takes no click on Approve in the page's first moments, where another page's double click would land",
+    { skip: SKIP },
+    async () => {
+      // the page's first moment, held: Chromium's animations stand still until let go
+      const cdp = await context.newCDPSession(page)
+      await cdp.send('Animation.enable')
+      await cdp.send('Animation.setPlaybackRate', { playbackRate: 0 })
+      try {
+        await startSignIn(page, client)
+        const box = await page.getByRole('button', { name: 'Approve' }).boundingBox()
+        assert.ok(box !== null)
+        const center = [box.x + box.width / 2, box.y + box.height / 2] as const
+        type Counted = Window & { submits?: number }
+        await page.evaluate(() => {
+          const counted = window as Counted
+          counted.submits = 0
+          document.querySelector('form')?.addEventListener('submit', (event) => {
+            counted.submits = (counted.submits ?? 0) + 1
+            event.preventDefault() // counted, not sent: the code is not the point
+          })
+        })
+        const submits = () => page.evaluate(() => (window as Counted).submits)
+        await page.mouse.click(...center)
+        assert.equal(await submits(), 0)
+        await cdp.send('Animation.setPlaybackRate', { playbackRate: 1 })
+        await page.evaluate(() => Promise.all(document.getAnimations().map((animation) => animation.finished)))
+        await page.mouse.click(...center)
+        assert.equal(await submits(), 1)
+      } finally {
+        await cdp.send('Animation.setPlaybackRate', { playbackRate: 1 })
+        await cdp.detach()
+      }
+    },
+  )
+
+  it(
     'tells a page left open across a sign-out that it is out of date, and changes nothing',
     { skip: SKIP },
     async () => {
