@@ -4348,6 +4348,10 @@ export function readCoseKey(cose: unknown): { key: KeyObject; algorithm: number 
     const point = x.length === 32 ? withoutSignBit(x) : undefined
     if (point !== undefined && ED25519_SMALL_ORDER.some((small) => small.equals(point)))
       throw new PasskeyError('the Ed25519 key is a point of small order, whose signatures anyone can make')
+    // node:crypto takes any 32 bytes, and a key that is no point verifies nothing: a passkey that
+    // could never sign in would still count as one, where it is the last left
+    if (point !== undefined && !isEd25519Point(point))
+      throw new PasskeyError('the Ed25519 key is not a point of the curve, so no signature could verify')
     jwk = { kty: 'OKP', crv: 'Ed25519', x: base64url(x) }
   } else if (kty === 3 && algorithm === COSE_ALGORITHMS.RS256) {
     // the lengths first: node:crypto spends time in proportion to an exponent's before it can refuse it
@@ -4390,6 +4394,35 @@ const ED25519_SMALL_ORDER = [
   'edffffffffffffffffffffffffffffffffffffffffffffffffffffffffffff7f', // y = p, that is 0
   'eeffffffffffffffffffffffffffffffffffffffffffffffffffffffffffff7f', // y = p + 1, that is 1
 ].map((hex) => Buffer.from(hex, 'hex'))
+
+/** p = 2^255 - 19, and d, of Ed25519 (RFC 8032 §5.1). */
+const ED25519_P = 2n ** 255n - 19n
+const ED25519_D = 37095705934669439343138083508754565189542113879843219016388785533085940283555n
+
+/**
+ * Whether a key's y (32 bytes, little-endian, the sign bit of x cleared) is that of a point on
+ * Ed25519, as RFC 8032 §5.1.3 decodes it: y below p, and x² = (y² - 1) / (d·y² + 1) a square
+ * modulo p (Euler's criterion). Run only when a passkey is added.
+ * @see https://www.rfc-editor.org/rfc/rfc8032#section-5.1.3 RFC 8032 §5.1.3
+ */
+function isEd25519Point(point: Buffer): boolean {
+  const p = ED25519_P
+  const y = BigInt(`0x${Buffer.from(point).reverse().toString('hex')}`)
+  if (y >= p) return false
+  const ySquared = (y * y) % p
+  const xSquared = (((ySquared - 1n + p) % p) * powerModP((ED25519_D * ySquared + 1n) % p, p - 2n)) % p
+  return xSquared === 0n || powerModP(xSquared, (p - 1n) / 2n) === 1n
+}
+
+/** base^exponent modulo p of Ed25519, by squaring. */
+function powerModP(base: bigint, exponent: bigint): bigint {
+  let result = 1n
+  for (let square = base % ED25519_P, rest = exponent; rest > 0n; rest >>= 1n) {
+    if ((rest & 1n) === 1n) result = (result * square) % ED25519_P
+    square = (square * square) % ED25519_P
+  }
+  return result
+}
 
 function withoutSignBit(x: Buffer): Buffer {
   const y = Buffer.from(x)

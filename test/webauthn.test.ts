@@ -1738,6 +1738,32 @@ describe('Keys and data that only a forger would send', () => {
     assert.equal(readCoseKey(coseKey(createCredential(EDDSA))).algorithm, EDDSA)
   })
 
+  it('refuses an Ed25519 key that is no point of the curve, with which no signature could ever verify', () => {
+    const okp = (x: Buffer) =>
+      new Map<number, unknown>([
+        [1, 1],
+        [3, EDDSA],
+        [-1, 6],
+        [-2, x],
+      ])
+    const y = (value: number, signBit = 0) => {
+      const x = Buffer.alloc(32)
+      x[0] = value
+      x[31] |= signBit
+      return x
+    }
+    // y = 2: x² = 3 / (4d + 1), which is no square modulo p (RFC 8032 §5.1.3, step 3)
+    for (const signBit of [0, 0x80]) assert.throws(() => readCoseKey(okp(y(2, signBit))), /not a point of the curve/)
+    // y = p + 2, written past p: no point is written so
+    const pastP = Buffer.from('efffffffffffffffffffffffffffffffffffffffffffffffffffffffffffff7f', 'hex')
+    assert.throws(() => readCoseKey(okp(pastP)), /not a point of the curve/)
+    // the base point (y = 4/5), and y = 3, which is one
+    const base = Buffer.from('5866666666666666666666666666666666666666666666666666666666666666', 'hex')
+    assert.equal(readCoseKey(okp(base)).algorithm, EDDSA)
+    assert.equal(readCoseKey(okp(y(3))).algorithm, EDDSA)
+    for (let i = 0; i < 20; i++) assert.equal(readCoseKey(coseKey(createCredential(EDDSA))).algorithm, EDDSA)
+  })
+
   it('refuses an even RSA modulus, whose private exponent anyone can work out', () => {
     const rsa = (modulus: bigint) =>
       new Map<number, unknown>([
