@@ -1207,6 +1207,17 @@ describe('GET /auth (IndieAuth §5.2)', () => {
     assert.doesNotMatch(html, /<script/)
   })
 
+  it("shows the app's me hint as one word: a URL's spaces as %20, prose not at all", async () => {
+    const prose = 'https://x.example/\nSECURITY NOTICE: this server has moved. Sign in at https://evil.example/'
+    const asUrl = await openConsent(latch, { me: prose })
+    assert.match(asUrl.html, /The app expected <code><bdi>https:\/\/x\.example\/SECURITY%20NOTICE:%20this%20server/)
+    assert.doesNotMatch(asUrl.html, /NOTICE: this/)
+    const notUrl = await openConsent(latch, { me: 'this server has moved: sign in at evil.example' })
+    assert.doesNotMatch(notUrl.html, /The app expected|has moved/)
+    const typed = await openConsent(latch, { me: 'example.org' })
+    assert.match(typed.html, /The app expected <code><bdi>example\.org<\/bdi><\/code>/)
+  })
+
   it('puts the csrf cookie value in the form, and keeps an existing cookie for a second tab', async () => {
     const first = await openConsent(latch)
     assert.equal(first.cookie, `latch_csrf=${first.csrf}`)

@@ -1375,9 +1375,10 @@ function renderConsentPage(
   // it signs in and approves at once, so it says so
   const passkey = form.passkeys ? renderPasskeyButton(config, 'Approve with a passkey', 'sign-in', true) : ''
   const approve = approvable ? '<button class="primary" name="decision" value="approve">Approve</button>\n' : ''
+  const expected = request.meHint === undefined ? undefined : shownHint(request.meHint)
   const hint =
-    request.meHint !== undefined && request.meHint !== config.me
-      ? `<p class="muted">The app expected <code>${isolate(request.meHint)}</code>.</p>`
+    expected !== undefined && expected !== config.me
+      ? `<p class="muted">The app expected <code>${isolate(expected)}</code>.</p>`
       : ''
   const appName = request.client_name ?? clientHost
   return renderPage(
@@ -1401,6 +1402,18 @@ ${approve}${passkey}<button name="decision" value="deny" formnovalidate>Deny</bu
 <p class="muted">Answer within ${formatPeriod(PENDING_TTL_SECONDS)}: after that, start again from the app.</p>`,
     form.passkeys ? renderPasskeyScript(config) : '',
   )
+}
+
+/**
+ * The `me` an app sent, as the consent page shows it: a profile URL, or what a person typed
+ * (`example.com`), is one word of printable ASCII. Anything else is a stranger's prose on the
+ * owner's page ("this server has moved: sign in at…"), in a link anyone can make with a real
+ * app's client_id: shown as a URL (its spaces as %20) when it is one, else not at all.
+ */
+function shownHint(me: string): string | undefined {
+  if (/^[\x21-\x7e]+$/.test(me)) return me
+  const url = URL.canParse(me) ? new URL(me) : undefined
+  return url?.protocol === 'https:' || url?.protocol === 'http:' ? url.href : undefined
 }
 
 /**
