@@ -782,6 +782,15 @@ describe('Identifiers (IndieAuth §3.2, §3.3)', () => {
     assert.equal(redirectUriProblem('com.example.app:/callback', 'https://app.example/client.json', app), undefined)
   })
 
+  it('takes no redirect_uri, not even on the same host, for a client not looked up for the load', () => {
+    const clientId = 'https://app.example/client.json'
+    assert.equal(redirectUriProblem('https://app.example/callback', clientId, {}), undefined) // could not be fetched
+    assert.match(
+      redirectUriProblem('https://app.example/callback', clientId, { busy: true }) ?? '',
+      /could not be fetched just now, try again in a moment/,
+    )
+  })
+
   it('takes a redirect_uri of 2,048 characters, not 2,049, and none with a backslash', () => {
     const clientId = 'https://app.example/'
     const uri = (length: number) => `${clientId}callback?x=`.padEnd(length, 'x')

@@ -804,7 +804,8 @@ const UNSAFE_SCHEMES = new Set([
  * `com.example.app:/callback`, say). A client whose document is a Client ID Metadata Document
  * gets only what it publishes: the draft leaves out IndieAuth's same-host rule. A published
  * loopback redirect matches on any port, since a desktop app listens where it can (RFC 8252
- * §7.3). `client` is what discovery found, if anything.
+ * §7.3). `client` is what discovery found, if anything; when it was not even looked up, for the
+ * server's own load, neither rule can be applied, and any redirect_uri is refused.
  * @see https://indieauth.spec.indieweb.org/#redirect-url IndieAuth §4.2.2
  * @see https://www.rfc-editor.org/rfc/rfc8252#section-7.3 RFC 8252 §7.3
  * @see https://datatracker.ietf.org/doc/draft-ietf-oauth-client-id-metadata-document/ the draft
@@ -837,6 +838,10 @@ export function redirectUriProblem(
   const published = listed.length === 0 ? 'none' : listed.length > 3 ? `${shown} and ${listed.length - 3} more` : shown
   if (client.info?.metadataDocument)
     return `redirect_uri is not one of the redirect_uris of the app's Client ID Metadata Document: ${published}`
+  // not looked up for the server's own load: the app may have a metadata document that lists
+  // fewer, and a stranger who makes Latch busy must not win the same-host rule by it
+  if (client.busy === true)
+    return "redirect_uri cannot be checked: the app's information could not be fetched just now, try again in a moment"
   const origin = new URL(clientId)
   if (redirect.protocol === origin.protocol && redirect.host === origin.host) return undefined
   const notSameOrigin = 'redirect_uri is not on the scheme, host and port of client_id'
@@ -885,8 +890,12 @@ export type ClientInfo = {
   documentClientId?: string
 }
 
-/** What discovery found: the client's information, nothing, or why its document refuses the request. */
-export type ClientLookup = { info?: ClientInfo; refused?: string }
+/**
+ * What discovery found of a client: its information, or why its Client ID Metadata Document
+ * refuses the request, or nothing (it could not be fetched, or is a loopback client); `busy` when
+ * it was not even tried, for the server's own load (see `findClient`).
+ */
+export type ClientLookup = { info?: ClientInfo; refused?: string; busy?: true }
 
 /** A Client ID Metadata Document that was fetched and breaks a rule of the draft. */
 class InvalidClientDocument extends Error {}
@@ -5633,7 +5642,7 @@ async function findClient(clientId: string, req: IncomingMessage, ctx: Context):
         'discovery',
         `${clientId} was not fetched: ${requester} has ${started} apps being looked up already`,
       )
-      return {}
+      return { busy: true }
     }
     if (requester !== undefined) ctx.lookupsBy.set(requester, started + 1)
     const hostLookups: Promise<unknown>[] = []
@@ -5685,7 +5694,7 @@ async function fetchClient(clientId: string, ctx: Context, hostLookups: Promise<
         ctx.failedClients.delete(ctx.failedClients.keys().next().value ?? '')
       ctx.failedClients.set(clientId, ctx.steadyNow() + FAILED_CLIENT_MEMORY_SECONDS * 1000)
     }
-    return {}
+    return err instanceof DiscoveryBusy ? { busy: true } : {}
   }
 }
 
