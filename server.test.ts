@@ -635,13 +635,13 @@ describe('Request bodies', () => {
     const req = Object.assign(new PassThrough(), {
       headers: { 'content-type': 'application/x-www-form-urlencoded' },
     })
-    const text = `a=${'b'.repeat(998)}`
+    const text = `a=${'b'.repeat(254)}` // 256 pieces, the most a body may come in
     const before = await collected()
     const form = readForm(req as unknown as IncomingMessage)
     for (const byte of Buffer.from(text)) req.write(Buffer.alloc(65_536, byte).subarray(0, 1))
-    const held = (await collected()) - before // what the thousand pieces keep until the body ends
+    const held = (await collected()) - before // what the pieces keep until the body ends
     req.end()
-    assert.equal(getParam(await form, 'a')?.length, 998)
+    assert.equal(getParam(await form, 'a')?.length, 254)
     assert.ok(held < 100 * text.length, `a body of ${text.length} bytes held ${held} bytes while it came`)
   })
 })
@@ -2249,6 +2249,24 @@ describe('POST /token (IndieAuth §5.3.3)', () => {
       duplex: 'half',
     } as RequestInit)
     await assertError(response, 413, 'invalid_request')
+  })
+
+  it('refuses a body in more than 256 pieces, each of which costs node:http a call, and closes the connection', async () => {
+    const port = Number(new URL(latch.base).port)
+    const inPieces = async (pieces: number) => {
+      const form = 'grant_type=unknown&x='.padEnd(pieces, 'a')
+      const socket = connect(port, '127.0.0.1')
+      socket.end(
+        `POST /token HTTP/1.1\r\nHost: 127.0.0.1:${port}\r\nTransfer-Encoding: chunked\r\n` +
+          `Content-Type: application/x-www-form-urlencoded\r\n\r\n${[...form].map((one) => `1\r\n${one}\r\n`).join('')}0\r\n\r\n`,
+      )
+      let text = ''
+      for await (const chunk of socket) text += String(chunk)
+      return text
+    }
+    assert.match(await inPieces(256), /^HTTP\/1\.1 400[^]*"unsupported_grant_type"/)
+    const refused = await inPieces(257)
+    assert.match(refused, /^HTTP\/1\.1 400[^]*\r\nConnection: close\r\n[^]*more than 256 pieces/)
   })
 
   it('refuses a body in a coding it does not undo: 400 for a transfer coding, 415 for a content coding', async () => {

@@ -2928,7 +2928,9 @@ const MAX_BODY_BYTES = 64 * 1024
 
 /**
  * Reads an `application/x-www-form-urlencoded` body of at most 64 KiB. A larger body is
- * answered with 413 and the rest of it is never buffered.
+ * answered with 413 and the rest of it is never buffered. So is one that comes in more than 256
+ * pieces, with a 400: node:http calls into JavaScript for each chunk of a chunked body, and 64 KiB
+ * sent a byte a chunk held the server for 90 ms.
  *
  * The form is UTF-8 (RFC 6749 Appendix B), and the media type has no `charset` parameter. Some
  * clients send one all the same (Java's Apache HttpClient says ISO-8859-1 by default): a form
@@ -2992,7 +2994,12 @@ function readBody(req: IncomingMessage): Promise<Buffer> {
   return new Promise((resolve, reject) => {
     const body = new Gathered()
     let ended = false
+    let pieces = 0
     req.on('data', (chunk: Buffer) => {
+      if (++pieces > MAX_BODY_PIECES) {
+        if (pieces === MAX_BODY_PIECES + 1) reject(bodyInPieces())
+        return
+      }
       if (body.size + chunk.length <= MAX_BODY_BYTES) body.add(chunk)
       else if (body.size <= MAX_BODY_BYTES) {
         body.size = Infinity // later chunks are read and dropped until the connection closes
@@ -3067,6 +3074,11 @@ const bodyTooLarge = () =>
     status: 413,
     headers: { Connection: 'close' },
   })
+const bodyInPieces = () =>
+  new OAuthError('invalid_request', `The request body came in more than ${MAX_BODY_PIECES} pieces`, {
+    headers: { Connection: 'close' },
+  })
+const MAX_BODY_PIECES = 256
 const bodyCutShort = () => new OAuthError('invalid_request', 'The request body ended early')
 
 /** The path of a request target, without its query. */
