@@ -6047,9 +6047,15 @@ const BOMS: [Buffer, string][] = [
   [Buffer.from([0xff, 0xfe]), 'utf-16le'],
 ]
 
+/**
+ * A lookup that runs out of time is taken as the server's load, not the client's fault: libuv
+ * runs only two `dns.lookup`s at once, so a stranger's two names that never resolve hold up every
+ * other lookup until its deadline. It is not remembered, and its client gets no same-host pass.
+ */
 function withDeadline<T>(promise: Promise<T>, deadline: AbortSignal, timeoutMs: number): Promise<T> {
   return new Promise((resolve, reject) => {
-    const abort = () => reject(new Error(`its host name did not resolve within ${timeoutMs} ms`))
+    const abort = () =>
+      reject(new DiscoveryBusy(`its host name did not resolve within ${timeoutMs} ms, perhaps behind others`))
     deadline.addEventListener('abort', abort, { once: true })
     promise.then(resolve, (err: NodeJS.ErrnoException) =>
       reject(new Error(`its host name does not resolve (${err.code ?? err.message})`)),

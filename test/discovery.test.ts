@@ -869,7 +869,9 @@ describe('Discovery while host names do not resolve', () => {
     try {
       for (const i of [1, 2]) {
         const gaveUp = await authorize(latch, `http://stuck${i}.example/`, `http://stuck${i}.example/cb`, stranger)
-        assert.equal(gaveUp.status, 200) // at its deadline, its host name still being resolved
+        // at its deadline, its host name still being resolved: not checked, so not let through
+        assert.equal(gaveUp.status, 400)
+        assert.match(await gaveUp.text(), /could not be fetched just now, try again in a moment/)
       }
       assert.equal(stuck.length, 2)
       const third = await authorize(latch, 'http://stuck3.example/', 'https://other.example/callback', stranger)
@@ -896,7 +898,7 @@ describe('Discovery while host names do not resolve', () => {
       )
       assert.deepEqual(
         stalled.map((response) => response.status),
-        new Array(8).fill(200), // each gave up at its deadline, and its redirect_uri is on its own host
+        new Array(8).fill(400), // each gave up at its deadline: its redirect_uri on its own host, but not checked
       )
       assert.equal(stuck.length, 8)
       const before = fetchesOf('json.example')
