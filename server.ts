@@ -1384,6 +1384,10 @@ function renderConsentPage(
   // it signs in and approves at once, so it says so
   const passkey = form.passkeys ? renderPasskeyButton(config, 'Approve with a passkey', 'sign-in', true) : ''
   const approve = approvable ? '<button class="primary" name="decision" value="approve">Approve</button>\n' : ''
+  // Enter in a field or a checkbox sends a form as its first button would: with Approve first, a
+  // key pressed for a page elsewhere would approve. With no password to type, the first is one
+  // that sends nothing (a form's `dialog` method does nothing outside a dialog).
+  const noEnter = form.signedIn ? '<button hidden formmethod="dialog"></button>\n' : ''
   const expected = request.meHint === undefined ? undefined : shownHint(request.meHint)
   const hint =
     expected !== undefined && expected !== config.me
@@ -1402,7 +1406,7 @@ ${open}
 <form method="post" action="${escapeHtml(endpointUrl(config, '/auth/consent'))}">
 <input type="hidden" name="request" value="${escapeHtml(form.id)}">
 <input type="hidden" name="csrf" value="${escapeHtml(form.csrf)}">
-${access}
+${noEnter}${access}
 ${signInPart}
 <div class="actions">
 ${approve}${passkey}<button name="decision" value="deny" formnovalidate>Deny</button>
@@ -3526,10 +3530,10 @@ export function closeLatchServer(server: Server): Promise<void> {
 // Content-Security-Policy can keep `default-src 'none'`.
 
 /**
- * The one stylesheet. Its buttons that act (Approve, Sign in, Revoke, Make a token) take no click
- * for the first 0.6 s of a page: a page elsewhere that asks for a double click can open the
- * consent page on the first click, under the pointer, so that the second lands on Approve
- * ("double-clickjacking"); a signed-in owner's consent needs nothing more. Framing is refused
+ * The one stylesheet. Its buttons show only 0.6 s after a page does, and take neither a click nor
+ * a key until then: a page elsewhere that asks for a double click can open the consent page on
+ * the first click, under the pointer, so that the second lands on Approve ("double-clickjacking"),
+ * or ask for Tab and Enter; a signed-in owner's consent needs nothing more. Framing is refused
  * (`frame-ancestors`), but this is a page of its own. A consent page opened earlier behind
  * another window, and shown when that window closes, is not covered.
  */
@@ -3616,9 +3620,9 @@ button {
 }
 button.primary { background: var(--accent); color: var(--bg); }
 button.danger { border-color: var(--danger); color: var(--danger); }
-/* a button that acts takes no click in a page's first moments: see \`ARMING\` */
-button.primary, button.danger { animation: arm .6s; }
-@keyframes arm { from, to { pointer-events: none; } }
+/* no button is there in a page's first moments: see STYLESHEET in server.ts */
+button { animation: arm .6s; }
+@keyframes arm { from, to { visibility: hidden; } }
 select {
   font: inherit;
   color: inherit;

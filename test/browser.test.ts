@@ -134,7 +134,7 @@ describe('A person signs in with a browser', () => {
   })
 
   it(
-    "takes no click on Approve in the page's first moments, where another page's double click would land",
+    "shows no button in the page's first moments, where another page's double click or key would land",
     { skip: SKIP },
     async () => {
       // the page's first moment, held: Chromium's animations stand still until let go
@@ -143,7 +143,7 @@ describe('A person signs in with a browser', () => {
       await cdp.send('Animation.setPlaybackRate', { playbackRate: 0 })
       try {
         await startSignIn(page, client)
-        const box = await page.getByRole('button', { name: 'Approve' }).boundingBox()
+        const box = await page.locator('button[value=approve]').boundingBox()
         assert.ok(box !== null)
         const center = [box.x + box.width / 2, box.y + box.height / 2] as const
         type Counted = Window & { submits?: number }
@@ -151,15 +151,26 @@ describe('A person signs in with a browser', () => {
           const counted = window as Counted
           counted.submits = 0
           document.querySelector('form')?.addEventListener('submit', (event) => {
-            counted.submits = (counted.submits ?? 0) + 1
+            if ((event.submitter as HTMLButtonElement | null)?.value === 'approve')
+              counted.submits = (counted.submits ?? 0) + 1
             event.preventDefault() // counted, not sent: the code is not the point
           })
         })
         const submits = () => page.evaluate(() => (window as Counted).submits)
         await page.mouse.click(...center)
         assert.equal(await submits(), 0)
+        for (let i = 0; i < 12; i++) {
+          await page.keyboard.press('Tab')
+          assert.notEqual(await page.evaluate(() => document.activeElement?.tagName), 'BUTTON')
+        }
+        await page.keyboard.press('Enter')
+        assert.equal(await submits(), 0)
         await cdp.send('Animation.setPlaybackRate', { playbackRate: 1 })
         await page.evaluate(() => Promise.all(document.getAnimations().map((animation) => animation.finished)))
+        // nor, ever, Enter in a checkbox, which would send the form as its first button
+        await page.getByRole('checkbox').first().focus()
+        await page.keyboard.press('Enter')
+        assert.equal(await submits(), 0)
         await page.mouse.click(...center)
         assert.equal(await submits(), 1)
       } finally {

@@ -184,7 +184,7 @@ async function capture(page: Page, name: string): Promise<void> {
     assert.ok(scrollWidth <= viewport.width, `${name} is ${scrollWidth} px wide in a ${viewport.width} px window`)
     for (const colorScheme of SCHEMES) {
       await page.emulateMedia({ colorScheme })
-      const png = await page.screenshot({ fullPage: true })
+      const png = await page.screenshot({ fullPage: true, animations: 'disabled' }) // the buttons shown
       assert.ok(isPng(png), `screenshot ${name}-${width}-${colorScheme} is a PNG`)
       if (WRITE_SCREENSHOTS) await writeFile(new URL(`${name}-${width}-${colorScheme}.png`, SCREENSHOTS), png)
     }
@@ -386,7 +386,7 @@ describe("The owner's pages, at a phone's width and a desktop's, in light and da
     assert.equal(await press(page, page.locator('.bar').getByRole('button', { name: 'Sign out' })), 200)
     assert.equal(await page.getByRole('heading', { level: 1 }).innerText(), 'Sign in')
     const passkey = page.getByRole('button', { name: 'Sign in with a passkey' })
-    assert.ok(await passkey.isVisible())
+    await passkey.waitFor() // buttons show 0.6 s after the page
     await capture(page, 'sign-in-passkey')
     assert.equal(await press(page, passkey), 200)
     assert.equal(await page.getByRole('heading', { level: 1 }).innerText(), 'Connected apps')
@@ -399,7 +399,7 @@ describe("The owner's pages, at a phone's width and a desktop's, in light and da
     assert.equal(await page.getByRole('heading', { level: 1 }).innerText(), 'Revoke all apps?')
     assert.deepEqual((await page.locator('main li').allInnerTexts()).sort(), ['Jot Notes', 'Nightly backup'])
     const yes = page.getByRole('button', { name: 'Yes, revoke all' })
-    assert.ok(await yes.isVisible())
+    await yes.waitFor() // buttons show 0.6 s after the page
     assert.equal(await page.getByRole('link', { name: 'Back to your apps' }).count(), 1)
     assert.equal((await introspect(latch, appToken)).active, true) // nothing ends before the yes
     await capture(page, 'revoke-all')
@@ -421,7 +421,7 @@ describe("The owner's pages, at a phone's width and a desktop's, in light and da
         const visitor = await stranger.newPage()
         assert.equal((await visitor.goto(authUrl(latch)))?.status(), 200)
         assert.ok(await visitor.getByLabel('Password').isVisible())
-        assert.ok(await visitor.getByRole('button', { name: 'Approve with a passkey' }).isVisible())
+        await visitor.getByRole('button', { name: 'Approve with a passkey' }).waitFor() // shown 0.6 s after the page
         await capture(visitor, 'consent-passkey')
       } finally {
         await stranger.close()

@@ -221,6 +221,7 @@ describe('The owner signs in with a passkey (WebAuthn) in a browser', () => {
     await assertVisibleText(section, PASSKEY_NAME)
     await assertVisibleText(section, 'Added')
     await assertVisibleText(section, 'Last used')
+    await section.getByRole('button', { name: 'Remove' }).waitFor() // buttons show 0.6 s after the page
     assert.equal(await section.getByRole('button', { name: 'Remove' }).count(), 1)
 
     const credentials = await credentialsOf(authenticator)
