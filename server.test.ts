@@ -1216,15 +1216,20 @@ describe('GET /auth (IndieAuth §5.2)', () => {
     assert.doesNotMatch(html, /<script/)
   })
 
-  it("shows the app's me hint as one word: a URL's spaces as %20, prose not at all", async () => {
-    const prose = 'https://x.example/\nSECURITY NOTICE: this server has moved. Sign in at https://evil.example/'
-    const asUrl = await openConsent(latch, { me: prose })
-    assert.match(asUrl.html, /The app expected <code><bdi>https:\/\/x\.example\/SECURITY%20NOTICE:%20this%20server/)
-    assert.doesNotMatch(asUrl.html, /NOTICE: this/)
-    const notUrl = await openConsent(latch, { me: 'this server has moved: sign in at evil.example' })
-    assert.doesNotMatch(notUrl.html, /The app expected|has moved/)
-    const typed = await openConsent(latch, { me: 'example.org' })
-    assert.match(typed.html, /The app expected <code><bdi>example\.org<\/bdi><\/code>/)
+  it("shows the host of the app's me hint, and no stranger's words in it", async () => {
+    const expected = async (me: string) =>
+      /The app expected <code><bdi>([^<]*)<\/bdi><\/code>/.exec((await openConsent(latch, { me })).html)?.[1]
+    assert.equal(
+      await expected('https://x.example/\nSECURITY NOTICE: this server has moved. Sign in at evil.example'),
+      'x.example',
+    )
+    assert.equal(await expected('HAS-MOVED:sign-in-now-at-https://latch-moved.example/'), undefined)
+    assert.equal(await expected('https://latch-moved.example@evil.example/'), undefined)
+    assert.equal(await expected('this server has moved: sign in at evil.example'), undefined)
+    assert.equal(await expected('javascript:alert(1)'), undefined)
+    assert.equal(await expected(' example.org '), 'example.org') // as a person types it
+    assert.equal(await expected('https://Bücher.example/~jo/'), 'xn--bcher-kva.example')
+    assert.equal(await expected(`${latch.issuer}/other/`), undefined) // the owner's own host: nothing to say
   })
 
   it('puts the csrf cookie value in the form, and keeps an existing cookie for a second tab', async () => {
@@ -1240,7 +1245,7 @@ describe('GET /auth (IndieAuth §5.2)', () => {
   })
 
   it('escapes what the client sent when showing it', async () => {
-    const consent = await openConsent(latch, { me: '<script>alert(1)</script>' })
+    const consent = await openConsent(latch, { scope: 'profile <script>alert(1)</script>' })
     assert.doesNotMatch(consent.html, /<script>/)
     assert.match(consent.html, /&#60;script&#62;/)
   })

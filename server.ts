@@ -1390,7 +1390,7 @@ function renderConsentPage(
   const noEnter = form.signedIn ? '<button hidden formmethod="dialog"></button>\n' : ''
   const expected = request.meHint === undefined ? undefined : shownHint(request.meHint)
   const hint =
-    expected !== undefined && expected !== config.me
+    expected !== undefined && expected !== new URL(config.me).host
       ? `<p class="muted">The app expected <code>${isolate(expected)}</code>.</p>`
       : ''
   const appName = request.client_name ?? clientHost
@@ -1418,15 +1418,18 @@ ${approve}${passkey}<button name="decision" value="deny" formnovalidate>Deny</bu
 }
 
 /**
- * The `me` an app sent, as the consent page shows it: a profile URL, or what a person typed
- * (`example.com`), is one word of printable ASCII. Anything else is a stranger's prose on the
- * owner's page ("this server has moved: sign in at…"), in a link anyone can make with a real
- * app's client_id: shown as a URL (its spaces as %20) when it is one, else not at all.
+ * The `me` an app sent, as the consent page shows it: the host of the profile it names, as a URL
+ * or as a person types it (`example.com`). The rest is not shown: a link anyone can make with a
+ * real app's client_id could put a stranger's words on the owner's page ("this server has moved:
+ * sign in at…"), in a path or a user name (`latch-moved.example@evil.example`). A hint that names
+ * no such host, or names a user, is not shown at all.
  */
 function shownHint(me: string): string | undefined {
-  if (/^[\x21-\x7e]+$/.test(me)) return me
-  const url = URL.canParse(me) ? new URL(me) : undefined
-  return url?.protocol === 'https:' || url?.protocol === 'http:' ? url.href : undefined
+  const typed = me.trim()
+  const url = /^https?:\/\//i.test(typed) ? typed : `https://${typed}`
+  if (!URL.canParse(url)) return undefined
+  const { host, username, password } = new URL(url)
+  return username === '' && password === '' ? host : undefined
 }
 
 /**
