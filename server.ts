@@ -1385,9 +1385,10 @@ function renderConsentPage(
   const passkey = form.passkeys ? renderPasskeyButton(config, 'Approve with a passkey', 'sign-in', true) : ''
   const approve = approvable ? '<button class="primary" name="decision" value="approve">Approve</button>\n' : ''
   // Enter in a field or a checkbox sends a form as its first button would: with Approve first, a
-  // key pressed for a page elsewhere would approve. With no password to type, the first is one
-  // that sends nothing (a form's `dialog` method does nothing outside a dialog).
-  const noEnter = form.signedIn ? '<button hidden formmethod="dialog"></button>\n' : ''
+  // key pressed for a page elsewhere would approve, a password the browser filled in included.
+  // So the first is one that sends nothing (a form's `dialog` method does nothing outside a
+  // dialog), hidden but laid out: WebKit passes over a button that is not, to the next.
+  const noEnter = '<button class="no-enter" formmethod="dialog"></button>\n'
   const expected = request.meHint === undefined ? undefined : shownHint(request.meHint)
   const hint =
     expected !== undefined && expected !== new URL(config.me).host
@@ -3536,7 +3537,8 @@ export function closeLatchServer(server: Server): Promise<void> {
  * The one stylesheet. Its buttons show only 0.6 s after a page does, and take neither a click nor
  * a key until then: a page elsewhere that asks for a double click can open the consent page on
  * the first click, under the pointer, so that the second lands on Approve ("double-clickjacking"),
- * or ask for Tab and Enter; a signed-in owner's consent needs nothing more. Framing is refused
+ * or ask for Tab and Enter; a signed-in owner's consent needs nothing more. (Enter in a field of
+ * the consent form sends nothing at any time: see `renderConsentPage`.) Framing is refused
  * (`frame-ancestors`), but this is a page of its own. A consent page opened earlier behind
  * another window, and shown when that window closes, is not covered.
  */
@@ -3624,6 +3626,7 @@ button {
 button.primary { background: var(--accent); color: var(--bg); }
 button.danger { border-color: var(--danger); color: var(--danger); }
 /* no button is there in a page's first moments: see STYLESHEET in server.ts */
+.no-enter { visibility: hidden; position: absolute; width: 0; height: 0; padding: 0; border: 0; }
 button { animation: arm .6s; }
 @keyframes arm { from, to { visibility: hidden; } }
 select {
