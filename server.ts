@@ -5720,7 +5720,10 @@ async function fetchClient(clientId: string, ctx: Context, hostLookups: Promise<
   }
 }
 
-/** Discovery refused for the server's own load, not the client's fault: not remembered as a failure. */
+/**
+ * Discovery refused for the server's own load, or out of time, which that load can cause (see
+ * `withDeadline`): not the client's fault, so not remembered as a failure, and no same-host pass.
+ */
 class DiscoveryBusy extends Error {}
 
 const MAX_CACHED_CLIENTS = 100
@@ -5904,16 +5907,16 @@ async function fetchSafely(url: URL, maxBytes: number, options: FetchRules): Pro
       connection?.destroy()
       outcome()
     }
-    const fail = (reason: string) =>
+    const fail = (reason: string | Error) =>
       settle(() => {
         request.destroy()
-        reject(new Error(reason))
+        reject(typeof reason === 'string' ? new Error(reason) : reason)
       })
-    const onDeadline = () => fail(`it did not answer within ${timeoutMs} ms`)
+    // out of time, which the server's own load may cause (see `withDeadline`): not the client's failure
+    const outOfTime = () => new DiscoveryBusy(`it did not answer within ${timeoutMs} ms`)
+    const onDeadline = () => fail(outOfTime())
     deadline.addEventListener('abort', onDeadline, { once: true })
-    request.on('error', (err) =>
-      fail(deadline.aborted ? `it did not answer within ${timeoutMs} ms` : `fetching it failed: ${err.message}`),
-    )
+    request.on('error', (err) => fail(deadline.aborted ? outOfTime() : `fetching it failed: ${err.message}`))
     // What the connection carries counts, not only the body: a page can send interim (1xx)
     // answers, or a chunk of one byte behind kilobytes of chunk extensions, without end.
     let interim = 0
@@ -6060,7 +6063,8 @@ const BOMS: [Buffer, string][] = [
 /**
  * A lookup that runs out of time is taken as the server's load, not the client's fault: libuv
  * runs only two `dns.lookup`s at once, so a stranger's two names that never resolve hold up every
- * other lookup until its deadline. It is not remembered, and its client gets no same-host pass.
+ * other lookup until its deadline, or so near it that the fetch then runs out of time, which
+ * counts as load too. It is not remembered, and its client gets no same-host pass.
  */
 function withDeadline<T>(promise: Promise<T>, deadline: AbortSignal, timeoutMs: number): Promise<T> {
   return new Promise((resolve, reject) => {
