@@ -1422,16 +1422,23 @@ ${approve}${passkey}<button name="decision" value="deny" formnovalidate>Deny</bu
  * The `me` an app sent, as the consent page shows it: the host of the profile it names, as a URL
  * or as a person types it (`example.com`). The rest is not shown: a link anyone can make with a
  * real app's client_id could put a stranger's words on the owner's page ("this server has moved:
- * sign in at…"), in a path or a user name (`latch-moved.example@evil.example`). A hint that names
- * no such host, or names a user, is not shown at all.
+ * sign in at…"), in a path or a user name (`latch-moved.example@evil.example`), or in a host that
+ * URLs allow and DNS does not (`moved!sign-in-at(evil.example)`). A hint that names no host of
+ * letters, digits and hyphens, or an IP address, or names a user, is not shown at all.
  */
 function shownHint(me: string): string | undefined {
   const typed = me.trim()
   const url = /^https?:\/\//i.test(typed) ? typed : `https://${typed}`
   if (!URL.canParse(url)) return undefined
-  const { host, username, password } = new URL(url)
-  return username === '' && password === '' ? host : undefined
+  const { hostname, port, username, password } = new URL(url)
+  const name = hostname.replace(/\.$/, '')
+  const dnsName = name.length <= 253 && DNS_NAME.test(name)
+  if ((!dnsName && isIP(name.replace(/^\[(.*)\]$/, '$1')) === 0) || username !== '' || password !== '') return undefined
+  return port === '' ? name : `${name}:${port}`
 }
+
+/** A host name as DNS has them: labels of letters, digits and hyphens, of at most 63 characters. */
+const DNS_NAME = /^[a-z0-9](?:[a-z0-9-]{0,61}[a-z0-9])?(?:\.[a-z0-9](?:[a-z0-9-]{0,61}[a-z0-9])?)*$/
 
 /**
  * How long the app's access lasts: a fixed time, because many clients never refresh and some
