@@ -804,8 +804,8 @@ const UNSAFE_SCHEMES = new Set([
  * `com.example.app:/callback`, say). A client whose document is a Client ID Metadata Document
  * gets only what it publishes: the draft leaves out IndieAuth's same-host rule. A published
  * loopback redirect matches on any port, since a desktop app listens where it can (RFC 8252
- * §7.3). `client` is what discovery found, if anything; when it was not even looked up, for the
- * server's own load, neither rule can be applied, and any redirect_uri is refused.
+ * §7.3). `client` is what discovery found, if anything; when it was not looked up, or not in
+ * time, for the server's own load, neither rule can be applied, and any redirect_uri is refused.
  * @see https://indieauth.spec.indieweb.org/#redirect-url IndieAuth §4.2.2
  * @see https://www.rfc-editor.org/rfc/rfc8252#section-7.3 RFC 8252 §7.3
  * @see https://datatracker.ietf.org/doc/draft-ietf-oauth-client-id-metadata-document/ the draft
@@ -838,8 +838,8 @@ export function redirectUriProblem(
   const published = listed.length === 0 ? 'none' : listed.length > 3 ? `${shown} and ${listed.length - 3} more` : shown
   if (client.info?.metadataDocument)
     return `redirect_uri is not one of the redirect_uris of the app's Client ID Metadata Document: ${published}`
-  // not looked up for the server's own load: the app may have a metadata document that lists
-  // fewer, and a stranger who makes Latch busy must not win the same-host rule by it
+  // not looked up, or not in time, for the server's load: the app may have a metadata document
+  // that lists fewer, and a stranger who makes Latch busy must not win the same-host rule by it
   if (client.busy === true)
     return "redirect_uri cannot be checked: the app's information could not be fetched just now, try again in a moment"
   const origin = new URL(clientId)
@@ -893,7 +893,7 @@ export type ClientInfo = {
 /**
  * What discovery found of a client: its information, or why its Client ID Metadata Document
  * refuses the request, or nothing (it could not be fetched, or is a loopback client); `busy` when
- * it was not even tried, for the server's own load (see `findClient`).
+ * it was not tried, or not in time, for the server's own load (see `DiscoveryBusy`).
  */
 export type ClientLookup = { info?: ClientInfo; refused?: string; busy?: true }
 
