@@ -4558,6 +4558,9 @@ export function verifyRegistration(
   const data = readAuthenticatorData(authData) // step 13
   checkAuthenticatorData(data, expected.rpId) // steps 14 to 17
   if (data.credential === undefined) throw new PasskeyError('the authenticator data carries no new credential')
+  // a counter must grow at each sign-in (`verifyAuthentication`): one at its end never could, yet
+  // would count as a passkey left, where it is the last
+  if (data.counter === 0xffff_ffff) throw new PasskeyError('the signature counter is at its end, so it cannot grow')
   const { key, algorithm } = readCoseKey(data.credential.publicKey) // step 20: one of the algorithms offered
   return {
     id: base64url(data.credential.id),

@@ -792,6 +792,12 @@ for (const [name, algorithm] of [
       const trailing = Buffer.concat([response.attestationObject, Buffer.from([0])])
       refuses(() => verifyRegistration({ ...response, attestationObject: trailing }, expected), /one CBOR map/)
     })
+
+    it('refuses a signature counter at its end, which no sign-in could pass', () => {
+      const counted = (counter: number) => register(createCredential(algorithm), { challenge, ...SITE, counter })
+      assert.equal(verifyRegistration(counted(0xffff_fffe), expected).counter, 0xffff_fffe)
+      refuses(() => verifyRegistration(counted(0xffff_ffff), expected), /counter is at its end/)
+    })
   })
 
   describe(`verifyAuthentication with ${name}`, () => {
