@@ -391,8 +391,8 @@ type Context = {
   clientFetch: ClientFetchOptions
   /** Client information by client_id, kept as long as its Cache-Control allows. */
   clients: Map<string, { info: ClientInfo; expiresAt: number }>
-  /** Clients whose fetch failed, with when to try again. */
-  failedClients: Map<string, number>
+  /** Clients whose fetch failed, with when to try again, and whether their site was busy (`ClientSiteBusy`). */
+  failedClients: Map<string, { until: number; busy: boolean }>
   /** Fetches under way, by client_id, for requests that arrive meanwhile to share. */
   clientLookups: Map<string, Promise<ClientLookup>>
   /** The lookups under way that each address started, by `CONNECTION_LIMITS.groupOf`. */
@@ -5663,7 +5663,9 @@ async function findClient(clientId: string, req: IncomingMessage, ctx: Context):
   const now = ctx.steadyNow()
   const cached = ctx.clients.get(clientId)
   if (cached !== undefined && cached.expiresAt > now) return { info: cached.info }
-  if (isLoopbackClient(clientId) || (ctx.failedClients.get(clientId) ?? 0) > now) return {}
+  if (isLoopbackClient(clientId)) return {}
+  const failed = ctx.failedClients.get(clientId)
+  if (failed !== undefined && failed.until > now) return failed.busy ? { busy: true } : {}
   let lookup = ctx.clientLookups.get(clientId)
   if (lookup === undefined) {
     const requester = CONNECTION_LIMITS.groupOf(clientAddress(req, ctx.trustedProxies))
@@ -5724,9 +5726,10 @@ async function fetchClient(clientId: string, ctx: Context, hostLookups: Promise<
       ctx.failedClients.delete(clientId)
       if (ctx.failedClients.size >= MAX_REMEMBERED_FAILURES)
         ctx.failedClients.delete(ctx.failedClients.keys().next().value ?? '')
-      ctx.failedClients.set(clientId, ctx.steadyNow() + FAILED_CLIENT_MEMORY_SECONDS * 1000)
+      const until = ctx.steadyNow() + FAILED_CLIENT_MEMORY_SECONDS * 1000
+      ctx.failedClients.set(clientId, { until, busy: err instanceof ClientSiteBusy })
     }
-    return err instanceof DiscoveryBusy ? { busy: true } : {}
+    return err instanceof DiscoveryBusy || err instanceof ClientSiteBusy ? { busy: true } : {}
   }
 }
 
@@ -5735,6 +5738,13 @@ async function fetchClient(clientId: string, ctx: Context, hostLookups: Promise<
  * `withDeadline`): not the client's fault, so not remembered as a failure, and no same-host pass.
  */
 class DiscoveryBusy extends Error {}
+
+/**
+ * The client's site answered 429 or 5xx: overloaded, or limiting Latch's fetches, which a
+ * stranger can bring about by asking for the client again and again. Remembered as a failure,
+ * so that Latch leaves the site alone for a while, but busy: no same-host pass either.
+ */
+class ClientSiteBusy extends Error {}
 
 const MAX_CACHED_CLIENTS = 100
 const MAX_REMEMBERED_FAILURES = 1_000
@@ -5947,9 +5957,11 @@ async function fetchSafely(url: URL, maxBytes: number, options: FetchRules): Pro
       socket.on('data', count)
     })
     request.on('response', (response) => {
-      if (response.statusCode !== 200) {
+      const status = response.statusCode ?? 0
+      if (status !== 200) {
         response.destroy()
-        return fail(`it answered ${response.statusCode}, and only 200 counts (redirects are not followed)`)
+        const why = `it answered ${status}, and only 200 counts (redirects are not followed)`
+        return fail(status === 429 || status >= 500 ? new ClientSiteBusy(why) : why)
       }
       const body = new Gathered()
       response.on('data', (chunk: Buffer) => {
