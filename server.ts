@@ -1387,8 +1387,10 @@ function renderConsentPage(
   // Enter in a field or a checkbox sends a form as its first button would: with Approve first, a
   // key pressed for a page elsewhere would approve, a password the browser filled in included.
   // So the first is one that sends nothing (a form's `dialog` method does nothing outside a
-  // dialog), hidden but laid out: WebKit passes over a button that is not, to the next.
-  const noEnter = '<button class="no-enter" formmethod="dialog"></button>\n'
+  // dialog), hidden but laid out: WebKit passes over a button that is not, to the next. A browser
+  // that knows no `dialog` method (before 2022) takes GET, and would put the password in a URL:
+  // its action is then a `javascript:` URL, which the pages' policy lets run nothing.
+  const noEnter = '<button class="no-enter" formmethod="dialog" formaction="javascript:void 0"></button>\n'
   const expected = request.meHint === undefined ? undefined : shownHint(request.meHint)
   const hint =
     expected !== undefined && expected !== new URL(config.me).host
