@@ -181,6 +181,25 @@ describe('A person signs in with a browser', () => {
   )
 
   it(
+    'sends nothing at Enter in a browser that knows no dialog method, which would send a GET',
+    { skip: SKIP },
+    async () => {
+      await startSignIn(page, client)
+      const sent = page.waitForRequest((request) => new URL(request.url()).pathname === '/auth/consent')
+      const blocked = page
+        .evaluate(
+          () =>
+            new Promise((resolve) => document.addEventListener('securitypolicyviolation', () => resolve('blocked'))),
+        )
+        .catch(() => 'navigated away')
+      // as Firefox before 98 and Safari before 15.4 read it: an unknown method is GET
+      await page.evaluate(() => document.querySelector('.no-enter')?.setAttribute('formmethod', 'unknown'))
+      await page.getByRole('checkbox').first().press('Enter')
+      assert.equal(await Promise.race([blocked, sent.then(() => 'sent')]), 'blocked')
+    },
+  )
+
+  it(
     'tells a page left open across a sign-out that it is out of date, and changes nothing',
     { skip: SKIP },
     async () => {
