@@ -5515,7 +5515,8 @@ function renderPasskeyButton(config: Config, label: string, purpose: 'register' 
   const challenge = escapeHtml(endpointUrl(config, '/passkeys/challenge'))
   const decision = approve ? ' name="decision" value="approve"' : ''
   const data = `data-passkey="${purpose}" data-challenge="${challenge}"`
-  // a submit button, so that Enter where it comes first (passwords off) presses it, not Deny
+  // a submit button, so that Enter where it comes first (the sign-in page with passwords off)
+  // presses it; on a consent page a hidden one comes first, and Enter sends nothing
   return `<button ${data}${decision} hidden>${label}</button>`
 }
 
