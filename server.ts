@@ -2539,10 +2539,8 @@ export function createHandler(options: HandlerOptions): (req: IncomingMessage, r
         )
       }
     }
-    let answered = false
-    res.on('finish', () => (answered = true))
     const logged = describePath(path, handler, mountedAt)
-    res.on('close', () => logRequest(req, res, { address, path: logged, started, answered }, ctx))
+    res.on('close', () => logRequest(req, res, { address, path: logged, started }, ctx))
     const host = req.headers.host
     const own = ownHosts === undefined || (host !== undefined && (host === lastOwnHost || isOwnHost(host, ownHosts)))
     if (own) lastOwnHost = host
@@ -2806,17 +2804,19 @@ function loggable(text: string): string {
 }
 
 /**
- * Logs a request once its connection is done with it. It counts as `answered` only once the whole
+ * Logs a request once its connection is done with it. It counts as answered only if the whole
  * answer went to the socket: node:http may have closed it first, after bytes it could not parse,
- * and the client may have gone away. That takes the 'finish' event: when 'close' comes, the
- * response's own flags (`writableFinished`) can claim an answer that never left.
+ * and the client may have gone away. The response's own flags (`writableFinished`) can claim an
+ * answer that never left; what tells is that node:http lets go of the socket (`res.socket` is
+ * null) when, and only when, the last byte of the answer was handed to it.
  */
 function logRequest(
   req: IncomingMessage,
   res: MarkedResponse,
-  { address, path, started, answered }: { address: string; path: string; started: bigint; answered: boolean },
+  { address, path, started }: { address: string; path: string; started: bigint },
   ctx: Context,
 ): void {
+  const answered = res.socket === null
   ctx.log(
     formatLogEntry(
       {
