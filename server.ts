@@ -5648,6 +5648,7 @@ const MAX_CLIENT_DOCUMENT_BYTES = 256 * 1024
 const MAX_METADATA_DOCUMENT_BYTES = 5 * 1024
 const MAX_LOGO_BYTES = 64 * 1024
 const MAX_CLIENT_CACHE_SECONDS = 86_400
+const HEURISTIC_CLIENT_CACHE_SECONDS = 60
 const MAX_REDIRECT_URIS = 20
 const LOGO_TYPES = new Set(['image/png', 'image/jpeg', 'image/gif', 'image/webp', 'image/avif'])
 
@@ -6156,8 +6157,10 @@ export async function discoverClient(
 
 /**
  * How long a response stays fresh, in seconds, by the rules of a private cache (RFC 9111 §4.2):
- * `max-age` less `Age`, else `Expires` less `Date`; 0 for `no-store`, for `no-cache` (Latch does
- * not revalidate) and when neither says; at most a day, so that a change reaches Latch daily.
+ * `max-age` less `Age`, else `Expires` less `Date`; 0 for `no-store` and for `no-cache` (Latch does
+ * not revalidate); at most a day, so that a change reaches Latch daily. When neither says, a minute
+ * (a heuristic lifetime, §4.2.2): else a stranger asking for a client again and again would have
+ * Latch fetch its page as often, until its site answered 429, and the app could not be signed in to.
  * @see https://www.rfc-editor.org/rfc/rfc9111#section-4.2.1
  */
 export function cacheLifetime(headers: IncomingHttpHeaders, now: number): number {
@@ -6165,7 +6168,7 @@ export function cacheLifetime(headers: IncomingHttpHeaders, now: number): number
   if (/(^|[\s,])(no-store|no-cache)\b/.test(directives)) return 0
   const maxAge = /(?:^|[\s,])max-age\s*=\s*"?(\d+)/.exec(directives)
   const age = /^\d+$/.test(headers.age ?? '') ? Number(headers.age) : 0
-  let fresh = 0
+  let fresh = HEURISTIC_CLIENT_CACHE_SECONDS
   if (maxAge !== null) fresh = Number(maxAge[1]) - age
   else if (headers.expires !== undefined) {
     const expires = Date.parse(headers.expires)

@@ -726,7 +726,7 @@ describe('Client discovery (IndieAuth §4.2)', () => {
     await assertNotFetched(latch, response, 'http://nowhere.example/', /does not resolve \(ENOTFOUND\)/)
   })
 
-  it('caches a result as long as Cache-Control allows, and a failure for 30 seconds', async () => {
+  it('caches a result as long as Cache-Control allows, a minute when nothing says, and a failure 30 seconds', async () => {
     const cached = await startLatch()
     const before = fetchesOf('json.example')
     await authorize(cached, 'http://json.example/', 'https://other.example/callback')
@@ -735,6 +735,18 @@ describe('Client discovery (IndieAuth §4.2)', () => {
     cached.advance(61)
     await authorize(cached, 'http://json.example/', 'https://other.example/callback')
     assert.equal(fetchesOf('json.example'), before + 2)
+
+    // a document without Cache-Control or Expires: a stranger asking for it again and again does
+    // not have Latch fetch it as often (until its site answered 429, and no one could sign in)
+    const silent = fetchesOf('prose.example')
+    for (let i = 0; i < 3; i++) await authorize(cached, 'http://prose.example/', 'https://prose.example/cb0')
+    assert.equal(fetchesOf('prose.example'), silent + 1)
+    cached.advance(59)
+    await authorize(cached, 'http://prose.example/', 'https://prose.example/cb0')
+    assert.equal(fetchesOf('prose.example'), silent + 1)
+    cached.advance(2)
+    await authorize(cached, 'http://prose.example/', 'https://prose.example/cb0')
+    assert.equal(fetchesOf('prose.example'), silent + 2)
 
     const failures = fetchesOf('failing.example')
     await authorize(cached, 'http://failing.example/', 'https://other.example/callback')
@@ -783,7 +795,7 @@ describe('Discovery under load', () => {
       )
       releaseHeld()
       assert.deepEqual(await Promise.all(answers), new Array(20).fill(200))
-      assert.equal(fetchesOf('shared.example') - before, 1) // nothing is cached: the site sent no Cache-Control
+      assert.equal(fetchesOf('shared.example') - before, 1) // one fetch, shared
     } finally {
       releaseHeld()
       await latch.close()

@@ -910,11 +910,16 @@ describe('cacheLifetime (RFC 9111 §4.2)', () => {
     assert.equal(cacheLifetime({ 'cache-control': 'no-cache, max-age=600' }, now), 0)
   })
 
-  it('takes Expires less Date without Cache-Control; an invalid Expires, or neither, keeps nothing', () => {
+  it('takes Expires less Date without Cache-Control; an invalid Expires keeps nothing', () => {
     const date = 'Fri, 01 Jan 2027 00:00:00 GMT'
     assert.equal(cacheLifetime({ date, expires: 'Fri, 01 Jan 2027 01:00:00 GMT' }, now), 3600)
     assert.equal(cacheLifetime({ date, expires: '0' }, now), 0)
-    assert.equal(cacheLifetime({}, now), 0)
+  })
+
+  it('keeps a minute when neither says (a heuristic lifetime, §4.2.2)', () => {
+    assert.equal(cacheLifetime({}, now), 60)
+    assert.equal(cacheLifetime({ 'cache-control': 'public' }, now), 60)
+    assert.equal(cacheLifetime({ 'cache-control': 'max-age=0' }, now), 0)
   })
 })
 
