@@ -7457,6 +7457,8 @@ export class FileStore implements Store {
    * rotated last before (see `MemoryStore.records`).
    */
   readonly #unsaved = new Map<string, string | undefined>()
+  /** The writes of those marks, for a retry of the same refresh token to wait on (see `#redeemAndStore`). */
+  readonly #firstWrites = new Map<string, Promise<void>>()
   /** After a failed compaction, how long the journal must grow before the next try. */
   #compactAfterLines = 0
   readonly #journal: Journal
@@ -7606,15 +7608,23 @@ export class FileStore implements Store {
     const rotatedBefore = this.memory.rotatedLastBefore(redeemed)
     const redemption = this.memory.redeem(redeemed, now)
     if (redemption === undefined) return false
-    if (redemption === 'again') return this.#append(records).then(() => true)
+    if (redemption === 'again') {
+      // a retry rests on the first redemption: if that is taken back, as its write failed, so is
+      // this one, else the token, unused again, would have its tokens out and no reuse ever seen
+      await this.#firstWrites.get(redeemed.hash)
+      return this.#append(records).then(() => true)
+    }
     this.#unsaved.set(redeemed.hash, rotatedBefore)
+    const written = this.#append([this.#redeemedRecord(redeemed), ...records])
+    this.#firstWrites.set(redeemed.hash, written)
     try {
-      await this.#append([this.#redeemedRecord(redeemed), ...records])
+      await written
     } catch (err) {
       this.memory.unredeem(redeemed, rotatedBefore)
       throw err
     } finally {
       this.#unsaved.delete(redeemed.hash)
+      this.#firstWrites.delete(redeemed.hash)
     }
     return true
   }

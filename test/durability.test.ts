@@ -13,6 +13,7 @@ import {
   lstat,
   mkdir,
   mkdtemp,
+  open,
   readFile,
   rename,
   rm,
@@ -26,7 +27,7 @@ import { connect } from 'node:net'
 import type { AddressInfo } from 'node:net'
 import { tmpdir } from 'node:os'
 import { dirname, join } from 'node:path'
-import { ConfigError, FileStore, createHandler, loadConfig } from '../server.ts'
+import { ConfigError, FileStore, createHandler, hashSecret, loadConfig } from '../server.ts'
 import type { Token } from '../server.ts'
 import { until } from './harness.ts'
 
@@ -1099,6 +1100,52 @@ describe('DATA_FILE: compaction and failures', () => {
     assert.ok(running.logs.some((line) => / POST \/revoke 500 .*error=server_error/.test(line)))
     assert.equal(await isActive(running.base, access_token), true) // a revocation that was not stored did not happen
     await running.stop().catch(() => {}) // the file is closed already
+  })
+
+  it('fails a refresh retried while its first redemption is written, when that write fails', async (t) => {
+    const file = join(directory, 'retry-of-failed.jsonl')
+    const running = await startOn(file)
+    const { refresh_token } = await obtainTokens(running.base)
+    // the next fsync waits for the test, then fails: the first refresh's line is not stored
+    const handle = await open(join(directory, 'handle-probe'), 'w')
+    const methods = Object.getPrototypeOf(handle) as { datasync: () => Promise<void> }
+    await handle.close()
+    const datasync = methods.datasync
+    t.after(() => (methods.datasync = datasync))
+    let entered = false
+    let release = () => {}
+    const held = new Promise<void>((resolve) => (release = resolve))
+    methods.datasync = async function (this: unknown) {
+      methods.datasync = datasync
+      entered = true
+      await held
+      throw Object.assign(new Error('EIO: i/o error, fdatasync'), { code: 'EIO' })
+    }
+    const redemptions: string[] = []
+    const memory = running.store.memory
+    const redeem = memory.redeem.bind(memory)
+    memory.redeem = (redeemed, now) => {
+      const result = redeem(redeemed, now)
+      redemptions.push(String(result))
+      return result
+    }
+    const refresh = () =>
+      post(`${running.base}/token`, form({ grant_type: 'refresh_token', refresh_token, client_id: CLIENT_ID }))
+    const first = refresh()
+    assert.ok(await until(() => entered), 'the first refresh was never written')
+    const retried = refresh() // within REFRESH_TOKEN_GRACE: a retry, written after the first
+    assert.ok(await until(() => redemptions.includes('again')), 'the second refresh was not taken as a retry')
+    release()
+    assert.equal((await first).status, 500)
+    // the first redemption did not happen, so neither did its retry: else the token, taken back
+    // as unused, could be used again and again, with no reuse ever seen
+    assert.equal((await retried).status, 500)
+    assert.equal(memory.tokens.get(hashSecret(refresh_token))?.usedAt, undefined)
+    const again = await refresh()
+    assert.equal(again.status, 200)
+    running.advance(3600)
+    assert.equal((await refresh()).status, 400) // a reuse, past the grace
+    await running.stop()
   })
 
   it('stores an exchange as one line (the used code, the grant and both tokens), and takes the code back when that fails', async () => {
