@@ -8910,6 +8910,9 @@ async function main(argv: string[], env: Record<string, string | undefined>): Pr
       })
     })
   }
+  // Node opens its debugger at SIGUSR1, on a port any user of the machine may connect to and run
+  // code in Latch from; rotation scripts written for nginx send it. A listener keeps it shut.
+  process.on('SIGUSR1', () => logMessage('SIGUSR1: ignored (Latch reopens nothing; no debugger is opened)'))
   // last: a supervisor may signal as soon as it reads this
   printStartup(config, env, `http://${hostForUrl(config.host)}:${port}`, store)
 }

@@ -840,6 +840,24 @@ describe('Stopping', () => {
   })
 })
 
+describe('Signals', () => {
+  it('ignores SIGUSR1, which would open a debugger that any user of the machine could reach', async () => {
+    const latch = serve({ LOG_FORMAT: 'json', DATA_FILE: 'memory', PORT: '0' })
+    let stderr = ''
+    latch.child.stderr.on('data', (chunk: string) => (stderr += chunk))
+    try {
+      const startLine = await latch.waitForLine((line) => line.includes('"event":"start"'), 'start-up line')
+      const base = String((JSON.parse(startLine) as Record<string, unknown>).listening)
+      latch.child.kill('SIGUSR1') // nginx's signal to reopen logs, which a rotation script may send
+      await latch.waitForLine((line) => line.includes('"event":"SIGUSR1"'), 'the SIGUSR1 line')
+      assert.equal((await fetch(`${base}/.well-known/oauth-authorization-server`)).status, 200)
+      assert.doesNotMatch(stderr, /Debugger/)
+    } finally {
+      await latch.stop()
+    }
+  })
+})
+
 // --- The log of requests and security events, in process -----------------------------------
 
 const ISO_TIME = String.raw`\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z`
