@@ -2237,9 +2237,7 @@ async function requireAccessToken(
   const found = await findLiveToken(hashSecret(value), 'access', ctx)
   if (found === undefined) throw refused('invalid_token', 'The access token is unknown, expired or revoked')
   const { resource } = found.token
-  // compared as URLs: HTTP://HOST/./userinfo is the same resource as http://host/userinfo
-  const names = (one: string) => endpoint !== undefined && URL.canParse(one) && new URL(one).href === endpoint
-  if (resource.length > 0 && !resource.some(names))
+  if (resource.length > 0 && (endpoint === undefined || !resource.some((one) => sameResource(one, endpoint))))
     throw refused('invalid_token', 'The access token is for another service (its audience), not this one')
   await noteUse(ctx.store, found.token.grantId, ctx.now())
   return found
@@ -2300,7 +2298,8 @@ export async function checkAccessToken(
     return { active: false, error: 'invalid_token', description: 'The access token is unknown, expired or revoked' }
   const { resource, scope } = found.token
   // a token bound to services (RFC 8707) is theirs alone: a server that names none is not one of them
-  const forThis = want.resource === undefined ? resource.length === 0 : resource.includes(want.resource)
+  const wanted = want.resource
+  const forThis = wanted === undefined ? resource.length === 0 : resource.some((one) => sameResource(one, wanted))
   if (!forThis)
     return { active: false, error: 'invalid_token', description: 'The access token was not issued for this resource' }
   const missing = (want.scope ?? []).filter((one) => !scope.includes(one))
@@ -2309,6 +2308,16 @@ export async function checkAccessToken(
   await noteUse(store, found.token.grantId, now())
   const { me, client_id } = found.grant
   return { active: true, me, client_id, scope, aud: resource, expiresAt: found.token.expiresAt }
+}
+
+/**
+ * Whether two resource indicators name the same service, compared as URLs: `HTTP://HOST/./mcp`
+ * is `http://host/mcp`, and `https://host` is `https://host/`, which is what an MCP client sends
+ * for a server at the origin. RFC 8707 leaves the comparison to the server.
+ */
+function sameResource(a: string, b: string): boolean {
+  if (a === b) return true
+  return URL.canParse(a) && URL.canParse(b) && new URL(a).href === new URL(b).href
 }
 
 /**

@@ -551,6 +551,17 @@ describe('checkAccessToken, for a resource server sharing the store', () => {
     assert.equal(!lacking.active && lacking.error, 'insufficient_scope')
   })
 
+  it('compares resources as URLs, as /userinfo does: an MCP client sends the origin with its slash', async () => {
+    const code = await obtainCode(latch.base, { scope: 'create', resource: 'https://mcp.example/' })
+    const tokens = await tokensOf(await exchange(latch.base, code))
+    for (const resource of ['https://mcp.example', 'HTTPS://MCP.example:443/', 'https://mcp.example/./']) {
+      const check = await checkAccessToken(store, tokens.access_token, { resource }, now)
+      assert.equal(check.active, true, resource)
+    }
+    const other = await checkAccessToken(store, tokens.access_token, { resource: 'https://mcp.example/x' }, now)
+    assert.equal(other.active, false)
+  })
+
   it('refuses an IndieAuth token, which has no audience, when a resource is required', async () => {
     const code = await obtainCode(latch.base, { scope: 'create' })
     const tokens = await tokensOf(await exchange(latch.base, code))
