@@ -4444,6 +4444,66 @@ describe('Router and errors', () => {
     }
   })
 
+  it('keeps one count of wrong passwords for a store, even with a handler made at each request', async () => {
+    const store = new MemoryStore()
+    const server = createServer()
+    await new Promise<void>((resolve) => server.listen(0, '127.0.0.1', resolve))
+    const port = (server.address() as AddressInfo).port
+    const passwordHash = await hashPassword('correct horse', FAST_COST)
+    const config = loadConfig({ DATA_FILE: 'memory', PASSWORD_HASH: passwordHash }, [], { boundPort: port })
+    const stopped = new AbortController()
+    // a mistake an embedding app may make: a handler made for each request
+    server.on('request', (req, res) =>
+      createHandler({ config, store, now: () => START, log: () => {}, signal: stopped.signal })(req, res),
+    )
+    const close = () => {
+      stopped.abort()
+      server.closeAllConnections()
+      return new Promise<void>((resolve) => server.close(() => resolve()))
+    }
+    const latch = { base: `http://127.0.0.1:${port}`, port, issuer: config.issuer, logs: [], advance: () => {}, close }
+    try {
+      const consent = await openConsent(latch)
+      const statuses: number[] = []
+      for (let i = 0; i < 7; i++)
+        statuses.push((await submitConsent(latch, consent, { password: `guess ${i}` })).status)
+      assert.deepEqual(statuses, [401, 401, 401, 401, 401, 401, 429])
+    } finally {
+      await close()
+    }
+  })
+
+  it('sweeps a store once however many handlers serve it, until the last of them stops', async (t) => {
+    t.mock.timers.enable({ apis: ['setInterval'] })
+    const store = new MemoryStore()
+    const config = loadConfig({ DATA_FILE: 'memory' })
+    const handlers = [new AbortController(), new AbortController()]
+    for (const { signal } of handlers) createHandler({ config, store, now: () => 5000, log: () => {}, signal })
+    const swept: number[] = []
+    const sweep = store.sweep.bind(store)
+    store.sweep = (now) => {
+      swept.push(now)
+      sweep(now)
+    }
+    t.mock.timers.tick(100)
+    assert.equal(swept.length, 1)
+    handlers[0].abort()
+    t.mock.timers.tick(100)
+    assert.equal(swept.length, 2) // the other handler still serves the store
+    handlers[1].abort()
+    t.mock.timers.tick(1000)
+    assert.equal(swept.length, 2)
+  })
+
+  it('refuses at once a config whose DATA_FILE is a file, without the store that keeps it', () => {
+    const config = loadConfig({ PORT: '0', DATA_FILE: 'latch-data.jsonl' })
+    assert.throws(
+      () => createHandler({ config }),
+      /DATA_FILE is latch-data\.jsonl, but no store was given: .*openStore/,
+    )
+    assert.doesNotThrow(() => createHandler({ config: { ...config, dataFile: 'memory' }, signal: AbortSignal.abort() }))
+  })
+
   it('refuses at once a store that is still a Promise: openStore not awaited', () => {
     const config = loadConfig({ PORT: '0', DATA_FILE: 'memory' })
     const store = openStore(config) as unknown as Store

@@ -358,7 +358,11 @@ export interface Store {
 /** What `createHandler` takes. Only `config` is needed; the rest have defaults. */
 export type HandlerOptions = {
   config: Config
-  /** Defaults to a new `MemoryStore`. */
+  /**
+   * Where codes, grants and tokens are kept: `await openStore(config)`. Only with `DATA_FILE`
+   * `memory` may it be left out, for a new `MemoryStore`. Handlers of one store share what they
+   * keep in memory too (password tries, discovery's cache), so one may be made at each request.
+   */
   store?: Store
   /** The clock, in milliseconds; tests pass one they can advance. Defaults to `Date.now`. */
   now?: () => number
@@ -369,7 +373,10 @@ export type HandlerOptions = {
   log?: (line: string) => void
   /** How client information is fetched; tests point it at local servers. */
   clientFetch?: ClientFetchOptions
-  /** Aborting it stops the handler's timer, which sweeps expired entries from the store every 100 ms. */
+  /**
+   * Aborting it stops the handler's share of the timer that sweeps expired entries from the store
+   * every 100 ms: the timer stops with the last handler of the store.
+   */
   signal?: AbortSignal
 }
 
@@ -2476,6 +2483,59 @@ async function rejectUnknownPath(): Promise<void> {
 }
 
 /**
+ * What handlers keep in memory besides the store, one set for each store: a handler made at each
+ * request, or two serving one store, still count wrong passwords and refreshes once, know each
+ * other's passkey challenges, share discovery's cache and slots, and sweep the store once.
+ */
+type Kept = {
+  shared: Pick<
+    Context,
+    | 'signInAttempts'
+    | 'passwordSlots'
+    | 'clients'
+    | 'failedClients'
+    | 'clientLookups'
+    | 'lookupsBy'
+    | 'clientFetchSlots'
+    | 'refreshes'
+    | 'passkeys'
+    | 'startedAt'
+    | 'scriptGrantsUnderWay'
+    | 'scriptGrantsWithoutToken'
+    | 'answered'
+  >
+  /** The handlers that sweep the store, and the timer they share. */
+  handlers: number
+  sweeping?: NodeJS.Timeout
+}
+
+const keptByStore = new WeakMap<Store, Kept>()
+
+function keptFor(store: Store, now: () => number): Kept {
+  let kept = keptByStore.get(store)
+  if (kept === undefined) {
+    const shared: Kept['shared'] = {
+      signInAttempts: { byAddress: new Map(), total: NO_ATTEMPTS },
+      passwordSlots: { running: 0, waiting: [] },
+      clients: new Map(),
+      failedClients: new Map(),
+      clientLookups: new Map(),
+      lookupsBy: new Map(),
+      clientFetchSlots: { running: 0, waiting: [] },
+      refreshes: new Map(),
+      passkeys: { key: randomBytes(32), used: new Map(), changes: Promise.resolve() },
+      startedAt: now(),
+      scriptGrantsUnderWay: new Map(),
+      scriptGrantsWithoutToken: new Set(),
+      answered: new Map(),
+    }
+    kept = { shared, handlers: 0 }
+    keptByStore.set(store, kept)
+  }
+  return kept
+}
+
+/**
  * Creates the request handler: a plain `(req, res) => void` for node:http, Express or Connect.
  * It logs one line per request (method, path, status, milliseconds) and never a secret.
  */
@@ -2483,35 +2543,36 @@ export function createHandler(options: HandlerOptions): (req: IncomingMessage, r
   // `openStore` not awaited: else every request that reads the store would answer 500
   if (typeof (options.store as { then?: unknown } | undefined)?.then === 'function')
     throw new TypeError('createHandler: store is a Promise: pass await openStore(config)')
+  // else the config names a file that is never written, and a restart loses everything without a word
+  if (options.store === undefined && options.config.dataFile !== 'memory')
+    throw new TypeError(
+      `createHandler: DATA_FILE is ${options.config.dataFile}, but no store was given: ` +
+        'pass store: await openStore(config), or set DATA_FILE to memory',
+    )
   const log = options.log ?? console.log
   const now = options.now ?? Date.now
+  const store = options.store ?? new MemoryStore({ log })
+  const kept = keptFor(store, now)
   const ctx: Context = {
     config: options.config,
-    store: options.store ?? new MemoryStore({ log }),
+    store,
     now,
     steadyNow: steadyClock(now),
     log,
-    signInAttempts: { byAddress: new Map(), total: NO_ATTEMPTS },
-    passwordSlots: { running: 0, waiting: [] },
     clientFetch: options.clientFetch ?? {},
-    clients: new Map(),
-    failedClients: new Map(),
-    clientLookups: new Map(),
-    lookupsBy: new Map(),
-    clientFetchSlots: { running: 0, waiting: [] },
     trustedProxies: trustedProxiesOf(options.config),
-    refreshes: new Map(),
-    passkeys: { key: randomBytes(32), used: new Map(), changes: Promise.resolve() },
-    startedAt: now(),
-    scriptGrantsUnderWay: new Map(),
-    scriptGrantsWithoutToken: new Set(),
-    answered: new Map(),
+    ...kept.shared,
   }
   // expired entries go even while no one writes, without costing a request anything
-  const { store } = ctx
   if ((store instanceof MemoryStore || store instanceof FileStore) && options.signal?.aborted !== true) {
-    const sweeping = setInterval(() => store.sweep(ctx.now()), 100).unref()
-    options.signal?.addEventListener('abort', () => clearInterval(sweeping), { once: true })
+    kept.handlers++
+    kept.sweeping ??= setInterval(() => store.sweep(now()), 100).unref()
+    const stop = () => {
+      if (--kept.handlers > 0) return
+      clearInterval(kept.sweeping)
+      kept.sweeping = undefined
+    }
+    options.signal?.addEventListener('abort', stop, { once: true })
   }
   const ownHosts = ownHostsOf(ctx.config)
   // the issuer's host and port, when on loopback: a page asked for under another loopback name is sent there

@@ -25,7 +25,12 @@ const VIEWPORT = { width: 420, height: 900 }
 
 /** Starts Latch on 127.0.0.1 and a free port, with the owner's password set. */
 async function startLatch(): Promise<Listening & { issuer: string }> {
-  const env = { PORT: '0', ME, PASSWORD_HASH: await hashPassword(PASSWORD, { ln: 10, r: 8, p: 1 }) }
+  const env = {
+    PORT: '0',
+    ME,
+    DATA_FILE: 'memory',
+    PASSWORD_HASH: await hashPassword(PASSWORD, { ln: 10, r: 8, p: 1 }),
+  }
   let handler: (req: IncomingMessage, res: ServerResponse) => void = () => {}
   const latch = await listen((req, res) => handler(req, res))
   const config = loadConfig(env, [], { boundPort: Number(new URL(latch.base).port) })

@@ -29,7 +29,7 @@ export async function startLatch(
   const server = createServer()
   await new Promise<void>((resolve) => server.listen(0, '127.0.0.1', resolve))
   const port = (server.address() as AddressInfo).port
-  const config = loadConfig({ PORT: '0', ...env }, [], { boundPort: port })
+  const config = loadConfig({ PORT: '0', DATA_FILE: 'memory', ...env }, [], { boundPort: port })
   let time = START
   const logs: string[] = []
   server.on('request', createHandler({ config, store: options.store, now: () => time, log: (line) => logs.push(line) }))

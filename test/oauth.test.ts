@@ -669,7 +669,7 @@ type FetchingLatch = { base: string; advance: (seconds: number) => void; close: 
 async function startFetchingLatch(agent: HttpAgent): Promise<FetchingLatch> {
   const server = createServer()
   const port = await listen(server)
-  const config = loadConfig({ PORT: '0' }, [], { boundPort: port })
+  const config = loadConfig({ PORT: '0', DATA_FILE: 'memory' }, [], { boundPort: port })
   let time = START
   const clientFetch: ClientFetchOptions = {
     lookup: async () => [{ address: PUBLIC_ADDRESS, family: 4 }],
