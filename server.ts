@@ -93,7 +93,7 @@ import {
 } from 'node:fs/promises'
 import type { FileHandle } from 'node:fs/promises'
 import type { Writable } from 'node:stream'
-import { basename, dirname, join, resolve } from 'node:path'
+import { basename, dirname, isAbsolute, join, resolve } from 'node:path'
 import { isatty } from 'node:tty'
 import { fileURLToPath } from 'node:url'
 
@@ -7370,6 +7370,41 @@ async function unsafeDataFile(dataFile: string, path: string, file: Stats): Prom
 }
 
 /**
+ * The first symbolic link on the way to a path, the file or a folder, that belongs to another
+ * user than this one or root, and who owns it; undefined when there is none. Whoever owns a link
+ * can point it anywhere: one another user made in a folder such as /tmp could lead Latch to make
+ * or use a file of its own choosing. The kernel's fs.protected_symlinks refuses such links in
+ * sticky folders, but is not set everywhere. Each name is looked at as the kernel meets it, a
+ * link's target in its place; the walk ends at the first name that does not exist, which Latch
+ * makes itself, and at any other failure, which opening the file then reports.
+ */
+async function foreignLink(path: string, uid: number): Promise<{ link: string; owner: number } | undefined> {
+  const names = path.split('/')
+  let at = isAbsolute(path) ? '/' : process.cwd() // no link in either: `..` below is its folder
+  for (let links = 0; names.length > 0;) {
+    const name = names.shift() as string
+    if (name === '' || name === '.') continue
+    if (name === '..') {
+      at = dirname(at)
+      continue
+    }
+    const next = join(at, name)
+    const stats = await lstat(next).catch(() => undefined)
+    if (stats === undefined) return undefined
+    if (!stats.isSymbolicLink()) {
+      at = next
+      continue
+    }
+    if (stats.uid !== uid && stats.uid !== 0) return { link: next, owner: stats.uid }
+    if (++links > 40) return undefined // a loop, which open reports as ELOOP
+    const target = await readlink(next)
+    names.unshift(...target.split('/')) // followed from the link's folder, or from / when absolute
+    if (isAbsolute(target)) at = '/'
+  }
+  return undefined
+}
+
+/**
  * Removes the snapshots that a process stopped mid-compaction left beside the journal: this
  * user's only, since in a folder such as /tmp another user's file may bear such a name too.
  */
@@ -7549,11 +7584,20 @@ export class FileStore implements Store {
    * crash mid-write, is dropped with a warning (a last line whole but for its newline is kept);
    * any other unreadable line stops with its number.
    * The file is this process's alone until `close` (see `holdJournal`). A symlink is followed
-   * to its file, which compaction then replaces, not the link.
+   * to its file, which compaction then replaces, not the link; one of another user than this one
+   * or root, on the way to the file, is refused (see `foreignLink`).
    */
   static async open(dataFile: string, options: FileStoreOptions = {}): Promise<FileStore> {
     const log = options.log ?? console.log
     const memory = new MemoryStore(options)
+    // before anything is made: a planted link would have it made where its owner chose
+    const uid = process.geteuid?.()
+    const planted = uid === undefined ? undefined : await foreignLink(dataFile, uid)
+    if (planted !== undefined)
+      throw new ConfigError(
+        `DATA_FILE ${dataFile} has on its path a symbolic link of another user (${planted.link}, ` +
+          `uid ${planted.owner}), who could point it anywhere: remove the link, or choose a path without it`,
+      )
     await makeFolders(dirname(dataFile), 0o700)
     const found = await stat(dataFile).catch((err: NodeJS.ErrnoException) =>
       err.code === 'ENOENT' ? undefined : Promise.reject(err),

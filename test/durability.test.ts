@@ -8,13 +8,16 @@ import { spawn, spawnSync } from 'node:child_process'
 import { createHash } from 'node:crypto'
 import type { ChildProcessWithoutNullStreams } from 'node:child_process'
 import {
+  chmod,
   chown,
   copyFile,
+  lchown,
   lstat,
   mkdir,
   mkdtemp,
   open,
   readFile,
+  readdir,
   rename,
   rm,
   stat,
@@ -854,6 +857,43 @@ describe('DATA_FILE: one process, one file', () => {
     assert.deepEqual([...reopened.memory.sessions.keys()], inMemory)
     assert.ok(!inMemory.includes('a'))
     await reopened.close()
+  })
+})
+
+describe('DATA_FILE: what other users could change', () => {
+  it('refuses a symbolic link of another user on the way to the file, and makes nothing where it points', async (t) => {
+    if (process.getuid?.() !== 0) return t.skip('only root can give a link to another user')
+    const sticky = join(directory, 'sticky')
+    const mine = join(directory, 'mine')
+    await mkdir(sticky)
+    await chmod(sticky, 0o1777) // as /tmp: anyone may make a link in it
+    await mkdir(mine, { mode: 0o700 })
+    const file = join(sticky, 'latch.jsonl')
+    await symlink(join(mine, 'chosen.jsonl'), file)
+    await lchown(file, 65534, 65534)
+    const folder = join(sticky, 'folder')
+    await symlink(mine, folder)
+    await lchown(folder, 65534, 65534)
+    for (const [dataFile, link] of [
+      [file, file],
+      [join(folder, 'latch.jsonl'), folder],
+      [join(folder, 'below', 'latch.jsonl'), folder],
+    ]) {
+      await assert.rejects(FileStore.open(dataFile, { log: () => {} }), (err: unknown) => {
+        assert.ok(err instanceof ConfigError, String(err))
+        assert.equal(
+          err.message,
+          `DATA_FILE ${dataFile} has on its path a symbolic link of another user (${link}, uid 65534), ` +
+            'who could point it anywhere: remove the link, or choose a path without it',
+        )
+        return true
+      })
+    }
+    assert.deepEqual(await readdir(mine), [])
+    await lchown(file, 0, 0) // root's own link, as the kernel's fs.protected_symlinks would follow
+    const store = await FileStore.open(file, { log: () => {} })
+    await store.close()
+    assert.deepEqual(await readdir(mine), ['chosen.jsonl'])
   })
 })
 
