@@ -7334,10 +7334,12 @@ function isTornLine(tail: Buffer): boolean {
  * Why a journal is not safe to use, if it is not: whoever can write it can write a token into it,
  * and whoever can write a folder on its path can put another file (or folder) in its place. So
  * the file must belong to the user Latch runs as, and every folder above it, and above the link
- * that names it if `DATA_FILE` is one, must belong to that user or to root. None may be writable
- * by other users, but for the sticky bit on a folder (as /tmp has), which keeps others from
- * renaming or deleting what is not theirs, and for the user's own group: a user's private group,
- * which many systems give each user with a umask of 002. This is what sshd asks of `~/.ssh`.
+ * that names it if `DATA_FILE` is one, must belong to that user or to root. The file may be
+ * written by its owner alone: Latch makes it 0600, and a POSIX ACL that lets others write shows
+ * as group write (its mask). No folder may be writable by other users, but for the sticky bit
+ * (as /tmp has), which keeps others from renaming or deleting what is not theirs, and for the
+ * user's own group: a user's private group, which many systems give each user with a umask of
+ * 002. A folder's ACL is not read. This is what sshd asks of `~/.ssh`.
  * Without Unix users (no `geteuid`), there is nothing to check.
  */
 async function unsafeDataFile(dataFile: string, path: string, file: Stats): Promise<string | undefined> {
@@ -7351,7 +7353,7 @@ async function unsafeDataFile(dataFile: string, path: string, file: Stats): Prom
       `belongs to another user (uid ${file.uid}), who could write tokens into it: ` +
       `run Latch as that user, or give the file to this one (uid ${uid}) with chown`
     )
-  if (othersWrite(file))
+  if ((file.mode & 0o022) !== 0)
     return `can be written by other users (${mode(file)}), who could write tokens into it: run chmod 600 ${path}`
   for (const folder of new Set([...foldersAbove(path), ...foldersAbove(resolve(dataFile))])) {
     const stats = await stat(folder)

@@ -290,21 +290,26 @@ describe('A start-up failure is one line naming the setting and the fix, and exi
     assert.match((await runLatch([], { DATA_FILE: file, PORT: '0' })).stdout, /Latch is listening/)
   })
 
-  it('DATA_FILE writable by its own group only, or below a folder, or through a link, that others may write', async () => {
+  it('DATA_FILE in a folder its group may write, or below or linked from a folder others may write', async () => {
     const own = join(directory, 'own-group')
     await mkdir(own)
     await chmod(own, 0o775) // a umask of 002, as systems that give each user a group of their own set
     const file = join(own, 'latch.jsonl')
     await writeFile(file, '')
-    await chmod(file, 0o664)
+    await chmod(file, 0o664) // the file itself, made 0600 by Latch, is its owner's alone
+    assertOneLineFailure(
+      await runLatch([], { DATA_FILE: file, PORT: '0' }),
+      /own-group\/latch\.jsonl can be written by other users \(mode 0664\)/,
+    )
+    await chmod(file, 0o644)
     assert.match((await runLatch([], { DATA_FILE: file, PORT: '0' })).stdout, /Latch is listening/)
     if (process.getuid?.() === 0) {
-      await chown(file, 0, NOBODY) // the same mode, for a group of others
+      await chown(own, 0, NOBODY) // the same mode, for a group of others
       assertOneLineFailure(
         await runLatch([], { DATA_FILE: file, PORT: '0' }),
-        /own-group\/latch\.jsonl can be written by other users \(mode 0664\)/,
+        /own-group\/latch\.jsonl has on its path a folder other users can write to \(.*own-group, mode 0775\)/,
       )
-      await chown(file, 0, 0)
+      await chown(own, 0, 0)
     }
     const open = join(directory, 'open')
     await mkdir(join(open, 'private'), { recursive: true })

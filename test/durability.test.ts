@@ -895,6 +895,24 @@ describe('DATA_FILE: what other users could change', () => {
     await store.close()
     assert.deepEqual(await readdir(mine), ['chosen.jsonl'])
   })
+
+  it("refuses a file its own group may write, which is how an ACL's mask shows", async () => {
+    const file = join(directory, 'group-write.jsonl')
+    await writeFile(file, '')
+    await chmod(file, 0o660)
+    await chown(file, process.getuid?.() ?? 0, process.getgid?.() ?? 0) // Latch's own group
+    await assert.rejects(FileStore.open(file, { log: () => {} }), (err: unknown) => {
+      assert.ok(err instanceof ConfigError, String(err))
+      assert.equal(
+        err.message,
+        `DATA_FILE ${file} can be written by other users (mode 0660), who could write tokens into it: ` +
+          `run chmod 600 ${file}`,
+      )
+      return true
+    })
+    await chmod(file, 0o640) // reading it gives away no token
+    await (await FileStore.open(file, { log: () => {} })).close()
+  })
 })
 
 describe('DATA_FILE: compaction and failures', () => {
