@@ -9060,12 +9060,20 @@ function dataFileProblem(err: NodeJS.ErrnoException, dataFile: string): ConfigEr
   }
   const reason = err.code === undefined ? undefined : because[err.code]
   // a file put back by another user (a restore as root, without its chown): the file is what to fix
-  const owner = err.code === 'EACCES' ? ownerOf(dataFile) : undefined
+  const file = err.code === 'EACCES' ? statOf(dataFile) : undefined
   const self = process.getuid?.()
-  if (owner !== undefined && self !== undefined && owner !== self) {
+  if (file !== undefined && self !== undefined && file.uid !== self) {
     return new ConfigError(
-      `DATA_FILE ${dataFile} belongs to another user (uid ${owner}), so this one cannot read or write it: ` +
+      `DATA_FILE ${dataFile} belongs to another user (uid ${file.uid}), so this one cannot read or write it: ` +
         `give it to this user (uid ${self}), as in chown ${self} ${dataFile}`,
+    )
+  }
+  // this user's own file, which its mode keeps from it (`install -m 400`, a chmod a-w): the mode is what to fix
+  if (file !== undefined && self !== undefined && (file.mode & 0o600) !== 0o600) {
+    const mode = (file.mode & 0o7777).toString(8).padStart(4, '0')
+    return new ConfigError(
+      `DATA_FILE ${dataFile} is not ${file.mode & 0o200 ? 'readable' : 'writable'} by its owner, this user ` +
+        `(mode ${mode}): run chmod 600 ${dataFile}`,
     )
   }
   // its own folder exists (Latch made it): the folder of a symbolic link's target is what is missing
@@ -9079,10 +9087,10 @@ function dataFileProblem(err: NodeJS.ErrnoException, dataFile: string): ConfigEr
   return reason === undefined ? undefined : new ConfigError(`DATA_FILE ${dataFile} ${reason}`)
 }
 
-/** The user who owns a file, or undefined when it cannot be looked at. */
-function ownerOf(path: string): number | undefined {
+/** What a file's owner and mode are, or undefined when it cannot be looked at. */
+function statOf(path: string): Stats | undefined {
   try {
-    return statSync(path).uid
+    return statSync(path)
   } catch {
     return undefined
   }

@@ -254,6 +254,25 @@ describe('A start-up failure is one line naming the setting and the fix, and exi
     )
   })
 
+  it('DATA_FILE of its own that its mode keeps it from writing: names chmod, not the folder', async (t) => {
+    const user = unprivilegedUser() // root writes any file, whatever its mode
+    if (user.skip !== undefined) return void t.skip(user.skip)
+    const folder = join(directory, 'own-read-only')
+    await mkdir(folder, { mode: 0o700 })
+    const file = join(folder, 'latch.jsonl')
+    await writeFile(file, '', { mode: 0o400 }) // as `install -m 400` or `chmod a-w` leave it
+    if (user.as !== undefined) {
+      await chown(folder, user.as, user.as)
+      await chown(file, user.as, user.as)
+    }
+    assertOneLineFailure(
+      await runLatch([], { DATA_FILE: file, PORT: '0' }, { as: user.as }),
+      /own-read-only\/latch\.jsonl is not writable by its owner, this user \(mode 0400\): run chmod 600 \S+$/,
+    )
+    await chmod(file, 0o600)
+    assert.match((await runLatch([], { DATA_FILE: file, PORT: '0' }, { as: user.as })).stdout, /Latch is listening/)
+  })
+
   it('DATA_FILE of its own in a folder the user cannot write, where compaction could never replace it', async (t) => {
     const user = unprivilegedUser()
     if (user.skip !== undefined) return void t.skip(user.skip)
