@@ -8900,12 +8900,23 @@ function printStartup(
         ? `set, and ${passkeys}`
         : `off: ${passkeys}`
   const isDefaultMe = hasDefaultMe(config)
+  // under a path, RFC 8414 §3.1 puts the metadata at the origin's root, outside Latch (README, Embedding)
+  const issuer = new URL(config.issuer)
+  const oauthMetadata = issuer.pathname === '/' ? undefined : `${issuer.origin}${metadataPath(config)}`
   if (config.logFormat === 'json') {
     const time = new Date().toISOString()
     for (const warning of configWarnings(config, env))
       console.log(JSON.stringify({ time, event: 'warning', message: warning }))
     const metadata = `${config.issuer}/.well-known/oauth-authorization-server`
-    const start = { issuer: config.issuer, me: config.me, password, data, listening: listeningUrl, metadata }
+    const start = {
+      issuer: config.issuer,
+      me: config.me,
+      password,
+      data,
+      listening: listeningUrl,
+      oauthMetadata,
+      metadata,
+    }
     return void console.log(JSON.stringify({ time, event: 'start', message: 'Latch is listening', ...start }))
   }
   for (const warning of configWarnings(config, env)) console.log(`warning: ${warning}`)
@@ -8916,6 +8927,9 @@ function printStartup(
       `  me        ${config.me}${isDefaultMe ? ' (the default, this page: set ME to your site)' : ''}`,
       `  password  ${password}`,
       `  data      ${data}`,
+      ...(oauthMetadata === undefined
+        ? []
+        : [`  oauth     ${oauthMetadata}: OAuth and MCP clients look there; pass it to the metadata below`]),
       `  metadata  ${config.issuer}/.well-known/oauth-authorization-server`,
     ].join('\n'),
   )

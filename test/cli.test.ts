@@ -714,6 +714,24 @@ describe('The start-up block', () => {
     }
   })
 
+  it('says where OAuth clients look for the metadata of an ISSUER with a path, outside Latch', async () => {
+    const latch = serve({ DATA_FILE: 'memory', PORT: '0', ISSUER: 'http://127.0.0.1:3000/latch' })
+    try {
+      await latch.waitForLine(isMetadataLine, 'start-up block')
+      const block = latch.lines.join('\n')
+      assert.match(
+        block,
+        /^ {2}oauth {5}http:\/\/127\.0\.0\.1:3000\/\.well-known\/oauth-authorization-server\/latch: OAuth and MCP clients look/m,
+      )
+      assert.match(
+        block,
+        /^ {2}metadata {2}http:\/\/127\.0\.0\.1:3000\/latch\/\.well-known\/oauth-authorization-server$/m,
+      )
+    } finally {
+      await latch.stop()
+    }
+  })
+
   it('warns of nothing with no settings, and says that ME is the default', async () => {
     const latch = serve({ DATA_FILE: 'memory', PORT: '0' })
     try {
