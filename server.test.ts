@@ -301,9 +301,37 @@ describe('Configuration', () => {
     assert.throws(() => parseDuration('ACCESS_TOKEN_TTL', '9'.repeat(400)), /is longer than ten years/)
   })
 
-  it('reads a refresh grace of 0 with spaces around it, as every duration is read', () => {
-    assert.equal(loadConfig({ REFRESH_TOKEN_GRACE: ' 0 ' }).refreshTokenGraceSeconds, 0)
-    assert.equal(loadConfig({ REFRESH_TOKEN_GRACE: ' 45 ' }).refreshTokenGraceSeconds, 45)
+  it('refuses a value with a carriage return, white space or quotes around it, and says which to remove', () => {
+    const cases: [Record<string, string>, string[], string][] = [
+      [
+        { PORT: '4223\r' },
+        [],
+        'PORT "4223\\r" ends in a carriage return (its file has Windows line endings): remove it',
+      ],
+      [{ LOG_FORMAT: 'json\r' }, [], 'LOG_FORMAT "json\\r" ends in a carriage return'],
+      [{}, ['--data-file', '/srv/latch.jsonl\r'], '--data-file "/srv/latch.jsonl\\r" ends in a carriage return'],
+      [{ DATA_FILE: '/srv/latch.jsonl ' }, [], 'DATA_FILE "/srv/latch.jsonl " has white space around it: remove it'],
+      [{ PROFILE_NAME: '\ufeffAda' }, [], 'PROFILE_NAME "\\ufeffAda" has white space around it: remove it'],
+      // durations were trimmed: now every setting is read as written
+      [{ CODE_TTL: ' 300' }, [], 'CODE_TTL " 300" has white space around it'],
+      [{ REFRESH_TOKEN_GRACE: ' 0 ' }, [], 'REFRESH_TOKEN_GRACE " 0 " has white space around it'],
+      [{ DATA_FILE: '"/srv/latch.jsonl"' }, [], 'DATA_FILE "\\"/srv/latch.jsonl\\"" has quotes around it'],
+      [{ ME: "'https://example.com/'" }, [], `ME "'https://example.com/'" has quotes around it (an env file read`],
+      [{ TRUST_PROXY: '127.0.0.1\r', PASSWORD_HASH }, [], 'TRUST_PROXY "127.0.0.1\\r" ends in a carriage return'],
+      // a secret is named, never shown
+      [{ PASSWORD_HASH: `${PASSWORD_HASH}\r` }, [], 'PASSWORD_HASH ends in a carriage return'],
+      [{ INTROSPECTION_SECRET: '"a-long-introspection-secret"' }, [], 'INTROSPECTION_SECRET has quotes around it'],
+    ]
+    for (const [env, argv, message] of cases)
+      assert.throws(
+        () => loadConfig(env, argv),
+        (err: unknown) => err instanceof ConfigError && err.message.startsWith(message),
+        message,
+      )
+    // inside a value, spaces and quotes are the value's own
+    const config = loadConfig({ PROFILE_NAME: 'Ada "Countess" Lovelace', TRUST_PROXY: '127.0.0.1, ::1', PASSWORD_HASH })
+    assert.equal(config.profile.name, 'Ada "Countess" Lovelace')
+    assert.deepEqual(config.trustProxy, ['127.0.0.1', '::1'])
   })
 
   const refusals: [string, Record<string, string>, string[], RegExp][] = [
@@ -329,20 +357,8 @@ describe('Configuration', () => {
     ['a profile URL with a dot segment', { ME: 'https://example.com/a/../b' }, [], /ME/],
     ['a profile URL that URL() cannot parse', { ME: 'http://xn--a.com/' }, [], /ME/],
     ['a password hash Latch did not make', { PASSWORD_HASH: 'hunter2' }, [], /PASSWORD_HASH.*hash-password/],
-    [
-      'a password hash in quotes',
-      { PASSWORD_HASH: `"${PASSWORD_HASH}"` },
-      [],
-      /quotes or white space around it.*remove them/,
-    ],
-    ['a password hash and a space', { PASSWORD_HASH: `${PASSWORD_HASH} ` }, [], /quotes or white space around it/],
-    ['a password hash in quotes, but no hash', { PASSWORD_HASH: '"not-a-hash"' }, [], /not a hash made by Latch/],
-    [
-      'an introspection secret in quotes',
-      { INTROSPECTION_SECRET: '"a-long-introspection-secret"' },
-      [],
-      /^INTROSPECTION_SECRET has quotes around it/,
-    ],
+    ['a password hash in quotes', { PASSWORD_HASH: `"${PASSWORD_HASH}"` }, [], /^PASSWORD_HASH has quotes around it/],
+    ['a password hash and a space', { PASSWORD_HASH: `${PASSWORD_HASH} ` }, [], /^PASSWORD_HASH has white space/],
     [
       'a password hash whose check would take 2 GiB, twice at once',
       { PASSWORD_HASH: 'scrypt:ln=20,r=16,p=4:AAAAAAAAAAAAAAAAAAAAAA:BBBBBBBBBBBBBBBBBBBBBBBBBBBBBBBBBBBBBBBBBBB' },

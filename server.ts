@@ -8393,13 +8393,6 @@ export function loadConfig(
   const issuer = parseIssuer(raw.ISSUER ?? `http://${hostForUrl(host)}:${options.boundPort ?? port}`)
   const me = parseMe(raw.ME ?? `${issuer}/`)
   const passwordHash = raw.PASSWORD_HASH
-  const unwrapped = passwordHash?.trim().replace(/^(["'])(.*)\1$/, '$2')
-  if (passwordHash !== unwrapped && unwrapped !== undefined && parsePasswordHash(unwrapped) !== undefined) {
-    throw new ConfigError(
-      'PASSWORD_HASH has quotes or white space around it (an env file read without a shell keeps them): ' +
-        'remove them, and set the hash alone',
-    )
-  }
   if (passwordHash !== undefined && parsePasswordHash(passwordHash) === undefined) {
     throw new ConfigError(
       'PASSWORD_HASH is not a hash made by Latch, or its cost is outside what Latch accepts ' +
@@ -8452,7 +8445,7 @@ export function loadConfig(
     'REFRESH_TOKEN_TTL',
     raw.REFRESH_TOKEN_TTL ?? defaultOf('REFRESH_TOKEN_TTL'),
   )
-  const refreshTokenGraceSeconds = /^0+[smhd]?$/.test((raw.REFRESH_TOKEN_GRACE ?? '').trim())
+  const refreshTokenGraceSeconds = /^0+[smhd]?$/.test(raw.REFRESH_TOKEN_GRACE ?? '')
     ? 0
     : parseDuration('REFRESH_TOKEN_GRACE', raw.REFRESH_TOKEN_GRACE ?? defaultOf('REFRESH_TOKEN_GRACE'))
   if (refreshTokenGraceSeconds > MAX_REFRESH_GRACE_SECONDS) {
@@ -8463,12 +8456,6 @@ export function loadConfig(
   }
   const sessionTtlSeconds = parseDuration('SESSION_TTL', raw.SESSION_TTL ?? defaultOf('SESSION_TTL'))
   const introspectionSecret = raw.INTROSPECTION_SECRET
-  if (introspectionSecret !== undefined && /^(["']).*\1$/.test(introspectionSecret)) {
-    throw new ConfigError(
-      'INTROSPECTION_SECRET has quotes around it (an env file read without a shell keeps them): ' +
-        'remove them, or resource servers would have to send them too',
-    )
-  }
   if (introspectionSecret !== undefined && introspectionSecret.length < MIN_SECRET_LENGTH) {
     throw new ConfigError(
       `INTROSPECTION_SECRET is shorter than ${MIN_SECRET_LENGTH} characters: ` +
@@ -8557,7 +8544,7 @@ function defaultOf(name: SettingName): string {
 function readSettings(env: Record<string, string | undefined>, argv: readonly string[]) {
   const values: Partial<Record<SettingName, string>> = {}
   for (const { name } of SETTINGS) {
-    if (env[name] !== undefined && env[name] !== '') values[name] = env[name]
+    if (env[name] !== undefined && env[name] !== '') values[name] = requireBareValue(name, env[name])
   }
   // a setting misspelled by case or underscores (`dataFile`, `DATAFILE`, as an embedding app may
   // write it) would be dropped without a word: the password, or the data file, with it
@@ -8584,9 +8571,31 @@ function readSettings(env: Record<string, string | undefined>, argv: readonly st
     const value = equals === -1 ? argv[++i] : arg.slice(equals + 1)
     if (value === undefined) throw new ConfigError(`Option ${flag} needs a value, as in \`${flag} VALUE\``)
     if (value === '') delete values[name]
-    else values[name] = value
+    else values[name] = requireBareValue(name, value, flag)
   }
   return values
+}
+
+/**
+ * The value, or a `ConfigError` when something no setting begins or ends with is around it: a
+ * carriage return (an env file with Windows line endings, sourced by a shell), white space, or
+ * quotes (an env file read without a shell, as docker's `--env-file` reads it, keeps them). Taken
+ * as written, they name another file, or make a good value look wrong.
+ * `written` is how the setting was given: its variable, or its flag.
+ */
+function requireBareValue(name: SettingName, value: string, written: string = name): string {
+  // as JSON, where a \r is seen, and the white space JSON keeps as it is (a byte order mark, say) as \u escapes
+  const json = JSON.stringify(value).replace(/[^\S ]/g, (c) => `\\u${c.charCodeAt(0).toString(16).padStart(4, '0')}`)
+  const shown = SECRET_SETTINGS.has(name) ? written : `${written} ${json}` // a secret is never shown
+  if (value.endsWith('\r'))
+    throw new ConfigError(
+      `${shown} ends in a carriage return (its file has Windows line endings): remove it, ` +
+        'or convert the file with dos2unix',
+    )
+  if (/^\s|\s$/.test(value)) throw new ConfigError(`${shown} has white space around it: remove it`)
+  if (/^(["']).*\1$/s.test(value))
+    throw new ConfigError(`${shown} has quotes around it (an env file read without a shell keeps them): remove them`)
+  return value
 }
 
 /** A name without case or separators: `data_file`, `dataFile` and `DATA_FILE` are one. */
@@ -8607,7 +8616,7 @@ function parsePort(value: string): number {
 
 /** Parses plain seconds or a number with a unit (`90s`, `10m`, `12h`, `7d`) into seconds. */
 export function parseDuration(name: string, value: string): number {
-  const match = /^(\d+)([smhd]?)$/.exec(value.trim()) // as many digits as come: too many is too long
+  const match = /^(\d+)([smhd]?)$/.exec(value) // as many digits as come: too many is too long
   const unitSeconds = { '': 1, s: 1, m: 60, h: 3600, d: 86400 }
   const seconds = match === null ? NaN : Number(match[1]) * unitSeconds[match[2] as keyof typeof unitSeconds]
   if (!(seconds > 0))
