@@ -430,6 +430,21 @@ describe('Configuration', () => {
     })
   }
 
+  it('refuses a proxy range wider than a network of proxies, in which every client would choose its address', () => {
+    // ::ffff:0:0/96 and ::/8 hold every IPv4 client, as ::ffff:a.b.c.d
+    for (const range of ['0.0.0.0/0', '::/0', '10.0.0.0/7', '2000::/3', '::/8', '::ffff:0:0/96', '::ffff:10.0.0.0/103'])
+      assert.throws(
+        () => loadConfig({ TRUST_PROXY: `127.0.0.1,${range}`, PASSWORD_HASH }),
+        (err: unknown) =>
+          err instanceof ConfigError &&
+          err.message.startsWith(`TRUST_PROXY ${range} is wider than a network of proxies could be`) &&
+          err.message.includes("list only your proxy's addresses"),
+        range,
+      )
+    for (const range of ['10.0.0.0/8', 'fc00::/7', '::ffff:10.0.0.0/104', '2001:db8::/32', '192.168.1.0/24', '::/81'])
+      assert.deepEqual(loadConfig({ TRUST_PROXY: range, PASSWORD_HASH }).trustProxy, [range])
+  })
+
   it('starts on a non-loopback host once a password hash is set', async () => {
     const passwordHash = await hashPassword('correct horse', FAST_COST)
     const config = loadConfig({ HOST: '0.0.0.0', ISSUER: 'http://192.168.1.10:3000', PASSWORD_HASH: passwordHash })

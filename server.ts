@@ -59,7 +59,7 @@ import type {
 import { request as httpsRequest } from 'node:https'
 import { lookup } from 'node:dns/promises'
 import type { LookupAddress } from 'node:dns'
-import { BlockList, connect, createServer as createNetServer, isIP, isIPv6 } from 'node:net'
+import { BlockList, connect, createServer as createNetServer, isIP, isIPv6, SocketAddress } from 'node:net'
 import type { Server as NetServer, Socket } from 'node:net'
 import * as crypto from 'node:crypto'
 import { createHmac, createPublicKey, randomBytes, randomFillSync, scrypt, timingSafeEqual, verify } from 'node:crypto'
@@ -8528,8 +8528,29 @@ function parseTrustProxy(value: string): string[] {
         `TRUST_PROXY ${entry} is not an IP address or range: ` +
           "list your proxy's address, such as 127.0.0.1 or 10.0.0.0/8",
       )
+    // a client inside it names its own address in X-Forwarded-For, and so escapes the per-address limits
+    if (prefix !== undefined && isWiderThanAProxyNetwork(address, Number(prefix)))
+      throw new ConfigError(
+        `TRUST_PROXY ${entry} is wider than a network of proxies could be (an IPv4 /8, an IPv6 /7), ` +
+          'and every client in it could choose its own address: ' +
+          "list only your proxy's addresses, such as 127.0.0.1 or 10.0.0.0/8",
+      )
   }
   return entries
+}
+
+/**
+ * True for a range wider than the widest private networks, 10.0.0.0/8 and fc00::/7. An IPv4
+ * client is checked against IPv6 ranges too, as ::ffff:a.b.c.d, so their IPv4 part is measured as
+ * IPv4: ::ffff:0:0/96 and ::/8 hold every IPv4 address.
+ */
+function isWiderThanAProxyNetwork(address: string, prefix: number): boolean {
+  if (isIP(address) === 4) return prefix < 8
+  const mapped = plainAddress(new SocketAddress({ address, family: 'ipv6' }).address)
+  if (isIP(mapped) === 4) return prefix < 96 + 8 // ::ffff:10.0.0.0/104 is 10.0.0.0/8
+  const range = new BlockList()
+  range.addSubnet(address, prefix, 'ipv6')
+  return prefix < 7 || range.check('0.0.0.0', 'ipv4')
 }
 
 /**
