@@ -430,6 +430,33 @@ describe('Configuration', () => {
     })
   }
 
+  it('reads a number as its decimal string, and refuses other values that are not strings, naming the setting', () => {
+    // as settings read from JSON, or given by a JavaScript caller, may come
+    const config = loadConfig({ PORT: 4000, CODE_TTL: 300, REFRESH_TOKEN_GRACE: 0 })
+    assert.equal(config.port, 4000)
+    assert.equal(config.codeTtlSeconds, 300)
+    assert.equal(config.refreshTokenGraceSeconds, 0)
+    const cases: [Record<string, unknown>, string][] = [
+      [{ CODE_TTL: true }, "CODE_TTL must be a string, as in '300', not a boolean"],
+      [
+        { TRUST_PROXY: ['127.0.0.1', '::1'], PASSWORD_HASH },
+        'TRUST_PROXY must be a string, as in an environment variable, not an array',
+      ],
+      [
+        { ISSUER: new URL('http://127.0.0.1:3000') },
+        'ISSUER must be a string, as in an environment variable, not an object',
+      ],
+      [{ PORT: NaN }, "PORT must be a string, as in '3000', not NaN"],
+      [{ PROFILE_NAME: null }, 'PROFILE_NAME must be a string, as in an environment variable, not null'],
+    ]
+    for (const [env, message] of cases)
+      assert.throws(
+        () => loadConfig(env as Record<string, string>),
+        (err: unknown) => err instanceof ConfigError && err.message === message,
+        message,
+      )
+  })
+
   it('refuses a proxy range wider than a network of proxies, in which every client would choose its address', () => {
     // ::ffff:0:0/96 and ::/8 hold every IPv4 client, as ::ffff:a.b.c.d
     for (const range of ['0.0.0.0/0', '::/0', '10.0.0.0/7', '2000::/3', '::/8', '::ffff:0:0/96', '::ffff:10.0.0.0/103'])

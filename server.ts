@@ -8370,7 +8370,7 @@ const MAX_REFRESH_GRACE_SECONDS = 600
  * @see https://indieauth.spec.indieweb.org/#discovery-by-clients IndieAuth §4.1 (issuer)
  */
 export function loadConfig(
-  env: Record<string, string | undefined>,
+  env: Record<string, string | number | undefined>,
   argv: readonly string[] = [],
   options: { boundPort?: number } = {},
 ): Config {
@@ -8562,10 +8562,11 @@ function defaultOf(name: SettingName): string {
 }
 
 /** Merges variables and flags into one value per setting; empty values count as unset. */
-function readSettings(env: Record<string, string | undefined>, argv: readonly string[]) {
+function readSettings(env: Record<string, unknown>, argv: readonly string[]) {
   const values: Partial<Record<SettingName, string>> = {}
   for (const { name } of SETTINGS) {
-    if (env[name] !== undefined && env[name] !== '') values[name] = requireBareValue(name, env[name])
+    const value = requireString(name, env[name])
+    if (value !== undefined && value !== '') values[name] = requireBareValue(name, value)
   }
   // a setting misspelled by case or underscores (`dataFile`, `DATAFILE`, as an embedding app may
   // write it) would be dropped without a word: the password, or the data file, with it
@@ -8595,6 +8596,27 @@ function readSettings(env: Record<string, string | undefined>, argv: readonly st
     else values[name] = requireBareValue(name, value, flag)
   }
   return values
+}
+
+/**
+ * A value given to `loadConfig` as a string, or as a finite number, which is read as its decimal string
+ * (`{ CODE_TTL: 300 }`, as settings read from JSON have it). Anything else (`true`, a list, a `URL`)
+ * is refused, naming the setting: a method of strings would otherwise fail on it, naming none.
+ */
+function requireString(name: SettingName, value: unknown): string | undefined {
+  if (value === undefined || typeof value === 'string') return value
+  if (typeof value === 'number' && Number.isFinite(value)) return String(value)
+  const example = defaultOf(name) // a literal one, as 300, but not unset or ISSUER + /
+  const asIn = example !== 'unset' && /^[a-z0-9.-]+$/.test(example) ? `'${example}'` : 'an environment variable'
+  throw new ConfigError(`${name} must be a string, as in ${asIn}, not ${kindOf(value)}`)
+}
+
+/** What a value is, in words: `an array`, `null`, `NaN`. */
+function kindOf(value: unknown): string {
+  if (typeof value === 'number') return String(value) // NaN or Infinity
+  if (value === null) return 'null'
+  if (Array.isArray(value)) return 'an array'
+  return typeof value === 'object' ? 'an object' : `a ${typeof value}`
 }
 
 /**
