@@ -296,6 +296,13 @@ describe('Configuration', () => {
     it(`reads the duration ${value} as ${seconds} seconds`, () => assert.equal(parseDuration('X', value), seconds))
   }
 
+  it('reads a refresh grace of 0, in any unit, as off', () => {
+    for (const value of ['0', '00', '0s', '0m'])
+      assert.equal(loadConfig({ REFRESH_TOKEN_GRACE: value }).refreshTokenGraceSeconds, 0)
+    assert.equal(parseDuration('REFRESH_TOKEN_GRACE', '0', { allowZero: true }), 0)
+    assert.throws(() => parseDuration('CODE_TTL', '0'), /CODE_TTL 0 is not a positive duration/)
+  })
+
   it('says a duration of many digits is too long, not that it is not one', () => {
     assert.throws(() => parseDuration('ACCESS_TOKEN_TTL', '9999999999999'), /is longer than ten years: use 3650d/)
     assert.throws(() => parseDuration('ACCESS_TOKEN_TTL', '9'.repeat(400)), /is longer than ten years/)
@@ -405,6 +412,12 @@ describe('Configuration', () => {
       { ISSUER: 'https://auth.example.com' },
       [],
       /ISSUER.*PASSWORD_HASH.*hash-password/,
+    ],
+    [
+      'a refresh grace period that is not a duration, saying that 0 is one',
+      { REFRESH_TOKEN_GRACE: '-1' },
+      [],
+      /^REFRESH_TOKEN_GRACE -1 is not a duration: use 0, seconds or a unit, as in 0, 30/,
     ],
     ['a refresh grace period over 10 minutes', { REFRESH_TOKEN_GRACE: '11m' }, [], /REFRESH_TOKEN_GRACE/],
     ['a refresh grace period a second over 10 minutes', { REFRESH_TOKEN_GRACE: '601' }, [], /REFRESH_TOKEN_GRACE/],

@@ -8445,9 +8445,11 @@ export function loadConfig(
     'REFRESH_TOKEN_TTL',
     raw.REFRESH_TOKEN_TTL ?? defaultOf('REFRESH_TOKEN_TTL'),
   )
-  const refreshTokenGraceSeconds = /^0+[smhd]?$/.test(raw.REFRESH_TOKEN_GRACE ?? '')
-    ? 0
-    : parseDuration('REFRESH_TOKEN_GRACE', raw.REFRESH_TOKEN_GRACE ?? defaultOf('REFRESH_TOKEN_GRACE'))
+  const refreshTokenGraceSeconds = parseDuration(
+    'REFRESH_TOKEN_GRACE',
+    raw.REFRESH_TOKEN_GRACE ?? defaultOf('REFRESH_TOKEN_GRACE'),
+    { allowZero: true }, // 0 turns it off
+  )
   if (refreshTokenGraceSeconds > MAX_REFRESH_GRACE_SECONDS) {
     throw new ConfigError(
       'REFRESH_TOKEN_GRACE is longer than 10 minutes, which would let a stolen refresh token go unnoticed: ' +
@@ -8657,12 +8659,17 @@ function parsePort(value: string): number {
   return port
 }
 
-/** Parses plain seconds or a number with a unit (`90s`, `10m`, `12h`, `7d`) into seconds. */
-export function parseDuration(name: string, value: string): number {
+/**
+ * Parses plain seconds or a number with a unit (`90s`, `10m`, `12h`, `7d`) into seconds; 0 only
+ * with `allowZero`, for a setting that 0 turns off.
+ */
+export function parseDuration(name: string, value: string, options: { allowZero?: boolean } = {}): number {
   const match = /^(\d+)([smhd]?)$/.exec(value) // as many digits as come: too many is too long
   const unitSeconds = { '': 1, s: 1, m: 60, h: 3600, d: 86400 }
   const seconds = match === null ? NaN : Number(match[1]) * unitSeconds[match[2] as keyof typeof unitSeconds]
-  if (!(seconds > 0))
+  if (options.allowZero === true && !(seconds >= 0))
+    throw new ConfigError(`${name} ${value} is not a duration: use 0, seconds or a unit, as in 0, 30, 90s or 10m`)
+  if (options.allowZero !== true && !(seconds > 0))
     throw new ConfigError(
       `${name} ${value} is not a positive duration: use seconds or a unit, as in 300, 90s, 10m, 12h or 7d`,
     )
