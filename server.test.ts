@@ -430,6 +430,18 @@ describe('Configuration', () => {
     ],
     ['an unknown flag', {}, ['--colour', 'blue'], /--colour/],
     ['a profile photo that is not a URL', { PROFILE_PHOTO: 'me.jpg' }, [], /PROFILE_PHOTO/],
+    [
+      'a profile photo with a user name and password, which every app would be given',
+      { PROFILE_PHOTO: 'https://me:secret@example.com/photo.jpg' },
+      [],
+      /^PROFILE_PHOTO .* contains a user name or password: remove it$/,
+    ],
+    [
+      'a home page with a user name',
+      { PROFILE_URL: 'https://me@example.com/' },
+      [],
+      /^PROFILE_URL .* contains a user name or password: remove it$/,
+    ],
     ['a profile email that is not an address', { PROFILE_EMAIL: 'me' }, [], /PROFILE_EMAIL/],
     ['a zero refresh token lifetime', { REFRESH_TOKEN_TTL: '0' }, [], /REFRESH_TOKEN_TTL/],
     ['a flag without a value', {}, ['--port'], /--port/],

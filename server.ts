@@ -8715,7 +8715,11 @@ function parseProfileLink(name: string, value: string): string {
       `${name} ${value} is not an http or https URL: use a full URL, as in ` +
         `https://example.com/${name === 'PROFILE_PHOTO' ? 'photo.jpg' : ''}`,
     )
-  return new URL(value).href
+  const url = new URL(value)
+  // as ISSUER and ME: the profile goes to every app granted it, and a password with it
+  if (url.username !== '' || url.password !== '')
+    throw new ConfigError(`${name} ${value} contains a user name or password: remove it`)
+  return url.href
 }
 
 function parseEmail(value: string): string {
