@@ -363,6 +363,18 @@ describe('Configuration', () => {
     ['a profile URL with a user name', { ME: 'https://user@example.com/' }, [], /ME/],
     ['a profile URL with a dot segment', { ME: 'https://example.com/a/../b' }, [], /ME/],
     ['a profile URL that URL() cannot parse', { ME: 'http://xn--a.com/' }, [], /ME/],
+    [
+      'a profile URL whose host is not written in ASCII, naming it in punycode',
+      { ME: 'https://例え.jp/' },
+      [],
+      /^ME https:\/\/例え\.jp\/ has a host with characters outside ASCII: write the host in punycode, as xn--r8jz45g.jp$/,
+    ],
+    [
+      'a profile URL whose path is not written in ASCII, as it was',
+      { ME: 'https://example.com/päth' },
+      [],
+      /^ME .* is not a valid profile URL \(it contains spaces or characters that must be percent-encoded\)/,
+    ],
     ['a password hash Latch did not make', { PASSWORD_HASH: 'hunter2' }, [], /PASSWORD_HASH.*hash-password/],
     ['a password hash in quotes', { PASSWORD_HASH: `"${PASSWORD_HASH}"` }, [], /^PASSWORD_HASH has quotes around it/],
     ['a password hash and a space', { PASSWORD_HASH: `${PASSWORD_HASH} ` }, [], /^PASSWORD_HASH has white space/],

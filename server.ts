@@ -8702,11 +8702,17 @@ function parseIssuer(value: string): string {
 
 function parseMe(value: string): string {
   const problem = profileUrlProblem(value)
-  if (problem !== undefined)
+  if (problem === undefined) return canonicalizeUrl(value)
+  // a host as people write it (例え.jp): a profile URL carries it only as DNS has it, in punycode
+  const authority = /^[a-z][a-z0-9+.-]*:\/\/([^/?#]*)/i.exec(value)?.[1] ?? ''
+  if (/[^\x00-\x7f]/.test(authority) && URL.canParse(value))
     throw new ConfigError(
-      `ME ${value} is not a valid profile URL (${problem}): use your site's URL, as in https://example.com/`,
+      `ME ${value} has a host with characters outside ASCII: write the host in punycode, ` +
+        `as ${new URL(value).hostname}`,
     )
-  return canonicalizeUrl(value)
+  throw new ConfigError(
+    `ME ${value} is not a valid profile URL (${problem}): use your site's URL, as in https://example.com/`,
+  )
 }
 
 function parseProfileLink(name: string, value: string): string {
