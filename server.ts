@@ -19,7 +19,7 @@
  *     const { PASSWORD_HASH } = process.env // from `npx tsx server.ts hash-password`
  *     const config = loadConfig({ ISSUER: 'https://auth.example.com', ME: 'https://example.com/', PASSWORD_HASH })
  *     const handler = createHandler({ config, store: await openStore(config) }) // the journal at DATA_FILE
- *     createLatchServer().on('request', handler).listen(3000, '127.0.0.1')
+ *     createLatchServer(undefined, undefined, console.log).on('request', handler).listen(3000, '127.0.0.1')
  *
  * Reading guide. The file has two parts. Part 1, "The protocol", is IndieAuth: the nouns and the
  * `Store` contract, errors, parameters, PKCE, identifiers and what a client publishes, then the
