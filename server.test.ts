@@ -8,7 +8,7 @@ import { fork, spawn } from 'node:child_process'
 import { createHash } from 'node:crypto'
 import { Agent, createServer, request } from 'node:http'
 import type { IncomingMessage, ServerResponse } from 'node:http'
-import { once } from 'node:events'
+import { getEventListeners, once } from 'node:events'
 import { connect } from 'node:net'
 import type { AddressInfo, Socket } from 'node:net'
 import { PassThrough, Writable } from 'node:stream'
@@ -4539,7 +4539,7 @@ describe('Router and errors', () => {
     }
   })
 
-  it('keeps one count of wrong passwords for a store, even with a handler made at each request', async () => {
+  it('keeps one Latch in memory for a store and config, even with a handler made at each request', async () => {
     const store = new MemoryStore()
     const server = createServer()
     await new Promise<void>((resolve) => server.listen(0, '127.0.0.1', resolve))
@@ -4547,24 +4547,58 @@ describe('Router and errors', () => {
     const passwordHash = await hashPassword('correct horse', FAST_COST)
     const config = loadConfig({ DATA_FILE: 'memory', PASSWORD_HASH: passwordHash }, [], { boundPort: port })
     const stopped = new AbortController()
+    let time = START
+    const logs: string[] = []
     // a mistake an embedding app may make: a handler made for each request
     server.on('request', (req, res) =>
-      createHandler({ config, store, now: () => START, log: () => {}, signal: stopped.signal })(req, res),
+      createHandler({ config, store, now: () => time, log: (line) => logs.push(line), signal: stopped.signal })(
+        req,
+        res,
+      ),
     )
     const close = () => {
       stopped.abort()
       server.closeAllConnections()
       return new Promise<void>((resolve) => server.close(() => resolve()))
     }
-    const latch = { base: `http://127.0.0.1:${port}`, port, issuer: config.issuer, logs: [], advance: () => {}, close }
+    const latch = { base: `http://127.0.0.1:${port}`, port, issuer: config.issuer, logs, advance: () => {}, close }
     try {
       const consent = await openConsent(latch)
       const statuses: number[] = []
       for (let i = 0; i < 7; i++)
         statuses.push((await submitConsent(latch, consent, { password: `guess ${i}` })).status)
       assert.deepEqual(statuses, [401, 401, 401, 401, 401, 401, 429])
+      // on one steady clock: set back an hour, the lockout of 2 seconds still ends 2 seconds on
+      time -= 3_600_000
+      const throttled = await submitConsent(latch, consent, { password: 'correct horse' })
+      assert.equal(throttled.status, 429)
+      assert.equal(throttled.headers.get('retry-after'), '2') // not 3602
+      time += 2_000
+      assert.equal((await submitConsent(latch, consent, { password: 'correct horse' })).status, 303)
+      // a proxy that TRUST_PROXY does not name is warned of once, not at each request
+      for (let i = 0; i < 3; i++) await fetch(`${latch.base}/`, { headers: { 'X-Forwarded-For': '203.0.113.9' } })
+      assert.equal(logs.filter((line) => line.includes('TRUST_PROXY does not name')).length, 1)
+      assert.equal(getEventListeners(stopped.signal, 'abort').length, 1) // one for the signal, not one a request
     } finally {
       await close()
+    }
+  })
+
+  it('keeps the counts of wrong passwords apart for two Latches with their own passwords on one store', async () => {
+    const store = new MemoryStore()
+    const alice = await startLatch({ PASSWORD_HASH: await hashPassword('alice horse staple', FAST_COST) }, { store })
+    const bob = await startLatch({ PASSWORD_HASH: await hashPassword('bob horse staple', FAST_COST) }, { store })
+    try {
+      const atBob = await openConsent(bob)
+      for (let i = 0; i < 6; i++)
+        assert.equal((await submitConsent(bob, atBob, { password: `guess ${i}` })).status, 401)
+      assert.equal((await submitConsent(bob, atBob, { password: 'bob horse staple' })).status, 429)
+      // guesses of Bob's password lock Bob's Latch, not Alice's
+      const atAlice = await openConsent(alice)
+      assert.equal((await submitConsent(alice, atAlice, { password: 'alice horse staple' })).status, 303)
+    } finally {
+      await alice.close()
+      await bob.close()
     }
   })
 

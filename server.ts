@@ -355,13 +355,14 @@ export interface Store {
   deletePasskey(id: string): Promise<void>
 }
 
-/** What `createHandler` takes. Only `config` is needed; the rest have defaults. */
+/** What `createHandler` takes: `config`, and `store` unless `DATA_FILE` is `memory`; the rest have defaults. */
 export type HandlerOptions = {
   config: Config
   /**
    * Where codes, grants and tokens are kept: `await openStore(config)`. Only with `DATA_FILE`
-   * `memory` may it be left out, for a new `MemoryStore`. Handlers of one store share what they
-   * keep in memory too (password tries, discovery's cache), so one may be made at each request.
+   * `memory` may it be left out, for a new `MemoryStore`. Handlers of one store and one config
+   * share what they keep in memory too (password tries, discovery's cache; see `Kept`), so one
+   * may be made at each request.
    */
   store?: Store
   /** The clock, in milliseconds; tests pass one they can advance. Defaults to `Date.now`. */
@@ -375,7 +376,7 @@ export type HandlerOptions = {
   clientFetch?: ClientFetchOptions
   /**
    * Aborting it stops the handler's share of the timer that sweeps expired entries from the store
-   * every 100 ms: the timer stops with the last handler of the store.
+   * every 100 ms: the timer stops once every handler of the store and config that has one is stopped.
    */
   signal?: AbortSignal
 }
@@ -414,7 +415,7 @@ type Context = {
    * passkey changes under way, which run one at a time.
    */
   passkeys: { key: Buffer; used: Map<string, number>; changes: Promise<unknown> }
-  /** When this handler was made: a store may keep a grant's last use in memory only, lost before then. */
+  /** When this Latch's first handler was made: a store may keep a grant's last use in memory only, lost before. */
   startedAt: number
   /** The grants of tokens for scripts being made, each with the end of its last try: one form sent twice waits. */
   scriptGrantsUnderWay: Map<string, Promise<void>>
@@ -2483,59 +2484,6 @@ async function rejectUnknownPath(): Promise<void> {
 }
 
 /**
- * What handlers keep in memory besides the store, one set for each store: a handler made at each
- * request, or two serving one store, still count wrong passwords and refreshes once, know each
- * other's passkey challenges, share discovery's cache and slots, and sweep the store once.
- */
-type Kept = {
-  shared: Pick<
-    Context,
-    | 'signInAttempts'
-    | 'passwordSlots'
-    | 'clients'
-    | 'failedClients'
-    | 'clientLookups'
-    | 'lookupsBy'
-    | 'clientFetchSlots'
-    | 'refreshes'
-    | 'passkeys'
-    | 'startedAt'
-    | 'scriptGrantsUnderWay'
-    | 'scriptGrantsWithoutToken'
-    | 'answered'
-  >
-  /** The handlers that sweep the store, and the timer they share. */
-  handlers: number
-  sweeping?: NodeJS.Timeout
-}
-
-const keptByStore = new WeakMap<Store, Kept>()
-
-function keptFor(store: Store, now: () => number): Kept {
-  let kept = keptByStore.get(store)
-  if (kept === undefined) {
-    const shared: Kept['shared'] = {
-      signInAttempts: { byAddress: new Map(), total: NO_ATTEMPTS },
-      passwordSlots: { running: 0, waiting: [] },
-      clients: new Map(),
-      failedClients: new Map(),
-      clientLookups: new Map(),
-      lookupsBy: new Map(),
-      clientFetchSlots: { running: 0, waiting: [] },
-      refreshes: new Map(),
-      passkeys: { key: randomBytes(32), used: new Map(), changes: Promise.resolve() },
-      startedAt: now(),
-      scriptGrantsUnderWay: new Map(),
-      scriptGrantsWithoutToken: new Set(),
-      answered: new Map(),
-    }
-    kept = { shared, handlers: 0 }
-    keptByStore.set(store, kept)
-  }
-  return kept
-}
-
-/**
  * Creates the request handler: a plain `(req, res) => void` for node:http, Express or Connect.
  * It logs one line per request (method, path, status, milliseconds) and never a secret.
  */
@@ -2552,28 +2500,18 @@ export function createHandler(options: HandlerOptions): (req: IncomingMessage, r
   const log = options.log ?? console.log
   const now = options.now ?? Date.now
   const store = options.store ?? new MemoryStore({ log })
-  const kept = keptFor(store, now)
+  const kept = keptFor(store, options.config, now)
   const ctx: Context = {
     config: options.config,
     store,
     now,
-    steadyNow: steadyClock(now),
     log,
     clientFetch: options.clientFetch ?? {},
     trustedProxies: trustedProxiesOf(options.config),
     ...kept.shared,
   }
-  // expired entries go even while no one writes, without costing a request anything
-  if ((store instanceof MemoryStore || store instanceof FileStore) && options.signal?.aborted !== true) {
-    kept.handlers++
-    kept.sweeping ??= setInterval(() => store.sweep(now()), 100).unref()
-    const stop = () => {
-      if (--kept.handlers > 0) return
-      clearInterval(kept.sweeping)
-      kept.sweeping = undefined
-    }
-    options.signal?.addEventListener('abort', stop, { once: true })
-  }
+  if ((store instanceof MemoryStore || store instanceof FileStore) && options.signal?.aborted !== true)
+    keepSweeping(kept, store, options.signal)
   const ownHosts = ownHostsOf(ctx.config)
   // the issuer's host and port, when on loopback: a page asked for under another loopback name is sent there
   const issuerUrl = new URL(ctx.config.issuer)
@@ -2582,9 +2520,7 @@ export function createHandler(options: HandlerOptions): (req: IncomingMessage, r
     : undefined
   const mountedAt = mountPath(ctx.config)
   let lastOwnHost: string | undefined // the Host header that passed last time: nearly every request repeats it
-  // cleared once said; without a password, such a request is refused (`refusalOf`) and says why itself
-  let warnOfUnnamedProxy = ctx.config.passwordHash !== undefined
-  let namedProxy: string | undefined // the last proxy on loopback seen named, not looked up again
+  const proxyWarning = kept.proxyWarning
   return (req, res) => {
     if (req.socket.destroyed) return // a connection closed already (see `MAX_QUEUED_ANSWERS`): no one to answer
     const started = process.hrtime.bigint() // not `performance`: its first use loads perf_hooks, on the first request
@@ -2594,12 +2530,13 @@ export function createHandler(options: HandlerOptions): (req: IncomingMessage, r
     if (cors) (res as MarkedResponse)[CORS] = true
     // the address now: once the connection is gone, node:http no longer knows it
     const address = clientAddress(req, ctx.trustedProxies)
-    if (warnOfUnnamedProxy && req.headers['x-forwarded-for'] !== undefined && isLoopbackPeer(req)) {
+    if (proxyWarning.pending && req.headers['x-forwarded-for'] !== undefined && isLoopbackPeer(req)) {
       const peer = plainAddress(req.socket.remoteAddress ?? '')
-      if (peer !== namedProxy && ctx.trustedProxies !== undefined && isTrustedProxy(peer, ctx.trustedProxies))
-        namedProxy = peer
-      if (peer !== namedProxy) {
-        warnOfUnnamedProxy = false
+      // the last proxy on loopback seen named is not looked up again
+      if (peer !== proxyWarning.named && ctx.trustedProxies !== undefined && isTrustedProxy(peer, ctx.trustedProxies))
+        proxyWarning.named = peer
+      if (peer !== proxyWarning.named) {
+        proxyWarning.pending = false
         logEvent(
           ctx,
           'warning',
@@ -3285,6 +3222,93 @@ function steadyClock(now: () => number): () => number {
     wall = next
     return steady
   }
+}
+
+/**
+ * What a Latch keeps in memory besides its store, one set for each store and configuration: a
+ * handler made at each request, or two serving one Latch, still count wrong passwords and
+ * refreshes once, on one steady clock, know each other's passkey challenges, share discovery's
+ * cache and slots, warn of an unnamed proxy once, and sweep the store once. Handlers of one store
+ * with other settings (another password, another host) are other Latches, and keep their own.
+ */
+type Kept = {
+  shared: Pick<
+    Context,
+    | 'steadyNow'
+    | 'signInAttempts'
+    | 'passwordSlots'
+    | 'clients'
+    | 'failedClients'
+    | 'clientLookups'
+    | 'lookupsBy'
+    | 'clientFetchSlots'
+    | 'refreshes'
+    | 'passkeys'
+    | 'startedAt'
+    | 'scriptGrantsUnderWay'
+    | 'scriptGrantsWithoutToken'
+    | 'answered'
+  >
+  /** The clock of the first handler, which the sweep follows. */
+  now: () => number
+  /** Whether a proxy that TRUST_PROXY does not name is still to be warned of; the last one seen named. */
+  proxyWarning: { pending: boolean; named?: string }
+  /** The signals of the handlers that sweep, `forever` once one has none, and the timer they share. */
+  signals: Set<AbortSignal>
+  forever: boolean
+  sweeping?: NodeJS.Timeout
+}
+
+const keptByStore = new WeakMap<Store, Map<string, Kept>>()
+
+function keptFor(store: Store, config: Config, now: () => number): Kept {
+  const byConfig = keptByStore.get(store) ?? new Map<string, Kept>()
+  keptByStore.set(store, byConfig)
+  const key = JSON.stringify(config)
+  let kept = byConfig.get(key)
+  if (kept === undefined) {
+    const shared: Kept['shared'] = {
+      steadyNow: steadyClock(now),
+      signInAttempts: { byAddress: new Map(), total: NO_ATTEMPTS },
+      passwordSlots: { running: 0, waiting: [] },
+      clients: new Map(),
+      failedClients: new Map(),
+      clientLookups: new Map(),
+      lookupsBy: new Map(),
+      clientFetchSlots: { running: 0, waiting: [] },
+      refreshes: new Map(),
+      passkeys: { key: randomBytes(32), used: new Map(), changes: Promise.resolve() },
+      startedAt: now(),
+      scriptGrantsUnderWay: new Map(),
+      scriptGrantsWithoutToken: new Set(),
+      answered: new Map(),
+    }
+    // cleared once said; without a password, such a request is refused (`refusalOf`) and says why itself
+    const proxyWarning = { pending: config.passwordHash !== undefined }
+    kept = { shared, now, proxyWarning, signals: new Set(), forever: false }
+    byConfig.set(key, kept)
+  }
+  return kept
+}
+
+/**
+ * Sweeps expired entries from the store every 100 ms, even while no one writes, without costing a
+ * request anything; until the signal of every handler that asked is aborted (never, once one
+ * without a signal asked). One listener for each signal, however many handlers it stops.
+ */
+function keepSweeping(kept: Kept, store: MemoryStore | FileStore, signal: AbortSignal | undefined): void {
+  if (signal === undefined) kept.forever = true
+  else if (!kept.signals.has(signal)) {
+    kept.signals.add(signal)
+    const stop = () => {
+      kept.signals.delete(signal)
+      if (kept.signals.size > 0 || kept.forever) return
+      clearInterval(kept.sweeping)
+      kept.sweeping = undefined
+    }
+    signal.addEventListener('abort', stop, { once: true })
+  }
+  kept.sweeping ??= setInterval(() => store.sweep(kept.now()), 100).unref()
 }
 
 /**
