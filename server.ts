@@ -9045,6 +9045,10 @@ async function main(argv: string[], env: Record<string, string | undefined>): Pr
   // standard output sent to a file is written directly: a full disk then costs lines, not the whole log
   const write = createLineWriter(isFile(1) ? 1 : process.stdout, 100, format)
   const logMessage = (line: string) => write(format(line))
+  // Node opens its debugger at SIGUSR1, on a port any user of the machine may connect to and run
+  // code in Latch from; rotation scripts written for nginx send it. A listener keeps it shut, from
+  // here on: before the data file is read, which can take a second or more.
+  process.on('SIGUSR1', () => logMessage('SIGUSR1: ignored (Latch reopens nothing; no debugger is opened)'))
   if (!config.passwordSignIn && config.dataFile === 'memory')
     throw new ConfigError(
       'PASSWORD_SIGN_IN=off leaves only passkeys, and DATA_FILE=memory keeps none from one start to the next: ' +
@@ -9133,9 +9137,6 @@ async function main(argv: string[], env: Record<string, string | undefined>): Pr
       })
     })
   }
-  // Node opens its debugger at SIGUSR1, on a port any user of the machine may connect to and run
-  // code in Latch from; rotation scripts written for nginx send it. A listener keeps it shut.
-  process.on('SIGUSR1', () => logMessage('SIGUSR1: ignored (Latch reopens nothing; no debugger is opened)'))
   // last: a supervisor may signal as soon as it reads this
   printStartup(config, env, `http://${hostForUrl(config.host)}:${port}`, store)
 }
