@@ -1965,10 +1965,10 @@ function narrowScope(requested: string | undefined, granted: string[]): string[]
 function narrowResource(form: Params, granted: string[]): string[] {
   const requested = readResources(form)
   if (requested.length === 0) return granted
-  if (requested.some((resource) => !granted.includes(resource))) {
+  if (requested.some((resource) => !granted.some((one) => sameResource(one, resource)))) {
     throw new OAuthError('invalid_target', 'The resource was not among those the owner approved for this app')
   }
-  return requested
+  return granted.filter((one) => requested.some((resource) => sameResource(one, resource))) // as approved
 }
 
 /**
@@ -2319,13 +2319,25 @@ export async function checkAccessToken(
 }
 
 /**
- * Whether two resource indicators name the same service, compared as URLs: `HTTP://HOST/./mcp`
- * is `http://host/mcp`, and `https://host` is `https://host/`, which is what an MCP client sends
- * for a server at the origin. RFC 8707 leaves the comparison to the server.
+ * Whether two resource indicators name the same service (RFC 8707 leaves the comparison to the
+ * server): the same origin, compared as URLs, so that `HTTPS://HOST:443` is `https://host`, and
+ * the same path and query as written, an empty path being `/`: `https://host` is `https://host/`,
+ * which is what an MCP client sends for a server at its origin. The path is not resolved as URLs
+ * do (`/a/%2e%2e/b` is `/b` to them): the consent page shows it as written, and the owner approves
+ * what the page shows.
  */
 function sameResource(a: string, b: string): boolean {
   if (a === b) return true
-  return URL.canParse(a) && URL.canParse(b) && new URL(a).href === new URL(b).href
+  if (!URL.canParse(a) || !URL.canParse(b)) return false
+  const [one, other] = [new URL(a), new URL(b)]
+  if (one.origin === 'null' || one.origin !== other.origin) return false
+  return one.username === other.username && one.password === other.password && pathAsWritten(a) === pathAsWritten(b)
+}
+
+/** What follows a URL's authority as it is written, an empty path as `/`. */
+function pathAsWritten(url: string): string {
+  const rest = /^[a-z][a-z0-9+.-]*:\/\/[^/?#]*(.*)$/is.exec(url)?.[1] ?? url
+  return rest.startsWith('/') ? rest : `/${rest}`
 }
 
 /**

@@ -499,8 +499,8 @@ describe('Resource indicators (RFC 8707)', () => {
     const forUserinfo = await tokensOf(await refresh(latch.base, forApi.refresh_token, { resource: userinfo }))
     const profile = await fetch(`${latch.base}/userinfo`, bearer(forUserinfo.access_token))
     assert.equal(profile.status, 200)
-    // the same URL, written otherwise: the scheme and host in capitals, a dot segment
-    const spelled = userinfo.replace('http://127.0.0.1', 'HTTP://127.0.0.1').replace('/userinfo', '/./userinfo')
+    // the same URL, written otherwise: the scheme in capitals
+    const spelled = userinfo.replace('http://127.0.0.1', 'HTTP://127.0.0.1')
     const other = await obtainCode(latch.base, { scope: 'profile', resource: spelled })
     const forSpelled = await tokensOf(await exchange(latch.base, other))
     assert.equal((await fetch(`${latch.base}/userinfo`, bearer(forSpelled.access_token))).status, 200)
@@ -554,12 +554,24 @@ describe('checkAccessToken, for a resource server sharing the store', () => {
   it('compares resources as URLs, as /userinfo does: an MCP client sends the origin with its slash', async () => {
     const code = await obtainCode(latch.base, { scope: 'create', resource: 'https://mcp.example/' })
     const tokens = await tokensOf(await exchange(latch.base, code))
-    for (const resource of ['https://mcp.example', 'HTTPS://MCP.example:443/', 'https://mcp.example/./']) {
+    for (const resource of ['https://mcp.example', 'HTTPS://MCP.example:443/']) {
       const check = await checkAccessToken(store, tokens.access_token, { resource }, now)
       assert.equal(check.active, true, resource)
     }
-    const other = await checkAccessToken(store, tokens.access_token, { resource: 'https://mcp.example/x' }, now)
-    assert.equal(other.active, false)
+    for (const resource of ['https://mcp.example/x', 'https://user@mcp.example/', 'https://mcp.example/./']) {
+      const check = await checkAccessToken(store, tokens.access_token, { resource }, now)
+      assert.equal(check.active, false, resource)
+    }
+    // and so at the token endpoint, where the audience stays as the owner approved it
+    const narrowed = await tokensOf(
+      await refresh(latch.base, tokens.refresh_token, { resource: 'https://mcp.example' }),
+    )
+    assert.equal((await introspect(latch.base, narrowed.access_token)).aud, 'https://mcp.example/')
+    // a path is compared as written, as the consent page showed it, not resolved as URLs do
+    const dotted = await obtainCode(latch.base, { scope: 'create', resource: 'https://mcp.example/docs/%2e%2e/admin' })
+    const forDocs = await tokensOf(await exchange(latch.base, dotted))
+    const admin = await checkAccessToken(store, forDocs.access_token, { resource: 'https://mcp.example/admin' }, now)
+    assert.equal(admin.active, false)
   })
 
   it('refuses an IndieAuth token, which has no audience, when a resource is required', async () => {
