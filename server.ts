@@ -7409,17 +7409,19 @@ async function unsafeDataFile(dataFile: string, path: string, file: Stats): Prom
 
 /**
  * The first symbolic link on the way to a path, the file or a folder, that belongs to another
- * user than this one or root, and who owns it; undefined when there is none. Whoever owns a link
- * can point it anywhere: one another user made in a folder such as /tmp could lead Latch to make
- * or use a file of its own choosing. The kernel's fs.protected_symlinks refuses such links in
- * sticky folders, but is not set everywhere. Each name is looked at as the kernel meets it, a
- * link's target in its place; the walk ends at the first name that does not exist, which Latch
- * makes itself, and at any other failure, which opening the file then reports.
+ * user than this one or root, and who owns it; undefined when there is none. A link another user
+ * made in a folder such as /tmp, they may replace with one pointing anywhere: it could lead Latch
+ * to make or use a file of their choosing. (The kernel's fs.protected_symlinks, which not every
+ * system sets, refuses such links in sticky folders only.) Each name is looked at as the kernel
+ * meets it, a link's target in its place. A name that does not exist is a folder Latch will make,
+ * and the walk goes on past it, so that a `..` after it meets what the kernel will; a link that
+ * cannot be read ends it, and opening the file then says why.
  */
 async function foreignLink(path: string, uid: number): Promise<{ link: string; owner: number } | undefined> {
   const names = path.split('/')
-  let at = isAbsolute(path) ? '/' : process.cwd() // no link in either: `..` below is its folder
-  for (let links = 0; names.length > 0;) {
+  let at = isAbsolute(path) ? '/' : process.cwd() // a real path, as / is: `..` from it is its parent
+  let links = 0
+  while (names.length > 0) {
     const name = names.shift() as string
     if (name === '' || name === '.') continue
     if (name === '..') {
@@ -7428,14 +7430,14 @@ async function foreignLink(path: string, uid: number): Promise<{ link: string; o
     }
     const next = join(at, name)
     const stats = await lstat(next).catch(() => undefined)
-    if (stats === undefined) return undefined
-    if (!stats.isSymbolicLink()) {
+    if (stats === undefined || !stats.isSymbolicLink()) {
       at = next
       continue
     }
     if (stats.uid !== uid && stats.uid !== 0) return { link: next, owner: stats.uid }
     if (++links > 40) return undefined // a loop, which open reports as ELOOP
-    const target = await readlink(next)
+    const target = await readlink(next).catch(() => undefined)
+    if (target === undefined) return undefined
     names.unshift(...target.split('/')) // followed from the link's folder, or from / when absolute
     if (isAbsolute(target)) at = '/'
   }
@@ -7634,7 +7636,8 @@ export class FileStore implements Store {
     if (planted !== undefined)
       throw new ConfigError(
         `DATA_FILE ${dataFile} has on its path a symbolic link of another user (${planted.link}, ` +
-          `uid ${planted.owner}), who could point it anywhere: remove the link, or choose a path without it`,
+          `uid ${planted.owner}), who could replace it with one pointing anywhere: ` +
+          'remove the link, or choose a path without it',
       )
     await makeFolders(dirname(dataFile), 0o700)
     const found = await stat(dataFile).catch((err: NodeJS.ErrnoException) =>

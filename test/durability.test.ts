@@ -878,13 +878,14 @@ describe('DATA_FILE: what other users could change', () => {
       [file, file],
       [join(folder, 'latch.jsonl'), folder],
       [join(folder, 'below', 'latch.jsonl'), folder],
+      [`${sticky}/missing/../folder/latch.jsonl`, folder], // past a folder Latch would make
     ]) {
       await assert.rejects(FileStore.open(dataFile, { log: () => {} }), (err: unknown) => {
         assert.ok(err instanceof ConfigError, String(err))
         assert.equal(
           err.message,
           `DATA_FILE ${dataFile} has on its path a symbolic link of another user (${link}, uid 65534), ` +
-            'who could point it anywhere: remove the link, or choose a path without it',
+            'who could replace it with one pointing anywhere: remove the link, or choose a path without it',
         )
         return true
       })
