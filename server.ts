@@ -6265,17 +6265,20 @@ export async function discoverClient(
  * How long a response stays fresh, in seconds, by the rules of a private cache (RFC 9111 §4.2):
  * `max-age` less `Age`, else `Expires` less `Date`; 0 for `no-store` and for `no-cache` (Latch does
  * not revalidate); at most a day, so that a change reaches Latch daily. When neither says, a minute
- * (a heuristic lifetime, §4.2.2): else a stranger asking for a client again and again would have
- * Latch fetch its page as often, until its site answered 429, and the app could not be signed in to.
+ * less `Age` (a heuristic lifetime, §4.2.2): else a stranger asking for a client again and again
+ * would have Latch fetch its page as often, until its site answered 429, and the app could not be
+ * signed in to.
  * @see https://www.rfc-editor.org/rfc/rfc9111#section-4.2.1
+ * @see https://www.rfc-editor.org/rfc/rfc9111#section-4.2.2
  */
 export function cacheLifetime(headers: IncomingHttpHeaders, now: number): number {
   const directives = (headers['cache-control'] ?? '').toLowerCase()
   if (/(^|[\s,])(no-store|no-cache)\b/.test(directives)) return 0
-  const maxAge = /(?:^|[\s,])max-age\s*=\s*"?(\d+)/.exec(directives)
+  const maxAge = /(?:^|[\s,])max-age\b(?:\s*=\s*"?(\d+))?/.exec(directives)
   const age = /^\d+$/.test(headers.age ?? '') ? Number(headers.age) : 0
-  let fresh = HEURISTIC_CLIENT_CACHE_SECONDS
-  if (maxAge !== null) fresh = Number(maxAge[1]) - age
+  let fresh = HEURISTIC_CLIENT_CACHE_SECONDS - age
+  // a max-age that is no number of seconds (-1, abc) is invalid, which makes the response stale (§4.2.1)
+  if (maxAge !== null) fresh = maxAge[1] === undefined ? 0 : Number(maxAge[1]) - age
   else if (headers.expires !== undefined) {
     const expires = Date.parse(headers.expires)
     const date = headers.date === undefined ? now : Date.parse(headers.date)

@@ -943,6 +943,12 @@ describe('cacheLifetime (RFC 9111 §4.2)', () => {
     assert.equal(cacheLifetime({}, now), 60)
     assert.equal(cacheLifetime({ 'cache-control': 'public' }, now), 60)
     assert.equal(cacheLifetime({ 'cache-control': 'max-age=0' }, now), 0)
+    assert.equal(cacheLifetime({ age: '45' }, now), 15)
+  })
+
+  it('keeps nothing for a max-age that is no number of seconds, which makes it stale (§4.2.1)', () => {
+    for (const cacheControl of ['max-age=-1', 'max-age=abc', 'max-age=', 'private, max-age=-30'])
+      assert.equal(cacheLifetime({ 'cache-control': cacheControl }, now), 0, cacheControl)
   })
 })
 
