@@ -370,6 +370,12 @@ describe('Configuration', () => {
       /^ME https:\/\/例え\.jp\/ has a host with characters outside ASCII: write the host in punycode, as xn--r8jz45g.jp$/,
     ],
     [
+      'a profile URL whose user name is not written in ASCII, for its user name',
+      { ME: 'https://ü@example.com/' },
+      [],
+      /^ME https:\/\/ü@example\.com\/ is not a valid profile URL/,
+    ],
+    [
       'a profile URL whose path is not written in ASCII, as it was',
       { ME: 'https://example.com/päth' },
       [],
@@ -496,7 +502,8 @@ describe('Configuration', () => {
 
   it('refuses a proxy range wider than a network of proxies, in which every client would choose its address', () => {
     // ::ffff:0:0/96 and ::/8 hold every IPv4 client, as ::ffff:a.b.c.d
-    for (const range of ['0.0.0.0/0', '::/0', '10.0.0.0/7', '2000::/3', '::/8', '::ffff:0:0/96', '::ffff:10.0.0.0/103'])
+    const wide = ['0.0.0.0/0', '::/0', '10.0.0.0/7', '2000::/3', '::/8', '::ffff:0:0/96', '::ffff:10.0.0.0/103']
+    for (const range of [...wide, '2a00::/7', '2600::/12'])
       assert.throws(
         () => loadConfig({ TRUST_PROXY: `127.0.0.1,${range}`, PASSWORD_HASH }),
         (err: unknown) =>
@@ -505,7 +512,7 @@ describe('Configuration', () => {
           err.message.includes("list only your proxy's addresses"),
         range,
       )
-    for (const range of ['10.0.0.0/8', 'fc00::/7', '::ffff:10.0.0.0/104', '2001:db8::/32', '192.168.1.0/24', '::/81'])
+    for (const range of ['10.0.0.0/8', 'fc00::/7', '::ffff:10.0.0.0/104', '2001:db8::/32', '2a06:98c0::/29', '::/81'])
       assert.deepEqual(loadConfig({ TRUST_PROXY: range, PASSWORD_HASH }).trustProxy, [range])
   })
 

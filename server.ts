@@ -8584,9 +8584,10 @@ function parseTrustProxy(value: string): string[] {
 }
 
 /**
- * True for a range wider than the widest private networks, 10.0.0.0/8 and fc00::/7. An IPv4
- * client is checked against IPv6 ranges too, as ::ffff:a.b.c.d, so their IPv4 part is measured as
- * IPv4: ::ffff:0:0/96 and ::/8 hold every IPv4 address.
+ * True for a range wider than the widest private networks, 10.0.0.0/8 and fc00::/7, or, for
+ * other IPv6 addresses, than a /16 (the networks of the largest proxies are /20s and /29s). An
+ * IPv4 client is checked against IPv6 ranges too, as ::ffff:a.b.c.d, so their IPv4 part is
+ * measured as IPv4: ::ffff:0:0/96 and ::/8 hold every IPv4 address.
  */
 function isWiderThanAProxyNetwork(address: string, prefix: number): boolean {
   if (isIP(address) === 4) return prefix < 8
@@ -8594,8 +8595,12 @@ function isWiderThanAProxyNetwork(address: string, prefix: number): boolean {
   if (isIP(mapped) === 4) return prefix < 96 + 8 // ::ffff:10.0.0.0/104 is 10.0.0.0/8
   const range = new BlockList()
   range.addSubnet(address, prefix, 'ipv6')
-  return prefix < 7 || range.check('0.0.0.0', 'ipv4')
+  if (prefix < 7 || range.check('0.0.0.0', 'ipv4')) return true
+  return prefix < 16 && !UNIQUE_LOCAL.check(address, 'ipv6') // 2a00::/7 is all of one region's Internet
 }
+
+const UNIQUE_LOCAL = new BlockList()
+UNIQUE_LOCAL.addSubnet('fc00::', 7, 'ipv6')
 
 /**
  * A setting's default, as `SETTINGS` lists it: the one place defaults are written, but for the three
@@ -8746,8 +8751,8 @@ function parseMe(value: string): string {
   const problem = profileUrlProblem(value)
   if (problem === undefined) return canonicalizeUrl(value)
   // a host as people write it (例え.jp): a profile URL carries it only as DNS has it, in punycode
-  const authority = /^[a-z][a-z0-9+.-]*:\/\/([^/?#]*)/i.exec(value)?.[1] ?? ''
-  if (/[^\x00-\x7f]/.test(authority) && URL.canParse(value))
+  const host = /^[a-z][a-z0-9+.-]*:\/\/(?:[^/?#]*@)?([^/?#]*)/i.exec(value)?.[1] ?? ''
+  if (/[^\x00-\x7f]/.test(host) && URL.canParse(value))
     throw new ConfigError(
       `ME ${value} has a host with characters outside ASCII: write the host in punycode, ` +
         `as ${new URL(value).hostname}`,
