@@ -7385,7 +7385,6 @@ async function unsafeDataFile(dataFile: string, path: string, file: Stats): Prom
   const uid = process.geteuid?.()
   const gid = process.getegid?.()
   if (uid === undefined) return undefined
-  const mode = (stats: Stats) => `mode ${(stats.mode & 0o7777).toString(8).padStart(4, '0')}`
   const othersWrite = (stats: Stats) => (stats.mode & 0o002) !== 0 || ((stats.mode & 0o020) !== 0 && stats.gid !== gid)
   if (file.uid !== uid)
     return (
@@ -7393,7 +7392,7 @@ async function unsafeDataFile(dataFile: string, path: string, file: Stats): Prom
       `run Latch as that user, or give the file to this one (uid ${uid}) with chown`
     )
   if ((file.mode & 0o022) !== 0)
-    return `can be written by other users (${mode(file)}), who could write tokens into it: run chmod 600 ${path}`
+    return `can be written by other users (${modeOf(file)}), who could write tokens into it: run chmod 600 ${path}`
   for (const folder of new Set([...foldersAbove(path), ...foldersAbove(resolve(dataFile))])) {
     const stats = await stat(folder)
     if (stats.uid !== uid && stats.uid !== 0)
@@ -7403,11 +7402,16 @@ async function unsafeDataFile(dataFile: string, path: string, file: Stats): Prom
       )
     if (othersWrite(stats) && (stats.mode & 0o1000) === 0)
       return (
-        `has on its path a folder other users can write to (${folder}, ${mode(stats)}), ` +
+        `has on its path a folder other users can write to (${folder}, ${modeOf(stats)}), ` +
         `who could put another file in its place: run chmod go-w ${folder}, or choose another folder`
       )
   }
   return undefined
+}
+
+/** A file's permissions as `ls -l` and chmod write them in octal: `mode 0600`. */
+function modeOf(stats: Stats): string {
+  return `mode ${(stats.mode & 0o7777).toString(8).padStart(4, '0')}`
 }
 
 /**
@@ -9201,10 +9205,9 @@ function dataFileProblem(err: NodeJS.ErrnoException, dataFile: string): ConfigEr
   }
   // this user's own file, which its mode keeps from it (`install -m 400`, a chmod a-w): the mode is what to fix
   if (file !== undefined && self !== undefined && (file.mode & 0o600) !== 0o600) {
-    const mode = (file.mode & 0o7777).toString(8).padStart(4, '0')
+    const cannot = ['readable', 'writable'].filter((_, i) => (file.mode & (0o400 >> i)) === 0).join(' or ')
     return new ConfigError(
-      `DATA_FILE ${dataFile} is not ${file.mode & 0o200 ? 'readable' : 'writable'} by its owner, this user ` +
-        `(mode ${mode}): run chmod 600 ${dataFile}`,
+      `DATA_FILE ${dataFile} is not ${cannot} by its owner, this user (${modeOf(file)}): run chmod 600 ${dataFile}`,
     )
   }
   // its own folder exists (Latch made it): the folder of a symbolic link's target is what is missing

@@ -269,6 +269,11 @@ describe('A start-up failure is one line naming the setting and the fix, and exi
       await runLatch([], { DATA_FILE: file, PORT: '0' }, { as: user.as }),
       /own-read-only\/latch\.jsonl is not writable by its owner, this user \(mode 0400\): run chmod 600 \S+$/,
     )
+    await chmod(file, 0o000)
+    assertOneLineFailure(
+      await runLatch([], { DATA_FILE: file, PORT: '0' }, { as: user.as }),
+      /latch\.jsonl is not readable or writable by its owner, this user \(mode 0000\): run chmod 600 \S+$/,
+    )
     await chmod(file, 0o600)
     assert.match((await runLatch([], { DATA_FILE: file, PORT: '0' }, { as: user.as })).stdout, /Latch is listening/)
   })
@@ -309,7 +314,7 @@ describe('A start-up failure is one line naming the setting and the fix, and exi
     assert.match((await runLatch([], { DATA_FILE: file, PORT: '0' })).stdout, /Latch is listening/)
   })
 
-  it('DATA_FILE in a folder its group may write, or below or linked from a folder others may write', async () => {
+  it('DATA_FILE its group may write is refused; in a folder its group may write it starts; below or linked from a folder others may write it is refused', async () => {
     const own = join(directory, 'own-group')
     await mkdir(own)
     await chmod(own, 0o775) // a umask of 002, as systems that give each user a group of their own set
