@@ -480,17 +480,11 @@ describe('Configuration', () => {
     assert.equal(config.codeTtlSeconds, 300)
     assert.equal(config.refreshTokenGraceSeconds, 0)
     const cases: [Record<string, unknown>, string][] = [
-      [{ CODE_TTL: true }, "CODE_TTL must be a string, as in '300', not a boolean"],
-      [
-        { TRUST_PROXY: ['127.0.0.1', '::1'], PASSWORD_HASH },
-        'TRUST_PROXY must be a string, as in an environment variable, not an array',
-      ],
-      [
-        { ISSUER: new URL('http://127.0.0.1:3000') },
-        'ISSUER must be a string, as in an environment variable, not an object',
-      ],
-      [{ PORT: NaN }, "PORT must be a string, as in '3000', not NaN"],
-      [{ PROFILE_NAME: null }, 'PROFILE_NAME must be a string, as in an environment variable, not null'],
+      [{ CODE_TTL: true }, "CODE_TTL must be a string or a number, as in '300', not a boolean"],
+      [{ TRUST_PROXY: ['127.0.0.1', '::1'], PASSWORD_HASH }, 'TRUST_PROXY must be a string or a number, not an array'],
+      [{ ISSUER: new URL('http://127.0.0.1:3000') }, 'ISSUER must be a string or a number, not an object'],
+      [{ PORT: NaN }, "PORT must be a string or a number, as in '3000', not NaN"],
+      [{ PROFILE_NAME: null }, 'PROFILE_NAME must be a string or a number, not null'],
     ]
     for (const [env, message] of cases)
       assert.throws(

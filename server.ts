@@ -8614,7 +8614,10 @@ function defaultOf(name: SettingName): string {
   return SETTINGS.find((setting) => setting.name === name)?.default ?? ''
 }
 
-/** Merges variables and flags into one value per setting; empty values count as unset. */
+/**
+ * Merges variables and flags into one value per setting, each a bare string (`requireString`,
+ * `requireBareValue`); empty values count as unset.
+ */
 function readSettings(env: Record<string, unknown>, argv: readonly string[]) {
   const values: Partial<Record<SettingName, string>> = {}
   for (const { name } of SETTINGS) {
@@ -8660,8 +8663,8 @@ function requireString(name: SettingName, value: unknown): string | undefined {
   if (value === undefined || typeof value === 'string') return value
   if (typeof value === 'number' && Number.isFinite(value)) return String(value)
   const example = defaultOf(name) // a literal one, as 300, but not unset or ISSUER + /
-  const asIn = example !== 'unset' && /^[a-z0-9.-]+$/.test(example) ? `'${example}'` : 'an environment variable'
-  throw new ConfigError(`${name} must be a string, as in ${asIn}, not ${kindOf(value)}`)
+  const asIn = example !== 'unset' && /^[a-z0-9.-]+$/.test(example) ? `, as in '${example}'` : ''
+  throw new ConfigError(`${name} must be a string or a number${asIn}, not ${kindOf(value)}`)
 }
 
 /** What a value is, in words: `an array`, `null`, `NaN`. */
@@ -8718,11 +8721,12 @@ export function parseDuration(name: string, value: string, options: { allowZero?
   const match = /^(\d+)([smhd]?)$/.exec(value) // as many digits as come: too many is too long
   const unitSeconds = { '': 1, s: 1, m: 60, h: 3600, d: 86400 }
   const seconds = match === null ? NaN : Number(match[1]) * unitSeconds[match[2] as keyof typeof unitSeconds]
-  if (options.allowZero === true && !(seconds >= 0))
-    throw new ConfigError(`${name} ${value} is not a duration: use 0, seconds or a unit, as in 0, 30, 90s or 10m`)
-  if (options.allowZero !== true && !(seconds > 0))
+  const allowZero = options.allowZero === true
+  if (!(allowZero ? seconds >= 0 : seconds > 0))
     throw new ConfigError(
-      `${name} ${value} is not a positive duration: use seconds or a unit, as in 300, 90s, 10m, 12h or 7d`,
+      allowZero
+        ? `${name} ${value} is not a duration: use 0, seconds or a unit, as in 0, 30, 90s or 10m`
+        : `${name} ${value} is not a positive duration: use seconds or a unit, as in 300, 90s, 10m, 12h or 7d`,
     )
   if (seconds > MAX_DURATION_SECONDS)
     throw new ConfigError(`${name} ${value} is longer than ten years: use 3650d or less`)
@@ -9020,21 +9024,21 @@ function printStartup(
         ? `set, and ${passkeys}`
         : `off: ${passkeys}`
   const isDefaultMe = hasDefaultMe(config)
+  const metadata = `${config.issuer}/.well-known/oauth-authorization-server`
   // under a path, RFC 8414 §3.1 puts the metadata at the origin's root, outside Latch (README, Embedding)
   const issuer = new URL(config.issuer)
-  const oauthMetadata = issuer.pathname === '/' ? undefined : `${issuer.origin}${metadataPath(config)}`
+  const metadataAtRoot = issuer.pathname === '/' ? undefined : `${issuer.origin}${metadataPath(config)}`
   if (config.logFormat === 'json') {
     const time = new Date().toISOString()
     for (const warning of configWarnings(config, env))
       console.log(JSON.stringify({ time, event: 'warning', message: warning }))
-    const metadata = `${config.issuer}/.well-known/oauth-authorization-server`
     const start = {
       issuer: config.issuer,
       me: config.me,
       password,
       data,
       listening: listeningUrl,
-      oauthMetadata,
+      metadataAtRoot,
       metadata,
     }
     return void console.log(JSON.stringify({ time, event: 'start', message: 'Latch is listening', ...start }))
@@ -9047,10 +9051,10 @@ function printStartup(
       `  me        ${config.me}${isDefaultMe ? ' (the default, this page: set ME to your site)' : ''}`,
       `  password  ${password}`,
       `  data      ${data}`,
-      ...(oauthMetadata === undefined
+      ...(metadataAtRoot === undefined
         ? []
-        : [`  oauth     ${oauthMetadata}: OAuth and MCP clients look there; pass it to the metadata below`]),
-      `  metadata  ${config.issuer}/.well-known/oauth-authorization-server`,
+        : [`  oauth     ${metadataAtRoot}: OAuth and MCP clients look there; pass it to the metadata below`]),
+      `  metadata  ${metadata}`,
     ].join('\n'),
   )
 }
