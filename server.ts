@@ -8579,7 +8579,7 @@ function parseTrustProxy(value: string): string[] {
     // a client inside it names its own address in X-Forwarded-For, and so escapes the per-address limits
     if (prefix !== undefined && isWiderThanAProxyNetwork(address, Number(prefix)))
       throw new ConfigError(
-        `TRUST_PROXY ${entry} is wider than a network of proxies could be (an IPv4 /8, an IPv6 /7), ` +
+        `TRUST_PROXY ${entry} is wider than a network of proxies could be (an IPv4 /8, fc00::/7, another IPv6 /16), ` +
           'and every client in it could choose its own address: ' +
           "list only your proxy's addresses, such as 127.0.0.1 or 10.0.0.0/8",
       )
