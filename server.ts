@@ -1305,9 +1305,12 @@ function readResources(params: Params): string[] {
   for (const resource of resources) {
     if (
       resource.length > MAX_URL_LENGTH ||
-      !/^[a-zA-Z][a-zA-Z0-9+.-]*:[\x21-\x7e]+$/.test(resource) ||
-      !URL.canParse(resource) ||
-      resource.includes('#')
+      // RFC 3986's characters only: URL() reads a `\` in an http(s) URL as `/`, so that
+      // `https://a.example\@b.example/` is a.example to it, and b.example to a person reading it
+      !/^[a-zA-Z][a-zA-Z0-9+.-]*:[\w\-.~:/?[\]@!$&'()*+,;=%]+$/.test(resource) ||
+      // and an http(s) URL as it is written with its host: URL() reads http:host and http:///host as http://host/
+      (/^https?:/i.test(resource) && !/^https?:\/\/[^/?]/i.test(resource)) ||
+      !URL.canParse(resource)
     ) {
       throw new OAuthError('invalid_target', 'Each resource must be an absolute URI without a fragment')
     }

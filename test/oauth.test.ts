@@ -400,7 +400,10 @@ describe('Resource indicators (RFC 8707)', () => {
   after(() => latch.close())
 
   it('redirects with invalid_target for a resource that is not an absolute URI or has a fragment', async () => {
-    for (const resource of ['/mcp', 'api.example/mcp', 'not a uri', `${API}#part`]) {
+    // a backslash, which RFC 3986 has not, ends an http(s) URL's host for URL() (`a.example\\@b.example`
+    // is a.example), while a person reads b.example; and http:///host or http:host, read as http://host/
+    const unlike = ['https://api.example\\@evil.example/mcp', 'https://api.example\\docs', 'http:///api.example/x']
+    for (const resource of ['/mcp', 'api.example/mcp', 'not a uri', `${API}#part`, ...unlike, 'https:api.example/']) {
       const response = await fetch(authUrl(latch.base, { scope: 'create', resource }), { redirect: 'manual' })
       assertErrorRedirect(response, latch.issuer, 'invalid_target')
     }
