@@ -6268,21 +6268,28 @@ export async function discoverClient(
  * How long a response stays fresh, in seconds, by the rules of a private cache (RFC 9111 §4.2):
  * `max-age` less `Age`, else `Expires` less `Date`; 0 for `no-store` and for `no-cache` (Latch does
  * not revalidate); at most a day, so that a change reaches Latch daily. When neither says, a minute
- * less `Age` (a heuristic lifetime, §4.2.2): else a stranger asking for a client again and again
- * would have Latch fetch its page as often, until its site answered 429, and the app could not be
- * signed in to.
+ * (a heuristic lifetime, §4.2.2): else a stranger asking for a client again and again would have
+ * Latch fetch its page as often, until its site answered 429, and the app could not be signed in to.
  * @see https://www.rfc-editor.org/rfc/rfc9111#section-4.2.1
  * @see https://www.rfc-editor.org/rfc/rfc9111#section-4.2.2
  */
 export function cacheLifetime(headers: IncomingHttpHeaders, now: number): number {
-  const directives = (headers['cache-control'] ?? '').toLowerCase()
-  if (/(^|[\s,])(no-store|no-cache)\b/.test(directives)) return 0
-  const maxAge = /(?:^|[\s,])max-age\b(?:\s*=\s*"?(\d+))?/.exec(directives)
+  // the directives, split at commas outside quoted values: `ext="a, no-store"` is one
+  const directives = ((headers['cache-control'] ?? '').toLowerCase().match(/(?:[^,"]|"[^"]*")+/g) ?? []).map((one) =>
+    one.trim(),
+  )
+  const named = (name: string) => directives.filter((one) => one.split('=')[0].trimEnd() === name)
+  if (named('no-store').length > 0 || named('no-cache').length > 0) return 0
+  const maxAge = named('max-age')[0]
   const age = /^\d+$/.test(headers.age ?? '') ? Number(headers.age) : 0
-  let fresh = HEURISTIC_CLIENT_CACHE_SECONDS - age
-  // a max-age that is no number of seconds (-1, abc) is invalid, which makes the response stale (§4.2.1)
-  if (maxAge !== null) fresh = maxAge[1] === undefined ? 0 : Number(maxAge[1]) - age
-  else if (headers.expires !== undefined) {
+  // when neither says, a minute from now whatever its Age: the heuristic is the cache's to choose,
+  // and one already stale would be fetched at every request
+  let fresh = HEURISTIC_CLIENT_CACHE_SECONDS
+  if (maxAge !== undefined) {
+    // a max-age that is no number of seconds (-1, 5abc) is invalid, which makes the response stale (§4.2.1)
+    const seconds = /^max-age\s*=\s*("?)(\d+)\1$/.exec(maxAge)?.[2]
+    fresh = seconds === undefined ? 0 : Number(seconds) - age
+  } else if (headers.expires !== undefined) {
     const expires = Date.parse(headers.expires)
     const date = headers.date === undefined ? now : Date.parse(headers.date)
     // an invalid Expires, such as "0", means already expired

@@ -946,12 +946,22 @@ describe('cacheLifetime (RFC 9111 §4.2)', () => {
     assert.equal(cacheLifetime({}, now), 60)
     assert.equal(cacheLifetime({ 'cache-control': 'public' }, now), 60)
     assert.equal(cacheLifetime({ 'cache-control': 'max-age=0' }, now), 0)
-    assert.equal(cacheLifetime({ age: '45' }, now), 15)
+    // a minute from now whatever its Age, as a CDN's page would else be fetched at every request
+    assert.equal(cacheLifetime({ 'cache-control': 'public, s-maxage=3600', age: '120' }, now), 60)
   })
 
   it('keeps nothing for a max-age that is no number of seconds, which makes it stale (§4.2.1)', () => {
-    for (const cacheControl of ['max-age=-1', 'max-age=abc', 'max-age=', 'private, max-age=-30'])
+    for (const cacheControl of ['max-age=-1', 'max-age=abc', 'max-age=', 'private, max-age=-30', 'max-age=5abc'])
       assert.equal(cacheLifetime({ 'cache-control': cacheControl }, now), 0, cacheControl)
+  })
+
+  it('reads directives split at commas outside quoted values, by their whole names', () => {
+    for (const cacheControl of [
+      'ext="a, no-store", max-age=600',
+      'max-age-ext=1, max-age=600',
+      'x="max-age=5", max-age=600',
+    ])
+      assert.equal(cacheLifetime({ 'cache-control': cacheControl }, now), 600, cacheControl)
   })
 })
 
