@@ -4585,6 +4585,26 @@ describe('Router and errors', () => {
     }
   })
 
+  it('counts wrong passwords once for handlers of one store whose configs differ only in where they listen', async () => {
+    const store = new MemoryStore()
+    const passwordHash = await hashPassword('correct horse', FAST_COST)
+    const first = await startLatch({ PASSWORD_HASH: passwordHash, ISSUER: 'http://127.0.0.1:3000' }, { store })
+    const second = await startLatch(
+      { PASSWORD_HASH: passwordHash, ISSUER: 'http://127.0.0.1:3000', LOG_FORMAT: 'json' },
+      { store },
+    )
+    try {
+      // the same ISSUER: each answers the other's pages, as two listeners (IPv4, IPv6) of one Latch do
+      const consent = await openConsent(first)
+      for (let i = 0; i < 6; i++)
+        assert.equal((await submitConsent(i % 2 ? first : second, consent, { password: `guess ${i}` })).status, 401)
+      assert.equal((await submitConsent(second, consent, { password: 'correct horse' })).status, 429)
+    } finally {
+      await first.close()
+      await second.close()
+    }
+  })
+
   it('keeps the counts of wrong passwords apart for two Latches with their own passwords on one store', async () => {
     const store = new MemoryStore()
     const alice = await startLatch({ PASSWORD_HASH: await hashPassword('alice horse staple', FAST_COST) }, { store })

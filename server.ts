@@ -365,7 +365,10 @@ export type HandlerOptions = {
    * may be made at each request.
    */
   store?: Store
-  /** The clock, in milliseconds; tests pass one they can advance. Defaults to `Date.now`. */
+  /**
+   * The clock, in milliseconds; tests pass one they can advance. Defaults to `Date.now`. Lockouts,
+   * refresh days and discovery's cache follow the clock of a Latch's first handler (see `Kept`).
+   */
   now?: () => number
   /**
    * Receives one line per request, and one per security event, discovery failure, warning or
@@ -3279,7 +3282,9 @@ const keptByStore = new WeakMap<Store, Map<string, Kept>>()
 function keptFor(store: Store, config: Config, now: () => number): Kept {
   const byConfig = keptByStore.get(store) ?? new Map<string, Kept>()
   keptByStore.set(store, byConfig)
-  const key = JSON.stringify(config)
+  // what makes another Latch: not where it listens, nor how it logs, nor the order of the fields
+  const { host, port, dataFile, logFormat, ...answers } = config
+  const key = JSON.stringify(Object.entries(answers).sort(([a], [b]) => (a < b ? -1 : 1)))
   let kept = byConfig.get(key)
   if (kept === undefined) {
     const shared: Kept['shared'] = {
