@@ -7436,8 +7436,8 @@ function modeOf(stats: Stats): string {
  * to make or use a file of their choosing. (The kernel's fs.protected_symlinks, which not every
  * system sets, refuses such links in sticky folders only.) Each name is looked at as the kernel
  * meets it, a link's target in its place. A name that does not exist is a folder Latch will make,
- * and the walk goes on past it, so that a `..` after it meets what the kernel will; a link that
- * cannot be read ends it, and opening the file then says why.
+ * and the walk goes on past it, so that a `..` after it meets what the kernel will; one that
+ * cannot be looked at otherwise stops Latch (see `unchecked`).
  */
 async function foreignLink(path: string, uid: number): Promise<{ link: string; owner: number } | undefined> {
   const names = path.split('/')
@@ -7451,19 +7451,40 @@ async function foreignLink(path: string, uid: number): Promise<{ link: string; o
       continue
     }
     const next = join(at, name)
-    const stats = await lstat(next).catch(() => undefined)
+    const stats = await lstat(next).catch((err: NodeJS.ErrnoException) => {
+      // made by Latch; or refused by open too, as a name longer than any file system takes is
+      if (err.code === 'ENOENT' || err.code === 'ENOTDIR') return undefined
+      if (err.code === 'ENAMETOOLONG' && Buffer.byteLength(name) > MAX_NAME_BYTES) return undefined
+      throw unchecked(path, next, err)
+    })
     if (stats === undefined || !stats.isSymbolicLink()) {
       at = next
       continue
     }
     if (stats.uid !== uid && stats.uid !== 0) return { link: next, owner: stats.uid }
     if (++links > 40) return undefined // a loop, which open reports as ELOOP
-    const target = await readlink(next).catch(() => undefined)
-    if (target === undefined) return undefined
+    const target = await readlink(next).catch((err: NodeJS.ErrnoException) =>
+      Promise.reject(unchecked(path, next, err)),
+    )
     names.unshift(...target.split('/')) // followed from the link's folder, or from / when absolute
     if (isAbsolute(target)) at = '/'
   }
   return undefined
+}
+
+/** The longest name of a file or folder Linux's file systems take, in bytes. */
+const MAX_NAME_BYTES = 255
+
+/**
+ * A name on the way to the data file that could not be looked at (ENAMETOOLONG, for a path that
+ * links made longer than the kernel takes at once, though it follows them one by one): Latch
+ * would then open it unchecked, so it refuses to start.
+ */
+function unchecked(dataFile: string, name: string, err: NodeJS.ErrnoException): ConfigError {
+  return new ConfigError(
+    `DATA_FILE ${dataFile} could not be checked for links of other users: ${name.slice(0, 200)}` +
+      `${name.length > 200 ? '…' : ''} cannot be looked at (${err.code}): choose a shorter path, without links`,
+  )
 }
 
 /**

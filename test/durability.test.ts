@@ -897,6 +897,37 @@ describe('DATA_FILE: what other users could change', () => {
     assert.deepEqual(await readdir(mine), ['chosen.jsonl'])
   })
 
+  it('refuses a path it cannot check, longer once its links are followed than the kernel takes at once', async (t) => {
+    if (process.getuid?.() !== 0) return t.skip('only root can give a link to another user')
+    // /…/a/…/a (2,300 characters), reached through `short`; in it a link to b/…/b, 2,300 more
+    const root = join(directory, 'long')
+    const segment = 'a'.repeat(250)
+    const deep = join(root, ...Array.from({ length: 9 }, () => segment))
+    await mkdir(deep, { recursive: true })
+    const short = join(root, 'short')
+    await symlink(deep, short)
+    const relative = Array.from({ length: 9 }, () => 'b'.repeat(250)).join('/')
+    await mkdir(join(short, relative), { recursive: true })
+    // removed through `short`: rm cannot name it by its real path, longer than the kernel takes
+    t.after(() => rm(join(short, relative.split('/')[0]), { recursive: true, force: true }))
+    await symlink(relative, join(short, 'deeper'))
+    // at its end, a link of another user, to where that user chose
+    const chosen = join(root, 'chosen')
+    await mkdir(chosen)
+    await symlink(chosen, join(short, relative, 'planted'))
+    await lchown(join(short, relative, 'planted'), 65534, 65534)
+    const dataFile = join(short, 'deeper', 'planted', 'latch.jsonl')
+    await assert.rejects(FileStore.open(dataFile, { log: () => {} }), (err: unknown) => {
+      assert.ok(err instanceof ConfigError, String(err))
+      assert.match(
+        err.message,
+        /could not be checked for links of other users: .* \(ENAMETOOLONG\): choose a shorter path/,
+      )
+      return true
+    })
+    assert.deepEqual(await readdir(chosen), [])
+  })
+
   it("refuses a file its own group may write, which is how an ACL's mask shows", async () => {
     const file = join(directory, 'group-write.jsonl')
     await writeFile(file, '')
