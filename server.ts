@@ -9095,8 +9095,27 @@ function printStartup(
   )
 }
 
+/**
+ * Closes a debugger that Node opened without being asked for one (a SIGUSR1 before `main` could
+ * listen for it), and says whether it did. One asked for with `--inspect` is left open.
+ */
+async function closeDebuggerNotAskedFor(): Promise<boolean> {
+  const flags = [...process.execArgv, ...(process.env.NODE_OPTIONS ?? '').split(/\s+/)]
+  if (flags.some((flag) => flag.startsWith('--inspect'))) return false
+  const inspector = await import('node:inspector').catch(() => undefined) // a Node built without one has none
+  if (inspector?.url() === undefined) return false
+  inspector.close()
+  return true
+}
+
 /** Runs the command line: serve, `hash-password`, or `--help`. */
 async function main(argv: string[], env: Record<string, string | undefined>): Promise<void> {
+  // Node opens its debugger at SIGUSR1, on a port any user of the machine may connect to and run
+  // code in Latch from; rotation scripts written for nginx send it. A listener keeps it shut from
+  // here on, and one a SIGUSR1 opened while Node was still loading this file is closed.
+  let onSignal = () => {}
+  process.on('SIGUSR1', () => onSignal())
+  const debuggerClosed = await closeDebuggerNotAskedFor()
   if (argv[0] === 'hash-password') {
     if (argv.length === 1) return runHashPassword()
     if (argv[1] === '--help' || argv[1] === '-h') return void console.log(HASH_PASSWORD_HELP)
@@ -9112,10 +9131,8 @@ async function main(argv: string[], env: Record<string, string | undefined>): Pr
   // standard output sent to a file is written directly: a full disk then costs lines, not the whole log
   const write = createLineWriter(isFile(1) ? 1 : process.stdout, 100, format)
   const logMessage = (line: string) => write(format(line))
-  // Node opens its debugger at SIGUSR1, on a port any user of the machine may connect to and run
-  // code in Latch from; rotation scripts written for nginx send it. A listener keeps it shut, from
-  // here on: before the data file is read, which can take a second or more.
-  process.on('SIGUSR1', () => logMessage('SIGUSR1: ignored (Latch reopens nothing; no debugger is opened)'))
+  onSignal = () => logMessage('SIGUSR1: ignored (Latch reopens nothing; no debugger is opened)')
+  if (debuggerClosed) logMessage('SIGUSR1: the debugger it opened while Latch was loading is closed')
   if (!config.passwordSignIn && config.dataFile === 'memory')
     throw new ConfigError(
       'PASSWORD_SIGN_IN=off leaves only passkeys, and DATA_FILE=memory keeps none from one start to the next: ' +

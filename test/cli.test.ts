@@ -15,7 +15,7 @@ import { tmpdir } from 'node:os'
 import { join } from 'node:path'
 import { fileURLToPath } from 'node:url'
 import { SETTINGS, hashPassword, hashSecret, verifyPassword } from '../server.ts'
-import { startLatch } from './harness.ts'
+import { startLatch, until } from './harness.ts'
 import type { TestServer } from './harness.ts'
 
 /** The PKCE example of RFC 7636 Appendix B. */
@@ -888,6 +888,36 @@ describe('Stopping', () => {
 })
 
 describe('Signals', () => {
+  it('closes a debugger that a SIGUSR1 opened while Latch was still loading, before it could listen', async () => {
+    // a preload opens it, as a SIGUSR1 in Node's first moments does
+    const opening = `data:text/javascript,${encodeURIComponent("import i from 'node:inspector'; i.open(0, '127.0.0.1')")}`
+    const child = spawn(process.execPath, ['--import', opening, '--import', 'tsx', 'server.ts'], {
+      cwd: ROOT,
+      env: childEnv({ DATA_FILE: 'memory', PORT: '0' }),
+    })
+    let stdout = ''
+    let stderr = ''
+    child.stdout.on('data', (chunk) => (stdout += chunk))
+    child.stderr.on('data', (chunk) => (stderr += chunk))
+    const closed = new Promise((resolve) => child.on('close', resolve))
+    try {
+      const started = await until(() => stdout.includes('metadata'), CHILD_TIMEOUT_MS)
+      assert.ok(started, `stdout:\n${stdout}\nstderr:\n${stderr}`)
+      const said = () => /SIGUSR1: the debugger it opened while Latch was loading is closed/.test(stdout)
+      assert.ok(await until(said, CHILD_TIMEOUT_MS), stdout) // the log's lines go out every 100 ms
+      const port = Number(/Debugger listening on ws:\/\/127\.0\.0\.1:(\d+)\//.exec(stderr)?.[1])
+      assert.ok(port > 0, stderr)
+      const refused = await new Promise<boolean>((resolve) => {
+        const socket = connect(port, '127.0.0.1')
+        socket.on('connect', () => resolve(false)).on('error', () => resolve(true))
+      })
+      assert.equal(refused, true, 'the debugger still listens')
+    } finally {
+      child.kill('SIGTERM')
+      await closed
+    }
+  })
+
   it('ignores SIGUSR1, which would open a debugger that any user of the machine could reach', async () => {
     const latch = serve({ LOG_FORMAT: 'json', DATA_FILE: 'memory', PORT: '0' })
     let stderr = ''
