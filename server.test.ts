@@ -1709,8 +1709,10 @@ describe('GET /auth under a flood', () => {
         await flood(largest, 2_000)
         await flood(hostile, 2_000)
         const grown = (await rss()) - before
+        // 39 to 49 MiB over a dozen runs: the resident set moves with the allocator. What this
+        // guards against, memory that grows with every request, would be hundreds.
         assert.ok(
-          grown < 48 * 1024 * 1024,
+          grown < 64 * 1024 * 1024,
           `the flood grew the server's memory by ${Math.round(grown / 1024 / 1024)} MiB`,
         )
       } finally {
