@@ -1315,7 +1315,10 @@ function readResources(params: Params): string[] {
       (/^https?:/i.test(resource) && !/^https?:\/\/[^/?]/i.test(resource)) ||
       !URL.canParse(resource)
     ) {
-      throw new OAuthError('invalid_target', 'Each resource must be an absolute URI without a fragment')
+      throw new OAuthError(
+        'invalid_target',
+        "Each resource must be an absolute URI in RFC 3986's characters, without a fragment",
+      )
     }
   }
   return resources
