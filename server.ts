@@ -9099,12 +9099,16 @@ function printStartup(
 }
 
 /**
- * Closes a debugger that Node opened without being asked for one (a SIGUSR1 before `main` could
- * listen for it), and says whether it did. One asked for with `--inspect` is left open.
+ * Closes a debugger open at start without being asked for (a SIGUSR1 before `main` could listen
+ * for it, or a preload that opened one), and says whether it did. One asked for with `--inspect`,
+ * `--inspect-brk` or `--inspect-wait`, on the command line or in NODE_OPTIONS, is left open;
+ * `--inspect-port` only says where one would listen.
  */
 async function closeDebuggerNotAskedFor(): Promise<boolean> {
-  const flags = [...process.execArgv, ...(process.env.NODE_OPTIONS ?? '').split(/\s+/)]
-  if (flags.some((flag) => flag.startsWith('--inspect'))) return false
+  // NODE_OPTIONS as Node reads it: words, or quoted strings
+  const options = [...(process.env.NODE_OPTIONS ?? '').matchAll(/"((?:[^"\\]|\\.)*)"|(\S+)/g)]
+  const flags = [...process.execArgv, ...options.map(([, quoted, word]) => quoted ?? word)]
+  if (flags.some((flag) => /^--inspect(-brk|-wait)?(=|$)/.test(flag))) return false
   const inspector = await import('node:inspector').catch(() => undefined) // a Node built without one has none
   if (inspector?.url() === undefined) return false
   inspector.close()
@@ -9135,7 +9139,8 @@ async function main(argv: string[], env: Record<string, string | undefined>): Pr
   const write = createLineWriter(isFile(1) ? 1 : process.stdout, 100, format)
   const logMessage = (line: string) => write(format(line))
   onSignal = () => logMessage('SIGUSR1: ignored (Latch reopens nothing; no debugger is opened)')
-  if (debuggerClosed) logMessage('SIGUSR1: the debugger it opened while Latch was loading is closed')
+  if (debuggerClosed)
+    logMessage('SIGUSR1: a debugger open at start without --inspect was closed (start with --inspect to debug)')
   if (!config.passwordSignIn && config.dataFile === 'memory')
     throw new ConfigError(
       'PASSWORD_SIGN_IN=off leaves only passkeys, and DATA_FILE=memory keeps none from one start to the next: ' +

@@ -887,13 +887,46 @@ describe('Stopping', () => {
   })
 })
 
+/** Starts the command line with a preload that opens a debugger, as a SIGUSR1 in Node's first moments does. */
+async function debuggerClosedAtStart(flags: string[]): Promise<void> {
+  const opening = `data:text/javascript,${encodeURIComponent("import i from 'node:inspector'; i.open(0, '127.0.0.1')")}`
+  const child = spawn(process.execPath, [...flags, '--import', opening, '--import', 'tsx', 'server.ts'], {
+    cwd: ROOT,
+    env: childEnv({ DATA_FILE: 'memory', PORT: '0' }),
+  })
+  let stdout = ''
+  let stderr = ''
+  child.stdout.on('data', (chunk) => (stdout += chunk))
+  child.stderr.on('data', (chunk) => (stderr += chunk))
+  const closed = new Promise((resolve) => child.on('close', resolve))
+  try {
+    const started = await until(() => stdout.includes('metadata'), CHILD_TIMEOUT_MS)
+    assert.ok(started, `stdout:\n${stdout}\nstderr:\n${stderr}`)
+    const said = () => /SIGUSR1: a debugger open at start without --inspect was closed/.test(stdout)
+    assert.ok(await until(said, CHILD_TIMEOUT_MS), stdout) // the log's lines go out every 100 ms
+    const port = Number(/Debugger listening on ws:\/\/127\.0\.0\.1:(\d+)\//.exec(stderr)?.[1])
+    assert.ok(port > 0, stderr)
+    const refused = await new Promise<boolean>((resolve) => {
+      const socket = connect(port, '127.0.0.1')
+      socket.on('connect', () => resolve(false)).on('error', () => resolve(true))
+    })
+    assert.equal(refused, true, 'the debugger still listens')
+  } finally {
+    child.kill('SIGTERM')
+    await closed
+  }
+}
+
 describe('Signals', () => {
-  it('closes a debugger that a SIGUSR1 opened while Latch was still loading, before it could listen', async () => {
-    // a preload opens it, as a SIGUSR1 in Node's first moments does
-    const opening = `data:text/javascript,${encodeURIComponent("import i from 'node:inspector'; i.open(0, '127.0.0.1')")}`
-    const child = spawn(process.execPath, ['--import', opening, '--import', 'tsx', 'server.ts'], {
+  for (const flags of [[], ['--inspect-port=127.0.0.1:0']])
+    it(`closes a debugger that a SIGUSR1 opened while Latch was still loading ${flags.join(' ')}`, async () => {
+      await debuggerClosedAtStart(flags) // --inspect-port only says where one would listen
+    })
+
+  it('leaves open a debugger asked for with --inspect, quoted in NODE_OPTIONS as Node reads it', async () => {
+    const child = spawn(process.execPath, ['--import', 'tsx', 'server.ts'], {
       cwd: ROOT,
-      env: childEnv({ DATA_FILE: 'memory', PORT: '0' }),
+      env: childEnv({ DATA_FILE: 'memory', PORT: '0', NODE_OPTIONS: '"--inspect=127.0.0.1:0"' }),
     })
     let stdout = ''
     let stderr = ''
@@ -901,17 +934,13 @@ describe('Signals', () => {
     child.stderr.on('data', (chunk) => (stderr += chunk))
     const closed = new Promise((resolve) => child.on('close', resolve))
     try {
-      const started = await until(() => stdout.includes('metadata'), CHILD_TIMEOUT_MS)
-      assert.ok(started, `stdout:\n${stdout}\nstderr:\n${stderr}`)
-      const said = () => /SIGUSR1: the debugger it opened while Latch was loading is closed/.test(stdout)
-      assert.ok(await until(said, CHILD_TIMEOUT_MS), stdout) // the log's lines go out every 100 ms
+      assert.ok(await until(() => stdout.includes('metadata'), CHILD_TIMEOUT_MS), `${stdout}\n${stderr}`)
       const port = Number(/Debugger listening on ws:\/\/127\.0\.0\.1:(\d+)\//.exec(stderr)?.[1])
-      assert.ok(port > 0, stderr)
-      const refused = await new Promise<boolean>((resolve) => {
+      const listening = await new Promise<boolean>((resolve) => {
         const socket = connect(port, '127.0.0.1')
-        socket.on('connect', () => resolve(false)).on('error', () => resolve(true))
+        socket.on('connect', () => resolve(Boolean(socket.destroy()))).on('error', () => resolve(false))
       })
-      assert.equal(refused, true, 'the debugger still listens')
+      assert.equal(listening, true, stderr)
     } finally {
       child.kill('SIGTERM')
       await closed
