@@ -4625,6 +4625,23 @@ describe('Router and errors', () => {
     }
   })
 
+  it('sweeps a store once for configs that differ only in the order of their fields and proxies', (t) => {
+    t.mock.timers.enable({ apis: ['setInterval'] })
+    const store = new MemoryStore()
+    const config = loadConfig({ DATA_FILE: 'memory', PROFILE_NAME: 'Ada', TRUST_PROXY: '127.0.0.1,::1', PASSWORD_HASH })
+    const { name, url } = config.profile
+    const reordered = { ...config, profile: { url, name }, trustProxy: ['::1', '127.0.0.1'] }
+    let swept = 0
+    const sweep = store.sweep.bind(store)
+    store.sweep = (now) => {
+      swept++
+      sweep(now)
+    }
+    for (const one of [config, reordered]) createHandler({ config: one, store, now: () => 5000, log: () => {} })
+    t.mock.timers.tick(100)
+    assert.equal(swept, 1)
+  })
+
   it('sweeps a store once however many handlers serve it, until the last of them stops', async (t) => {
     t.mock.timers.enable({ apis: ['setInterval'] })
     const store = new MemoryStore()

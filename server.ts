@@ -3285,9 +3285,9 @@ const keptByStore = new WeakMap<Store, Map<string, Kept>>()
 function keptFor(store: Store, config: Config, now: () => number): Kept {
   const byConfig = keptByStore.get(store) ?? new Map<string, Kept>()
   keptByStore.set(store, byConfig)
-  // what makes another Latch: not where it listens, nor how it logs, nor the order of the fields
+  // what makes another Latch: not where it listens, nor how it logs, nor the order of fields or proxies
   const { host, port, dataFile, logFormat, ...answers } = config
-  const key = JSON.stringify(Object.entries(answers).sort(([a], [b]) => (a < b ? -1 : 1)))
+  const key = JSON.stringify(inOrder(answers))
   let kept = byConfig.get(key)
   if (kept === undefined) {
     const shared: Kept['shared'] = {
@@ -3312,6 +3312,17 @@ function keptFor(store: Store, config: Config, now: () => number): Kept {
     byConfig.set(key, kept)
   }
   return kept
+}
+
+/** A value with the fields of its objects, and its lists, sorted: the same settings, one key. */
+function inOrder(value: unknown): unknown {
+  if (Array.isArray(value)) return value.map(inOrder).sort()
+  if (value === null || typeof value !== 'object') return value
+  return Object.fromEntries(
+    Object.entries(value)
+      .sort(([a], [b]) => (a < b ? -1 : 1))
+      .map(([name, field]) => [name, inOrder(field)]),
+  )
 }
 
 /**
