@@ -7466,8 +7466,9 @@ async function foreignLink(path: string, uid: number): Promise<{ link: string; o
     }
     const next = join(at, name)
     const stats = await lstat(next).catch((err: NodeJS.ErrnoException) => {
-      // made by Latch; or refused by open too, as a name longer than any file system takes is
-      if (err.code === 'ENOENT' || err.code === 'ENOTDIR') return undefined
+      // made by Latch; or refused by open too, which then says why: a name longer than any file
+      // system takes, or a folder this user may not enter
+      if (err.code === 'ENOENT' || err.code === 'ENOTDIR' || err.code === 'EACCES') return undefined
       if (err.code === 'ENAMETOOLONG' && Buffer.byteLength(name) > MAX_NAME_BYTES) return undefined
       throw unchecked(path, next, err)
     })
@@ -7495,9 +7496,10 @@ const MAX_NAME_BYTES = 255
  * would then open it unchecked, so it refuses to start.
  */
 function unchecked(dataFile: string, name: string, err: NodeJS.ErrnoException): ConfigError {
+  const fix = err.code === 'ENAMETOOLONG' ? ': choose a shorter path, without links' : ''
   return new ConfigError(
     `DATA_FILE ${dataFile} could not be checked for links of other users: ${name.slice(0, 200)}` +
-      `${name.length > 200 ? '…' : ''} cannot be looked at (${err.code}): choose a shorter path, without links`,
+      `${name.length > 200 ? '…' : ''} cannot be looked at (${err.code})${fix}`,
   )
 }
 

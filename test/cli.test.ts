@@ -254,6 +254,18 @@ describe('A start-up failure is one line naming the setting and the fix, and exi
     )
   })
 
+  it('DATA_FILE below a folder this user may not enter: names the folder, not the length of the path', async (t) => {
+    const user = unprivilegedUser()
+    if (user.skip !== undefined) return void t.skip(user.skip)
+    if (user.as === undefined) return void t.skip('needs root, to make a folder this user may not enter')
+    const locked = join(directory, 'locked')
+    await mkdir(locked, { mode: 0o700 }) // root's
+    assertOneLineFailure(
+      await runLatch([], { DATA_FILE: join(locked, 'sub', 'latch.jsonl'), PORT: '0' }, { as: user.as }),
+      /cannot be read or written by this user: give the user its folder, or choose a path it owns$/,
+    )
+  })
+
   it('DATA_FILE of its own that its mode keeps it from writing: names chmod, not the folder', async (t) => {
     const user = unprivilegedUser() // root writes any file, whatever its mode
     if (user.skip !== undefined) return void t.skip(user.skip)
