@@ -899,63 +899,59 @@ describe('Stopping', () => {
   })
 })
 
-/** Starts the command line with a preload that opens a debugger, as a SIGUSR1 in Node's first moments does. */
-async function debuggerClosedAtStart(flags: string[]): Promise<void> {
-  const opening = `data:text/javascript,${encodeURIComponent("import i from 'node:inspector'; i.open(0, '127.0.0.1')")}`
-  const child = spawn(process.execPath, [...flags, '--import', opening, '--import', 'tsx', 'server.ts'], {
+/** Starts the command line with flags of Node's own and settings, its output kept as it comes. */
+function startWithFlags(flags: string[], settings: Record<string, string> = {}) {
+  const child = spawn(process.execPath, [...flags, '--import', 'tsx', 'server.ts'], {
     cwd: ROOT,
-    env: childEnv({ DATA_FILE: 'memory', PORT: '0' }),
+    env: childEnv({ DATA_FILE: 'memory', PORT: '0', ...settings }),
   })
-  let stdout = ''
-  let stderr = ''
-  child.stdout.on('data', (chunk) => (stdout += chunk))
-  child.stderr.on('data', (chunk) => (stderr += chunk))
+  const output = { stdout: '', stderr: '' }
+  child.stdout.on('data', (chunk) => (output.stdout += chunk))
+  child.stderr.on('data', (chunk) => (output.stderr += chunk))
   const closed = new Promise((resolve) => child.on('close', resolve))
-  try {
-    const started = await until(() => stdout.includes('metadata'), CHILD_TIMEOUT_MS)
-    assert.ok(started, `stdout:\n${stdout}\nstderr:\n${stderr}`)
-    const said = () => /SIGUSR1: a debugger open at start without --inspect was closed/.test(stdout)
-    assert.ok(await until(said, CHILD_TIMEOUT_MS), stdout) // the log's lines go out every 100 ms
-    const port = Number(/Debugger listening on ws:\/\/127\.0\.0\.1:(\d+)\//.exec(stderr)?.[1])
-    assert.ok(port > 0, stderr)
-    const refused = await new Promise<boolean>((resolve) => {
-      const socket = connect(port, '127.0.0.1')
-      socket.on('connect', () => resolve(false)).on('error', () => resolve(true))
-    })
-    assert.equal(refused, true, 'the debugger still listens')
-  } finally {
-    child.kill('SIGTERM')
-    await closed
+  return {
+    output,
+    started: () => until(() => output.stdout.includes('metadata'), CHILD_TIMEOUT_MS),
+    debuggerPort: () => Number(/Debugger listening on ws:\/\/127\.0\.0\.1:(\d+)\//.exec(output.stderr)?.[1]),
+    stop: async () => {
+      child.kill('SIGTERM')
+      await closed
+    },
   }
 }
 
+/** Whether anything takes connections on a port of 127.0.0.1. */
+function listensOn(port: number): Promise<boolean> {
+  return new Promise((resolve) => {
+    const socket = connect(port, '127.0.0.1')
+    socket.on('connect', () => resolve(Boolean(socket.destroy()))).on('error', () => resolve(false))
+  })
+}
+
 describe('Signals', () => {
+  // a preload opens one, as a SIGUSR1 in Node's first moments does; --inspect-port only says where
   for (const flags of [[], ['--inspect-port=127.0.0.1:0']])
     it(`closes a debugger that a SIGUSR1 opened while Latch was still loading ${flags.join(' ')}`, async () => {
-      await debuggerClosedAtStart(flags) // --inspect-port only says where one would listen
+      const opening = `data:text/javascript,${encodeURIComponent("import i from 'node:inspector'; i.open(0, '127.0.0.1')")}`
+      const latch = startWithFlags([...flags, '--import', opening])
+      try {
+        assert.ok(await latch.started(), `${latch.output.stdout}\n${latch.output.stderr}`)
+        const said = () => /SIGUSR1: a debugger open at start without --inspect was closed/.test(latch.output.stdout)
+        assert.ok(await until(said, CHILD_TIMEOUT_MS), latch.output.stdout) // the log's lines go out every 100 ms
+        assert.ok(latch.debuggerPort() > 0, latch.output.stderr)
+        assert.equal(await listensOn(latch.debuggerPort()), false, 'the debugger still listens')
+      } finally {
+        await latch.stop()
+      }
     })
 
   it('leaves open a debugger asked for with --inspect, quoted in NODE_OPTIONS as Node reads it', async () => {
-    const child = spawn(process.execPath, ['--import', 'tsx', 'server.ts'], {
-      cwd: ROOT,
-      env: childEnv({ DATA_FILE: 'memory', PORT: '0', NODE_OPTIONS: '"--inspect=127.0.0.1:0"' }),
-    })
-    let stdout = ''
-    let stderr = ''
-    child.stdout.on('data', (chunk) => (stdout += chunk))
-    child.stderr.on('data', (chunk) => (stderr += chunk))
-    const closed = new Promise((resolve) => child.on('close', resolve))
+    const latch = startWithFlags([], { NODE_OPTIONS: '"--inspect=127.0.0.1:0"' })
     try {
-      assert.ok(await until(() => stdout.includes('metadata'), CHILD_TIMEOUT_MS), `${stdout}\n${stderr}`)
-      const port = Number(/Debugger listening on ws:\/\/127\.0\.0\.1:(\d+)\//.exec(stderr)?.[1])
-      const listening = await new Promise<boolean>((resolve) => {
-        const socket = connect(port, '127.0.0.1')
-        socket.on('connect', () => resolve(Boolean(socket.destroy()))).on('error', () => resolve(false))
-      })
-      assert.equal(listening, true, stderr)
+      assert.ok(await latch.started(), `${latch.output.stdout}\n${latch.output.stderr}`)
+      assert.equal(await listensOn(latch.debuggerPort()), true, latch.output.stderr)
     } finally {
-      child.kill('SIGTERM')
-      await closed
+      await latch.stop()
     }
   })
 
