@@ -4225,12 +4225,15 @@ async function startSession(ctx: Context): Promise<string> {
 }
 
 // --- Sign-in checks -------------------------------------------------------------
-// A sign-in is the password or a passkey, and both are attempts alike. Attempts are counted
-// before the password's hash or the passkey's signature is checked, so guesses sent in parallel
-// count too: per client address, where five are free, and in total, where twenty are. Each
-// attempt past those is still checked but makes the next wait, 2 seconds, then twice as long each
-// time, up to 15 minutes (429 with Retry-After); a success clears the counts, and a day of quiet
-// forgets them. At most two scrypt checks run at once, so a flood cannot pin the CPU.
+// A sign-in is the password or a passkey. Attempts are counted before the password's hash or the
+// passkey's signature is checked, so guesses sent in parallel count too: per client address,
+// where five are free, the password's and the passkey's together; and passwords in total, where
+// twenty are, against guesses spread over many addresses. Each attempt past those is still
+// checked but makes the next wait, 2 seconds, then twice as long each time, up to 15 minutes (429
+// with Retry-After); a success clears the counts, and a day of quiet forgets them. A passkey
+// cannot be guessed, so it is kept out of the total: there, strangers' failures would only lock
+// the owner out of the one sign-in they cannot break. At most two scrypt checks run at once, so
+// a flood cannot pin the CPU.
 
 const FREE_ATTEMPTS_PER_ADDRESS = 5
 const FREE_ATTEMPTS_IN_TOTAL = 20
@@ -4274,9 +4277,10 @@ async function checkSignIn(
   const attempts = ctx.signInAttempts
   const byPasskey = getParam(form, 'credential') !== undefined
   const password = getParam(form, 'password')
-  const lockedUntil = Math.max(attempts.byAddress.get(group)?.lockedUntil ?? 0, attempts.total.lockedUntil)
-  if (lockedUntil > now) {
-    const retryAfter = String(Math.ceil((lockedUntil - now) / 1000))
+  const lockedUntil = () =>
+    Math.max(attempts.byAddress.get(group)?.lockedUntil ?? 0, byPasskey ? 0 : attempts.total.lockedUntil)
+  if (lockedUntil() > now) {
+    const retryAfter = String(Math.ceil((lockedUntil() - now) / 1000))
     noteError(res, 'too_many_requests')
     const message = `Too many ${byPasskey ? 'failed sign-ins' : 'wrong passwords'}: try again in ${retryAfter} seconds`
     return { status: 429, message, headers: { 'Retry-After': retryAfter } }
@@ -4290,7 +4294,7 @@ async function checkSignIn(
   if (attempts.byAddress.size >= MAX_TRACKED_ADDRESSES)
     attempts.byAddress.delete(attempts.byAddress.keys().next().value ?? '')
   attempts.byAddress.set(group, countAttempt(previous, now, FREE_ATTEMPTS_PER_ADDRESS))
-  attempts.total = countAttempt(attempts.total, now, FREE_ATTEMPTS_IN_TOTAL)
+  if (!byPasskey) attempts.total = countAttempt(attempts.total, now, FREE_ATTEMPTS_IN_TOTAL)
   const passwordHash = ctx.config.passwordHash ?? ''
   const refused = byPasskey
     ? await checkPasskeySignIn(form, on, address, ctx)
@@ -4298,9 +4302,9 @@ async function checkSignIn(
       ? undefined
       : 'Wrong password'
   if (refused !== undefined) {
-    const wait = Math.max(attempts.byAddress.get(group)?.lockedUntil ?? 0, attempts.total.lockedUntil) - now
+    const wait = lockedUntil() - now
     if (wait > 0) {
-      const from = attempts.total.lockedUntil - now === wait ? 'in total' : `from ${group}`
+      const from = !byPasskey && attempts.total.lockedUntil - now === wait ? 'in total' : `from ${group}`
       logEvent(
         ctx,
         'security',

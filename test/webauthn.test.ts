@@ -938,15 +938,19 @@ type Browser = {
   post: (path: string, fields: Record<string, string>) => Promise<Response>
 }
 
-function openBrowser(latch: Latch): Browser {
+/** A browser; `forwardedFor`, the address a proxy of TRUST_PROXY says it comes from. */
+function openBrowser(latch: Latch, forwardedFor?: string): Browser {
   const cookies = new Map<string, string>()
   const send = async (path: string, init: RequestInit) => {
     const cookie = [...cookies].map(([name, value]) => `${name}=${value}`).join('; ')
+    const headers: Record<string, string> = { ...(init.headers as Record<string, string>) }
+    if (cookie !== '') headers.Cookie = cookie
+    if (forwardedFor !== undefined) headers['X-Forwarded-For'] = forwardedFor
     const response = await fetch(`${latch.issuer}${path}`, {
       // under its name, as a browser must for passkeys
       ...init,
       redirect: 'manual',
-      headers: { ...(init.headers as Record<string, string>), ...(cookie ? { Cookie: cookie } : {}) },
+      headers,
     })
     for (const line of response.headers.getSetCookie()) {
       const [pair, ...attributes] = line.split(';')
@@ -1456,6 +1460,39 @@ describe('Passkeys over HTTP', () => {
 })
 
 describe('Passkeys under attack', () => {
+  it('signs the owner in with a passkey while strangers’ failures from many addresses lock passwords out', async () => {
+    const passwordHash = await hashPassword(PASSWORD, { ln: 10, r: 8, p: 1 })
+    const settings = { HOST: 'localhost', ME, PASSWORD_HASH: passwordHash, TRUST_PROXY: '127.0.0.1,::1' }
+    const latch = await startTestLatch({ ...settings, DATA_FILE: 'memory' })
+    try {
+      const owner = createCredential(ES256)
+      const home = openBrowser(latch, '192.0.2.1')
+      await signInWithPassword(home)
+      assert.equal((await addPasskey(latch, home, owner, 'Phone')).status, 200)
+      await signOut(home)
+      const junk = { credential: 'x', client_data: 'e30', authenticator_data: 'AA', signature: 'AA' }
+      // each stranger stays under its address's five free attempts; a passkey cannot be guessed
+      for (let i = 0; i < 30; i++) {
+        const stranger = openBrowser(latch, `198.51.100.${i}`)
+        const failed = await stranger.post('/sign-in', { ...junk, csrf: await formToken(stranger) })
+        assert.equal(failed.status, 401, `stranger ${i}`)
+      }
+      assert.equal((await signInWithPasskey(latch, home, owner)).status, 303)
+      await signOut(home)
+      // twenty-one wrong passwords from as many addresses lock passwords for everyone, not the passkey
+      for (let i = 0; i < 21; i++) {
+        const stranger = openBrowser(latch, `203.0.113.${i}`)
+        const wrong = await stranger.post('/sign-in', { password: 'a guess', csrf: await formToken(stranger) })
+        assert.equal(wrong.status, 401, `guess ${i}`)
+      }
+      const password = await home.post('/sign-in', { password: PASSWORD, csrf: await formToken(home) })
+      assert.equal(password.status, 429)
+      assert.equal((await signInWithPasskey(latch, home, owner)).status, 303)
+    } finally {
+      await latch.close()
+    }
+  })
+
   it('keeps the owner’s challenge good through a flood of challenges asked by strangers', async () => {
     const latch = await startLatch()
     try {
