@@ -3273,12 +3273,34 @@ describe('Sign-in sessions and connected apps', () => {
     assert.doesNotMatch(html, /type="password"/)
   })
 
-  it('reads sixteen session cookies of the name, and no more: a sixteenth that is live signs in, a seventeenth not', async () => {
+  it('finds the session past as many session cookies as a page could plant for every domain and path', async () => {
     const csrf = createSecret()
     const session = await signIn(csrf)
-    const planted = (count: number) => Array.from({ length: count }, () => `latch_session=${createSecret()}`).join('; ')
-    assert.match(await appsPage(`${planted(15)}; latch_csrf=${csrf}; ${session}`), /action="[^"]*\/sign-out"/)
-    assert.match(await appsPage(`${planted(16)}; latch_csrf=${csrf}; ${session}`), /type="password"/)
+    // malformed ones are passed over; a host of many labels takes a cookie for each, times each path
+    const malformed = Array.from({ length: 20 }, () => 'latch_session=x').join('; ')
+    const planted = Array.from({ length: 200 }, () => `latch_session=${createSecret()}`).join('; ')
+    assert.match(await appsPage(`${malformed}; ${planted}; latch_csrf=${csrf}; ${session}`), /action="[^"]*\/sign-out"/)
+  })
+
+  it('reads at most 300 session cookies of the name, where an app lets in headers large enough for more', async () => {
+    const large = await startLatch({ PASSWORD_HASH: await hashPassword(password, FAST_COST) }, { maxHeaderSize: 65536 })
+    try {
+      const csrf = createSecret()
+      const signedIn = await post(`${large.base}/sign-in`, form({ csrf, password }), { Cookie: `latch_csrf=${csrf}` })
+      const session = sessionOf(signedIn)
+      const planted = (count: number) =>
+        Array.from({ length: count }, () => `latch_session=${createSecret()}`).join('; ')
+      const page = async (count: number) =>
+        (
+          await fetch(`${large.base}/apps`, {
+            headers: { Cookie: `${planted(count)}; latch_csrf=${csrf}; ${session}` },
+          })
+        ).text()
+      assert.match(await page(299), /action="[^"]*\/sign-out"/)
+      assert.match(await page(300), /type="password"/)
+    } finally {
+      await large.close()
+    }
   })
 
   it('signs in and approves among CSRF cookies of the same name that a page on another port set for longer paths', async () => {

@@ -541,6 +541,9 @@ export function createSecret(): string {
   return secret
 }
 
+/** What `createSecret` makes: a cookie or a form field of any other shape is not one of Latch's. */
+const SECRET_FORMAT = /^[A-Za-z0-9_-]{43}$/
+
 /** Compares two secrets in constant time, whatever their lengths. */
 export function safeEqual(a: string, b: string): boolean {
   return timingSafeEqual(hash('sha256', a, 'buffer'), hash('sha256', b, 'buffer')) && a.length === b.length
@@ -4170,7 +4173,7 @@ async function requireOwner(form: Params, req: IncomingMessage, ctx: Context): P
  * carries; a planted one proves nothing, but a page that can plant one can replace ours anyway.
  */
 function readCsrfCookies(req: IncomingMessage, config: Config): string[] {
-  return readCookies(req, csrfCookieName(config), MAX_COOKIES_OF_A_NAME, /^[A-Za-z0-9_-]{43}$/)
+  return readCookies(req, csrfCookieName(config), MAX_COOKIES_OF_A_NAME, SECRET_FORMAT)
 }
 
 /**
@@ -4184,7 +4187,7 @@ async function findOwnerSession(
 ): Promise<{ session: string; signedInAt: number } | { session: undefined; signedInAt: undefined }> {
   if (ctx.config.passwordHash === undefined) return NO_SESSION
   // any of a few cookies of the name: one planted by another page on this host must not sign the owner out
-  for (const value of readCookies(req, sessionCookieName(ctx.config), MAX_COOKIES_OF_A_NAME)) {
+  for (const value of readSessionCookies(req, ctx.config)) {
     const now = ctx.now()
     const session = await ctx.store.findSession(hashSecret(value), now)
     // a session of an old password is ignored, not deleted here: a read writes nothing, and it
@@ -4198,12 +4201,18 @@ async function findOwnerSession(
 
 const NO_SESSION = { session: undefined, signedInAt: undefined }
 
+function readSessionCookies(req: IncomingMessage, config: Config): string[] {
+  return readCookies(req, sessionCookieName(config), MAX_COOKIES_OF_A_NAME, SECRET_FORMAT)
+}
+
 /**
  * The most cookies of one name read from one request: the browser's own, and what other pages
- * of this host or its parent domains could plant for each path and domain that matches. A
- * session cookie is read for a hash and a lookup each.
+ * could plant, one for each domain from this host up that matches, each path and each partition,
+ * which on a host of many labels makes dozens. More than node:http's 16 KiB of headers can hold
+ * (about 280), so the bound is reached only where an app lets in larger headers: a session
+ * cookie is read for a hash and a lookup each.
  */
-const MAX_COOKIES_OF_A_NAME = 16
+const MAX_COOKIES_OF_A_NAME = 300
 
 /** What a session keeps of the password it was started with: enough to tell a new one, nothing to guess it by. */
 function passwordTag(passwordHash: string): string {
@@ -5063,7 +5072,7 @@ async function handleSignIn(req: IncomingMessage, res: ServerResponse, ctx: Cont
     return sendSignInPage(res, refused.status, { visitor, message: refused.message, headers: refused.headers }, ctx)
   const cookie = await startSession(ctx)
   // every session this browser names ends, not only the one it was signed in with
-  const named = readCookies(req, sessionCookieName(ctx.config), MAX_COOKIES_OF_A_NAME)
+  const named = readSessionCookies(req, ctx.config)
   await Promise.all(named.map((value) => ctx.store.deleteSession(hashSecret(value))))
   redirect(res, 303, endpointUrl(ctx.config, '/apps'), { 'Set-Cookie': cookie })
 }
@@ -5166,7 +5175,7 @@ async function handleScriptToken(req: IncomingMessage, res: ServerResponse, ctx:
   // remembered, and not saved again.
   const once = getParam(form, 'once')
   const grantId = hashSecret(
-    once !== undefined && /^[A-Za-z0-9_-]{43}$/.test(once) ? `a token for scripts ${once}` : createSecret(),
+    once !== undefined && SECRET_FORMAT.test(once) ? `a token for scripts ${once}` : createSecret(),
   )
   // sent twice at once (a double click), both would find no grant: the second waits for the
   // first to end, made or failed, and then finds what it left

@@ -21,12 +21,15 @@ export type TestServer = {
   close: () => Promise<void>
 }
 
-/** Starts Latch with the given settings (PORT is 0), and a store of the test's own if it passes one. */
+/**
+ * Starts Latch with the given settings (PORT is 0), and a store of the test's own if it passes
+ * one; `maxHeaderSize` as an app that lets in larger headers than node:http's 16 KiB would.
+ */
 export async function startLatch(
   env: Record<string, string> = {},
-  options: { store?: Store } = {},
+  options: { store?: Store; maxHeaderSize?: number } = {},
 ): Promise<TestServer> {
-  const server = createServer()
+  const server = createServer({ maxHeaderSize: options.maxHeaderSize })
   await new Promise<void>((resolve) => server.listen(0, '127.0.0.1', resolve))
   const port = (server.address() as AddressInfo).port
   const config = loadConfig({ PORT: '0', DATA_FILE: 'memory', ...env }, [], { boundPort: port })
