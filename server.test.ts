@@ -4019,6 +4019,18 @@ describe('Token lifetime on the consent page', () => {
     assert.equal(((await ended.json()) as { error: string }).error, 'invalid_grant')
   })
 
+  it('never says an access token lives past the approval it ends with, at any millisecond', async () => {
+    latch.advance(0.9) // the approval begins, and so ends, at .900 of a second
+    const code = await obtainCode(latch, {}, { lifetime: '86400' })
+    const first = (await (await exchange(latch, code)).json()) as { refresh_token: string }
+    latch.advance(86400 - 1.5) // 1.5 seconds before the day ends
+    const last = (await (await refresh(first.refresh_token)).json()) as { expires_in: number; access_token: string }
+    assert.equal(last.expires_in, 1)
+    latch.advance(last.expires_in - 0.001)
+    assert.equal((await introspect(latch, last.access_token)).active, true)
+    latch.advance(0.601) // back to a whole second, for the tests after
+  })
+
   it('gives "until you revoke it" tokens of ACCESS_TOKEN_TTL that refresh past any other choice', async () => {
     const code = await obtainCode(latch, {}, { lifetime: '0' })
     let tokens = (await (await exchange(latch, code)).json()) as { expires_in: number; refresh_token: string }

@@ -2046,7 +2046,8 @@ async function issueTokens(
     // down to none; §3.3 has no empty scope, but "" is the one way to say none that clients read
     scope: scope.join(' '),
     me: grant.me,
-    expires_in: Math.ceil((accessTokenExpiresAt - now) / 1000),
+    // down: a token cut short by the approval's end would else be said to outlive it by a part of a second
+    expires_in: Math.floor((accessTokenExpiresAt - now) / 1000),
     refresh_token: refreshToken,
     profile: buildProfile(scope, ctx.config.profile), // left out of the JSON when undefined: without the profile scope
   }
