@@ -4445,6 +4445,23 @@ describe('Router and errors', () => {
   before(async () => (latch = await startLatch()))
   after(() => latch.close())
 
+  it("says, at a path of its own under ISSUER's path, that the path must be taken off before Latch", async () => {
+    const mounted = await startLatch({ ISSUER: 'http://127.0.0.1:3000/latch' }) // behind a proxy that should strip it
+    try {
+      const base = `http://127.0.0.1:${mounted.port}`
+      for (const path of ['/latch/.well-known/oauth-authorization-server', '/latch', '/latch/token']) {
+        const response = await fetch(`${base}${path}`)
+        assert.equal(response.status, 404, path)
+        const { error_description } = (await response.json()) as { error_description: string }
+        assert.match(error_description, /begins with the path of ISSUER, \/latch, which must be taken off/, path)
+      }
+      const elsewhere = (await (await fetch(`${base}/latch/nothing`)).json()) as { error_description: string }
+      assert.equal(elsewhere.error_description, 'There is no endpoint at this path')
+    } finally {
+      await mounted.close()
+    }
+  })
+
   it('answers an unknown path with 404 not_found', async () => {
     await assertError(await fetch(`${latch.base}/nope`), 404, 'not_found')
   })

@@ -2504,7 +2504,20 @@ function writePreflight(res: ServerResponse, methods: string[]): void {
   res.end()
 }
 
-async function rejectUnknownPath(): Promise<void> {
+async function rejectUnknownPath(req: IncomingMessage, _res: ServerResponse, ctx: Context): Promise<void> {
+  // Latch's own path under ISSUER's path: the proxy in front, or the app it is mounted in, left it on
+  const mount = mountPath(ctx.config)
+  const path = pathOf(req.url ?? '/')
+  if (
+    mount !== '' &&
+    (path === mount || path.startsWith(`${mount}/`)) &&
+    ROUTES_BY_PATH.has(path.slice(mount.length) || '/')
+  )
+    throw new OAuthError(
+      'not_found',
+      `There is no endpoint at this path: it begins with the path of ISSUER, ${mount}, which must be taken off ` +
+        'before Latch sees the request (by the proxy in front, or the app it is mounted in); Latch answers at its root',
+    )
   throw new OAuthError('not_found', 'There is no endpoint at this path')
 }
 
