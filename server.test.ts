@@ -534,6 +534,9 @@ describe('Configuration', () => {
       ),
       /ISSUER/,
     )
+    // a name under localhost is loopback too (RFC 6761 §6.3), and browsers take it as such
+    const underLocalhost = { ISSUER: 'http://latch.dev.localhost:3000', ME: 'https://example.com/', PASSWORD_HASH }
+    assert.deepEqual(configWarnings(loadConfig(underLocalhost)), [])
   })
 
   it('warns of a refresh token lifetime no longer than the access token one, but at ten years', () => {

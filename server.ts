@@ -8900,7 +8900,10 @@ export function configWarnings(config: Config, env: Record<string, string | unde
       warnings.push(`${key} is not a setting, and is not read: if it was meant as ${meant.name}, rename it`)
   }
   const issuer = new URL(config.issuer)
-  if (issuer.protocol === 'http:' && !LOOPBACK_HOSTS.has(issuer.hostname.replace(/^\[|\]$/g, ''))) {
+  // a name under localhost is loopback too (RFC 6761 §6.3), and a secure context to browsers
+  const loopback =
+    LOOPBACK_HOSTS.has(issuer.hostname.replace(/^\[|\]$/g, '')) || /\.localhost\.?$/.test(issuer.hostname)
+  if (issuer.protocol === 'http:' && !loopback) {
     warnings.push(
       `ISSUER ${config.issuer} is http on a non-loopback host; IndieAuth wants https, ` +
         'so put Latch behind TLS and set ISSUER to the https URL',
