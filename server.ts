@@ -4200,7 +4200,7 @@ async function findOwnerSession(
   ctx: Context,
 ): Promise<{ session: string; signedInAt: number } | { session: undefined; signedInAt: undefined }> {
   if (ctx.config.passwordHash === undefined) return NO_SESSION
-  // any of a few cookies of the name: one planted by another page on this host must not sign the owner out
+  // any cookie of the name: those planted by other pages on this host must not sign the owner out
   for (const value of readSessionCookies(req, ctx.config)) {
     const now = ctx.now()
     const session = await ctx.store.findSession(hashSecret(value), now)
@@ -4302,8 +4302,9 @@ async function checkSignIn(
   const password = getParam(form, 'password')
   const lockedUntil = () =>
     Math.max(attempts.byAddress.get(group)?.lockedUntil ?? 0, byPasskey ? 0 : attempts.total.lockedUntil)
-  if (lockedUntil() > now) {
-    const retryAfter = String(Math.ceil((lockedUntil() - now) / 1000))
+  const locked = lockedUntil()
+  if (locked > now) {
+    const retryAfter = String(Math.ceil((locked - now) / 1000))
     noteError(res, 'too_many_requests')
     const message = `Too many ${byPasskey ? 'failed sign-ins' : 'wrong passwords'}: try again in ${retryAfter} seconds`
     return { status: 429, message, headers: { 'Retry-After': retryAfter } }
