@@ -4255,8 +4255,9 @@ async function startSession(ctx: Context): Promise<string> {
 // checked but makes the next wait, 2 seconds, then twice as long each time, up to 15 minutes (429
 // with Retry-After); a success clears the counts, and a day of quiet forgets them. A passkey
 // cannot be guessed, so it is kept out of the total: there, strangers' failures would only lock
-// the owner out of the one sign-in they cannot break. At most two scrypt checks run at once, so
-// a flood cannot pin the CPU.
+// the owner out of the one sign-in they cannot break; nor does its success clear the total. An
+// answer that names no passkey stored here is not counted at all (`checkPasskeySignIn`). At most
+// two scrypt checks run at once, so a flood cannot pin the CPU.
 
 const FREE_ATTEMPTS_PER_ADDRESS = 5
 const FREE_ATTEMPTS_IN_TOTAL = 20
@@ -4313,18 +4314,22 @@ async function checkSignIn(
     return { status: 403, message: 'Password sign-in is off: sign in with a passkey', headers: {} }
   if (!byPasskey && password === undefined)
     return { status: 401, message: 'Enter your password', headers: formChallenge(ctx.config) }
-  const previous = attempts.byAddress.get(group)
-  attempts.byAddress.delete(group) // re-inserted last, so the map stays ordered oldest first
-  if (attempts.byAddress.size >= MAX_TRACKED_ADDRESSES)
-    attempts.byAddress.delete(attempts.byAddress.keys().next().value ?? '')
-  attempts.byAddress.set(group, countAttempt(previous, now, FREE_ATTEMPTS_PER_ADDRESS))
-  if (!byPasskey) attempts.total = countAttempt(attempts.total, now, FREE_ATTEMPTS_IN_TOTAL)
-  const passwordHash = ctx.config.passwordHash ?? ''
-  const refused = byPasskey
-    ? await checkPasskeySignIn(form, on, address, ctx)
-    : (await withPasswordSlot(ctx.passwordSlots, () => verifyPassword(password ?? '', passwordHash)))
-      ? undefined
-      : 'Wrong password'
+  const count = () => {
+    const previous = attempts.byAddress.get(group)
+    attempts.byAddress.delete(group) // re-inserted last, so the map stays ordered oldest first
+    if (attempts.byAddress.size >= MAX_TRACKED_ADDRESSES)
+      attempts.byAddress.delete(attempts.byAddress.keys().next().value ?? '')
+    attempts.byAddress.set(group, countAttempt(previous, now, FREE_ATTEMPTS_PER_ADDRESS))
+    if (!byPasskey) attempts.total = countAttempt(attempts.total, now, FREE_ATTEMPTS_IN_TOTAL)
+  }
+  let refused: string | undefined
+  if (byPasskey) refused = await checkPasskeySignIn(form, on, address, count, ctx)
+  else {
+    count()
+    const passwordHash = ctx.config.passwordHash ?? ''
+    const right = await withPasswordSlot(ctx.passwordSlots, () => verifyPassword(password ?? '', passwordHash))
+    refused = right ? undefined : 'Wrong password'
+  }
   if (refused !== undefined) {
     const wait = lockedUntil() - now
     if (wait > 0) {
@@ -4340,7 +4345,7 @@ async function checkSignIn(
     return { status: 401, message: refused, headers: formChallenge(ctx.config) }
   }
   attempts.byAddress.delete(group)
-  attempts.total = NO_ATTEMPTS
+  if (!byPasskey) attempts.total = NO_ATTEMPTS // a passkey proves the owner, not that strangers stopped guessing
   return undefined
 }
 
@@ -4809,8 +4814,8 @@ function checkAuthenticatorData(data: AuthenticatorData, rpId: string): void {
 // pending request; it is used once, right or wrong, within five minutes. Anyone may ask for a
 // challenge, so making one stores nothing: a challenge is 16 random bytes, its expiry, and an
 // HMAC of both and of what it is bound to, under a key this process drew at start. Only a used
-// challenge is remembered, until it expires, and using one takes a sign-in attempt (counted and
-// limited as a password is) or the owner's session.
+// challenge is remembered, until it expires, and using one takes a sign-in attempt with a passkey
+// stored here (counted and limited as a password is) or the owner's session.
 
 /** What a challenge is made for: checked by its HMAC when an answer comes back. */
 export type PasskeyChallenge = {
@@ -4955,32 +4960,37 @@ function readPasskeyFields<Name extends string>(form: Params, names: Name[]): Re
 }
 
 /**
- * A passkey sign-in from a form (see `checkSignIn`): the challenge, the passkey by its id, the
- * user handle, the authentication ceremony's checks; then the new counter and the time of use are
- * stored. Returns why it is refused, after logging it, or undefined.
+ * A passkey sign-in from a form (see `checkSignIn`): the passkey by its id, then, counted as an
+ * attempt (`count`), the challenge, the user handle and the authentication ceremony's checks; then
+ * the new counter and the time of use are stored. Returns why it is refused, after logging it, or
+ * undefined.
  */
 async function checkPasskeySignIn(
   form: Params,
   on: { visitor: Visitor; request?: string },
   address: string,
+  count: () => void,
   ctx: Context,
 ): Promise<string | undefined> {
   try {
     const rp = relyingParty(ctx.config)
     if (rp === undefined) throw new PasskeyError(noPasskeysHere(ctx.config))
+    const id = requireParam(form, 'credential') // sent: `checkSignIn` came here for it
+    // An answer that names no passkey of this server checks no secret, and is neither counted as
+    // an attempt nor allowed to use up its challenge: a stranger, who knows no passkey's id, would
+    // else spend the tries of an address, and the challenges that may be used at once, with nothing.
+    await findPasskeyForHere(id, rp, ctx)
+    count()
     const sent = readPasskeyFields(form, ['client_data', 'authenticator_data', 'signature'])
     const browser = browserOf(on.visitor)
     const challenge = takeChallenge(ctx, sent.client_data, { purpose: 'sign-in', browser, request: on.request })
-    const id = requireParam(form, 'credential') // sent: `checkSignIn` came here for it
     const response = {
       clientDataJSON: sent.client_data,
       authenticatorData: sent.authenticator_data,
       signature: sent.signature,
     }
     await changePasskeys(ctx, async () => {
-      const passkey = await ctx.store.findPasskey(id) // as the last change left it
-      if (passkey === undefined) throw new PasskeyError('it is not a passkey of this server, or it was removed')
-      if (!madeFor(passkey, rp.id)) throw new PasskeyError(`it was made for ${passkey.rpId}, not for ${rp.id}`)
+      const passkey = await findPasskeyForHere(id, rp, ctx) // again, as the last change left it
       // §7.2 step 6: the owner was not named before the ceremony, so the device must say whose
       // passkey it is, with the handle it was made with. For one stored before Latch kept that
       // handle, the signature alone shows it is the passkey stored: the handle is not signed, so
@@ -5004,6 +5014,14 @@ async function checkPasskeySignIn(
     logEvent(ctx, 'security', `a passkey sign-in was refused: ${err.message}`, address)
     return `The passkey was refused: ${err.message}`
   }
+}
+
+/** The stored passkey of this id, when it signs in on the issuer's host; else a PasskeyError says why. */
+async function findPasskeyForHere(id: string, rp: { id: string }, ctx: Context): Promise<Passkey> {
+  const passkey = await ctx.store.findPasskey(id)
+  if (passkey === undefined) throw new PasskeyError('it is not a passkey of this server, or it was removed')
+  if (!madeFor(passkey, rp.id)) throw new PasskeyError(`it was made for ${passkey.rpId}, not for ${rp.id}`)
+  return passkey
 }
 
 // --- The owner's pages ----------------------------------------------------------

@@ -1460,17 +1460,34 @@ describe('Passkeys over HTTP', () => {
 })
 
 describe('Passkeys under attack', () => {
-  it('signs the owner in with a passkey while strangers’ failures from many addresses lock passwords out', async () => {
+  /** Latch behind a proxy on loopback, with the owner's passkey, and the owner's browser at home, signed out. */
+  async function behindProxyWithPasskey(): Promise<{ latch: Latch; owner: Credential; home: Browser }> {
     const passwordHash = await hashPassword(PASSWORD, { ln: 10, r: 8, p: 1 })
     const settings = { HOST: 'localhost', ME, PASSWORD_HASH: passwordHash, TRUST_PROXY: '127.0.0.1,::1' }
     const latch = await startTestLatch({ ...settings, DATA_FILE: 'memory' })
+    const owner = createCredential(ES256)
+    const home = openBrowser(latch, '192.0.2.1')
+    await signInWithPassword(home)
+    assert.equal((await addPasskey(latch, home, owner, 'Phone')).status, 200)
+    await signOut(home)
+    return { latch, owner, home }
+  }
+
+  /** Twenty-one wrong passwords from as many addresses: the total's lock, for everyone's password. */
+  async function lockPasswords(latch: Latch, network: string): Promise<void> {
+    for (let i = 0; i < 21; i++) {
+      const stranger = openBrowser(latch, `${network}.${i}`)
+      const wrong = await stranger.post('/sign-in', { password: 'a guess', csrf: await formToken(stranger) })
+      assert.equal(wrong.status, 401, `guess ${i}`)
+    }
+  }
+
+  /** A passkey answer that names no passkey of the server, as a stranger can send. */
+  const junk = { credential: 'x', client_data: 'e30', authenticator_data: 'AA', signature: 'AA' }
+
+  it('signs the owner in with a passkey while strangers’ failures from many addresses lock passwords out', async () => {
+    const { latch, owner, home } = await behindProxyWithPasskey()
     try {
-      const owner = createCredential(ES256)
-      const home = openBrowser(latch, '192.0.2.1')
-      await signInWithPassword(home)
-      assert.equal((await addPasskey(latch, home, owner, 'Phone')).status, 200)
-      await signOut(home)
-      const junk = { credential: 'x', client_data: 'e30', authenticator_data: 'AA', signature: 'AA' }
       // each stranger stays under its address's five free attempts; a passkey cannot be guessed
       for (let i = 0; i < 30; i++) {
         const stranger = openBrowser(latch, `198.51.100.${i}`)
@@ -1479,15 +1496,38 @@ describe('Passkeys under attack', () => {
       }
       assert.equal((await signInWithPasskey(latch, home, owner)).status, 303)
       await signOut(home)
-      // twenty-one wrong passwords from as many addresses lock passwords for everyone, not the passkey
-      for (let i = 0; i < 21; i++) {
-        const stranger = openBrowser(latch, `203.0.113.${i}`)
-        const wrong = await stranger.post('/sign-in', { password: 'a guess', csrf: await formToken(stranger) })
-        assert.equal(wrong.status, 401, `guess ${i}`)
-      }
+      await lockPasswords(latch, '203.0.113')
       const password = await home.post('/sign-in', { password: PASSWORD, csrf: await formToken(home) })
       assert.equal(password.status, 429)
       assert.equal((await signInWithPasskey(latch, home, owner)).status, 303)
+    } finally {
+      await latch.close()
+    }
+  })
+
+  it('keeps passwords locked in total when the owner signs in with a passkey meanwhile', async () => {
+    const { latch, owner, home } = await behindProxyWithPasskey()
+    try {
+      await lockPasswords(latch, '203.0.113')
+      assert.equal((await signInWithPasskey(latch, home, owner)).status, 303)
+      const guesser = openBrowser(latch, '198.51.100.1')
+      const next = await guesser.post('/sign-in', { password: 'a guess', csrf: await formToken(guesser) })
+      assert.equal(next.status, 429) // the passkey proved the owner, not that the guessing stopped
+    } finally {
+      await latch.close()
+    }
+  })
+
+  it('neither counts nor uses up a challenge for an answer that names no passkey of this server', async () => {
+    const { latch, owner, home } = await behindProxyWithPasskey()
+    try {
+      const fields = await passkeyFields(latch, home, owner)
+      // the owner's own address: past five counted attempts, the sixth would lock it for 2 seconds
+      for (let i = 0; i < 8; i++) {
+        const failed = await home.post('/sign-in', { ...fields, ...junk, client_data: fields.client_data })
+        assert.equal(failed.status, 401, `junk ${i}`)
+      }
+      assert.equal((await home.post('/sign-in', fields)).status, 303) // its challenge, still good
     } finally {
       await latch.close()
     }
