@@ -4027,10 +4027,14 @@ describe('Token lifetime on the consent page', () => {
     const code = await obtainCode(latch, {}, { lifetime: '86400' })
     const first = (await (await exchange(latch, code)).json()) as { refresh_token: string }
     latch.advance(86400 - 1.5) // 1.5 seconds before the day ends
-    const last = (await (await refresh(first.refresh_token)).json()) as { expires_in: number; access_token: string }
+    const last = (await (await refresh(first.refresh_token)).json()) as Record<string, string> & { expires_in: number }
     assert.equal(last.expires_in, 1)
     latch.advance(last.expires_in - 0.001)
     assert.equal((await introspect(latch, last.access_token)).active, true)
+    // less than a second left: no token, rather than one whose expires_in of 0 says it is dead already
+    const late = await refresh(last.refresh_token)
+    assert.equal(late.status, 400)
+    assert.equal(((await late.json()) as { error: string }).error, 'invalid_grant')
     latch.advance(0.601) // back to a whole second, for the tests after
   })
 

@@ -1996,9 +1996,10 @@ async function issueTokens(
   ctx: Context,
 ) {
   const now = ctx.now()
-  // nothing outlives the approval: the last tokens end when it does
+  // nothing outlives the approval: the last tokens end when it does, and with less than a second
+  // of it left there are none, whose expires_in (whole seconds, down) would be 0: dead already
   const endsAt = grant.endsAt ?? Infinity
-  if (endsAt <= now) throw new OAuthError('invalid_grant', 'The access the owner approved for this app has ended')
+  if (endsAt - now < 1000) throw new OAuthError('invalid_grant', 'The access the owner approved for this app has ended')
   // approved "until you revoke it": ACCESS_TOKEN_TTL as set now if shorter, so that it applies to every app
   // (not if longer: a grant of an older version may hold a shorter lifetime that the owner chose)
   const ttl =
