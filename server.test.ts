@@ -3306,6 +3306,27 @@ describe('Sign-in sessions and connected apps', () => {
     }
   })
 
+  it('looks the session cookies up in the store all at once, not one round trip after another', async () => {
+    const store = new MemoryStore()
+    let waiting = 0
+    let most = 0
+    const findSession = store.findSession.bind(store)
+    store.findSession = async (hash, now) => {
+      most = Math.max(most, ++waiting) // a store across the network: each lookup a round trip
+      await new Promise((resolve) => setImmediate(resolve))
+      waiting--
+      return findSession(hash, now)
+    }
+    const own = await startLatch({ PASSWORD_HASH: await hashPassword(password, FAST_COST) }, { store })
+    try {
+      const planted = Array.from({ length: 40 }, () => `latch_session=${createSecret()}`).join('; ')
+      await (await fetch(`${own.base}/apps`, { headers: { Cookie: planted } })).text()
+      assert.equal(most, 40)
+    } finally {
+      await own.close()
+    }
+  })
+
   it('signs in and approves among CSRF cookies of the same name that a page on another port set for longer paths', async () => {
     const csrf = createSecret()
     // sent first, as the browser does for a longer path: each of Latch's posts would be refused

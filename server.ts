@@ -4201,15 +4201,17 @@ async function findOwnerSession(
   ctx: Context,
 ): Promise<{ session: string; signedInAt: number } | { session: undefined; signedInAt: undefined }> {
   if (ctx.config.passwordHash === undefined) return NO_SESSION
-  // any cookie of the name: those planted by other pages on this host must not sign the owner out
-  for (const value of readSessionCookies(req, ctx.config)) {
-    const now = ctx.now()
-    const session = await ctx.store.findSession(hashSecret(value), now)
+  // any cookie of the name: those planted by other pages on this host must not sign the owner out;
+  // looked up all at once, as a store across a network would otherwise take a round trip for each
+  const values = readSessionCookies(req, ctx.config)
+  const now = ctx.now()
+  const sessions = await Promise.all(values.map((value) => ctx.store.findSession(hashSecret(value), now)))
+  const tag = passwordTag(ctx.config.passwordHash)
+  for (const [i, session] of sessions.entries()) {
     // a session of an old password is ignored, not deleted here: a read writes nothing, and it
     // expires; so is one older than SESSION_TTL, which may have been made shorter since
     const current = session !== undefined && session.createdAt + ctx.config.sessionTtlSeconds * 1000 > now
-    if (current && session.passwordTag === passwordTag(ctx.config.passwordHash))
-      return { session: value, signedInAt: session.createdAt }
+    if (current && session.passwordTag === tag) return { session: values[i], signedInAt: session.createdAt }
   }
   return NO_SESSION
 }
