@@ -535,8 +535,8 @@ describe('Configuration', () => {
       /ISSUER/,
     )
     // a name under localhost is loopback too (RFC 6761 §6.3), and browsers take it as such
-    const underLocalhost = { ISSUER: 'http://latch.dev.localhost:3000', ME: 'https://example.com/', PASSWORD_HASH }
-    assert.deepEqual(configWarnings(loadConfig(underLocalhost)), [])
+    for (const issuer of ['http://latch.dev.localhost:3000', 'http://localhost.:3000', 'http://auth.localhost.:3000'])
+      assert.deepEqual(configWarnings(loadConfig({ ISSUER: issuer, ME: 'https://example.com/', PASSWORD_HASH })), [])
   })
 
   it('warns of a refresh token lifetime no longer than the access token one, but at ten years', () => {

@@ -4852,13 +4852,21 @@ function passkeyHostProblem(issuer: string): string | undefined {
       `such as ${named.replace(/\/$/, '')}`
     )
   }
-  if (protocol === 'http:' && hostname !== 'localhost' && !hostname.endsWith('.localhost')) {
+  if (protocol === 'http:' && !isLocalhostName(hostname)) {
     return (
       'Passkeys need https, or http on localhost: browsers offer them nowhere else. ' +
       'Put Latch behind TLS and set ISSUER to its https URL'
     )
   }
   return undefined
+}
+
+/**
+ * Whether a host name is localhost or a name under it (`localhost.` too): loopback, to browsers a
+ * secure context (RFC 6761 §6.3 asks every resolver to take it so; not every one does).
+ */
+function isLocalhostName(hostname: string): boolean {
+  return /(^|\.)localhost\.?$/i.test(hostname)
 }
 
 /** What a page or a refusal says where passkeys cannot work (without a password, none are offered at all). */
@@ -8922,10 +8930,8 @@ export function configWarnings(config: Config, env: Record<string, string | unde
       warnings.push(`${key} is not a setting, and is not read: if it was meant as ${meant.name}, rename it`)
   }
   const issuer = new URL(config.issuer)
-  // a name under localhost is loopback too (RFC 6761 §6.3), and a secure context to browsers
-  const loopback =
-    LOOPBACK_HOSTS.has(issuer.hostname.replace(/^\[|\]$/g, '')) || /\.localhost\.?$/.test(issuer.hostname)
-  if (issuer.protocol === 'http:' && !loopback) {
+  const host = issuer.hostname.replace(/^\[|\]$/g, '')
+  if (issuer.protocol === 'http:' && !LOOPBACK_HOSTS.has(host) && !isLocalhostName(host)) {
     warnings.push(
       `ISSUER ${config.issuer} is http on a non-loopback host; IndieAuth wants https, ` +
         'so put Latch behind TLS and set ISSUER to the https URL',
