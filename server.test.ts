@@ -3040,6 +3040,22 @@ describe('The log: what a client sends', () => {
     }
   })
 
+  it('reads a client address with its port in X-Forwarded-For, as some proxies write it', async () => {
+    const latch = await startLatch({ TRUST_PROXY: '127.0.0.1,::1', PASSWORD_HASH })
+    try {
+      for (const [hop, address] of [
+        ['203.0.113.9:4711', '203.0.113.9'],
+        ['[2001:db8::1]:4711', '2001:db8::1'],
+      ]) {
+        await (await fetch(`${latch.base}/nothing`, { headers: { 'X-Forwarded-For': hop } })).text()
+        await new Promise((resolve) => setImmediate(resolve))
+        assert.equal(latch.logs.at(-1)?.split(' ')[1], address)
+      }
+    } finally {
+      await latch.close()
+    }
+  })
+
   it('believes X-Forwarded-For only from a proxy TRUST_PROXY names', async () => {
     const latch = await startLatch({ TRUST_PROXY: '10.0.0.5', PASSWORD_HASH }) // a proxy elsewhere: this request is not its
     try {

@@ -3384,20 +3384,22 @@ function clientAddress(req: IncomingMessage, trusted: BlockList | undefined): st
   return client
 }
 
-/** The addresses a request passed through, as its proxies wrote them, the client's first. */
+/**
+ * The addresses a request passed through, as its proxies wrote them, the client's first, less
+ * any port: `Forwarded` may carry one, and some proxies add one to X-Forwarded-For too.
+ */
 function forwardedChain(req: IncomingMessage): string[] {
   const forwardedFor = req.headers['x-forwarded-for']
-  if (forwardedFor !== undefined)
-    return [forwardedFor]
-      .flat()
-      .join(',')
-      .split(',')
-      .map((hop) => hop.trim())
-  const forwarded = req.headers.forwarded ?? ''
-  return [...forwarded.matchAll(/(?:^|[;,\s])for\s*=\s*("[^"]*"|[^;,\s]*)/gi)].map(([, value]) =>
-    value
-      .replace(/^"|"$/g, '')
-      .replace(/^\[([^\]]*)\](?::\d+)?$/, '$1') // "[2001:db8::1]:4711"
+  const hops =
+    forwardedFor !== undefined
+      ? [forwardedFor].flat().join(',').split(',')
+      : [...(req.headers.forwarded ?? '').matchAll(/(?:^|[;,\s])for\s*=\s*("[^"]*"|[^;,\s]*)/gi)].map(([, value]) =>
+          value.replace(/^"|"$/g, ''),
+        )
+  return hops.map((hop) =>
+    hop
+      .trim()
+      .replace(/^\[([^\]]*)\](?::\d+)?$/, '$1') // [2001:db8::1]:4711
       .replace(/^(\d+\.\d+\.\d+\.\d+):\d+$/, '$1'),
   )
 }
