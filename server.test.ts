@@ -523,6 +523,13 @@ describe('Configuration', () => {
       )
   })
 
+  it('warns of an ISSUER that is its own address behind the proxy TRUST_PROXY names', () => {
+    const behind = { TRUST_PROXY: '127.0.0.1', ME: 'https://example.com/', PASSWORD_HASH, PORT: '4400' }
+    for (const settings of [behind, { ...behind, ISSUER: 'http://127.0.0.1:4400' }])
+      assert.match(configWarnings(loadConfig(settings)).join('\n'), /ISSUER http:\/\/127\.0\.0\.1:4400 is Latch's own/)
+    assert.deepEqual(configWarnings(loadConfig({ ...behind, ISSUER: 'https://auth.example.com' })), [])
+  })
+
   it('warns about a profile URL with a port or an IP address, and about http off loopback', () => {
     assert.equal(configWarnings(loadConfig({ ME: 'https://example.com/' })).length, 0)
     assert.match(configWarnings(loadConfig({ ME: 'http://127.0.0.1:8080/' })).join('\n'), /ME/)

@@ -8939,6 +8939,14 @@ export function configWarnings(config: Config, env: Record<string, string | unde
         'so put Latch behind TLS and set ISSUER to the https URL',
     )
   }
+  // unset, or set to where Latch listens: behind a proxy, browsers are handed URLs they cannot reach
+  if (config.trustProxy.length > 0 && issuer.origin === `http://${hostForUrl(config.host)}:${config.port}`) {
+    warnings.push(
+      `ISSUER ${config.issuer} is Latch's own address, but TRUST_PROXY says requests come through a proxy: ` +
+        'the forms and links Latch hands browsers would point here, past it; set ISSUER to the public URL ' +
+        'the proxy serves Latch at',
+    )
+  }
   const { refreshTokenTtlSeconds: refresh, accessTokenTtlSeconds: access } = config
   if (refresh <= access && refresh < MAX_DURATION_SECONDS) {
     warnings.push(
