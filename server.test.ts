@@ -341,6 +341,26 @@ describe('Configuration', () => {
     assert.deepEqual(config.trustProxy, ['127.0.0.1', '::1'])
   })
 
+  it('says how a PASSWORD_HASH or a value was damaged on its way into an env file, never showing the hash', () => {
+    const cases: [Record<string, string>, RegExp][] = [
+      // systemd's EnvironmentFile keeps a comment after a value, as part of it
+      [{ PASSWORD_HASH: `${PASSWORD_HASH} # from hash-password` }, /^PASSWORD_HASH holds a comment/],
+      [{ ISSUER: 'https://auth.example.com # the public URL' }, /^ISSUER "https:.*" holds a comment/],
+      [{ PASSWORD_HASH: `PASSWORD_HASH=${PASSWORD_HASH}` }, /^PASSWORD_HASH begins with PASSWORD_HASH= again/],
+      [{ PASSWORD_HASH: PASSWORD_HASH.slice(0, -5) }, /^PASSWORD_HASH ends in 38 characters where a hash has 43/],
+      [{ PASSWORD_HASH: 'hunter2hunter2hunter2' }, /^PASSWORD_HASH is not a hash made by Latch: create one/],
+    ]
+    for (const [env, message] of cases)
+      assert.throws(
+        () => loadConfig(env),
+        (err: unknown) =>
+          err instanceof ConfigError && message.test(err.message) && !err.message.includes(PASSWORD_HASH.slice(-20)),
+        String(message),
+      )
+    // a name is free text: a # in it is its own
+    assert.equal(loadConfig({ PROFILE_NAME: 'Ada #1', PASSWORD_HASH }).profile.name, 'Ada #1')
+  })
+
   const refusals: [string, Record<string, string>, string[], RegExp][] = [
     ['a zero duration', { ACCESS_TOKEN_TTL: '0' }, [], /ACCESS_TOKEN_TTL/],
     ['a negative duration', { ACCESS_TOKEN_TTL: '-5' }, [], /ACCESS_TOKEN_TTL/],

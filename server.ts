@@ -8550,13 +8550,8 @@ export function loadConfig(
   const issuer = parseIssuer(raw.ISSUER ?? `http://${hostForUrl(host)}:${options.boundPort ?? port}`)
   const me = parseMe(raw.ME ?? `${issuer}/`)
   const passwordHash = raw.PASSWORD_HASH
-  if (passwordHash !== undefined && parsePasswordHash(passwordHash) === undefined) {
-    throw new ConfigError(
-      'PASSWORD_HASH is not a hash made by Latch, or its cost is outside what Latch accepts ' +
-        '(ln of 10 or more, r of 8 to 16, p of 1 to 4, and at most 256 MiB of work, 128 · 2^ln · r · p bytes): ' +
-        'create one with `npx tsx server.ts hash-password`',
-    )
-  }
+  if (passwordHash !== undefined && parsePasswordHash(passwordHash) === undefined)
+    throw new ConfigError(passwordHashProblem(passwordHash))
   if (passwordHash === undefined && !LOOPBACK_HOSTS.has(host)) {
     throw new ConfigError(
       `HOST ${host} is not 127.0.0.1, ::1 or localhost, and without PASSWORD_HASH anyone who reaches it ` +
@@ -8805,12 +8800,38 @@ function requireBareValue(name: SettingName, value: string, written: string = na
   if (/^\s|\s$/.test(value)) throw new ConfigError(`${shown} has white space around it: remove it`)
   if (/^(["']).*\1$/s.test(value))
     throw new ConfigError(`${shown} has quotes around it (an env file read without a shell keeps them): remove them`)
+  // systemd's EnvironmentFile keeps what follows a value as part of it; a name is free text
+  if (name !== 'PROFILE_NAME' && /\s#/.test(value))
+    throw new ConfigError(
+      `${shown} holds a comment (an env file takes none after a value): put it on a line of its own`,
+    )
   return value
 }
 
 /** A name without case or separators: `data_file`, `dataFile` and `DATA_FILE` are one. */
 function squeeze(name: string): string {
   return name.toUpperCase().replace(/[^A-Z0-9]/g, '')
+}
+
+/**
+ * What is wrong with a PASSWORD_HASH that Latch does not take, without showing it: how it was
+ * damaged on its way into an env file, or its cost.
+ */
+function passwordHashProblem(value: string): string {
+  const fix = 'create one with `npx tsx server.ts hash-password`'
+  if (value.startsWith('PASSWORD_HASH=')) return 'PASSWORD_HASH begins with PASSWORD_HASH= again: remove the name'
+  if (/\s/.test(value)) return `PASSWORD_HASH holds white space, which a hash has none of: ${fix}`
+  const made = /^scrypt:ln=\d+,r=\d+,p=\d+:[A-Za-z0-9_-]{16,}:([A-Za-z0-9_-]*)$/.exec(value)
+  if (made === null) return `PASSWORD_HASH is not a hash made by Latch: ${fix}`
+  if (made[1].length !== 43)
+    return (
+      `PASSWORD_HASH ends in ${made[1].length} characters where a hash has 43: ` +
+      'it was cut short, or joined to more, when copied; paste the whole line that hash-password printed'
+    )
+  return (
+    'PASSWORD_HASH has a cost outside what Latch accepts (ln of 10 or more, r of 8 to 16, p of 1 to 4, ' +
+    `and at most 256 MiB of work, 128 · 2^ln · r · p bytes): ${fix}`
+  )
 }
 
 /** `CODE_TTL` becomes `--code-ttl`. */
