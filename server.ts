@@ -9345,6 +9345,8 @@ function isFile(fd: number): boolean {
 
 /** The one line to print when the data file cannot be opened, or undefined for a failure of another kind. */
 function dataFileProblem(err: NodeJS.ErrnoException, dataFile: string): ConfigError | undefined {
+  // a path relative to the working folder, which a service sets and a person may not know: named whole too
+  const named = isAbsolute(dataFile) ? dataFile : `${dataFile} (${resolve(dataFile)})`
   const because: Record<string, string> = {
     EISDIR: `is a directory: name a file in it, as in DATA_FILE=${dataFile.replace(/\/$/, '')}/latch.jsonl`,
     ENOTDIR: 'is inside a file, not a folder: choose a path whose folders are folders',
@@ -9366,7 +9368,7 @@ function dataFileProblem(err: NodeJS.ErrnoException, dataFile: string): ConfigEr
   const self = process.getuid?.()
   if (file !== undefined && self !== undefined && file.uid !== self) {
     return new ConfigError(
-      `DATA_FILE ${dataFile} belongs to another user (uid ${file.uid}), so this one cannot read or write it: ` +
+      `DATA_FILE ${named} belongs to another user (uid ${file.uid}), so this one cannot read or write it: ` +
         `give it to this user (uid ${self}), as in chown ${self} ${dataFile}`,
     )
   }
@@ -9374,18 +9376,18 @@ function dataFileProblem(err: NodeJS.ErrnoException, dataFile: string): ConfigEr
   if (file !== undefined && self !== undefined && (file.mode & 0o600) !== 0o600) {
     const cannot = ['readable', 'writable'].filter((_, i) => (file.mode & (0o400 >> i)) === 0).join(' or ')
     return new ConfigError(
-      `DATA_FILE ${dataFile} is not ${cannot} by its owner, this user (${modeOf(file)}): run chmod 600 ${dataFile}`,
+      `DATA_FILE ${named} is not ${cannot} by its owner, this user (${modeOf(file)}): run chmod 600 ${dataFile}`,
     )
   }
   // its own folder exists (Latch made it): the folder of a symbolic link's target is what is missing
   const target = err.code === 'ENOENT' ? linkTarget(dataFile) : undefined
   if (target !== undefined && !existsSync(dirname(target))) {
     return new ConfigError(
-      `DATA_FILE ${dataFile} is a symbolic link to ${target}, whose folder does not exist: ` +
+      `DATA_FILE ${named} is a symbolic link to ${target}, whose folder does not exist: ` +
         `create ${dirname(target)}, or point the link elsewhere`,
     )
   }
-  return reason === undefined ? undefined : new ConfigError(`DATA_FILE ${dataFile} ${reason}`)
+  return reason === undefined ? undefined : new ConfigError(`DATA_FILE ${named} ${reason}`)
 }
 
 /** What a file's owner and mode are, or undefined when it cannot be looked at. */

@@ -12,7 +12,7 @@ import { existsSync, readFileSync } from 'node:fs'
 import { request as httpRequest } from 'node:http'
 import { connect } from 'node:net'
 import { tmpdir } from 'node:os'
-import { join } from 'node:path'
+import { join, relative } from 'node:path'
 import { fileURLToPath } from 'node:url'
 import { SETTINGS, hashPassword, hashSecret, verifyPassword } from '../server.ts'
 import { startLatch, until } from './harness.ts'
@@ -226,6 +226,14 @@ describe('A start-up failure is one line naming the setting and the fix, and exi
     // /proc refuses a new folder with ENOENT, on which node's recursive mkdir tries again for ever
     const result = await runLatch([], { DATA_FILE: '/proc/no-such-folder/latch.jsonl', PORT: '0' })
     assertOneLineFailure(result, /DATA_FILE \/proc\/no-such-folder\/latch\.jsonl has a folder that cannot be created/)
+  })
+
+  it('DATA_FILE given relative to the working folder: the message says where that is', async () => {
+    const result = await runLatch([], { DATA_FILE: relative(ROOT, '/proc/no-such-folder/latch.jsonl'), PORT: '0' })
+    assertOneLineFailure(
+      result,
+      /DATA_FILE \.\.\/\S+ \(\/proc\/no-such-folder\/latch\.jsonl\) has a folder that cannot/,
+    )
   })
 
   it('DATA_FILE in a folder the user cannot write', async (t) => {
