@@ -4261,7 +4261,7 @@ async function startSession(ctx: Context): Promise<string> {
 // with Retry-After); a success clears the counts, and a day of quiet forgets them. A passkey
 // cannot be guessed, so it is kept out of the total: there, strangers' failures would only lock
 // the owner out of the one sign-in they cannot break; nor does its success clear the total. An
-// answer that names no passkey stored here is not counted at all (`checkPasskeySignIn`). At most
+// answer that names no passkey stored here is not counted at all (`refuseUnknownPasskey`). At most
 // two scrypt checks run at once, so a flood cannot pin the CPU.
 
 const FREE_ATTEMPTS_PER_ADDRESS = 5
@@ -4306,6 +4306,11 @@ async function checkSignIn(
   const attempts = ctx.signInAttempts
   const byPasskey = getParam(form, 'credential') !== undefined
   const password = getParam(form, 'password')
+  // a passkey answer is looked up first: one that names no passkey stored here checks no secret, and
+  // is refused before it is counted or uses up its challenge (a stranger knows no passkey's id)
+  const unknown = byPasskey ? await refuseUnknownPasskey(form, address, ctx) : undefined
+  if (unknown !== undefined) return { status: 401, message: unknown, headers: formChallenge(ctx.config) }
+  // from the lock's check to the count, nothing is awaited: answers sent in parallel see each other's counts
   const lockedUntil = () =>
     Math.max(attempts.byAddress.get(group)?.lockedUntil ?? 0, byPasskey ? 0 : attempts.total.lockedUntil)
   const locked = lockedUntil()
@@ -4319,22 +4324,18 @@ async function checkSignIn(
     return { status: 403, message: 'Password sign-in is off: sign in with a passkey', headers: {} }
   if (!byPasskey && password === undefined)
     return { status: 401, message: 'Enter your password', headers: formChallenge(ctx.config) }
-  const count = () => {
-    const previous = attempts.byAddress.get(group)
-    attempts.byAddress.delete(group) // re-inserted last, so the map stays ordered oldest first
-    if (attempts.byAddress.size >= MAX_TRACKED_ADDRESSES)
-      attempts.byAddress.delete(attempts.byAddress.keys().next().value ?? '')
-    attempts.byAddress.set(group, countAttempt(previous, now, FREE_ATTEMPTS_PER_ADDRESS))
-    if (!byPasskey) attempts.total = countAttempt(attempts.total, now, FREE_ATTEMPTS_IN_TOTAL)
-  }
-  let refused: string | undefined
-  if (byPasskey) refused = await checkPasskeySignIn(form, on, address, count, ctx)
-  else {
-    count()
-    const passwordHash = ctx.config.passwordHash ?? ''
-    const right = await withPasswordSlot(ctx.passwordSlots, () => verifyPassword(password ?? '', passwordHash))
-    refused = right ? undefined : 'Wrong password'
-  }
+  const previous = attempts.byAddress.get(group)
+  attempts.byAddress.delete(group) // re-inserted last, so the map stays ordered oldest first
+  if (attempts.byAddress.size >= MAX_TRACKED_ADDRESSES)
+    attempts.byAddress.delete(attempts.byAddress.keys().next().value ?? '')
+  attempts.byAddress.set(group, countAttempt(previous, now, FREE_ATTEMPTS_PER_ADDRESS))
+  if (!byPasskey) attempts.total = countAttempt(attempts.total, now, FREE_ATTEMPTS_IN_TOTAL)
+  const passwordHash = ctx.config.passwordHash ?? ''
+  const refused = byPasskey
+    ? await checkPasskeySignIn(form, on, address, ctx)
+    : (await withPasswordSlot(ctx.passwordSlots, () => verifyPassword(password ?? '', passwordHash)))
+      ? undefined
+      : 'Wrong password'
   if (refused !== undefined) {
     const wait = lockedUntil() - now
     if (wait > 0) {
@@ -4973,27 +4974,37 @@ function readPasskeyFields<Name extends string>(form: Params, names: Name[]): Re
 }
 
 /**
- * A passkey sign-in from a form (see `checkSignIn`): the passkey by its id, then, counted as an
- * attempt (`count`), the challenge, the user handle and the authentication ceremony's checks; then
- * the new counter and the time of use are stored. Returns why it is refused, after logging it, or
- * undefined.
+ * Why a passkey answer is refused before it is counted (see `checkSignIn`): passkeys do not work
+ * here, or it names none stored for here. A stranger, who knows no passkey's id, would else spend
+ * the tries of an address, and the challenges that may be used at once, with answers of nothing.
+ * Undefined when it names one.
+ */
+async function refuseUnknownPasskey(form: Params, address: string, ctx: Context): Promise<string | undefined> {
+  try {
+    const rp = relyingParty(ctx.config)
+    if (rp === undefined) throw new PasskeyError(noPasskeysHere(ctx.config))
+    await findPasskeyForHere(requireParam(form, 'credential'), rp, ctx)
+    return undefined
+  } catch (err) {
+    return passkeyRefusal(err, address, ctx)
+  }
+}
+
+/**
+ * A passkey sign-in from a form (see `checkSignIn`), of a passkey stored here: the challenge, the
+ * passkey by its id, the user handle, the authentication ceremony's checks; then the new counter
+ * and the time of use are stored. Returns why it is refused, after logging it, or undefined.
  */
 async function checkPasskeySignIn(
   form: Params,
   on: { visitor: Visitor; request?: string },
   address: string,
-  count: () => void,
   ctx: Context,
 ): Promise<string | undefined> {
   try {
     const rp = relyingParty(ctx.config)
     if (rp === undefined) throw new PasskeyError(noPasskeysHere(ctx.config))
     const id = requireParam(form, 'credential') // sent: `checkSignIn` came here for it
-    // An answer that names no passkey of this server checks no secret, and is neither counted as
-    // an attempt nor allowed to use up its challenge: a stranger, who knows no passkey's id, would
-    // else spend the tries of an address, and the challenges that may be used at once, with nothing.
-    await findPasskeyForHere(id, rp, ctx)
-    count()
     const sent = readPasskeyFields(form, ['client_data', 'authenticator_data', 'signature'])
     const browser = browserOf(on.visitor)
     const challenge = takeChallenge(ctx, sent.client_data, { purpose: 'sign-in', browser, request: on.request })
@@ -5003,7 +5014,7 @@ async function checkPasskeySignIn(
       signature: sent.signature,
     }
     await changePasskeys(ctx, async () => {
-      const passkey = await findPasskeyForHere(id, rp, ctx) // again, as the last change left it
+      const passkey = await findPasskeyForHere(id, rp, ctx) // as the last change left it: removed, perhaps
       // §7.2 step 6: the owner was not named before the ceremony, so the device must say whose
       // passkey it is, with the handle it was made with. For one stored before Latch kept that
       // handle, the signature alone shows it is the passkey stored: the handle is not signed, so
@@ -5023,10 +5034,15 @@ async function checkPasskeySignIn(
     })
     return undefined
   } catch (err) {
-    if (!(err instanceof PasskeyError)) throw err
-    logEvent(ctx, 'security', `a passkey sign-in was refused: ${err.message}`, address)
-    return `The passkey was refused: ${err.message}`
+    return passkeyRefusal(err, address, ctx)
   }
+}
+
+/** What the form says of a passkey sign-in refused, after logging it; any other failure goes on up. */
+function passkeyRefusal(err: unknown, address: string, ctx: Context): string {
+  if (!(err instanceof PasskeyError)) throw err
+  logEvent(ctx, 'security', `a passkey sign-in was refused: ${err.message}`, address)
+  return `The passkey was refused: ${err.message}`
 }
 
 /** The stored passkey of this id, when it signs in on the issuer's host; else a PasskeyError says why. */

@@ -1533,6 +1533,39 @@ describe('Passkeys under attack', () => {
     }
   })
 
+  it('counts passkey answers sent in parallel from one address, on a store whose lookups take time', async () => {
+    const store = new MemoryStore()
+    const findPasskey = store.findPasskey.bind(store)
+    // a store across a network: once the gate is set, lookups answer when ten are under way together
+    let gate: { waiting: number; open: () => void; opened: Promise<void> } | undefined
+    store.findPasskey = async (id) => {
+      if (gate !== undefined && ++gate.waiting === 10) gate.open()
+      await gate?.opened
+      return findPasskey(id)
+    }
+    const { latch, browser } = await signedInOnStore(store)
+    try {
+      const owner = createCredential(ES256)
+      assert.equal((await addPasskey(latch, browser, owner, 'Phone')).status, 200)
+      await signOut(browser)
+      // a stranger who learnt the passkey's id, signing with a key of its own
+      const forged = []
+      for (let i = 0; i < 10; i++)
+        forged.push({
+          ...(await passkeyFields(latch, browser, createCredential(ES256))),
+          credential: base64url(owner.id),
+        })
+      let open = () => {}
+      gate = { waiting: 0, open: () => open(), opened: new Promise((resolve) => (open = resolve)) }
+      const statuses = (await Promise.all(forged.map((fields) => browser.post('/sign-in', fields)))).map(
+        (r) => r.status,
+      )
+      assert.deepEqual(statuses.sort(), [401, 401, 401, 401, 401, 401, 429, 429, 429, 429])
+    } finally {
+      await latch.close()
+    }
+  })
+
   it('keeps the owner’s challenge good through a flood of challenges asked by strangers', async () => {
     const latch = await startLatch()
     try {
