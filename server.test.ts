@@ -357,8 +357,9 @@ describe('Configuration', () => {
           err instanceof ConfigError && message.test(err.message) && !err.message.includes(PASSWORD_HASH.slice(-20)),
         String(message),
       )
-    // a name is free text: a # in it is its own
+    // a name and a path are free text: a # in them is their own
     assert.equal(loadConfig({ PROFILE_NAME: 'Ada #1', PASSWORD_HASH }).profile.name, 'Ada #1')
+    assert.equal(loadConfig({ DATA_FILE: '/srv/my #2/latch.jsonl' }).dataFile, '/srv/my #2/latch.jsonl')
   })
 
   const refusals: [string, Record<string, string>, string[], RegExp][] = [

@@ -8816,8 +8816,8 @@ function requireBareValue(name: SettingName, value: string, written: string = na
   if (/^\s|\s$/.test(value)) throw new ConfigError(`${shown} has white space around it: remove it`)
   if (/^(["']).*\1$/s.test(value))
     throw new ConfigError(`${shown} has quotes around it (an env file read without a shell keeps them): remove them`)
-  // systemd's EnvironmentFile keeps what follows a value as part of it; a name is free text
-  if (name !== 'PROFILE_NAME' && /\s#/.test(value))
+  // systemd's EnvironmentFile keeps what follows a value as part of it; a name and a path are free text
+  if (name !== 'PROFILE_NAME' && name !== 'DATA_FILE' && /\s#/.test(value))
     throw new ConfigError(
       `${shown} holds a comment (an env file takes none after a value): put it on a line of its own`,
     )
