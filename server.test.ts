@@ -548,6 +548,14 @@ describe('Configuration', () => {
     const behind = { TRUST_PROXY: '127.0.0.1', ME: 'https://example.com/', PASSWORD_HASH, PORT: '4400' }
     for (const settings of [behind, { ...behind, ISSUER: 'http://127.0.0.1:4400' }])
       assert.match(configWarnings(loadConfig(settings)).join('\n'), /ISSUER http:\/\/127\.0\.0\.1:4400 is Latch's own/)
+    // under another loopback name, or at the port http leaves unwritten
+    for (const settings of [
+      { ...behind, ISSUER: 'http://localhost:4400' },
+      { ...behind, PORT: '80', ISSUER: 'http://127.0.0.1' },
+    ])
+      assert.match(configWarnings(loadConfig(settings)).join('\n'), /is Latch's own address/)
+    // a proxy on this machine at a port of its own: the URL it serves
+    assert.deepEqual(configWarnings(loadConfig({ ...behind, ISSUER: 'http://localhost:8088/latch' })), [])
     assert.deepEqual(configWarnings(loadConfig({ ...behind, ISSUER: 'https://auth.example.com' })), [])
   })
 

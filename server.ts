@@ -8976,8 +8976,11 @@ export function configWarnings(config: Config, env: Record<string, string | unde
         'so put Latch behind TLS and set ISSUER to the https URL',
     )
   }
-  // unset, or set to where Latch listens: behind a proxy, browsers are handed URLs they cannot reach
-  if (config.trustProxy.length > 0 && issuer.origin === `http://${hostForUrl(config.host)}:${config.port}`) {
+  // unset, or set to where Latch listens (under any loopback name): behind a proxy, browsers are
+  // handed URLs they cannot reach
+  const ownHost = LOOPBACK_HOSTS.has(host) || isLocalhostName(host) || host === config.host
+  const ownAddress = issuer.protocol === 'http:' && ownHost && Number(issuer.port || 80) === config.port
+  if (config.trustProxy.length > 0 && ownAddress) {
     warnings.push(
       `ISSUER ${config.issuer} is Latch's own address, but TRUST_PROXY says requests come through a proxy: ` +
         'the forms and links Latch hands browsers would point here, past it; set ISSUER to the public URL ' +
