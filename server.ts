@@ -9388,14 +9388,14 @@ function dataFileProblem(err: NodeJS.ErrnoException, dataFile: string): ConfigEr
   if (file !== undefined && self !== undefined && file.uid !== self) {
     return new ConfigError(
       `DATA_FILE ${named} belongs to another user (uid ${file.uid}), so this one cannot read or write it: ` +
-        `give it to this user (uid ${self}), as in chown ${self} ${dataFile}`,
+        `give it to this user (uid ${self}), as in chown ${self} ${resolve(dataFile)}`,
     )
   }
   // this user's own file, which its mode keeps from it (`install -m 400`, a chmod a-w): the mode is what to fix
   if (file !== undefined && self !== undefined && (file.mode & 0o600) !== 0o600) {
     const cannot = ['readable', 'writable'].filter((_, i) => (file.mode & (0o400 >> i)) === 0).join(' or ')
     return new ConfigError(
-      `DATA_FILE ${named} is not ${cannot} by its owner, this user (${modeOf(file)}): run chmod 600 ${dataFile}`,
+      `DATA_FILE ${named} is not ${cannot} by its owner, this user (${modeOf(file)}): run chmod 600 ${resolve(dataFile)}`,
     )
   }
   // its own folder exists (Latch made it): the folder of a symbolic link's target is what is missing

@@ -290,10 +290,9 @@ describe('A start-up failure is one line naming the setting and the fix, and exi
       /own-read-only\/latch\.jsonl is not writable by its owner, this user \(mode 0400\): run chmod 600 \S+$/,
     )
     await chmod(file, 0o000)
-    assertOneLineFailure(
-      await runLatch([], { DATA_FILE: file, PORT: '0' }, { as: user.as }),
-      /latch\.jsonl is not readable or writable by its owner, this user \(mode 0000\): run chmod 600 \S+$/,
-    )
+    const failed = await runLatch([], { DATA_FILE: relative(ROOT, file), PORT: '0' }, { as: user.as })
+    assertOneLineFailure(failed, /latch\.jsonl\) is not readable or writable by its owner, this user \(mode 0000\)/)
+    assert.ok(failed.stderr.trim().endsWith(`: run chmod 600 ${file}`), failed.stderr) // given relative, named whole
     await chmod(file, 0o600)
     assert.match((await runLatch([], { DATA_FILE: file, PORT: '0' }, { as: user.as })).stdout, /Latch is listening/)
   })
