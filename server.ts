@@ -274,7 +274,8 @@ export type Passkey = {
 
 /**
  * Where codes and tokens live. Keys are hashes (`hashSecret`); raw secrets never reach a store
- * (passkeys are kept under their credential ids, which are public). Single use is a store
+ * (passkeys are kept under their credential ids, which are no secret, though only the signed-in
+ * owner is shown them). Single use is a store
  * operation: `markCodeUsed` and `redeemForTokens` must be atomic. On SQL, each kind is a table
  * keyed by hash with an `expires_at` column, and those two are one
  * `UPDATE ... SET used_at = ? WHERE hash = ? AND used_at IS NULL AND expires_at > ?` (one row
