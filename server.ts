@@ -9396,7 +9396,8 @@ function dataFileProblem(err: NodeJS.ErrnoException, dataFile: string): ConfigEr
   if (file !== undefined && self !== undefined && (file.mode & 0o600) !== 0o600) {
     const cannot = ['readable', 'writable'].filter((_, i) => (file.mode & (0o400 >> i)) === 0).join(' or ')
     return new ConfigError(
-      `DATA_FILE ${named} is not ${cannot} by its owner, this user (${modeOf(file)}): run chmod 600 ${resolve(dataFile)}`,
+      `DATA_FILE ${named} is not ${cannot} by its owner, this user (${modeOf(file)}): ` +
+        `run chmod 600 ${resolve(dataFile)}`,
     )
   }
   // its own folder exists (Latch made it): the folder of a symbolic link's target is what is missing
