@@ -4291,8 +4291,9 @@ function formChallenge(config: Config): Record<string, string> {
 
 /**
  * Checks the owner's sign-in on a form: the password, or a passkey's answer to a challenge made
- * for this browser (and for this pending request, on a consent page). Both count as attempts
- * alike. Returns undefined when it is right, else why it is refused.
+ * for this browser (and for this pending request, on a consent page). A password counts per
+ * address and in total; a passkey stored here, per address only; an answer naming none, not at
+ * all. Returns undefined when it is right, else why it is refused.
  */
 async function checkSignIn(
   form: Params,
@@ -4303,15 +4304,15 @@ async function checkSignIn(
 ): Promise<SignInRefusal | undefined> {
   const address = clientAddress(req, ctx.trustedProxies)
   const group = addressGroup(address) // an IPv6 /64 is one host's: its addresses share their tries
-  const now = ctx.steadyNow()
   const attempts = ctx.signInAttempts
   const byPasskey = getParam(form, 'credential') !== undefined
   const password = getParam(form, 'password')
   // a passkey answer is looked up first: one that names no passkey stored here checks no secret, and
   // is refused before it is counted or uses up its challenge (a stranger knows no passkey's id)
-  const unknown = byPasskey ? await refuseUnknownPasskey(form, address, ctx) : undefined
+  const unknown = byPasskey ? await refuseUnknownPasskey(form, ctx) : undefined
   if (unknown !== undefined) return { status: 401, message: unknown, headers: formChallenge(ctx.config) }
   // from the lock's check to the count, nothing is awaited: answers sent in parallel see each other's counts
+  const now = ctx.steadyNow()
   const lockedUntil = () =>
     Math.max(attempts.byAddress.get(group)?.lockedUntil ?? 0, byPasskey ? 0 : attempts.total.lockedUntil)
   const locked = lockedUntil()
@@ -4822,7 +4823,7 @@ function checkAuthenticatorData(data: AuthenticatorData, rpId: string): void {
 // challenge, so making one stores nothing: a challenge is 16 random bytes, its expiry, and an
 // HMAC of both and of what it is bound to, under a key this process drew at start. Only a used
 // challenge is remembered, until it expires, and using one takes a sign-in attempt with a passkey
-// stored here (counted and limited as a password is) or the owner's session.
+// stored here (counted per address, as a password is, though not in the total) or the owner's session.
 
 /** What a challenge is made for: checked by its HMAC when an answer comes back. */
 export type PasskeyChallenge = {
@@ -4978,16 +4979,18 @@ function readPasskeyFields<Name extends string>(form: Params, names: Name[]): Re
  * Why a passkey answer is refused before it is counted (see `checkSignIn`): passkeys do not work
  * here, or it names none stored for here. A stranger, who knows no passkey's id, would else spend
  * the tries of an address, and the challenges that may be used at once, with answers of nothing.
- * Undefined when it names one.
+ * Nor is it logged as a security event, which a stranger could send without end: the request's
+ * own line says 401. Undefined when it names one.
  */
-async function refuseUnknownPasskey(form: Params, address: string, ctx: Context): Promise<string | undefined> {
+async function refuseUnknownPasskey(form: Params, ctx: Context): Promise<string | undefined> {
+  const rp = relyingParty(ctx.config)
   try {
-    const rp = relyingParty(ctx.config)
     if (rp === undefined) throw new PasskeyError(noPasskeysHere(ctx.config))
     await findPasskeyForHere(requireParam(form, 'credential'), rp, ctx)
     return undefined
   } catch (err) {
-    return passkeyRefusal(err, address, ctx)
+    if (!(err instanceof PasskeyError)) throw err
+    return passkeyRefused(err)
   }
 }
 
@@ -5035,14 +5038,14 @@ async function checkPasskeySignIn(
     })
     return undefined
   } catch (err) {
-    return passkeyRefusal(err, address, ctx)
+    if (!(err instanceof PasskeyError)) throw err
+    logEvent(ctx, 'security', `a passkey sign-in was refused: ${err.message}`, address)
+    return passkeyRefused(err)
   }
 }
 
-/** What the form says of a passkey sign-in refused, after logging it; any other failure goes on up. */
-function passkeyRefusal(err: unknown, address: string, ctx: Context): string {
-  if (!(err instanceof PasskeyError)) throw err
-  logEvent(ctx, 'security', `a passkey sign-in was refused: ${err.message}`, address)
+/** What the form says of a passkey sign-in refused. */
+function passkeyRefused(err: PasskeyError): string {
   return `The passkey was refused: ${err.message}`
 }
 
