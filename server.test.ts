@@ -347,14 +347,17 @@ describe('Configuration', () => {
       [{ PASSWORD_HASH: `${PASSWORD_HASH} # from hash-password` }, /^PASSWORD_HASH holds a comment/],
       [{ ISSUER: 'https://auth.example.com # the public URL' }, /^ISSUER "https:.*" holds a comment/],
       [{ PASSWORD_HASH: `PASSWORD_HASH=${PASSWORD_HASH}` }, /^PASSWORD_HASH begins with PASSWORD_HASH= again/],
-      [{ PASSWORD_HASH: PASSWORD_HASH.slice(0, -5) }, /^PASSWORD_HASH ends in 38 characters where a hash has 43/],
+      [{ PASSWORD_HASH: PASSWORD_HASH.slice(0, -5) }, /^PASSWORD_HASH's last part has 38 characters where a hash/],
+      [{ PASSWORD_HASH: `${PASSWORD_HASH}x` }, /^PASSWORD_HASH's last part has 44 characters where a hash/],
+      [{ PASSWORD_HASH: PASSWORD_HASH.replace(':', ':\t') }, /^PASSWORD_HASH holds white space/],
+      [{ PASSWORD_HASH: PASSWORD_HASH.replace('ln=10', 'ln=9') }, /^PASSWORD_HASH has a cost outside/],
       [{ PASSWORD_HASH: 'hunter2hunter2hunter2' }, /^PASSWORD_HASH is not a hash made by Latch: create one/],
     ]
+    const salt = PASSWORD_HASH.split(':')[2] // in every damaged value but the last
     for (const [env, message] of cases)
       assert.throws(
         () => loadConfig(env),
-        (err: unknown) =>
-          err instanceof ConfigError && message.test(err.message) && !err.message.includes(PASSWORD_HASH.slice(-20)),
+        (err: unknown) => err instanceof ConfigError && message.test(err.message) && !err.message.includes(salt),
         String(message),
       )
     // a name and a path are free text: a # in them is their own

@@ -4411,14 +4411,17 @@ export async function verifyPassword(password: string, passwordHash: string): Pr
  * is 128 MiB). And at least ln=10 with r=8 (the tests' cost): less makes each guess nearly free.
  */
 function parsePasswordHash(value: string): PasswordHash | undefined {
-  const match = /^scrypt:ln=(\d+),r=(\d+),p=(\d+):([A-Za-z0-9_-]{16,}):([A-Za-z0-9_-]{43})$/.exec(value)
-  if (match === null) return undefined
+  const match = PASSWORD_HASH_FORMAT.exec(value)
+  if (match === null || match[5].length !== 43) return undefined // a 32-byte key (`passwordHashProblem`)
   const [ln, r, p] = [Number(match[1]), Number(match[2]), Number(match[3])]
   if (ln < 10 || r < 8 || r > 16 || p < 1 || p > 4 || 128 * 2 ** ln * r * p > MAX_SCRYPT_BYTES) return undefined
   return { ln, r, p, salt: Buffer.from(match[4], 'base64url'), hash: Buffer.from(match[5], 'base64url') }
 }
 
 const MAX_SCRYPT_BYTES = 256 * 2 ** 20
+
+/** `scrypt:ln=…,r=…,p=…:<salt>:<key>`, the key of any length, so that one cut short can be told. */
+const PASSWORD_HASH_FORMAT = /^scrypt:ln=(\d+),r=(\d+),p=(\d+):([A-Za-z0-9_-]{16,}):([A-Za-z0-9_-]*)$/
 
 function runScrypt(password: string, params: { ln: number; r: number; p: number; salt: Buffer }): Promise<Buffer> {
   const N = 2 ** params.ln
@@ -8841,11 +8844,11 @@ function passwordHashProblem(value: string): string {
   const fix = 'create one with `npx tsx server.ts hash-password`'
   if (value.startsWith('PASSWORD_HASH=')) return 'PASSWORD_HASH begins with PASSWORD_HASH= again: remove the name'
   if (/\s/.test(value)) return `PASSWORD_HASH holds white space, which a hash has none of: ${fix}`
-  const made = /^scrypt:ln=\d+,r=\d+,p=\d+:[A-Za-z0-9_-]{16,}:([A-Za-z0-9_-]*)$/.exec(value)
+  const made = PASSWORD_HASH_FORMAT.exec(value)
   if (made === null) return `PASSWORD_HASH is not a hash made by Latch: ${fix}`
-  if (made[1].length !== 43)
+  if (made[5].length !== 43)
     return (
-      `PASSWORD_HASH ends in ${made[1].length} characters where a hash has 43: ` +
+      `PASSWORD_HASH's last part has ${made[5].length} characters where a hash has 43: ` +
       'it was cut short, or joined to more, when copied; paste the whole line that hash-password printed'
     )
   return (
