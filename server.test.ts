@@ -15,7 +15,7 @@ import { PassThrough, Writable } from 'node:stream'
 import { setFlagsFromString } from 'node:v8'
 import { runInNewContext } from 'node:vm'
 import { fileURLToPath } from 'node:url'
-import { mkdtemp, rm } from 'node:fs/promises'
+import { mkdir, mkdtemp, rm, writeFile } from 'node:fs/promises'
 import { tmpdir } from 'node:os'
 import { join } from 'node:path'
 import {
@@ -341,7 +341,7 @@ describe('Configuration', () => {
     assert.deepEqual(config.trustProxy, ['127.0.0.1', '::1'])
   })
 
-  it('says how a PASSWORD_HASH or a value was damaged on its way into an env file, never showing the hash', () => {
+  it('says how a PASSWORD_HASH or a value was damaged on its way into an env file, never showing the hash', async () => {
     const cases: [Record<string, string>, RegExp][] = [
       // systemd's EnvironmentFile keeps a comment after a value, as part of it
       [{ PASSWORD_HASH: `${PASSWORD_HASH} # from hash-password` }, /^PASSWORD_HASH holds a comment/],
@@ -360,9 +360,19 @@ describe('Configuration', () => {
         (err: unknown) => err instanceof ConfigError && message.test(err.message) && !err.message.includes(salt),
         String(message),
       )
-    // a name and a path are free text: a # in them is their own
+    // a name is free text, and so is the path of a data file that is there: a # in them is their own
     assert.equal(loadConfig({ PROFILE_NAME: 'Ada #1', PASSWORD_HASH }).profile.name, 'Ada #1')
-    assert.equal(loadConfig({ DATA_FILE: '/srv/my #2/latch.jsonl' }).dataFile, '/srv/my #2/latch.jsonl')
+    const directory = await mkdtemp(join(tmpdir(), 'latch-hash-'))
+    try {
+      const file = join(directory, 'my #2', 'latch.jsonl')
+      // not there: a comment added to an old line would else start an empty journal beside the old one
+      assert.throws(() => loadConfig({ DATA_FILE: file }), /DATA_FILE ".*" holds a comment/)
+      await mkdir(join(directory, 'my #2'))
+      await writeFile(file, '')
+      assert.equal(loadConfig({ DATA_FILE: file }).dataFile, file)
+    } finally {
+      await rm(directory, { recursive: true })
+    }
   })
 
   const refusals: [string, Record<string, string>, string[], RegExp][] = [

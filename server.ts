@@ -8807,8 +8807,9 @@ function kindOf(value: unknown): string {
 /**
  * The value, or a `ConfigError` when something no setting begins or ends with is around it: a
  * carriage return (an env file with Windows line endings, sourced by a shell), white space, or
- * quotes (an env file read without a shell, as docker's `--env-file` reads it, keeps them). Taken
- * as written, they name another file, or make a good value look wrong.
+ * quotes (an env file read without a shell, as docker's `--env-file` reads it, keeps them); or a
+ * comment after it (` # …`), which systemd's EnvironmentFile keeps. Taken as written, they name
+ * another file, or make a good value look wrong.
  * `written` is how the setting was given: its variable, or its flag.
  */
 function requireBareValue(name: SettingName, value: string, written: string = name): string {
@@ -8823,8 +8824,10 @@ function requireBareValue(name: SettingName, value: string, written: string = na
   if (/^\s|\s$/.test(value)) throw new ConfigError(`${shown} has white space around it: remove it`)
   if (/^(["']).*\1$/s.test(value))
     throw new ConfigError(`${shown} has quotes around it (an env file read without a shell keeps them): remove them`)
-  // systemd's EnvironmentFile keeps what follows a value as part of it; a name and a path are free text
-  if (name !== 'PROFILE_NAME' && name !== 'DATA_FILE' && /\s#/.test(value))
+  // systemd's EnvironmentFile keeps what follows a value as part of it. A name is free text, and so
+  // is the path of a data file that is there: a new one would start an empty journal beside the old
+  const freeText = name === 'PROFILE_NAME' || (name === 'DATA_FILE' && existsSync(value))
+  if (!freeText && /\s#/.test(value))
     throw new ConfigError(
       `${shown} holds a comment (an env file takes none after a value): put it on a line of its own`,
     )
