@@ -560,13 +560,14 @@ describe('Configuration', () => {
   it('warns of an ISSUER that is its own address behind the proxy TRUST_PROXY names', () => {
     const behind = { TRUST_PROXY: '127.0.0.1', ME: 'https://example.com/', PASSWORD_HASH, PORT: '4400' }
     for (const settings of [behind, { ...behind, ISSUER: 'http://127.0.0.1:4400' }])
-      assert.match(configWarnings(loadConfig(settings)).join('\n'), /ISSUER http:\/\/127\.0\.0\.1:4400 is Latch's own/)
+      assert.match(configWarnings(loadConfig(settings)).join('\n'), /ISSUER is http:\/\/127\.0\.0\.1:4400, Latch's own/)
     // under another loopback name, or at the port http leaves unwritten
     for (const settings of [
       { ...behind, ISSUER: 'http://localhost:4400' },
       { ...behind, PORT: '80', ISSUER: 'http://127.0.0.1' },
+      { ...behind, HOST: '192.0.2.7' }, // bound to an address of its own, and named by it
     ])
-      assert.match(configWarnings(loadConfig(settings)).join('\n'), /is Latch's own address/)
+      assert.match(configWarnings(loadConfig(settings)).join('\n'), /, Latch's own address/)
     // a proxy on this machine at a port of its own: the URL it serves
     assert.deepEqual(configWarnings(loadConfig({ ...behind, ISSUER: 'http://localhost:8088/latch' })), [])
     assert.deepEqual(configWarnings(loadConfig({ ...behind, ISSUER: 'https://auth.example.com' })), [])

@@ -8980,7 +8980,8 @@ export function configWarnings(config: Config, env: Record<string, string | unde
   }
   const issuer = new URL(config.issuer)
   const host = issuer.hostname.replace(/^\[|\]$/g, '')
-  if (issuer.protocol === 'http:' && !LOOPBACK_HOSTS.has(host) && !isLocalhostName(host)) {
+  const loopback = LOOPBACK_HOSTS.has(host) || isLocalhostName(host)
+  if (issuer.protocol === 'http:' && !loopback) {
     warnings.push(
       `ISSUER ${config.issuer} is http on a non-loopback host; IndieAuth wants https, ` +
         'so put Latch behind TLS and set ISSUER to the https URL',
@@ -8988,11 +8989,12 @@ export function configWarnings(config: Config, env: Record<string, string | unde
   }
   // unset, or set to where Latch listens (under any loopback name): behind a proxy, browsers are
   // handed URLs they cannot reach
-  const ownHost = LOOPBACK_HOSTS.has(host) || isLocalhostName(host) || host === config.host
+  const ownHost = loopback || host === config.host
   const ownAddress = issuer.protocol === 'http:' && ownHost && Number(issuer.port || 80) === config.port
   if (config.trustProxy.length > 0 && ownAddress) {
     warnings.push(
-      `ISSUER ${config.issuer} is Latch's own address, but TRUST_PROXY says requests come through a proxy: ` +
+      `ISSUER is ${config.issuer}, Latch's own address (as it is when unset), but TRUST_PROXY says ` +
+        'requests come through a proxy: ' +
         'the forms and links Latch hands browsers would point here, past it; set ISSUER to the public URL ' +
         'the proxy serves Latch at',
     )
