@@ -275,9 +275,9 @@ export type Passkey = {
 /**
  * Where codes and tokens live. Keys are hashes (`hashSecret`); raw secrets never reach a store
  * (passkeys are kept under their credential ids, which are no secret, though only the signed-in
- * owner is shown them). Single use is a store
- * operation: `markCodeUsed` and `redeemForTokens` must be atomic. On SQL, each kind is a table
- * keyed by hash with an `expires_at` column, and those two are one
+ * owner is shown them). Single use is a store operation: `markCodeUsed` and `redeemForTokens`
+ * must be atomic. On SQL, each kind is a table keyed by hash with an `expires_at` column, and
+ * those two are one statement:
  * `UPDATE ... SET used_at = ? WHERE hash = ? AND used_at IS NULL AND expires_at > ?` (one row
  * changed: the first caller), in a transaction with the inserts of the grant and the tokens. A
  * refresh token's retry within the grace period is the one exception: its condition is `hash = ?
@@ -290,7 +290,8 @@ export type Passkey = {
  * or a small Lua script. A write the database refused (full, or unreachable) is thrown as
  * `NotStored`, once its cause is logged: the client is told 500 `server_error`, and nothing
  * happened (a `touchGrant` that fails so refuses no token). Any other error is a fault,
- * answered 500 too, with its stack in the log.
+ * answered 500 too, with its stack in the log. `findSession` may be asked for up to 300
+ * sessions at once, for the cookies of one request (`findOwnerSession`).
  * Latch sweeps expired entries out of its own two stores; one of your own expires them itself (a
  * TTL, or a periodic `DELETE ... WHERE expires_at < ?`).
  */
@@ -1997,8 +1998,8 @@ async function issueTokens(
   ctx: Context,
 ) {
   const now = ctx.now()
-  // nothing outlives the approval: the last tokens end when it does, and with less than a second
-  // of it left there are none, whose expires_in (whole seconds, down) would be 0: dead already
+  // nothing outlives the approval: the last tokens end when it does. With under a second of it
+  // left none are issued: their expires_in, rounded down, would be 0
   const endsAt = grant.endsAt ?? Infinity
   if (endsAt - now < 1000) throw new OAuthError('invalid_grant', 'The access the owner approved for this app has ended')
   // approved "until you revoke it": ACCESS_TOKEN_TTL as set now if shorter, so that it applies to every app
@@ -3391,12 +3392,12 @@ function clientAddress(req: IncomingMessage, trusted: BlockList | undefined): st
  */
 function forwardedChain(req: IncomingMessage): string[] {
   const forwardedFor = req.headers['x-forwarded-for']
-  const hops =
-    forwardedFor !== undefined
-      ? [forwardedFor].flat().join(',').split(',')
-      : [...(req.headers.forwarded ?? '').matchAll(/(?:^|[;,\s])for\s*=\s*("[^"]*"|[^;,\s]*)/gi)].map(([, value]) =>
-          value.replace(/^"|"$/g, ''),
-        )
+  let hops: string[]
+  if (forwardedFor !== undefined) hops = [forwardedFor].flat().join(',').split(',')
+  else {
+    const fors = (req.headers.forwarded ?? '').matchAll(/(?:^|[;,\s])for\s*=\s*("[^"]*"|[^;,\s]*)/gi)
+    hops = [...fors].map(([, value]) => value.replace(/^"|"$/g, ''))
+  }
   return hops.map((hop) =>
     hop
       .trim()
