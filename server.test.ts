@@ -4109,7 +4109,7 @@ describe('Token lifetime on the consent page', () => {
     assert.equal(((await ended.json()) as { error: string }).error, 'invalid_grant')
   })
 
-  it('never says an access token lives past the approval it ends with, at any millisecond', async () => {
+  it('rounds expires_in down where the approval’s end cuts a token short, and issues none with under a second left', async () => {
     latch.advance(0.9) // the approval begins, and so ends, at .900 of a second
     const code = await obtainCode(latch, {}, { lifetime: '86400' })
     const first = (await (await exchange(latch, code)).json()) as { refresh_token: string }

@@ -4227,11 +4227,11 @@ function readSessionCookies(req: IncomingMessage, config: Config): string[] {
 }
 
 /**
- * The most cookies of one name read from one request: the browser's own, and what other pages
- * could plant, one for each domain from this host up that matches, each path and each partition,
- * which on a host of many labels makes dozens. More than node:http's 16 KiB of headers can hold
- * (about 280), so the bound is reached only where an app lets in larger headers: a session
- * cookie is read for a hash and a lookup each.
+ * The most cookies of one name read from one request: the browser's own, and, on http, what other
+ * pages could plant, one for each domain from this host up that matches, each path and each
+ * partition, which on a host of many labels makes dozens (on https, the `__Host-` prefix allows
+ * none of those). node:http's 16 KiB of headers holds about 280: the bound matters where an app
+ * lets in more, since each session cookie costs a hash and a store lookup.
  */
 const MAX_COOKIES_OF_A_NAME = 300
 
