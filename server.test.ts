@@ -2814,6 +2814,21 @@ describe('POST /token with grant_type=refresh_token (IndieAuth ยง5.5, RFC 6749 ย
     assert.match(latch.logs.join('\n'), /security: a refresh token of .* was used again/)
   })
 
+  it('serves a retry of either refresh token two refreshes at once gave, once both went on, until one was built on', async () => {
+    const first = await firstTokens()
+    const answers = await Promise.all([refresh(first.refresh_token), refresh(first.refresh_token)])
+    const [a, b] = (await Promise.all(answers.map((answer) => answer.json()))) as Tokens[]
+    // two tabs, each going on with its own; tab B's answer is lost on the way, and B sends it again
+    assert.equal((await refresh(b.refresh_token)).status, 200)
+    const fromA = (await (await refresh(a.refresh_token)).json()) as Tokens
+    const retried = await refresh(b.refresh_token)
+    assert.equal(retried.status, 200)
+    assert.equal((await introspect(latch, fromA.access_token)).active, true)
+    // the first token, which both went on from, is a reuse: the grant and every token of it go
+    await assertError(await refresh(first.refresh_token), 400, 'invalid_grant')
+    assert.deepEqual(await introspect(latch, fromA.access_token), { active: false })
+  })
+
   it('keeps, across a restart, which refresh token was rotated last', async () => {
     const dir = await mkdtemp(join(tmpdir(), 'latch-rotated-'))
     const open = () => FileStore.open(join(dir, 'data.jsonl'), { log: () => {} })

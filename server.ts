@@ -212,8 +212,9 @@ export type Grant = {
   /** The latest expiry of its tokens: a grant lives as long as one of them may. */
   expiresAt: number
   /**
-   * The hash of its refresh token rotated last: the only one that may come again, as a retry
-   * within `REFRESH_TOKEN_GRACE`. One rotated before it is a reuse, since the client went on.
+   * The hash of its refresh token rotated last: one that may come again, as a retry within
+   * `REFRESH_TOKEN_GRACE`. One rotated before it is a reuse, since the client went on; unless
+   * Latch's own store knows it did not (`MemoryStore.redeem`: two refreshes sent at once).
    */
   lastRotated?: string
 }
@@ -340,7 +341,9 @@ export interface Store {
    * (if it is unexpired and unused), then saves the grant and the tokens. True for the first
    * caller, and for a retry: a refresh token used at or after `redeemed.retriedSince` that is
    * still the one its grant rotated last (`Grant.lastRotated`, which the first caller sets).
-   * Nothing is saved for any other.
+   * Latch's own stores also take, within the grace, a retry of one whose rotations issued refresh
+   * tokens none of which is used yet: two refreshes sent at once leave two, each a tab may go on
+   * with. Nothing is saved for any other.
    */
   redeemForTokens(issue: TokenIssue, now: number): Promise<boolean>
   deleteToken(hash: string): Promise<void>
@@ -1878,9 +1881,10 @@ async function exchangeCode(form: Params, ctx: Context) {
 /**
  * Rotates a refresh token: the old one stops working, and presenting it again revokes the
  * whole grant, since one of the two presenters must have stolen it (RFC 9700 §4.14.2). Within
- * `REFRESH_TOKEN_GRACE` of its rotation, though, the token rotated last is a retry (the answer
- * was lost on the way, or the client refreshed twice at once) and gets fresh tokens too, as the
- * FAPI 2.0 Security Profile asks of rotation. An older one is not: the client went on from it.
+ * `REFRESH_TOKEN_GRACE` of its rotation, though, a token the client has not gone on from is a
+ * retry (the answer was lost on the way, or the client refreshed twice at once) and gets fresh
+ * tokens too, as the FAPI 2.0 Security Profile asks of rotation. Once the client has used what
+ * the rotation gave, the old token is a reuse (see `MemoryStore.redeem`).
  * @see https://www.rfc-editor.org/rfc/rfc6749#section-6
  * @see https://www.rfc-editor.org/rfc/rfc9700#section-4.14.2 RFC 9700 §4.14.2
  */
@@ -6762,6 +6766,12 @@ export class MemoryStore implements Store {
   readonly #dropped = new Map<string, number>()
   /** Grants and tokens saved that the sweep has not yet walked twice as many entries for. */
   #savedSinceSweep = 0
+  /**
+   * The refresh tokens each refresh token's rotations issued (two, for two refreshes sent at once),
+   * while a retry of it may still come: the longest grace and a second. Kept in memory only: after
+   * a restart, or past the last `MAX_RECENT_ROTATIONS`, a retry is known by `lastRotated` alone.
+   */
+  readonly #rotatedTo = new Map<string, { at: number; issued: string[] }>()
 
   constructor(options: MemoryStoreOptions = {}) {
     this.#maxPendingRequests = options.maxPendingRequests ?? 1_000
@@ -6914,7 +6924,23 @@ export class MemoryStore implements Store {
     // which token was rotated last is as `redeem` left it: a copy saved after a later rotation must not undo it
     const lastRotated = redeemed.kind === 'refresh' ? this.grants.get(grantId)?.lastRotated : undefined
     this.#putGrant(grantId, grant, lastRotated ?? grant.lastRotated)
-    for (const [hash, token] of issue.tokens) this.#putToken(hash, token)
+    for (const [hash, token] of issue.tokens) {
+      this.#putToken(hash, token)
+      if (redeemed.kind === 'refresh' && token.kind === 'refresh')
+        this.#noteRotation(redeemed.hash, hash, token.issuedAt)
+    }
+  }
+
+  /** Notes the refresh token a rotation issued, and forgets those past any retry's time. */
+  #noteRotation(rotated: string, issued: string, at: number): void {
+    for (const [hash, rotation] of this.#rotatedTo) {
+      const retryOver = rotation.at < at - (MAX_REFRESH_GRACE_SECONDS + 1) * 1000
+      if (!retryOver && this.#rotatedTo.size < MAX_RECENT_ROTATIONS) break // kept in the order they came
+      this.#rotatedTo.delete(hash)
+    }
+    const rotation = this.#rotatedTo.get(rotated)
+    if (rotation === undefined) this.#rotatedTo.set(rotated, { at, issued: [issued] })
+    else rotation.issued.push(issued)
   }
 
   /**
@@ -6938,11 +6964,17 @@ export class MemoryStore implements Store {
       return 'first'
     }
     const since = redeemed.retriedSince
-    // a retry of the token rotated last (any, for a grant saved before Latch kept which), within
-    // the grace period; `usedAt` is in whole seconds, rounded down
-    const last = grant?.lastRotated
-    const retry = since !== undefined && (stored.usedAt + 1) * 1000 > since && (last ?? redeemed.hash) === redeemed.hash
-    return retry ? 'again' : undefined
+    // a retry comes within the grace period (`usedAt` is in whole seconds, rounded down), and while
+    // the client has not gone on from the token: none of the refresh tokens its rotations issued is
+    // used yet. Two refreshes sent at once make two, each of which a tab may go on with. Where that
+    // is no longer known, only the token rotated last (any, for a grant saved before Latch kept which)
+    if (since === undefined || (stored.usedAt + 1) * 1000 <= since) return undefined
+    const issued = this.#rotatedTo.get(redeemed.hash)?.issued
+    const goneOn =
+      issued === undefined
+        ? (grant?.lastRotated ?? redeemed.hash) !== redeemed.hash
+        : issued.some((hash) => this.tokens.get(hash)?.usedAt !== undefined)
+    return goneOn ? undefined : 'again'
   }
 
   /**
@@ -8494,7 +8526,7 @@ export const SETTINGS = [
   {
     name: 'REFRESH_TOKEN_GRACE',
     default: '30',
-    help: 'The refresh token rotated last, sent again this soon, is a retry (0 turns it off; at most 600).',
+    help: 'A refresh token sent again this soon, before the client went on from it, is a retry (0: none; at most 600).',
   },
   {
     name: 'SESSION_TTL',
@@ -8542,6 +8574,9 @@ const MIN_SECRET_LENGTH = 16
 const MIN_PASSWORD_LENGTH = 15
 const MAX_DURATION_SECONDS = 3650 * 86400
 const MAX_REFRESH_GRACE_SECONDS = 600
+
+/** The most rotations a `MemoryStore` keeps what they issued of, for retries (`#rotatedTo`). */
+const MAX_RECENT_ROTATIONS = 10_000
 
 /**
  * Reads the configuration from environment variables and command-line flags, or throws a
