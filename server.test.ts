@@ -1147,18 +1147,14 @@ describe('MemoryStore', () => {
     // r1's rotation is redeemed first, but its grant is saved after r2's rotation: as a slow write does
     assert.equal(store.redeem(grace('r1'), 1000), 'first')
     assert.equal(store.redeem(grace('r2'), 2000), 'first')
-    store.keepIssued({
-      redeemed: grace('r2'),
-      grantId: 'g',
-      grant: { ...grant(99_000), lastRotated: 'r2' },
-      tokens: [],
-    })
-    store.keepIssued({
-      redeemed: grace('r1'),
-      grantId: 'g',
-      grant: { ...grant(99_000), lastRotated: 'r1' },
-      tokens: [],
-    })
+    store.keepIssued(
+      { redeemed: grace('r2'), grantId: 'g', grant: { ...grant(99_000), lastRotated: 'r2' }, tokens: [] },
+      'first',
+    )
+    store.keepIssued(
+      { redeemed: grace('r1'), grantId: 'g', grant: { ...grant(99_000), lastRotated: 'r1' }, tokens: [] },
+      'first',
+    )
     assert.equal(store.redeem(grace('r2'), 3000), 'again')
     assert.equal(store.redeem(grace('r1'), 3000), undefined)
   })
@@ -2827,6 +2823,60 @@ describe('POST /token with grant_type=refresh_token (IndieAuth ยง5.5, RFC 6749 ย
     // the first token, which both went on from, is a reuse: the grant and every token of it go
     await assertError(await refresh(first.refresh_token), 400, 'invalid_grant')
     assert.deepEqual(await introspect(latch, fromA.access_token), { active: false })
+  })
+
+  /** A Latch on a journal in a folder of its own, which `restart` stops and starts again on the same file. */
+  async function restartable() {
+    const dir = await mkdtemp(join(tmpdir(), 'latch-rotated-'))
+    const open = () => FileStore.open(join(dir, 'data.jsonl'), { log: () => {} })
+    let store = await open()
+    let server = await startLatch({}, { store })
+    return {
+      rotate: (token: string) =>
+        post(`${server.base}/token`, form({ grant_type: 'refresh_token', refresh_token: token, client_id: CLIENT_ID })),
+      firstTokens: async () => (await (await exchange(server, await obtainCode(server))).json()) as Tokens,
+      restart: async () => {
+        await server.close()
+        await store.close()
+        store = await open()
+        server = await startLatch({}, { store })
+      },
+      close: async () => {
+        await server.close()
+        await store.close()
+        await rm(dir, { recursive: true })
+      },
+    }
+  }
+
+  it('revokes a stolen token replayed after a restart once the client has gone on, as before the restart', async () => {
+    const latch = await restartable()
+    try {
+      const stolen = await latch.firstTokens()
+      const client = (await (await latch.rotate(stolen.refresh_token)).json()) as Tokens
+      await latch.restart() // what each rotation issued is kept in memory only
+      assert.equal((await latch.rotate(stolen.refresh_token)).status, 200) // the token rotated last: a retry
+      assert.equal((await latch.rotate(client.refresh_token)).status, 200) // the client goes on
+      await assertError(await latch.rotate(stolen.refresh_token), 400, 'invalid_grant')
+    } finally {
+      await latch.close()
+    }
+  })
+
+  it('keeps the token rotated last in the journal as in memory when another is retried', async () => {
+    const latch = await restartable()
+    try {
+      const first = await latch.firstTokens()
+      const answers = await Promise.all([latch.rotate(first.refresh_token), latch.rotate(first.refresh_token)])
+      const [a, b] = (await Promise.all(answers.map((answer) => answer.json()))) as Tokens[]
+      assert.equal((await latch.rotate(a.refresh_token)).status, 200)
+      assert.equal((await latch.rotate(b.refresh_token)).status, 200) // rotated last
+      assert.equal((await latch.rotate(a.refresh_token)).status, 200) // a retry of tab A's, which moves nothing
+      await latch.restart()
+      assert.equal((await latch.rotate(b.refresh_token)).status, 200) // still the token rotated last
+    } finally {
+      await latch.close()
+    }
   })
 
   it('keeps, across a restart, which refresh token was rotated last', async () => {

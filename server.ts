@@ -6913,13 +6913,14 @@ export class MemoryStore implements Store {
   }
 
   async redeemForTokens(issue: TokenIssue, now: number): Promise<boolean> {
-    if (this.redeem(issue.redeemed, now) === undefined) return false
-    this.keepIssued(issue)
+    const redemption = this.redeem(issue.redeemed, now)
+    if (redemption === undefined) return false
+    this.keepIssued(issue, redemption)
     return true
   }
 
-  /** Saves the grant and the tokens of an issue already redeemed. */
-  keepIssued(issue: TokenIssue): void {
+  /** Saves the grant and the tokens of an issue already redeemed, the first time or `again`. */
+  keepIssued(issue: TokenIssue, redemption: 'first' | 'again'): void {
     const { redeemed, grantId, grant } = issue
     // which token was rotated last is as `redeem` left it: a copy saved after a later rotation must not undo it
     const lastRotated = redeemed.kind === 'refresh' ? this.grants.get(grantId)?.lastRotated : undefined
@@ -6927,20 +6928,24 @@ export class MemoryStore implements Store {
     for (const [hash, token] of issue.tokens) {
       this.#putToken(hash, token)
       if (redeemed.kind === 'refresh' && token.kind === 'refresh')
-        this.#noteRotation(redeemed.hash, hash, token.issuedAt)
+        this.#noteRotation(redeemed.hash, hash, token.issuedAt, redemption)
     }
   }
 
-  /** Notes the refresh token a rotation issued, and forgets those past any retry's time. */
-  #noteRotation(rotated: string, issued: string, at: number): void {
+  /**
+   * Notes the refresh token a rotation issued, and forgets those past any retry's time. A retry's
+   * is noted only beside its first rotation's: without that (after a restart), it would not be all
+   * that the token's rotations issued, and `redeem` must go on knowing that it does not know.
+   */
+  #noteRotation(rotated: string, issued: string, at: number, redemption: 'first' | 'again'): void {
     for (const [hash, rotation] of this.#rotatedTo) {
       const retryOver = rotation.at < at - (MAX_REFRESH_GRACE_SECONDS + 1) * 1000
       if (!retryOver && this.#rotatedTo.size < MAX_RECENT_ROTATIONS) break // kept in the order they came
       this.#rotatedTo.delete(hash)
     }
     const rotation = this.#rotatedTo.get(rotated)
-    if (rotation === undefined) this.#rotatedTo.set(rotated, { at, issued: [issued] })
-    else rotation.issued.push(issued)
+    if (rotation !== undefined) rotation.issued.push(issued)
+    else if (redemption === 'first') this.#rotatedTo.set(rotated, { at, issued: [issued] })
   }
 
   /**
@@ -7916,35 +7921,46 @@ export class FileStore implements Store {
 
   async markCodeUsed(hash: string, now: number): Promise<boolean> {
     const redeemed = { kind: 'code', hash } as const
-    return this.#redeemAndStore(redeemed, now, [])
+    return (await this.#redeemAndStore(redeemed, now, () => [])) !== undefined
   }
 
   /** The code or refresh token taken, the grant and its new tokens: one line of the journal, and so one fsync. */
   async redeemForTokens(issue: TokenIssue, now: number): Promise<boolean> {
     const { redeemed, grantId, grant, tokens } = issue
-    const records: JournalRecord[] = [{ set: 'grant', key: grantId, value: grant }]
-    for (const [key, value] of tokens) records.push({ set: 'token', key, value })
-    if (!(await this.#redeemAndStore(redeemed, now, records))) return false
-    this.memory.keepIssued(issue)
+    const records = () => {
+      // rotated last as `redeem` has just left it in memory: a retry moves it in neither
+      if (redeemed.kind === 'refresh') grant.lastRotated = this.memory.grants.get(grantId)?.lastRotated
+      const records: JournalRecord[] = [{ set: 'grant', key: grantId, value: grant }]
+      for (const [key, value] of tokens) records.push({ set: 'token', key, value })
+      return records
+    }
+    const redemption = await this.#redeemAndStore(redeemed, now, records)
+    if (redemption === undefined) return false
+    this.memory.keepIssued(issue, redemption)
     return true
   }
 
   /**
    * Marks a code or refresh token used in memory at once, so that a second caller loses, then
-   * writes that with `records` as one line. A write that fails takes the mark back.
+   * writes that with the `records` made once it is marked, as one line. A write that fails takes
+   * the mark back. Says how it was redeemed (`MemoryStore.redeem`), or undefined when it was not.
    */
-  async #redeemAndStore(redeemed: TokenIssue['redeemed'], now: number, records: JournalRecord[]): Promise<boolean> {
+  async #redeemAndStore(
+    redeemed: TokenIssue['redeemed'],
+    now: number,
+    records: () => JournalRecord[],
+  ): Promise<'first' | 'again' | undefined> {
     const rotatedBefore = this.memory.rotatedLastBefore(redeemed)
     const redemption = this.memory.redeem(redeemed, now)
-    if (redemption === undefined) return false
+    if (redemption === undefined) return undefined
     if (redemption === 'again') {
       // a retry rests on the first redemption: if that is taken back, as its write failed, so is
       // this one, else the token, unused again, would have its tokens out and no reuse ever seen
       await this.#firstWrites.get(redeemed.hash)
-      return this.#append(records).then(() => true)
+      return this.#append(records()).then(() => redemption)
     }
     this.#unsaved.set(redeemed.hash, rotatedBefore)
-    const written = this.#append([this.#redeemedRecord(redeemed), ...records])
+    const written = this.#append([this.#redeemedRecord(redeemed), ...records()])
     this.#firstWrites.set(redeemed.hash, written)
     try {
       await written
@@ -7955,7 +7971,7 @@ export class FileStore implements Store {
       this.#unsaved.delete(redeemed.hash)
       this.#firstWrites.delete(redeemed.hash)
     }
-    return true
+    return redemption
   }
 
   /** The record of a code or refresh token just marked used, as the memory now holds it. */
