@@ -349,6 +349,8 @@ describe('Configuration', () => {
       [{ PASSWORD_HASH: `PASSWORD_HASH=${PASSWORD_HASH}` }, /^PASSWORD_HASH begins with PASSWORD_HASH= again/],
       [{ PASSWORD_HASH: PASSWORD_HASH.slice(0, -5) }, /^PASSWORD_HASH's last part has 38 characters where a hash/],
       [{ PASSWORD_HASH: `${PASSWORD_HASH}x` }, /^PASSWORD_HASH's last part has 44 characters where a hash/],
+      // a salt one character short decodes to 15 bytes, and the hash would start but never verify
+      [{ PASSWORD_HASH: PASSWORD_HASH.replace(/(p=1:)./, '$1') }, /^PASSWORD_HASH's salt has 21 characters where/],
       [{ PASSWORD_HASH: PASSWORD_HASH.replace(':', ':\t') }, /^PASSWORD_HASH holds white space/],
       [{ PASSWORD_HASH: PASSWORD_HASH.replace('ln=10', 'ln=9') }, /^PASSWORD_HASH has a cost outside/],
       [{ PASSWORD_HASH: 'hunter2hunter2hunter2' }, /^PASSWORD_HASH is not a hash made by Latch: create one/],

@@ -4417,7 +4417,8 @@ export async function verifyPassword(password: string, passwordHash: string): Pr
  */
 function parsePasswordHash(value: string): PasswordHash | undefined {
   const match = PASSWORD_HASH_FORMAT.exec(value)
-  if (match === null || match[5].length !== 43) return undefined // a 32-byte key (`passwordHashProblem`)
+  // a 16-byte salt and a 32-byte key, as `hashPassword` makes them (`passwordHashProblem`)
+  if (match === null || match[4].length !== 22 || match[5].length !== 43) return undefined
   const [ln, r, p] = [Number(match[1]), Number(match[2]), Number(match[3])]
   if (ln < 10 || r < 8 || r > 16 || p < 1 || p > 4 || 128 * 2 ** ln * r * p > MAX_SCRYPT_BYTES) return undefined
   return { ln, r, p, salt: Buffer.from(match[4], 'base64url'), hash: Buffer.from(match[5], 'base64url') }
@@ -4425,8 +4426,8 @@ function parsePasswordHash(value: string): PasswordHash | undefined {
 
 const MAX_SCRYPT_BYTES = 256 * 2 ** 20
 
-/** `scrypt:ln=…,r=…,p=…:<salt>:<key>`, the key of any length, so that one cut short can be told. */
-const PASSWORD_HASH_FORMAT = /^scrypt:ln=(\d+),r=(\d+),p=(\d+):([A-Za-z0-9_-]{16,}):([A-Za-z0-9_-]*)$/
+/** `scrypt:ln=…,r=…,p=…:<salt>:<key>`, salt and key of any length, so that one cut short can be told. */
+const PASSWORD_HASH_FORMAT = /^scrypt:ln=(\d+),r=(\d+),p=(\d+):([A-Za-z0-9_-]+):([A-Za-z0-9_-]*)$/
 
 function runScrypt(password: string, params: { ln: number; r: number; p: number; salt: Buffer }): Promise<Buffer> {
   const N = 2 ** params.ln
@@ -8901,10 +8902,13 @@ function passwordHashProblem(value: string): string {
   if (/\s/.test(value)) return `PASSWORD_HASH holds white space, which a hash has none of: ${fix}`
   const made = PASSWORD_HASH_FORMAT.exec(value)
   if (made === null) return `PASSWORD_HASH is not a hash made by Latch: ${fix}`
+  const copied = 'when copied: paste the whole line that hash-password printed'
+  if (made[4].length !== 22)
+    return `PASSWORD_HASH's salt has ${made[4].length} characters where a hash has 22: it changed ${copied}`
   if (made[5].length !== 43)
     return (
       `PASSWORD_HASH's last part has ${made[5].length} characters where a hash has 43: ` +
-      'it was cut short, or joined to more, when copied; paste the whole line that hash-password printed'
+      `it was cut short, or joined to more, ${copied}`
     )
   return (
     'PASSWORD_HASH has a cost outside what Latch accepts (ln of 10 or more, r of 8 to 16, p of 1 to 4, ' +
