@@ -25,10 +25,10 @@
  * `Store` contract, errors, parameters, PKCE, identifiers and what a client publishes, then the
  * endpoints in the order a client meets them (metadata, authorization, consent, redemption,
  * token, introspection, revocation, the Bearer endpoints, the home page), then the route table
- * and `createHandler`. To learn IndieAuth, read to the end of Part 1. Part 2, "What it leans on", is the machinery:
- * the log, HTTP and the server, pages, sessions and sign-in throttling, the owner's password and
- * passkeys (WebAuthn), the owner's own pages, client fetching, the stores and the journal,
- * performance, configuration, `main()`.
+ * and `createHandler`. To learn IndieAuth, read to the end of Part 1. Part 2, "What it leans
+ * on", is the machinery: the log, HTTP and the server, pages, sessions and sign-in throttling,
+ * the owner's password and passkeys (WebAuthn), the owner's own pages, client fetching, the
+ * stores and the journal, performance, configuration, `main()`.
  *
  * @see https://indieauth.spec.indieweb.org/ IndieAuth Living Standard (2024-07-11)
  * @see https://www.rfc-editor.org/rfc/rfc6749 OAuth 2.0
@@ -1991,8 +1991,8 @@ function narrowResource(form: Params, granted: string[]): string[] {
 
 /**
  * Redeems a code or a refresh token for an access token for `access` (scope and audience) and a
- * refresh token for the whole grant, and saves the grant with its new expiry: all in one store write. Redeemed twice,
- * by a replay or a race, the grant is revoked.
+ * refresh token for the whole grant, and saves the grant with its new expiry: all in one store
+ * write. Redeemed twice, by a replay or a race, the grant is revoked.
  */
 async function issueTokens(
   redeemed: TokenIssue['redeemed'],
@@ -2308,9 +2308,9 @@ export type AccessCheck =
 /**
  * Checks an access token for a resource server that runs in the same process as Latch and shares
  * its store: the token must be live, carry every scope of `scope`, and be meant for this server
- * (its audience, RFC 8707). A server that gives a `resource` takes only tokens that name it, as
- * an MCP server must check; one that gives none takes only tokens bound to none, as IndieAuth's are. A
- * resource server elsewhere asks `POST /introspect` the same (see the README). Answer
+ * (its audience, RFC 8707). A server that gives a `resource` takes only tokens that name it, as an
+ * MCP server must check; one that gives none takes only tokens bound to none, as IndieAuth's are.
+ * A resource server elsewhere asks `POST /introspect` the same (see the README). Answer
  * `invalid_token` with 401 and `insufficient_scope` with 403, each with a `WWW-Authenticate:
  * Bearer` challenge (RFC 6750 §3).
  * @see https://www.rfc-editor.org/rfc/rfc6750#section-3.1
@@ -5616,7 +5616,7 @@ type AppsPage = {
 
 /**
  * When a grant's tokens were last used. A token for scripts starts with none; and a use that the
- * store kept in memory only is forgotten at a restart, so before one, a grant's last use is not known.
+ * store kept in memory only is forgotten at a restart: before one, a grant's last use is unknown.
  */
 function lastUse(grant: Grant, startedAt: number): string {
   if (grant.lastUsedAt !== 0) return formatTime(grant.lastUsedAt)
@@ -6373,10 +6373,10 @@ export async function discoverClient(
 
 /**
  * How long a response stays fresh, in seconds, by the rules of a private cache (RFC 9111 §4.2):
- * `max-age` less `Age`, else `Expires` less `Date`; 0 for `no-store` and for `no-cache` (Latch does
- * not revalidate); at most a day, so that a change reaches Latch daily. When neither says, a minute
- * (a heuristic lifetime, §4.2.2): else a stranger asking for a client again and again would have
- * Latch fetch its page as often, until its site answered 429, and the app could not be signed in to.
+ * `max-age` less `Age`, else `Expires` less `Date`; 0 for `no-store` and for `no-cache` (Latch
+ * does not revalidate); at most a day, so that a change reaches Latch daily. When neither says, a
+ * minute (a heuristic lifetime, §4.2.2): else a stranger asking for a client again and again would
+ * have Latch fetch its page as often, until its site answered 429 and locked the app's users out.
  * @see https://www.rfc-editor.org/rfc/rfc9111#section-4.2.1
  * @see https://www.rfc-editor.org/rfc/rfc9111#section-4.2.2
  */
@@ -8789,8 +8789,8 @@ const UNIQUE_LOCAL = new BlockList()
 UNIQUE_LOCAL.addSubnet('fc00::', 7, 'ipv6')
 
 /**
- * A setting's default, as `SETTINGS` lists it: the one place defaults are written, but for the three
- * made from other settings (ISSUER, ME and PROFILE_URL), which `loadConfig` works out.
+ * A setting's default, as `SETTINGS` lists it: the one place defaults are written, but for the
+ * three made from other settings (ISSUER, ME and PROFILE_URL), which `loadConfig` works out.
  */
 function defaultOf(name: SettingName): string {
   return SETTINGS.find((setting) => setting.name === name)?.default ?? ''
@@ -8837,9 +8837,9 @@ function readSettings(env: Record<string, unknown>, argv: readonly string[]) {
 }
 
 /**
- * A value given to `loadConfig` as a string, or as a finite number, which is read as its decimal string
- * (`{ CODE_TTL: 300 }`, as settings read from JSON have it). Anything else (`true`, a list, a `URL`)
- * is refused, naming the setting: a method of strings would otherwise fail on it, naming none.
+ * A value given to `loadConfig` as a string, or as a finite number, which is read as its decimal
+ * string (`{ CODE_TTL: 300 }`, as settings read from JSON have it). Anything else (`true`, a list,
+ * a `URL`) is refused, naming the setting, where a method of strings would fail on it naming none.
  */
 function requireString(name: SettingName, value: unknown): string | undefined {
   if (value === undefined || typeof value === 'string') return value
