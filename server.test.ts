@@ -1481,7 +1481,8 @@ describe('GET /auth (IndieAuth §5.2)', () => {
       'invalid_request',
       'state-1234',
     ],
-    ['a state longer than 1,024 characters (not sent back)', { state: 's'.repeat(1_025) }, 'invalid_request', null],
+    // sent back all the same: a client checks state before it reads the error (RFC 6749 §4.1.2.1)
+    ['a state longer than 1,024 characters', { state: 's'.repeat(1_025) }, 'invalid_request', 's'.repeat(1_025)],
   ]
   for (const [what, overrides, error, state] of overLimits) {
     it(`redirects ${what} back with ${error}`, async () => {

@@ -1230,10 +1230,13 @@ async function handleAuthorizationRequest(req: IncomingMessage, res: ServerRespo
   })
 }
 
-/** The `state` to send back on an error redirect: none when it was sent twice or is too long. */
+/**
+ * The `state` to send back on an error redirect, as RFC 6749 §4.1.2.1 asks: even one too long to
+ * keep, since a client checks `state` before it reads the error. None when it was sent twice.
+ */
 function stateOf(query: Params): string | undefined {
   const values = query.get('state')?.filter((value) => value !== '') ?? []
-  return values.length === 1 && values[0].length <= MAX_STATE_LENGTH ? values[0] : undefined
+  return values.length === 1 ? values[0] : undefined
 }
 
 /**
