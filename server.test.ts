@@ -877,6 +877,9 @@ describe('Identifiers (IndieAuth §3.2, §3.3)', () => {
     ['http://app.0x/', false],
     ['http://xn--a.com/', false], // not a valid IDNA name: URL() refuses it
     ['http://[zz]/', false],
+    ['http://app.example.com:0/', false], // nothing is served at port 0
+    ['http://app.example.com/%zz', false], // not a URI at all (RFC 3986 §2.1)
+    ['http://app.example.com/a%2Fb?q=%C3%A9', true],
   ]
   for (const [clientId, valid] of clientIds) {
     it(`${valid ? 'accepts' : 'rejects'} the client_id ${clientId}`, () =>

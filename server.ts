@@ -733,6 +733,7 @@ function commonUrlProblem(parts: UrlParts): string | undefined {
   if (segments.some((segment) => segment === '.' || segment === '..')) return 'its path contains a . or .. segment'
   if (parts.port !== '' && !(/^\d{1,5}$/.test(parts.port) && Number(parts.port) <= 65535))
     return 'its port is not a number from 0 to 65535'
+  if (/%(?![0-9a-f]{2})/i.test(parts.raw)) return 'it holds a % that two hex digits do not follow' // RFC 3986 §2.1
   if (parts.host === '') return 'it has no host'
   if (!isIpAddress(parts.host) && !isDomainName(parts.host)) return 'its host is not a domain name'
   if (!URL.canParse(parts.raw)) return 'it is not a valid URL'
@@ -766,6 +767,7 @@ export function clientIdProblem(raw: string): string | undefined {
   if (typeof parts === 'string') return parts
   const problem = commonUrlProblem(parts)
   if (problem !== undefined) return problem
+  if (parts.port !== '' && Number(parts.port) === 0) return 'its port is 0, where no app can be served'
   if (isIpAddress(parts.host) && parts.host !== '127.0.0.1' && parts.host !== '[::1]') {
     // MUST NOT be IPv4 or IPv6 addresses except for IPv4 127.0.0.1 or IPv6 [::1]
     return 'its host is an IP address other than 127.0.0.1 or [::1]'
