@@ -3161,6 +3161,23 @@ describe('The log: what a client sends', () => {
     }
   })
 
+  it('writes what a client sends outside printable ASCII as escapes, so that no bidi control reorders a line', async () => {
+    for (const LOG_FORMAT of ['text', 'json']) {
+      const latch = await startLatch({ LOG_FORMAT })
+      try {
+        const clientId = 'https://app.example/\u202eexe.txt\u2066é😀'
+        await (await fetch(authorizationUrl(latch, { client_id: clientId }))).text()
+        await new Promise((resolve) => setImmediate(resolve))
+        const line = latch.logs.at(-1) ?? ''
+        assert.match(line, /^[\x20-\x7e]+$/)
+        const logged = LOG_FORMAT === 'json' ? JSON.parse(line).client_id : JSON.parse(line.split('client_id=')[1])
+        assert.equal(logged, clientId)
+      } finally {
+        await latch.close()
+      }
+    }
+  })
+
   it('reads a client address with its port in X-Forwarded-For, as some proxies write it', async () => {
     const latch = await startLatch({ TRUST_PROXY: '127.0.0.1,::1', PASSWORD_HASH })
     try {

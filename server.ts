@@ -2844,20 +2844,26 @@ function logEvent(ctx: Context, event: string, message: string, from?: IncomingM
  * printable ASCII, so that no one can write a line of their own into the log.
  */
 function formatLogEntry(entry: LogEntry, format: Config['logFormat']): string {
-  if (format === 'json') return JSON.stringify(entry)
+  if (format === 'json') return asciiJson(entry)
   const words = entry.address === undefined ? [entry.time] : [entry.time, entry.address]
   if (entry.method === undefined) return [...words, `${entry.event}: ${loggable(entry.message ?? '')}`].join(' ')
   words.push(entry.method, entry.path ?? '', String(entry.status), `${entry.ms}ms`)
   if (entry.error !== undefined) words.push(`error=${entry.error}`)
   if (entry.client_id !== undefined)
-    words.push(
-      `client_id=${/^[\x21-\x7e]*$/.test(entry.client_id) ? entry.client_id : JSON.stringify(entry.client_id)}`,
-    )
+    words.push(`client_id=${/^[\x21-\x7e]*$/.test(entry.client_id) ? entry.client_id : asciiJson(entry.client_id)}`)
   return words.join(' ')
 }
 
 function loggable(text: string): string {
-  return /^[\x20-\x7e]*$/.test(text) ? text : JSON.stringify(text)
+  return /^[\x20-\x7e]*$/.test(text) ? text : asciiJson(text)
+}
+
+/**
+ * JSON in printable ASCII: what JSON leaves as it is beyond ASCII is escaped too (`\u202e`), so
+ * that a bidi control a client sent cannot make a terminal show the line in another order.
+ */
+function asciiJson(value: unknown): string {
+  return JSON.stringify(value).replace(/[^\x20-\x7e]/g, (c) => `\\u${c.charCodeAt(0).toString(16).padStart(4, '0')}`)
 }
 
 /**
