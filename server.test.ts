@@ -4519,11 +4519,13 @@ describe('Slow clients', () => {
     const { groupOf } = CONNECTION_LIMITS
     assert.equal(groupOf('2001:db8:1:2::1'), groupOf('2001:db8:1:2:ffff:1:2:3'))
     assert.equal(groupOf('2001:db8:1:2::1'), '2001:db8:1:2::/64')
-    assert.equal(groupOf('2001:db8::1'), '2001:db8:0:0::/64')
-    assert.equal(groupOf('fe80::1%eth0'), 'fe80:0:0:0::/64')
-    assert.equal(groupOf('64:ff9b::192.0.2.1'), '64:ff9b:0:0::/64')
+    assert.equal(groupOf('2001:db8::1'), '2001:db8::/64')
+    assert.equal(groupOf('fe80::1%eth0'), 'fe80::/64')
     assert.notEqual(groupOf('2001:db8:1:2::1'), groupOf('2001:db8:1:3::1'))
-    assert.equal(groupOf('::ffff:192.0.2.1'), '::ffff:192.0.2.1')
+    // an IPv4 client carried in IPv6 is that IPv4 client: NAT64 gives every one the same /64
+    assert.equal(groupOf('64:ff9b::192.0.2.1'), '192.0.2.1')
+    assert.notEqual(groupOf('64:ff9b::192.0.2.1'), groupOf('64:ff9b::198.51.100.7'))
+    assert.equal(groupOf('::ffff:192.0.2.1'), '192.0.2.1')
     assert.equal(groupOf('192.0.2.1'), '192.0.2.1')
     for (const loopback of ['127.0.0.1', '127.1.2.3', '::1', '::ffff:127.0.0.1'])
       assert.equal(groupOf(loopback), undefined)

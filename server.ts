@@ -3531,19 +3531,19 @@ const MAX_QUEUED_ANSWERS = 8
 
 /**
  * What one client's connections count as: an IPv4 address itself, and for IPv6 its /64, since
- * one host is given a whole /64 and may use any address in it.
+ * one host is given a whole /64 and may use any address in it. An IPv4 client that an IPv6 one
+ * carries (mapped, or translated, as NAT64 writes every IPv4 client of an IPv6-only server) is
+ * counted by its IPv4 address: one /64 would hold them all.
  */
 function addressGroup(address: string): string {
-  if (!isIPv6(address) || address.startsWith('::ffff:')) return address
-  const [head, tail] = address.replace(/%.*$/, '').split('::')
-  const part = (text: string | undefined) => (text === undefined || text === '' ? [] : text.split(':'))
-  const [left, right] = [part(head), part(tail)]
-  const missing = 8 - left.length - right.length - (right.at(-1)?.includes('.') ? 1 : 0) // a.b.c.d is two groups
-  const groups = [...left, ...Array<string>(tail === undefined ? 0 : missing).fill('0'), ...right]
-  return `${groups
+  if (!isIPv6(address)) return address
+  const ipv4 = embeddedIpv4(address)
+  if (ipv4 !== undefined) return ipv4
+  const prefix = ipv6Words(address)
     .slice(0, 4)
-    .map((group) => parseInt(group, 16).toString(16))
-    .join(':')}::/64`
+    .map((word) => word.toString(16))
+    .join(':')
+  return `${new URL(`http://[${prefix}::]/`).hostname.slice(1, -1)}/64` // as an address is written: 2001:db8::/64
 }
 
 /**
