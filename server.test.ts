@@ -274,6 +274,18 @@ describe('Configuration', () => {
     assert.throws(() => loadConfig({ HOST: '[]', PASSWORD_HASH }), /HOST \[\] is not an IPv6 address/) // not every interface
   })
 
+  it('takes HOST as the address it is, however written, and binds localhost as 127.0.0.1', () => {
+    for (const written of ['0:0:0:0:0:0:0:1', '[0::1]']) {
+      const config = loadConfig({ HOST: written }) // loopback: no password needed
+      assert.deepEqual([config.host, config.issuer], ['::1', 'http://[::1]:3000'])
+    }
+    assert.equal(loadConfig({ HOST: 'fd00:0::2', PASSWORD_HASH, ISSUER: 'https://a.example' }).host, 'fd00::2')
+    // Node would bind only the first address the name resolves to, ::1 on many systems, and the
+    // README's links to 127.0.0.1 would reach nothing; the issuer keeps the name, for passkeys
+    const local = loadConfig({ HOST: 'localhost' })
+    assert.deepEqual([local.host, local.issuer], ['127.0.0.1', 'http://localhost:3000'])
+  })
+
   it('drops a trailing slash from ISSUER and canonicalizes ME', () => {
     const config = loadConfig({
       ISSUER: 'https://Auth.Example.com/latch/',
@@ -573,6 +585,22 @@ describe('Configuration', () => {
     // a proxy on this machine at a port of its own: the URL it serves
     assert.deepEqual(configWarnings(loadConfig({ ...behind, ISSUER: 'http://localhost:8088/latch' })), [])
     assert.deepEqual(configWarnings(loadConfig({ ...behind, ISSUER: 'https://auth.example.com' })), [])
+  })
+
+  it('warns of an ISSUER on the loopback address of the other family than HOST, where nothing answers', () => {
+    const me = { ME: 'https://example.com/' }
+    for (const [HOST, ISSUER] of [
+      ['::1', 'http://127.0.0.1:3000'],
+      ['127.0.0.1', 'http://[::1]:3000'],
+      ['localhost', 'http://[::1]:3000'], // bound as 127.0.0.1
+    ])
+      assert.match(configWarnings(loadConfig({ ...me, HOST, ISSUER })).join('\n'), /Latch listens on .* only: /)
+    for (const [HOST, ISSUER] of [
+      ['::1', 'http://[::1]:3000'],
+      ['::1', 'http://localhost:3000'], // a name browsers try on both
+      ['::1', 'http://127.0.0.1:8080'], // another port: a proxy's
+    ])
+      assert.deepEqual(configWarnings(loadConfig({ ...me, HOST, ISSUER })), [])
   })
 
   it('warns about a profile URL with a port or an IP address, and about http off loopback', () => {

@@ -112,7 +112,7 @@ const { hash } = crypto
 export type Config = {
   /** Port to listen on; 0 asks the system for any free port. */
   port: number
-  /** Interface to bind. */
+  /** Interface to bind: an address as a URL writes it (without brackets), or a name; `localhost` is 127.0.0.1. */
   host: string
   /** Public base URL without a trailing slash; every endpoint URL starts with it. */
   issuer: string
@@ -8522,7 +8522,7 @@ function detached(text: string): string {
 /** The settings with their defaults and one line of help each; `--help` prints this table. */
 export const SETTINGS = [
   { name: 'PORT', default: '3000', help: 'Port to listen on (0 = any free port; the real one is printed).' },
-  { name: 'HOST', default: '127.0.0.1', help: 'Interface to bind.' },
+  { name: 'HOST', default: '127.0.0.1', help: 'Interface to bind; localhost binds 127.0.0.1.' },
   { name: 'ISSUER', default: 'http://HOST:PORT', help: 'Public base URL; every endpoint URL is built from it.' },
   { name: 'ME', default: 'ISSUER + /', help: "The owner's profile URL." },
   {
@@ -8625,16 +8625,21 @@ export function loadConfig(
   const bracketed = /^\[(.*)\]$/.exec(written)?.[1]
   if (bracketed !== undefined && !isIPv6(bracketed))
     throw new ConfigError(`HOST ${written} is not an IPv6 address in brackets: use one, as in HOST=::1`)
-  const host = bracketed ?? written
+  const named = bracketed ?? written
   // an address, or a name to look up; the default ISSUER is made of it, so a bad one must be named here
-  if (isIP(host) === 0 && (!/^[A-Za-z0-9.-]+$/.test(host) || !URL.canParse(`http://${host}/`)))
+  if (isIP(named) === 0 && (!/^[A-Za-z0-9.-]+$/.test(named) || !URL.canParse(`http://${named}/`)))
     throw new ConfigError(`HOST ${written} is not an IP address or a host name: use one, as in HOST=127.0.0.1`)
-  if (host.includes('%'))
+  if (named.includes('%'))
     throw new ConfigError(
-      `HOST ${written} names an interface (${host.slice(host.indexOf('%'))}), which a URL cannot carry: ` +
+      `HOST ${written} names an interface (${named.slice(named.indexOf('%'))}), which a URL cannot carry: ` +
         'use an address without one, as in HOST=::1',
     )
-  const issuer = parseIssuer(raw.ISSUER ?? `http://${hostForUrl(host)}:${options.boundPort ?? port}`)
+  // as a URL writes it, so that it compares as itself: 0:0:0:0:0:0:0:1 is ::1, LOCALHOST localhost
+  const canonical = new URL(`http://${hostForUrl(named)}/`).hostname.replace(/^\[(.*)\]$/, '$1')
+  // Node would bind `localhost` to the first address it resolves to, ::1 on many systems, where
+  // the links to 127.0.0.1 reach nothing; browsers try both for the name, so the issuer keeps it
+  const host = canonical === 'localhost' ? '127.0.0.1' : canonical
+  const issuer = parseIssuer(raw.ISSUER ?? `http://${hostForUrl(canonical)}:${options.boundPort ?? port}`)
   const me = parseMe(raw.ME ?? `${issuer}/`)
   const passwordHash = raw.PASSWORD_HASH
   if (passwordHash !== undefined && parsePasswordHash(passwordHash) === undefined)
@@ -9064,6 +9069,17 @@ export function configWarnings(config: Config, env: Record<string, string | unde
         'requests come through a proxy: ' +
         'the forms and links Latch hands browsers would point here, past it; set ISSUER to the public URL ' +
         'the proxy serves Latch at',
+    )
+  }
+  // Latch's own port on the loopback address of the other family: nothing answers there
+  const family = (name: string) => (name === '::1' ? 'IPv6' : /^127\./.test(name) ? 'IPv4' : undefined)
+  const [issuerFamily, hostFamily] = [family(host), family(config.host)]
+  const ownPort = Number(issuer.port || 80) === config.port
+  if (issuerFamily !== undefined && hostFamily !== undefined && issuerFamily !== hostFamily && ownPort) {
+    warnings.push(
+      `ISSUER ${config.issuer} is on ${issuerFamily} loopback, but Latch listens on ${config.host} only: ` +
+        `browsers sent to ISSUER reach nothing; set ISSUER to http://${hostForUrl(config.host)}:${config.port}, ` +
+        'or leave it unset',
     )
   }
   const { refreshTokenTtlSeconds: refresh, accessTokenTtlSeconds: access } = config
