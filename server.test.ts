@@ -3956,6 +3956,24 @@ describe('Sign-in sessions and connected apps', () => {
   })
 })
 
+describe('Session cookies a stranger sends on https', () => {
+  it('looks up at most four __Host- session cookies, which no other page can plant more of', async () => {
+    const store = new MemoryStore()
+    let lookups = 0
+    const findSession = store.findSession.bind(store)
+    store.findSession = (hash, now) => (lookups++, findSession(hash, now))
+    const secure = await startLatch({ PASSWORD_HASH, ISSUER: 'https://auth.example.com' }, { store })
+    try {
+      // a stranger's own request, not a browser's: each cookie would be a lookup in the store
+      const cookie = Array.from({ length: 200 }, () => `__Host-latch_session=${createSecret()}`).join('; ')
+      await (await fetch(`${secure.base}/apps`, { headers: { Cookie: cookie } })).text()
+      assert.equal(lookups, 4)
+    } finally {
+      await secure.close()
+    }
+  })
+})
+
 describe('Two Latches under two paths of one https host', () => {
   it('give their __Host- cookies names of their own, so that signing in to one keeps the other', async () => {
     const password = 'correct horse'

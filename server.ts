@@ -292,7 +292,9 @@ export type Passkey = {
  * `NotStored`, once its cause is logged: the client is told 500 `server_error`, and nothing
  * happened (a `touchGrant` that fails so refuses no token). Any other error is a fault,
  * answered 500 too, with its stack in the log. `findSession` may be asked for up to 300
- * sessions at once, for the cookies of one request (`findOwnerSession`).
+ * sessions at once, for the cookies of one request on http, and 4 on https (`findOwnerSession`).
+ * What a store returns has each field a type says may be missing as `undefined`, never `null`:
+ * turn a NULL column into `undefined` (Latch reads `usedAt !== undefined` as "used").
  * Latch sweeps expired entries out of its own two stores; one of your own expires them itself (a
  * TTL, or a periodic `DELETE ... WHERE expires_at < ?`).
  */
@@ -4238,17 +4240,26 @@ async function findOwnerSession(
 const NO_SESSION = { session: undefined, signedInAt: undefined }
 
 function readSessionCookies(req: IncomingMessage, config: Config): string[] {
-  return readCookies(req, sessionCookieName(config), MAX_COOKIES_OF_A_NAME, SECRET_FORMAT)
+  const name = sessionCookieName(config)
+  const most = name.startsWith('__Host-') ? MAX_HOST_COOKIES_OF_A_NAME : MAX_COOKIES_OF_A_NAME
+  return readCookies(req, name, most, SECRET_FORMAT)
 }
 
 /**
  * The most cookies of one name read from one request: the browser's own, and, on http, what other
  * pages could plant, one for each domain from this host up that matches, each path and each
- * partition, which on a host of many labels makes dozens (on https, the `__Host-` prefix allows
- * none of those). node:http's 16 KiB of headers holds about 280: the bound matters where an app
- * lets in more, since each session cookie costs a hash and a store lookup.
+ * partition, which on a host of many labels makes dozens. node:http's 16 KiB of headers holds
+ * about 280: the bound matters where an app lets in more, since each session cookie costs a hash
+ * and a store lookup.
  */
 const MAX_COOKIES_OF_A_NAME = 300
+
+/**
+ * On https, the `__Host-` prefix allows no cookie of the name for another domain or path: the
+ * browser's own, and one partitioned, which a page on another port may set, and a few to spare.
+ * More are a stranger's own, each a store lookup it would cost.
+ */
+const MAX_HOST_COOKIES_OF_A_NAME = 4
 
 /** What a session keeps of the password it was started with: enough to tell a new one, nothing to guess it by. */
 function passwordTag(passwordHash: string): string {
