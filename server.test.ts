@@ -64,6 +64,7 @@ import type {
   PendingRequest,
   Store,
   Token,
+  TokenIssue,
 } from './server.ts'
 import { START, startLatch, until } from './test/harness.ts'
 import type { TestServer } from './test/harness.ts'
@@ -1156,6 +1157,7 @@ describe('MemoryStore', () => {
 
   it('redeems a refresh token once, atomically, saving the new tokens only the first time', async () => {
     const store = new MemoryStore()
+    await store.saveGrant('g', grant(9000), 0)
     await store.saveToken('r', { ...token(9000), kind: 'refresh' }, 0)
     const issue = (tokenHash: string) => ({
       redeemed: { kind: 'refresh' as const, hash: 'r' },
@@ -1169,6 +1171,16 @@ describe('MemoryStore', () => {
     assert.ok(store.tokens.has('first'))
     assert.equal(store.tokens.has('second'), false)
     assert.ok(store.grants.has('g'))
+  })
+
+  it('redeems no refresh token of a grant revoked since it was found', async () => {
+    const store = new MemoryStore()
+    await store.saveGrant('g', grant(9000), 0)
+    await store.saveToken('r', { ...token(9000), kind: 'refresh' }, 0)
+    await store.revokeGrant('g', 500)
+    const issue = { redeemed: { kind: 'refresh' as const, hash: 'r' }, grantId: 'g', grant: grant(9000), tokens: [] }
+    assert.equal(await store.redeemForTokens(issue, 1000), false)
+    assert.equal(store.grants.has('g'), false)
   })
 
   it('keeps the refresh token rotated last, whatever order the grant copies of two rotations are saved in', async () => {
@@ -2597,6 +2609,48 @@ describe('POST /revoke (IndieAuth §7, RFC 7009)', () => {
       400,
       'invalid_request',
     )
+  })
+})
+
+describe('A revocation that comes between the checks of a redemption and the redemption', () => {
+  it('refuses the code or refresh token as revoked, with no alarm of a replay', async () => {
+    const store = new MemoryStore()
+    const latch = await startLatch({}, { store })
+    const redeem = store.redeemForTokens.bind(store)
+    // the owner's "revoke all" lands while the request is on its way to the store
+    const revokingAll = async (issue: TokenIssue, now: number) => (
+      await store.revokeApprovedBy(now, now),
+      redeem(issue, now)
+    )
+    try {
+      const code = await obtainCode(latch)
+      store.redeemForTokens = revokingAll
+      const exchanged = await exchange(latch, code)
+      store.redeemForTokens = redeem
+      const { refresh_token } = (await (await exchange(latch, await obtainCode(latch))).json()) as Record<
+        string,
+        string
+      >
+      store.redeemForTokens = revokingAll
+      const refreshed = await post(
+        `${latch.base}/token`,
+        form({ grant_type: 'refresh_token', refresh_token, client_id: CLIENT_ID }),
+      )
+      for (const response of [exchanged, refreshed]) {
+        assert.equal(response.status, 400)
+        const { error, error_description } = (await response.json()) as Record<string, string>
+        assert.equal(error, 'invalid_grant')
+        assert.match(error_description, /revoked/)
+        assert.doesNotMatch(error_description, /already used/)
+      }
+      await until(() => latch.logs.filter((line) => line.includes('POST /token 400')).length === 2)
+      assert.deepEqual(
+        latch.logs.filter((line) => line.includes('security:')),
+        [],
+      )
+    } finally {
+      await latch.close()
+    }
   })
 })
 

@@ -280,7 +280,8 @@ export type Passkey = {
  * must be atomic. On SQL, each kind is a table keyed by hash with an `expires_at` column, and
  * those two are one statement:
  * `UPDATE ... SET used_at = ? WHERE hash = ? AND used_at IS NULL AND expires_at > ?` (one row
- * changed: the first caller), in a transaction with the inserts of the grant and the tokens. A
+ * changed: the first caller), in a transaction with the inserts of the grant and the tokens; a
+ * refresh token's `UPDATE` also wants its grant not revoked (revoked since Latch found it). A
  * refresh token's retry within the grace period is the one exception: its condition is `hash = ?
  * AND expires_at > ? AND (used_at IS NULL OR (used_at >= <retriedSince> AND hash = <its grant's
  * last_rotated>))`, with `SET used_at = COALESCE(used_at, ?)` so that a retry does not move it;
@@ -1759,6 +1760,13 @@ async function consumeCode(codeHash: string, clientId: string, ctx: Context): Pr
  * revoke (when possible) all tokens previously issued based on that authorization code".
  * @see https://www.rfc-editor.org/rfc/rfc6749#section-4.1.2
  */
+/** Whether what a redemption spent is gone (a code), or its grant is (a refresh token), rather than used. */
+async function revokedMeanwhile(redeemed: TokenIssue['redeemed'], grantId: string, ctx: Context): Promise<boolean> {
+  const now = ctx.now()
+  if (redeemed.kind === 'code') return (await ctx.store.findCodeUsedOrNot(redeemed.hash, now)) === undefined
+  return (await ctx.store.findGrant(grantId, now)) === undefined
+}
+
 async function revokeReplayedCode(codeHash: string, clientId: string, ctx: Context): Promise<never> {
   await ctx.store.revokeGrant(codeHash, ctx.now()) // a grant's id is the hash of its code
   throw new OAuthError(
@@ -2049,6 +2057,13 @@ async function issueTokens(
     [hashSecret(refreshToken), refresh],
   ]
   if (!(await ctx.store.redeemForTokens({ redeemed, grantId, grant, tokens }, now))) {
+    // revoked (or expired) since the checks, by the owner's "revoke all" or the app's revocation:
+    // nothing was replayed, and there is nothing left to revoke
+    if (await revokedMeanwhile(redeemed, grantId, ctx))
+      throw new OAuthError(
+        'invalid_grant',
+        `The ${redeemed.kind === 'code' ? 'code' : 'refresh token'} was revoked, or has expired`,
+      )
     await (redeemed.kind === 'code'
       ? revokeReplayedCode(grantId, grant.client_id, ctx)
       : revokeReusedRefreshToken(grantId, grant.client_id, ctx))
@@ -6986,9 +7001,10 @@ export class MemoryStore implements Store {
     const stored = this.tokens.get(redeemed.hash)
     if (stored === undefined || stored.expiresAt * 1000 <= now) return undefined
     const grant = this.grants.get(stored.grantId)
+    if (grant === undefined) return undefined // revoked since the token was found: no tokens of it
     if (stored.usedAt === undefined) {
       stored.usedAt = toSeconds(now)
-      if (grant !== undefined) grant.lastRotated = redeemed.hash // now: a retry may come before the grant is saved
+      grant.lastRotated = redeemed.hash // now: a retry may come before the grant is saved
       return 'first'
     }
     const since = redeemed.retriedSince
@@ -7000,7 +7016,7 @@ export class MemoryStore implements Store {
     const issued = this.#rotatedTo.get(redeemed.hash)?.issued
     const goneOn =
       issued === undefined
-        ? (grant?.lastRotated ?? redeemed.hash) !== redeemed.hash
+        ? (grant.lastRotated ?? redeemed.hash) !== redeemed.hash
         : issued.some((hash) => this.tokens.get(hash)?.usedAt !== undefined)
     return goneOn ? undefined : 'again'
   }
