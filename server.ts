@@ -292,7 +292,10 @@ export type Passkey = {
  * or a small Lua script. A write the database refused (full, or unreachable) is thrown as
  * `NotStored`, once its cause is logged: the client is told 500 `server_error`, and nothing
  * happened (a `touchGrant` that fails so refuses no token). Any other error is a fault,
- * answered 500 too, with its stack in the log. `findSession` may be asked for up to 300
+ * answered 500 too, with its stack in the log. Every call must settle, the database reachable or
+ * not: give its driver a timeout (a few seconds), as Latch waits for the store as long as it
+ * takes, and a request waiting on a call that never settles is never answered, and keeps its
+ * memory. `findSession` may be asked for up to 300
  * sessions at once, for the cookies of one request on http, and 4 on https (`findOwnerSession`).
  * What a store returns has each field a type says may be missing as `undefined`, never `null`:
  * turn a NULL column into `undefined` (Latch reads `usedAt !== undefined` as "used").
