@@ -4877,6 +4877,28 @@ describe('Router and errors', () => {
     }
   })
 
+  it('approves a consent pressed again once there is room, when neither its code nor the request could be stored', async () => {
+    const store = new MemoryStore()
+    const password = 'correct horse battery staple'
+    const latch = await startLatch({ PASSWORD_HASH: await hashPassword(password, FAST_COST) }, { store })
+    try {
+      const consent = await openConsent(latch)
+      const roomAgain = fillDisk(store, 'saveCode')
+      const savePending = store.savePending.bind(store)
+      store.savePending = async () => {
+        throw new NotStored(new Error('ENOSPC: no space left on device'))
+      }
+      assert.equal((await submitConsent(latch, consent, { password })).status, 500)
+      roomAgain()
+      store.savePending = savePending
+      const approved = await submitConsent(latch, consent, { password }) // "try again in a moment"
+      assert.equal(approved.status, 303)
+      assert.ok(new URL(approved.headers.get('location') ?? '').searchParams.get('code'))
+    } finally {
+      await latch.close()
+    }
+  })
+
   it('keeps one Latch in memory for a store and config, even with a handler made at each request', async () => {
     const store = new MemoryStore()
     const server = createServer()

@@ -1593,11 +1593,9 @@ async function handleConsent(req: IncomingMessage, res: ServerResponse, ctx: Con
   }
   const chosen = { scope: answer.granted, resource: request.resource, lifetime: answer.lifetime }
   const code = await issueCode(request, chosen, ctx).catch(async (err: unknown) => {
-    // not stored (a full disk): the request is open again, to be answered once there is room
-    if (taken) {
-      ctx.answered.delete(idHash)
-      await ctx.store.savePending(idHash, request, ctx.now())
-    }
+    // not stored (a full disk): the request is open again, to be answered once there is room; if
+    // even that is not stored, its answer stays remembered, and a press within the minute issues the code
+    if (taken) await ctx.store.savePending(idHash, request, ctx.now()).then(() => ctx.answered.delete(idHash))
     throw err
   })
   redirect(res, 303, buildRedirectUrl(request.redirect_uri, { code, state: request.state, iss }), headers)
