@@ -1556,6 +1556,13 @@ describe('GET /auth (IndieAuth §5.2)', () => {
     assert.equal((await fetch(`${latch.base}${target(8_192)}`, { redirect: 'manual' })).status, 200)
   })
 
+  it('shows the error instead of redirecting when a state makes the redirect too long for a proxy to pass', async () => {
+    const response = await fetch(authorizationUrl(latch, { state: 's'.repeat(4_000) }), { redirect: 'manual' })
+    assert.equal(response.status, 400)
+    assert.equal(response.headers.get('content-type'), 'text/html; charset=utf-8')
+    assert.match(await response.text(), /state is longer than 1024 characters/)
+  })
+
   it('sends no state back when state itself was repeated', async () => {
     const response = await fetch(`${authorizationUrl(latch)}&state=other`, { redirect: 'manual' })
     assertErrorRedirect(latch, response, 'invalid_request', null)

@@ -1214,8 +1214,12 @@ async function handleAuthorizationRequest(req: IncomingMessage, res: ServerRespo
   } catch (err) {
     if (!(err instanceof OAuthError)) throw err
     const params = { error: err.error, error_description: err.message, state, iss: ctx.config.issuer }
+    const location = buildRedirectUrl(redirectUri, params)
+    // longer, it would not pass a proxy's buffer for an answer's headers (nginx's is 4 KiB), and
+    // the client would get the proxy's 502: the error is shown here instead
+    if (location.length > MAX_ERROR_REDIRECT_LENGTH) throw err
     noteError(res, err.error)
-    return redirect(res, 302, buildRedirectUrl(redirectUri, params))
+    return redirect(res, 302, location)
   }
   const visitor = await readVisitor(req, ctx)
   request.csrfHash = hashSecret(visitor.csrf) // the request is answered from this browser only
@@ -1240,7 +1244,8 @@ async function handleAuthorizationRequest(req: IncomingMessage, res: ServerRespo
 
 /**
  * The `state` to send back on an error redirect, as RFC 6749 §4.1.2.1 asks: even one too long to
- * keep, since a client checks `state` before it reads the error. None when it was sent twice.
+ * keep, since a client checks `state` before it reads the error (within
+ * `MAX_ERROR_REDIRECT_LENGTH`). None when it was sent twice.
  */
 function stateOf(query: Params): string | undefined {
   const values = query.get('state')?.filter((value) => value !== '') ?? []
@@ -1308,6 +1313,8 @@ function buildPendingRequest(
 const MAX_STATE_LENGTH = 1_024
 /** The longest URL taken: a `me` hint, a redirect URI, a resource, and what a client's page publishes. */
 const MAX_URL_LENGTH = 2_048
+/** The longest error redirect (see `handleAuthorizationRequest`): with its other headers, within 4 KiB. */
+const MAX_ERROR_REDIRECT_LENGTH = 3_584
 const MAX_SCOPES = 50
 const MAX_SCOPE_LENGTH = 100
 const MAX_RESOURCES = 10
