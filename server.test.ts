@@ -285,6 +285,7 @@ describe('Configuration', () => {
     // README's links to 127.0.0.1 would reach nothing; the issuer keeps the name, for passkeys
     const local = loadConfig({ HOST: 'localhost' })
     assert.deepEqual([local.host, local.issuer], ['127.0.0.1', 'http://localhost:3000'])
+    assert.throws(() => loadConfig({ HOST: '0' }), { message: /^HOST 0 is not 127\.0\.0\.1/ }) // as written
   })
 
   it('drops a trailing slash from ISSUER and canonicalizes ME', () => {
@@ -600,8 +601,9 @@ describe('Configuration', () => {
       ['::1', 'http://[::1]:3000'],
       ['::1', 'http://localhost:3000'], // a name browsers try on both
       ['::1', 'http://127.0.0.1:8080'], // another port: a proxy's
+      ['::1', 'https://127.0.0.1'], // at 443
     ])
-      assert.deepEqual(configWarnings(loadConfig({ ...me, HOST, ISSUER })), [])
+      assert.deepEqual(configWarnings(loadConfig({ ...me, HOST, ISSUER, PORT: '80' })), [])
   })
 
   it('warns about a profile URL with a port or an IP address, and about http off loopback', () => {

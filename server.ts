@@ -1757,6 +1757,13 @@ function isSameClientId(sent: string, stored: string): boolean {
   return sent === stored || (isClientId(sent) && canonicalizeUrl(sent) === stored)
 }
 
+/** Whether what a redemption spent is gone (a code), or its grant is (a refresh token), rather than used. */
+async function revokedMeanwhile(redeemed: TokenIssue['redeemed'], grantId: string, ctx: Context): Promise<boolean> {
+  const now = ctx.now()
+  if (redeemed.kind === 'code') return (await ctx.store.findCodeUsedOrNot(redeemed.hash, now)) === undefined
+  return (await ctx.store.findGrant(grantId, now)) === undefined
+}
+
 /** Marks a checked code used, or, when it was used before, revokes what was issued from it. */
 async function consumeCode(codeHash: string, clientId: string, ctx: Context): Promise<void> {
   if (!(await ctx.store.markCodeUsed(codeHash, ctx.now()))) await revokeReplayedCode(codeHash, clientId, ctx)
@@ -1768,13 +1775,6 @@ async function consumeCode(codeHash: string, clientId: string, ctx: Context): Pr
  * revoke (when possible) all tokens previously issued based on that authorization code".
  * @see https://www.rfc-editor.org/rfc/rfc6749#section-4.1.2
  */
-/** Whether what a redemption spent is gone (a code), or its grant is (a refresh token), rather than used. */
-async function revokedMeanwhile(redeemed: TokenIssue['redeemed'], grantId: string, ctx: Context): Promise<boolean> {
-  const now = ctx.now()
-  if (redeemed.kind === 'code') return (await ctx.store.findCodeUsedOrNot(redeemed.hash, now)) === undefined
-  return (await ctx.store.findGrant(grantId, now)) === undefined
-}
-
 async function revokeReplayedCode(codeHash: string, clientId: string, ctx: Context): Promise<never> {
   await ctx.store.revokeGrant(codeHash, ctx.now()) // a grant's id is the hash of its code
   throw new OAuthError(
@@ -8681,7 +8681,7 @@ export function loadConfig(
     throw new ConfigError(passwordHashProblem(passwordHash))
   if (passwordHash === undefined && !LOOPBACK_HOSTS.has(host)) {
     throw new ConfigError(
-      `HOST ${host} is not 127.0.0.1, ::1 or localhost, and without PASSWORD_HASH anyone who reaches it ` +
+      `HOST ${written} is not 127.0.0.1, ::1 or localhost, and without PASSWORD_HASH anyone who reaches it ` +
         'could approve sign-ins: ' +
         'create a hash with `npx tsx server.ts hash-password` and set PASSWORD_HASH, or bind HOST=127.0.0.1',
     )
@@ -9109,7 +9109,7 @@ export function configWarnings(config: Config, env: Record<string, string | unde
   // Latch's own port on the loopback address of the other family: nothing answers there
   const family = (name: string) => (name === '::1' ? 'IPv6' : /^127\./.test(name) ? 'IPv4' : undefined)
   const [issuerFamily, hostFamily] = [family(host), family(config.host)]
-  const ownPort = Number(issuer.port || 80) === config.port
+  const ownPort = Number(issuer.port || (issuer.protocol === 'https:' ? 443 : 80)) === config.port
   if (issuerFamily !== undefined && hostFamily !== undefined && issuerFamily !== hostFamily && ownPort) {
     warnings.push(
       `ISSUER ${config.issuer} is on ${issuerFamily} loopback, but Latch listens on ${config.host} only: ` +
