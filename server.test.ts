@@ -1558,6 +1558,18 @@ describe('GET /auth (IndieAuth §5.2)', () => {
     assert.equal((await fetch(`${latch.base}${target(8_192)}`, { redirect: 'manual' })).status, 200)
   })
 
+  it('refuses at once a state and redirect_uri that would make the redirect with the code too long for a proxy', async () => {
+    const redirect_uri = `${REDIRECT_URI}?${'p'.repeat(1_900)}` // a published one would do as well
+    const state = '/'.repeat(600) // escaped, three times as long
+    const response = await fetch(authorizationUrl(latch, { redirect_uri, state }), { redirect: 'manual' })
+    assert.equal(response.status, 400)
+    assert.match(await response.text(), /redirect_uri and state, escaped, make a redirect longer than 3584/)
+    const fits = await fetch(authorizationUrl(latch, { redirect_uri, state: 's'.repeat(1_024) }), {
+      redirect: 'manual',
+    })
+    assert.equal(fits.status, 200)
+  })
+
   it('shows the error instead of redirecting when a state makes the redirect too long for a proxy to pass', async () => {
     const response = await fetch(authorizationUrl(latch, { state: 's'.repeat(4_000) }), { redirect: 'manual' })
     assert.equal(response.status, 400)

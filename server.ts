@@ -1217,7 +1217,7 @@ async function handleAuthorizationRequest(req: IncomingMessage, res: ServerRespo
     const location = buildRedirectUrl(redirectUri, params)
     // longer, it would not pass a proxy's buffer for an answer's headers (nginx's is 4 KiB), and
     // the client would get the proxy's 502: the error is shown here instead
-    if (location.length > MAX_ERROR_REDIRECT_LENGTH) throw err
+    if (location.length > MAX_REDIRECT_LENGTH) throw err
     noteError(res, err.error)
     return redirect(res, 302, location)
   }
@@ -1245,7 +1245,7 @@ async function handleAuthorizationRequest(req: IncomingMessage, res: ServerRespo
 /**
  * The `state` to send back on an error redirect, as RFC 6749 §4.1.2.1 asks: even one too long to
  * keep, since a client checks `state` before it reads the error (within
- * `MAX_ERROR_REDIRECT_LENGTH`). None when it was sent twice.
+ * `MAX_REDIRECT_LENGTH`). None when it was sent twice.
  */
 function stateOf(query: Params): string | undefined {
   const values = query.get('state')?.filter((value) => value !== '') ?? []
@@ -1284,6 +1284,13 @@ function buildPendingRequest(
   const state = getParam(query, 'state')
   if (state !== undefined && state.length > MAX_STATE_LENGTH)
     throw new OAuthError('invalid_request', `state is longer than ${MAX_STATE_LENGTH} characters`)
+  // the redirect with the code, checked now: once the owner has approved, a proxy would refuse it
+  const approved = { code: 'c'.repeat(43), state, iss: ctx.config.issuer } // a code is 43 characters
+  if (buildRedirectUrl(client.redirect_uri, approved).length > MAX_REDIRECT_LENGTH)
+    throw new OAuthError(
+      'invalid_request',
+      `redirect_uri and state, escaped, make a redirect longer than ${MAX_REDIRECT_LENGTH} characters`,
+    )
   const meHint = getParam(query, 'me')
   if (meHint !== undefined && meHint.length > MAX_URL_LENGTH)
     throw new OAuthError('invalid_request', `me is longer than ${MAX_URL_LENGTH} characters`)
@@ -1313,8 +1320,11 @@ function buildPendingRequest(
 const MAX_STATE_LENGTH = 1_024
 /** The longest URL taken: a `me` hint, a redirect URI, a resource, and what a client's page publishes. */
 const MAX_URL_LENGTH = 2_048
-/** The longest error redirect (see `handleAuthorizationRequest`): with its other headers, within 4 KiB. */
-const MAX_ERROR_REDIRECT_LENGTH = 3_584
+/**
+ * The longest redirect back to a client: with its other headers, within the 4 KiB that a proxy
+ * such as nginx holds of an answer's headers by default, past which the client would get a 502.
+ */
+const MAX_REDIRECT_LENGTH = 3_584
 const MAX_SCOPES = 50
 const MAX_SCOPE_LENGTH = 100
 const MAX_RESOURCES = 10
