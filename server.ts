@@ -295,12 +295,12 @@ export type Passkey = {
  * answered 500 too, with its stack in the log. Every call must settle, the database reachable or
  * not: give its driver a timeout (a few seconds), as Latch waits for the store as long as it
  * takes, and a request waiting on a call that never settles is never answered, and keeps its
- * memory. `findSession` may be asked for up to 300
- * sessions at once, for the cookies of one request on http, and 4 on https (`findOwnerSession`).
- * What a store returns has each field a type says may be missing as `undefined`, never `null`:
- * turn a NULL column into `undefined` (Latch reads `usedAt !== undefined` as "used").
- * Latch sweeps expired entries out of its own two stores; one of your own expires them itself (a
- * TTL, or a periodic `DELETE ... WHERE expires_at < ?`).
+ * memory. `findSession` may be asked for up to 300 sessions at once, for the cookies of one
+ * request on http, and 4 on https (`findOwnerSession`). What a store returns has each field a
+ * type says may be missing as `undefined`, never `null`: turn a NULL column into `undefined`
+ * (Latch reads `usedAt !== undefined` as "used"). Latch sweeps expired entries out of its own two
+ * stores; one of your own expires them itself (a TTL, or a periodic
+ * `DELETE ... WHERE expires_at < ?`).
  */
 export interface Store {
   /**
@@ -1244,7 +1244,7 @@ async function handleAuthorizationRequest(req: IncomingMessage, res: ServerRespo
 
 /**
  * The `state` to send back on an error redirect, as RFC 6749 §4.1.2.1 asks: even one too long to
- * keep, since a client checks `state` before it reads the error (within
+ * keep, since a client checks `state` before it reads the error (the redirect within
  * `MAX_REDIRECT_LENGTH`). None when it was sent twice.
  */
 function stateOf(query: Params): string | undefined {
