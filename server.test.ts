@@ -3148,6 +3148,38 @@ describe('Legacy IndieAuth', () => {
     assert.match(bad.headers.get('www-authenticate') ?? '', /^Bearer realm=/)
   })
 
+  it('answers GET /token as a form to a script that asks for a form alone, as tokens.indieauth.com did', async () => {
+    const token = await obtainToken(latch)
+    const verify = (accept: string) =>
+      fetch(`${latch.base}/token`, { headers: { Authorization: `Bearer ${token}`, Accept: accept } })
+    const asForm = await verify('application/x-www-form-urlencoded')
+    assert.equal(asForm.headers.get('content-type'), 'application/x-www-form-urlencoded')
+    assert.equal(asForm.headers.get('cache-control'), 'no-store')
+    assert.deepEqual(Object.fromEntries(new URLSearchParams(await asForm.text())), {
+      me: 'https://example.com/',
+      client_id: CLIENT_ID,
+      scope: 'profile create',
+    })
+    for (const accept of ['*/*', 'application/json, application/x-www-form-urlencoded;q=0.5'])
+      assert.equal((await verify(accept)).headers.get('content-type'), 'application/json')
+  })
+
+  it('says why a request without PKCE, or with a plain challenge, is refused, as apps from before it send', async () => {
+    const noPkce = await fetch(
+      authorizationUrl(latch, { code_challenge: undefined, code_challenge_method: undefined }),
+      {
+        redirect: 'manual',
+      },
+    )
+    const description = new URL(noPkce.headers.get('location') ?? '').searchParams.get('error_description')
+    assert.match(description ?? '', /requires PKCE \(RFC 7636, S256\)/)
+    // plain, its method left out: the challenge is the verifier itself
+    const code = await obtainCode(latch, { code_challenge: VERIFIER, code_challenge_method: undefined })
+    const plain = await exchange(latch, code)
+    assert.equal(plain.status, 400)
+    assert.match(((await plain.json()) as { error_description: string }).error_description, /plain is not supported/)
+  })
+
   it('revokes with POST /token and action=revoke', async () => {
     const token = await obtainToken(latch)
     const response = await post(`${latch.base}/token`, form({ action: 'revoke', token }))

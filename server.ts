@@ -1273,7 +1273,9 @@ function buildPendingRequest(
   const responseMode = getParam(query, 'response_mode')
   if (responseMode !== undefined && responseMode !== 'query')
     throw new OAuthError('invalid_request', 'response_mode must be query: the code is sent in the query string')
-  const codeChallenge = requireParam(query, 'code_challenge')
+  const codeChallenge = getParam(query, 'code_challenge')
+  if (codeChallenge === undefined)
+    throw new OAuthError('invalid_request', 'This server requires PKCE (RFC 7636, S256): code_challenge is missing')
   if (!isCodeChallenge(codeChallenge))
     throw new OAuthError('invalid_request', 'code_challenge must be 43 base64url characters')
   // Absent means `plain` in RFC 7636 §4.3, which Latch never takes. Refusing it would only turn
@@ -1757,6 +1759,9 @@ async function checkCode(form: Params, options: { clientRequired: boolean }, ctx
     throw new OAuthError('invalid_grant', 'redirect_uri does not match the one in the authorization request')
   }
   if (!verifyCodeChallenge(verifier, code.code_challenge)) {
+    // the verifier as the challenge: PKCE's `plain`, its method left out (see `buildPendingRequest`)
+    if (verifier === code.code_challenge)
+      throw new OAuthError('invalid_grant', 'code_challenge_method plain is not supported: send S256 (RFC 7636)')
     throw new OAuthError('invalid_grant', 'PKCE check failed: code_verifier does not match code_challenge')
   }
   return { code, codeHash }
@@ -2274,7 +2279,16 @@ async function handleUserinfoRequest(req: IncomingMessage, res: ServerResponse, 
  */
 async function handleTokenVerification(req: IncomingMessage, res: ServerResponse, ctx: Context): Promise<void> {
   const { token, grant } = await requireAccessToken(req, undefined, ctx, undefined)
-  sendJson(res, 200, { me: grant.me, client_id: grant.client_id, scope: token.scope.join(' ') })
+  const answer = { me: grant.me, client_id: grant.client_id, scope: token.scope.join(' ') }
+  // the token endpoints of the indieauth.com era answered a form, and scripts written for them ask
+  // for one; a form alone, since `*/*` is what JSON readers send too
+  const accept = req.headers.accept ?? ''
+  if (accept.includes('application/x-www-form-urlencoded') && !accept.includes('json')) {
+    const body = new URLSearchParams(answer).toString()
+    const headers = { 'Content-Type': 'application/x-www-form-urlencoded', 'Content-Length': body.length, ...NO_STORE }
+    return writeAnswer(res, 200, withCors(res, headers), body)
+  }
+  sendJson(res, 200, answer)
 }
 
 /**
