@@ -4999,7 +4999,8 @@ function browserOf(visitor: Visitor): string {
 function makeChallenge(ctx: Context, made: PasskeyChallenge): string {
   const body = Buffer.alloc(20)
   randomFillSync(body, 0, 16)
-  body.writeUInt32BE(Math.ceil(ctx.now() / 1000) + PASSKEY_CHALLENGE_SECONDS, 16)
+  // on the steady clock, as the key lasts one process: a clock set back must not revive an expired one
+  body.writeUInt32BE(Math.ceil(ctx.steadyNow() / 1000) + PASSKEY_CHALLENGE_SECONDS, 16)
   return base64url(Buffer.concat([body, challengeMac(ctx, body, made)]))
 }
 
@@ -5029,11 +5030,12 @@ function takeChallenge(
     throw new PasskeyError('the challenge was not made by this server for this page and browser: try again')
   const expiresAt = body.readUInt32BE(16) * 1000
   const { used } = ctx.passkeys
+  const now = ctx.steadyNow()
   for (const [key, until] of used) {
-    if (until > ctx.now()) break // used in about the order they expire; one left behind goes later
+    if (until > now) break // used in about the order they expire; one left behind goes later
     used.delete(key)
   }
-  if (expiresAt <= ctx.now() || used.has(challenge))
+  if (expiresAt <= now || used.has(challenge))
     throw new PasskeyError('the challenge was used before or has expired: try again')
   if (used.size >= MAX_USED_CHALLENGES)
     throw new PasskeyError('too many passkey answers came in the last five minutes: try again later')

@@ -1926,3 +1926,28 @@ describe('Keys and data that only a forger would send', () => {
     )
   })
 })
+
+describe('A passkey answer and a clock set back', () => {
+  it('refuses a sign-in replayed once its challenge expired, though the clock is then set back', async () => {
+    const latch = await startLatch()
+    try {
+      const synced = createCredential(ES256)
+      const owner = openBrowser(latch)
+      await signInWithPassword(owner)
+      assert.equal((await addPasskey(latch, owner, synced, 'Synced')).status, 200)
+      const browser = openBrowser(latch)
+      await formToken(browser)
+      const fields = await passkeyFields(latch, browser, synced, { counter: 0 }) // synced: no counter to stop it
+      assert.equal((await browser.post('/sign-in', fields)).status, 303)
+      browser.cookies.delete('latch_session') // signed out, the same CSRF cookie
+      assert.equal((await browser.post('/sign-in', fields)).status, 401) // used
+      latch.advance(400) // past the challenge's five minutes
+      assert.equal((await browser.post('/sign-in', fields)).status, 401) // expired, and no longer kept as used
+      latch.advance(-600) // the system clock set back ten minutes
+      assert.equal((await browser.post('/sign-in', fields)).status, 401)
+      assert.equal(browser.cookies.has('latch_session'), false)
+    } finally {
+      await latch.close()
+    }
+  })
+})
