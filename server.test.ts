@@ -3769,6 +3769,40 @@ describe('Sign-in sessions and connected apps', () => {
     }
   })
 
+  it('revokes with Revoke all every app it listed, though they were approved while the clock was ahead', async () => {
+    const file = join(await mkdtemp(join(tmpdir(), 'latch-clock-')), 'data.jsonl')
+    const settings = { PASSWORD_HASH: await hashPassword(password, FAST_COST) }
+    for (const restarted of [false, true]) {
+      let store = await FileStore.open(file, { log: () => {} })
+      let own = await startLatch(settings, { store })
+      own.advance(7200) // two hours ahead, as a box without a clock of its own may boot
+      const ahead = await obtainToken(own, { password })
+      if (restarted) {
+        // NTP sets the clock right, and Latch restarts: its new clock never saw it ahead
+        await own.close()
+        await store.close()
+        store = await FileStore.open(file, { log: () => {} })
+        own = await startLatch(settings, { store })
+      } else own.advance(-7200) // set right while Latch runs
+      try {
+        const csrf = createSecret()
+        const signedIn = await post(`${own.base}/sign-in`, form({ csrf, password }), { Cookie: `latch_csrf=${csrf}` })
+        const cookie = `latch_csrf=${csrf}; ${(signedIn.headers.get('set-cookie') ?? '').split(';')[0]}`
+        const apps = await (await fetch(`${own.base}/apps`, { headers: { Cookie: cookie } })).text()
+        const token = /name="csrf" value="([^"]+)"/.exec(apps)?.[1] ?? ''
+        const asking = await post(`${own.base}/apps/revoke-all`, form({ csrf: token }), { Cookie: cookie })
+        const asked = /name="asked" value="(\d+)"/.exec(await asking.text())?.[1] ?? ''
+        const yes = form({ csrf: token, confirm: 'yes', asked })
+        const answer = await (await post(`${own.base}/apps/revoke-all`, yes, { Cookie: cookie })).text()
+        assert.match(answer, /Revoked 1 app: it has lost its access/, `restarted: ${restarted}`)
+        assert.deepEqual(await introspect(own, ahead), { active: false })
+      } finally {
+        await own.close()
+        await store.close()
+      }
+    }
+  })
+
   it('refuses app revocation without the CSRF value or without a session, with 403', async () => {
     const csrf = createSecret()
     const session = await signIn(csrf)

@@ -5281,7 +5281,10 @@ async function handleAllAppsRevocation(req: IncomingMessage, res: ServerResponse
   const now = ctx.now()
   if (getParam(form, 'confirm') !== 'yes') {
     const grants = await ctx.store.listGrants(now)
-    const page = { csrf: formToken(visitor), config: ctx.config, asked: now }
+    // a clock set back since an app was approved must not leave it out: the steady clock, which
+    // stood still, and the latest approval listed, for one set back before a restart
+    const asked = grants.reduce((latest, [, grant]) => Math.max(latest, grant.approvedAt), ctx.steadyNow())
+    const page = { csrf: formToken(visitor), config: ctx.config, asked }
     return sendPage(res, 200, renderRevokeAllPage(grants, page))
   }
   // Every app approved by the time the owner was asked, to the second the store keeps: those
