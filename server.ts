@@ -7926,6 +7926,13 @@ export class FileStore implements Store {
       // string can, and a stray byte that is not UTF-8 must not move the cut below.
       const end = bytes.lastIndexOf(0x0a) + 1 // after it: a write cut short, or a last line lacking only its newline
       const now = (options.now ?? Date.now)()
+      let newest = 0 // when the latest entry was made, to tell a clock set behind it
+      const apply = async (records: JournalRecord[]) => {
+        for (const record of records) {
+          newest = Math.max(newest, madeAt(record))
+          await applyRecord(memory, record, now)
+        }
+      }
       let lines = 0
       // an editor's byte order mark, and blank lines, are no one's records: passed over
       const bom = bytes[0] === 0xef && bytes[1] === 0xbb && bytes[2] === 0xbf ? 3 : 0
@@ -7939,7 +7946,7 @@ export class FileStore implements Store {
               ? []
               : readJournalLine(text)
         if (typeof records === 'string') throw notARecord(path, lines + 1, records)
-        for (const record of records) await applyRecord(memory, record, now)
+        await apply(records)
         start = stop + 1
         // a server started meanwhile asks who holds the journal: the answer must not wait for the end
         if (lines % 10_000 === 9_999) await new Promise((resolve) => setImmediate(resolve))
@@ -7950,7 +7957,7 @@ export class FileStore implements Store {
       if (typeof whole !== 'string') {
         // a whole line but for its newline, which a hand edit or a copy can drop: kept, since it
         // may be a revocation, and ended, so that the next write starts a line of its own
-        for (const record of whole) await applyRecord(memory, record, now)
+        await apply(whole)
         lines++
         await writeAll(file, Buffer.from('\n'))
         await file.datasync()
@@ -7965,6 +7972,12 @@ export class FileStore implements Store {
         log(`warning: ${path} ends with an incomplete line, as a crash mid-write leaves it; dropping it`)
         await truncate(path, end)
       }
+      if (newest > now + CLOCK_BEHIND_MS)
+        log(
+          `warning: the clock says ${new Date(now).toISOString()}, before the newest entry in ${path} ` +
+            `(${new Date(newest).toISOString()}): it is behind. Until it is set right, what Latch issues ends ` +
+            'when it is, and what expired meanwhile counts as live: start Latch once the clock is synced',
+        )
       await syncDirectory(dirname(path))
       return new FileStore(memory, new Journal(path, file, await file.stat(), lines, log), hold, options)
     } catch (err) {
@@ -8348,6 +8361,21 @@ async function applyRecord(memory: MemoryStore, record: JournalRecord, now: numb
   // before 0.2: ended by the check
   else await memory.saveSession(key, { ...record.value, passwordTag: record.value.passwordTag ?? '' }, now)
 }
+
+/** When an entry was made: a code's issue, a grant's approval, a session's start; 0 for the rest. */
+function madeAt(record: JournalRecord): number {
+  if (!('set' in record)) return 0
+  if (record.set === 'code') return record.value.issuedAt
+  if (record.set === 'grant') return record.value.approvedAt
+  return record.set === 'session' ? record.value.createdAt : 0
+}
+
+/**
+ * How far behind the data file's newest entry the clock may be at start before it is said: a
+ * clock synced since it was written is not; one of a box that boots without a clock of its own
+ * is, until a time server sets it (a clock ahead cannot be told from time the server was off).
+ */
+const CLOCK_BEHIND_MS = 60_000
 
 /** Latch 0.1 kept whole SHA-256 hashes (43 characters): a key from then is cut as `hashSecret` cuts. */
 function currentKey(key: string): string {

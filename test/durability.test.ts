@@ -140,6 +140,24 @@ async function startOn(file: string): Promise<Running> {
 }
 
 describe('DATA_FILE: restarts', () => {
+  it('warns at start of a clock behind the newest entry in the file, as a box without a clock of its own boots', async () => {
+    const file = join(directory, 'clock-behind', 'data.jsonl')
+    const first = await startOn(file)
+    await obtainTokens(first.base)
+    await first.stop()
+    time -= 86_400_000 // a day behind, until a time server sets it right
+    try {
+      const behind = await startOn(file)
+      await behind.stop()
+      assert.match(behind.logs.join('\n'), /^warning: the clock says \S+, before the newest entry/m)
+    } finally {
+      time += 86_400_000
+    }
+    const right = await startOn(file)
+    await right.stop()
+    assert.doesNotMatch(right.logs.join('\n'), /the clock says/)
+  })
+
   it('keeps live tokens active, revoked ones revoked, used codes used and expired ones expired', async () => {
     const file = join(directory, 'restart', 'data.jsonl')
     const first = await startOn(file)
