@@ -1080,6 +1080,20 @@ async function signInWithPasskey(
   return browser.post('/sign-in', await passkeyFields(latch, browser, credential, changes))
 }
 
+/**
+ * A synced passkey of the owner's (it keeps no counter, and sends 0), added, and its answer to a
+ * sign-in challenge in another browser, not yet sent.
+ */
+async function syncedPasskeyAnswer(latch: Latch): Promise<{ browser: Browser; fields: Record<string, string> }> {
+  const synced = createCredential(ES256)
+  const owner = openBrowser(latch)
+  await signInWithPassword(owner)
+  assert.equal((await addPasskey(latch, owner, synced, 'Synced')).status, 200)
+  const browser = openBrowser(latch)
+  await formToken(browser)
+  return { browser, fields: await passkeyFields(latch, browser, synced, { counter: 0 }) }
+}
+
 function contentSecurityPolicy(response: Response): string {
   return response.headers.get('content-security-policy') ?? ''
 }
@@ -1331,13 +1345,7 @@ describe('Passkeys over HTTP', () => {
 
   it('refuses the same answer posted again from a passkey that keeps no counter, as synced passkeys send 0', async () => {
     quietDay()
-    const synced = createCredential(ES256)
-    const owner = openBrowser(latch)
-    await signInWithPassword(owner)
-    assert.equal((await addPasskey(latch, owner, synced, 'Synced')).status, 200)
-    const browser = openBrowser(latch)
-    await formToken(browser)
-    const fields = await passkeyFields(latch, browser, synced, { counter: 0 })
+    const { browser, fields } = await syncedPasskeyAnswer(latch)
     assert.equal((await browser.post('/sign-in', fields)).status, 303)
     browser.cookies.delete('latch_session') // signed out again, with the same CSRF cookie
     assert.equal((await browser.post('/sign-in', fields)).status, 401) // only the challenge's single use stops it
@@ -1931,13 +1939,7 @@ describe('A passkey answer and a clock set back', () => {
   it('refuses a sign-in replayed once its challenge expired, though the clock is then set back', async () => {
     const latch = await startLatch()
     try {
-      const synced = createCredential(ES256)
-      const owner = openBrowser(latch)
-      await signInWithPassword(owner)
-      assert.equal((await addPasskey(latch, owner, synced, 'Synced')).status, 200)
-      const browser = openBrowser(latch)
-      await formToken(browser)
-      const fields = await passkeyFields(latch, browser, synced, { counter: 0 }) // synced: no counter to stop it
+      const { browser, fields } = await syncedPasskeyAnswer(latch)
       assert.equal((await browser.post('/sign-in', fields)).status, 303)
       browser.cookies.delete('latch_session') // signed out, the same CSRF cookie
       assert.equal((await browser.post('/sign-in', fields)).status, 401) // used
