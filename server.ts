@@ -1760,7 +1760,7 @@ async function checkCode(form: Params, options: { clientRequired: boolean }, ctx
   }
   if (!verifyCodeChallenge(verifier, code.code_challenge)) {
     // the verifier as the challenge: PKCE's `plain`, its method left out (see `buildPendingRequest`)
-    if (verifier === code.code_challenge)
+    if (safeEqual(verifier, code.code_challenge))
       throw new OAuthError('invalid_grant', 'code_challenge_method plain is not supported: send S256 (RFC 7636)')
     throw new OAuthError('invalid_grant', 'PKCE check failed: code_verifier does not match code_challenge')
   }
