@@ -1490,7 +1490,7 @@ function shownHint(me: string): string | undefined {
   const { hostname, port, username, password } = new URL(url)
   const name = hostname.replace(/\.$/, '')
   const dnsName = name.length <= 253 && DNS_NAME.test(name)
-  if ((!dnsName && isIP(name.replace(/^\[(.*)\]$/, '$1')) === 0) || username !== '' || password !== '') return undefined
+  if ((!dnsName && isIP(unbracketed(name)) === 0) || username !== '' || password !== '') return undefined
   return port === '' ? name : `${name}:${port}`
 }
 
@@ -2614,9 +2614,7 @@ export function createHandler(options: HandlerOptions): (req: IncomingMessage, r
   const ownHosts = ownHostsOf(ctx.config)
   // the issuer's host and port, when on loopback: a page asked for under another loopback name is sent there
   const issuerUrl = new URL(ctx.config.issuer)
-  const loopbackIssuerHost = LOOPBACK_HOSTS.has(issuerUrl.hostname.replace(/^\[(.*)\]$/, '$1'))
-    ? issuerUrl.host
-    : undefined
+  const loopbackIssuerHost = LOOPBACK_HOSTS.has(unbracketed(issuerUrl.hostname)) ? issuerUrl.host : undefined
   const mountedAt = mountPath(ctx.config)
   let lastOwnHost: string | undefined // the Host header that passed last time: nearly every request repeats it
   const proxyWarning = kept.proxyWarning
@@ -2671,8 +2669,7 @@ function issuerAliasUrl(req: IncomingMessage, loopbackIssuerHost: string, config
   if (req.method !== 'GET' && req.method !== 'HEAD') return undefined
   const [, name, port] = /^(.*?)(:\d*)?$/.exec((req.headers.host ?? '').toLowerCase()) ?? []
   const [, issuerName, issuerPort] = /^(.*?)(:\d*)?$/.exec(loopbackIssuerHost) ?? []
-  if (name === issuerName || port !== issuerPort || !LOOPBACK_HOSTS.has(name.replace(/^\[(.*)\]$/, '$1')))
-    return undefined
+  if (name === issuerName || port !== issuerPort || !LOOPBACK_HOSTS.has(unbracketed(name))) return undefined
   return endpointUrl(config, req.url ?? '/')
 }
 
@@ -2759,12 +2756,7 @@ const MAX_HEADER_LINES = 1_000
  * the issuer's host or a loopback name are served; not one that names no host (HTTP/1.0 allows it).
  */
 function isOwnHost(hostHeader: string, ownHosts: Set<string>): boolean {
-  return ownHosts.has(
-    hostHeader
-      .toLowerCase()
-      .replace(/:\d*$/, '')
-      .replace(/^\[(.*)\]$/, '$1'),
-  )
+  return ownHosts.has(unbracketed(hostHeader.toLowerCase().replace(/:\d*$/, '')))
 }
 
 /**
@@ -2802,7 +2794,7 @@ function hasSeveralHosts(req: IncomingMessage): boolean {
 /** The host names served without a password: loopback names and the issuer's; with a password, any. */
 function ownHostsOf(config: Config): Set<string> | undefined {
   if (config.passwordHash !== undefined) return undefined
-  return new Set([...LOOPBACK_HOSTS, new URL(config.issuer).hostname.replace(/^\[(.*)\]$/, '$1')])
+  return new Set([...LOOPBACK_HOSTS, unbracketed(new URL(config.issuer).hostname)])
 }
 
 /**
@@ -4224,7 +4216,7 @@ async function requireFormToken(form: Params, req: IncomingMessage, ctx: Context
     const issuer = new URL(ctx.config.issuer).origin
     const named = /^https?:\/\/[\w.:[\]-]{1,300}$/.test(origin) && URL.canParse(origin) && origin !== issuer
     const elsewhere = named || site === 'same-site' || site === 'cross-site'
-    const local = named && LOOPBACK_HOSTS.has(new URL(origin).hostname.replace(/^\[(.*)\]$/, '$1'))
+    const local = named && LOOPBACK_HOSTS.has(unbracketed(new URL(origin).hostname))
     throw new OAuthError(
       'access_denied',
       elsewhere
@@ -4926,7 +4918,7 @@ function passkeyHostProblem(issuer: string): string | undefined {
   if (isIpAddress(hostname)) {
     // on this machine, the same server under localhost; elsewhere, a name of one's own
     const { port, pathname } = new URL(issuer)
-    const local = LOOPBACK_HOSTS.has(hostname.replace(/^\[(.*)\]$/, '$1'))
+    const local = LOOPBACK_HOSTS.has(unbracketed(hostname))
     const named = local
       ? `${protocol}//localhost${port === '' ? '' : `:${port}`}${pathname}`
       : 'https://auth.example.com'
@@ -6180,7 +6172,7 @@ const FETCH_HEAD_BYTES = 32 * 1024
  */
 async function fetchSafely(url: URL, maxBytes: number, options: FetchRules): Promise<Fetched> {
   if (url.protocol !== 'https:' && url.protocol !== 'http:') throw new Error('it is not an http or https URL')
-  const hostname = url.hostname.replace(/^\[|\]$/g, '')
+  const hostname = unbracketed(url.hostname)
   const timeoutMs = options.fetch.timeoutMs ?? CLIENT_FETCH_TIMEOUT_MS
   const deadline = AbortSignal.timeout(timeoutMs)
   const addresses =
@@ -8727,7 +8719,7 @@ export function loadConfig(
         'use an address without one, as in HOST=::1',
     )
   // as a URL writes it, so that it compares as itself: 0:0:0:0:0:0:0:1 is ::1, LOCALHOST localhost
-  const canonical = new URL(`http://${hostForUrl(named)}/`).hostname.replace(/^\[(.*)\]$/, '$1')
+  const canonical = unbracketed(new URL(`http://${hostForUrl(named)}/`).hostname)
   // Node would bind `localhost` to the first address it resolves to, ::1 on many systems, where
   // the links to 127.0.0.1 reach nothing; browsers try both for the name, so the issuer keeps it
   const host = canonical === 'localhost' ? '127.0.0.1' : canonical
@@ -8751,7 +8743,7 @@ export function loadConfig(
         `as in ISSUER=http://192.168.1.10:${port}, or to the https URL of the proxy in front`,
     )
   }
-  if (passwordHash === undefined && !LOOPBACK_HOSTS.has(new URL(issuer).hostname.replace(/^\[|\]$/g, ''))) {
+  if (passwordHash === undefined && !LOOPBACK_HOSTS.has(unbracketed(new URL(issuer).hostname))) {
     throw new ConfigError(
       `ISSUER ${issuer} is not on a loopback host, and behind a proxy anyone could approve sign-ins ` +
         'without PASSWORD_HASH: ' +
@@ -9059,6 +9051,11 @@ function hostForUrl(host: string): string {
   return host.includes(':') ? `[${host}]` : host
 }
 
+/** A URL's host name as an address is written elsewhere: `[::1]` is `::1`. */
+function unbracketed(hostname: string): string {
+  return hostname.replace(/^\[(.*)\]$/, '$1')
+}
+
 function parseIssuer(value: string): string {
   const url = URL.canParse(value) ? new URL(value) : undefined
   if (url === undefined || (url.protocol !== 'https:' && url.protocol !== 'http:')) {
@@ -9143,7 +9140,7 @@ export function configWarnings(config: Config, env: Record<string, string | unde
       warnings.push(`${key} is not a setting, and is not read: if it was meant as ${meant.name}, rename it`)
   }
   const issuer = new URL(config.issuer)
-  const host = issuer.hostname.replace(/^\[|\]$/g, '')
+  const host = unbracketed(issuer.hostname)
   const loopback = LOOPBACK_HOSTS.has(host) || isLocalhostName(host)
   if (issuer.protocol === 'http:' && !loopback) {
     warnings.push(
