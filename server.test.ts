@@ -589,21 +589,29 @@ describe('Configuration', () => {
     assert.deepEqual(configWarnings(loadConfig({ ...behind, ISSUER: 'https://auth.example.com' })), [])
   })
 
-  it('warns of an ISSUER on the loopback address of the other family than HOST, where nothing answers', () => {
+  it('warns of an ISSUER on a loopback address that HOST does not listen on, where nothing answers', () => {
     const me = { ME: 'https://example.com/' }
     for (const [HOST, ISSUER] of [
       ['::1', 'http://127.0.0.1:3000'],
       ['127.0.0.1', 'http://[::1]:3000'],
       ['localhost', 'http://[::1]:3000'], // bound as 127.0.0.1
+      ['127.0.0.1', 'http://127.0.0.2:3000'], // another loopback address of the same family
+      ['0.0.0.0', 'http://[::1]:3000'], // every IPv4 address, and no IPv6 one
+      ['192.0.2.7', 'http://127.0.0.1:3000'],
     ])
-      assert.match(configWarnings(loadConfig({ ...me, HOST, ISSUER })).join('\n'), /Latch listens on .* only: /)
+      assert.match(
+        configWarnings(loadConfig({ ...me, HOST, ISSUER, PASSWORD_HASH })).join('\n'),
+        /Latch listens on .* only: /,
+      )
     for (const [HOST, ISSUER] of [
       ['::1', 'http://[::1]:3000'],
       ['::1', 'http://localhost:3000'], // a name browsers try on both
       ['::1', 'http://127.0.0.1:8080'], // another port: a proxy's
       ['::1', 'https://127.0.0.1'], // at 443
+      ['::', 'http://127.0.0.1:80'], // every address of both families
+      ['0.0.0.0', 'http://127.0.0.2:80'], // loopback too: no https wanted there
     ])
-      assert.deepEqual(configWarnings(loadConfig({ ...me, HOST, ISSUER, PORT: '80' })), [])
+      assert.deepEqual(configWarnings(loadConfig({ ...me, HOST, ISSUER, PORT: '80', PASSWORD_HASH })), [])
   })
 
   it('warns about a profile URL with a port or an IP address, and about http off loopback', () => {

@@ -9142,7 +9142,8 @@ export function configWarnings(config: Config, env: Record<string, string | unde
   const issuer = new URL(config.issuer)
   const host = unbracketed(issuer.hostname)
   const loopback = LOOPBACK_HOSTS.has(host) || isLocalhostName(host)
-  if (issuer.protocol === 'http:' && !loopback) {
+  const family = (name: string) => (name === '::1' ? 'IPv6' : /^127\./.test(name) ? 'IPv4' : undefined)
+  if (issuer.protocol === 'http:' && !loopback && family(host) === undefined) {
     warnings.push(
       `ISSUER ${config.issuer} is http on a non-loopback host; IndieAuth wants https, ` +
         'so put Latch behind TLS and set ISSUER to the https URL',
@@ -9160,15 +9161,15 @@ export function configWarnings(config: Config, env: Record<string, string | unde
         'the proxy serves Latch at',
     )
   }
-  // Latch's own port on the loopback address of the other family: nothing answers there
-  const family = (name: string) => (name === '::1' ? 'IPv6' : /^127\./.test(name) ? 'IPv4' : undefined)
-  const [issuerFamily, hostFamily] = [family(host), family(config.host)]
+  // Latch's own port on a loopback address it does not listen on: nothing answers there
   const ownPort = Number(issuer.port || (issuer.protocol === 'https:' ? 443 : 80)) === config.port
-  if (issuerFamily !== undefined && hostFamily !== undefined && issuerFamily !== hostFamily && ownPort) {
+  const everyIpv4 = config.host === '0.0.0.0'
+  const listens = host === config.host || config.host === '::' || (everyIpv4 && family(host) === 'IPv4')
+  if (family(host) !== undefined && ownPort && !listens) {
+    const [where, instead] = everyIpv4 ? ['every IPv4 address', '127.0.0.1'] : [config.host, hostForUrl(config.host)]
     warnings.push(
-      `ISSUER ${config.issuer} is on ${issuerFamily} loopback, but Latch listens on ${config.host} only: ` +
-        `browsers sent to ISSUER reach nothing; set ISSUER to http://${hostForUrl(config.host)}:${config.port}, ` +
-        'or leave it unset',
+      `ISSUER ${config.issuer} is on ${host}, but Latch listens on ${where} only: browsers sent to ISSUER reach ` +
+        `nothing; set ISSUER to http://${instead}:${config.port}${everyIpv4 ? '' : ', or leave it unset'}`,
     )
   }
   const { refreshTokenTtlSeconds: refresh, accessTokenTtlSeconds: access } = config
