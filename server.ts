@@ -6463,12 +6463,23 @@ export function cacheLifetime(headers: IncomingHttpHeaders, now: number): number
     const seconds = /^max-age\s*=\s*("?)(\d+)\1$/.exec(maxAge)?.[2]
     fresh = seconds === undefined ? 0 : Number(seconds) - age
   } else if (headers.expires !== undefined) {
-    const expires = Date.parse(headers.expires)
-    const date = headers.date === undefined ? now : Date.parse(headers.date)
-    // an invalid Expires, such as "0", means already expired
+    const expires = parseHttpDate(headers.expires)
+    const date = headers.date === undefined ? now : parseHttpDate(headers.date)
+    // an invalid Expires, such as "0", means already expired (§5.3)
     fresh = Number.isNaN(expires) || Number.isNaN(date) ? 0 : Math.floor((expires - date) / 1000) - age
   }
   return Math.max(0, Math.min(fresh, MAX_CLIENT_CACHE_SECONDS))
+}
+
+/**
+ * An HTTP date in milliseconds, or NaN for what is none: `Date.parse` alone reads "0" and "2030"
+ * as years. Each of the three forms has a time of day, and is in GMT, which the oldest (asctime's)
+ * does not write.
+ * @see https://www.rfc-editor.org/rfc/rfc9110#section-5.6.7 RFC 9110 §5.6.7
+ */
+function parseHttpDate(text: string): number {
+  if (!/(^| )\d\d:\d\d:\d\d( |$)/.test(text)) return NaN
+  return Date.parse(text.endsWith(' GMT') ? text : `${text} GMT`)
 }
 
 const LOOPBACK_CLIENT = 'it is a loopback address, which IndieAuth forbids fetching'

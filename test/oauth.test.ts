@@ -940,6 +940,12 @@ describe('cacheLifetime (RFC 9111 §4.2)', () => {
     const date = 'Fri, 01 Jan 2027 00:00:00 GMT'
     assert.equal(cacheLifetime({ date, expires: 'Fri, 01 Jan 2027 01:00:00 GMT' }, now), 3600)
     assert.equal(cacheLifetime({ date, expires: '0' }, now), 0)
+    // what Date.parse reads as a year is no HTTP date (RFC 9110 §5.6.7)
+    for (const expires of ['2030', '99999', '2030-01-01'])
+      assert.equal(cacheLifetime({ date, expires }, now), 0, expires)
+    // the two obsolete forms a recipient must still read
+    for (const expires of ['Friday, 01-Jan-27 01:00:00 GMT', 'Fri Jan  1 01:00:00 2027'])
+      assert.equal(cacheLifetime({ date, expires }, now), 3600, expires)
   })
 
   it('keeps a minute when neither says (a heuristic lifetime, §4.2.2)', () => {
