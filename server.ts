@@ -6715,8 +6715,8 @@ const TAG_NAME = /\/?[a-zA-Z][^\t\n\f\r />]*/y
 /**
  * Decodes character references as HTML does: a number (0x80–0x9F taken as windows-1252, as a
  * browser takes them; 0, a surrogate or past Unicode as U+FFFD), or a name, in its case
- * (`&AMP;` is none). The names known are those of Latin-1 and windows-1252, which old pages use;
- * a name of another character is left as written.
+ * (`&AMP;` is one, `&Amp;` none). The names known are those of Latin-1 and windows-1252, which
+ * old pages use; a name of another character is left as written.
  * @see https://html.spec.whatwg.org/multipage/parsing.html#numeric-character-reference-end-state
  */
 function decodeEntities(text: string): string {
@@ -6728,9 +6728,10 @@ function decodeEntities(text: string): string {
   })
 }
 
-/** The named characters `decodeEntities` knows: ASCII's five, Latin-1's from U+00A0, windows-1252's. */
+/** The named characters `decodeEntities` knows: ASCII's five, Latin-1's from U+00A0, windows-1252's, and a few capitals. */
 const NAMED_CHARACTERS = new Map<string, string>([
   ...Object.entries({ amp: '&', lt: '<', gt: '>', quot: '"', apos: "'" }),
+  ...Object.entries({ AMP: '&', LT: '<', GT: '>', QUOT: '"', COPY: '\u00a9', REG: '\u00ae', TRADE: '\u2122' }),
   ...(
     'nbsp iexcl cent pound curren yen brvbar sect uml copy ordf laquo not shy reg macr deg plusmn sup2 sup3 ' +
     'acute micro para middot cedil sup1 ordm raquo frac14 frac12 frac34 iquest Agrave Aacute Acirc Atilde Auml ' +

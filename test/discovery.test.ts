@@ -1099,10 +1099,10 @@ describe('Discovery parsers and address rules', () => {
   it('reads a name and a link as a browser shows them: entities, a > in a quoted value, a no-break space', () => {
     const page = readClientPage(
       '<div class="h-app"/><span class="p-name"><b title="x>Evil Corp">Caf&eacute; &mdash; &#147;Q&#148;</b> ' +
-        '&AMP; &#0;</span></div><link rel=redirect_uri href="&nbsp;https://evil.example/cb">',
+        '&AMP; &Amp; &#0;</span></div><link rel=redirect_uri href="&nbsp;https://evil.example/cb">',
       'https://a.example/',
     )
-    assert.equal(page.name, 'Caf\u00e9 \u2014 \u201cQ\u201d &AMP; \ufffd')
+    assert.equal(page.name, 'Caf\u00e9 \u2014 \u201cQ\u201d & &Amp; \ufffd')
     assert.deepEqual(page.redirectUris, ['https://a.example/%C2%A0https://evil.example/cb']) // a path of its own
   })
 
