@@ -330,8 +330,8 @@ export interface Store {
    * The owner's "Revoke all", in one step: revokes every grant approved at or before
    * `approvedBy`, to the second, and deletes every code issued by then, used or not, revoking
    * its grant's id too (a grant's id is its code's hash), so that no code approved before
-   * becomes a grant after. Returns how many apps lost their access: the grants, and the codes
-   * that were not redeemed yet.
+   * becomes a grant after. Returns how many apps lost their access: the grants, and each client
+   * with a code not redeemed yet that no grant or other code already counted.
    */
   revokeApprovedBy(approvedBy: number, now: number): Promise<number>
   /**
@@ -402,7 +402,8 @@ type Context = {
   now: () => number
   /**
    * The clock of what Latch keeps in memory for a while: lockouts, the day of refreshes, the apps
-   * it looked up or failed to, and the answer remembered for a second press of a consent button.
+   * it looked up or failed to, the answer remembered for a second press of a consent button, and
+   * passkey challenges; and the time "Revoke all" asks at, if no approval it lists is later.
    * It follows `now` forward, and stands still while `now` is set back, so that a wall clock set
    * back an hour does not make a two-second lockout last an hour.
    */
@@ -3326,7 +3327,7 @@ function steadyClock(now: () => number): () => number {
  * handler made at each request, or two serving one Latch, still count wrong passwords and
  * refreshes once, on one steady clock, know each other's passkey challenges, share discovery's
  * cache and slots, warn of an unnamed proxy once, and sweep the store once. Handlers of one store
- * with other settings (another password, another host) are other Latches, and keep their own.
+ * with other settings (another password, another `ISSUER`) are other Latches, and keep their own.
  */
 type Kept = {
   shared: Pick<
@@ -8707,7 +8708,7 @@ const MAX_RECENT_ROTATIONS = 10_000
  * `ConfigError` that says what to fix. It reads nothing itself: pass `process.env` and
  * `process.argv.slice(2)`.
  * `boundPort` replaces a `PORT` of 0 in the default issuer once the real port is known.
- * @see https://indieauth.spec.indieweb.org/#discovery-by-clients IndieAuth §4.1 (issuer)
+ * @see https://indieauth.spec.indieweb.org/#issuer-identifier IndieAuth §3.1 (issuer)
  */
 export function loadConfig(
   env: Record<string, string | number | undefined>,
