@@ -1082,6 +1082,7 @@ describe('MemoryStore', () => {
 
   it('leaves expired entries to the sweep: a write walks nothing, sweep(now) takes the expired only', async () => {
     const store = new MemoryStore()
+    await store.saveGrant('g', grant(9000), 0)
     await store.saveToken('late', token(5000), 0)
     await store.saveToken('early', token(1000), 0)
     await store.saveToken('middle', token(3000), 0)
@@ -1112,9 +1113,42 @@ describe('MemoryStore', () => {
     assert.equal(store.tokens.size, 0)
   })
 
+  it('sweeps the tokens of a grant revoked or expired, however long they had left', async () => {
+    const store = new MemoryStore()
+    await store.saveGrant('g', grant(9000), 0)
+    await store.saveGrant('h', grant(2000), 0)
+    await store.saveToken('of-g', token(9000), 0)
+    await store.saveToken('of-h', { ...token(9000), grantId: 'h' }, 0)
+    await store.saveToken('scripts', { ...token(9000), grantId: 'k' }, 0) // a token for scripts, its grant revoked…
+    await store.saveGrant('k', grant(9000), 0)
+    await store.revokeGrant('k', 0) // …and so gone from memory too, not only from every lookup
+    store.sweep(3000)
+    assert.deepEqual([...store.tokens.keys()], ['of-g'])
+  })
+
+  it('snapshots a refresh token used past any retry without its scope and resources, which are never read again', async () => {
+    const store = new MemoryStore()
+    const long = { scope: ['create', 'x'.repeat(100)], resource: ['https://api.example/'] }
+    await store.saveGrant('g', { ...grant(9_000_000), ...long }, 0)
+    const refresh = { ...token(9_000_000), ...long, kind: 'refresh' } as const
+    await store.saveToken('used-long-ago', { ...refresh, usedAt: 1000 }, 0)
+    await store.saveToken('used-just-now', { ...refresh, usedAt: 700_000 }, 0) // a retry may still come
+    await store.saveToken('unused', refresh, 0)
+    await store.saveToken('access', { ...token(9_000_000), ...long }, 0)
+    const lists = new Map(
+      [...store.records(702_000)].flatMap((record) =>
+        'set' in record && record.set === 'token' ? [[record.key, [record.value.scope, record.value.resource]]] : [],
+      ),
+    )
+    assert.deepEqual(lists.get('used-long-ago'), [[], []])
+    for (const kept of ['used-just-now', 'unused', 'access'])
+      assert.deepEqual(lists.get(kept), [long.scope, long.resource], kept)
+  })
+
   it('sweeps the store of a handler every 100 ms on the handler clock, with no server around it', async (t) => {
     t.mock.timers.enable({ apis: ['setInterval'] })
     const store = new MemoryStore()
+    await store.saveGrant('g', grant(9000), 0)
     await store.saveToken('expired', token(1000), 0)
     await store.saveToken('live', token(9000), 0)
     createHandler({ config: loadConfig({ DATA_FILE: 'memory' }), store, now: () => 5000, log: () => {} })

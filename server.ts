@@ -6729,7 +6729,7 @@ function decodeEntities(text: string): string {
   })
 }
 
-/** The named characters `decodeEntities` knows: ASCII's five, Latin-1's from U+00A0, windows-1252's, and a few capitals. */
+/** The named characters `decodeEntities` knows: ASCII's five (some in capitals too), Latin-1's from U+00A0, windows-1252's. */
 const NAMED_CHARACTERS = new Map<string, string>([
   ...Object.entries({ amp: '&', lt: '<', gt: '>', quot: '"', apos: "'" }),
   ...Object.entries({ AMP: '&', LT: '<', GT: '>', QUOT: '"', COPY: '\u00a9', REG: '\u00ae', TRADE: '\u2122' }),
@@ -6846,6 +6846,8 @@ export class MemoryStore implements Store {
   readonly #dropped = new Map<string, number>()
   /** Grants and tokens saved that the sweep has not yet walked twice as many entries for. */
   #savedSinceSweep = 0
+  /** Whether a token's grant is gone (revoked, or expired): the token is dead, and the sweep takes it. */
+  readonly #grantGone = (token: StoredToken): boolean => !this.grants.has(token.grantId)
   /**
    * The refresh tokens each refresh token's rotations issued (two, for two refreshes sent at once),
    * while a retry of it may still come: the longest grace and a second. Kept in memory only: after
@@ -7145,7 +7147,7 @@ export class MemoryStore implements Store {
     sweepOldest(this.sessions, now, budget)
     this.grants.sweep(now, budget)
     this.revokedGrants.sweep(now, budget)
-    this.tokens.sweep(now, budget)
+    this.tokens.sweep(now, budget, this.#grantGone)
   }
 
   /**
@@ -7172,13 +7174,18 @@ export class MemoryStore implements Store {
     }
     for (const [key, revoked] of this.revokedGrants)
       if (revoked.expiresAt * 1000 > now) yield { delete: 'grant', key, until: revoked.expiresAt * 1000 }
+    // a refresh token used before any retry could come is kept only to be known if it is used
+    // again: its scope and resources are never read, and may be long (a client's 8 KiB of them)
+    const retriesOver = toSeconds(now) - MAX_REFRESH_GRACE_SECONDS - 1
     for (const [key, stored] of this.tokens) {
       if (stored.expiresAt * 1000 <= now || !this.grants.has(stored.grantId)) continue
-      yield {
-        set: 'token',
-        key,
-        value: unsaved.has(key) ? { ...stored.toToken(), usedAt: undefined } : stored.toToken(),
+      const token = stored.toToken()
+      if (unsaved.has(key)) token.usedAt = undefined
+      else if (stored.kind === 'refresh' && stored.usedAt !== undefined && stored.usedAt < retriesOver) {
+        token.scope = []
+        token.resource = []
       }
+      yield { set: 'token', key, value: token }
     }
     for (const [key, value] of this.sessions) if (value.expiresAt > now) yield { set: 'session', key, value }
     for (const [key, value] of this.passkeys) yield { set: 'passkey', key, value }
@@ -7354,6 +7361,11 @@ class Journal {
     this.#size = stats.size
     this.lines = lines
     this.#log = log
+  }
+
+  /** The file's length in bytes, to the end of its last whole line. */
+  get size(): number {
+    return this.#size
   }
 
   /** Appends the records as one line, so that a replay finds all of them or none. */
@@ -7864,8 +7876,10 @@ export class FileStore implements Store {
   readonly #unsaved = new Map<string, string | undefined>()
   /** The writes of those marks, for a retry of the same refresh token to wait on (see `#redeemAndStore`). */
   readonly #firstWrites = new Map<string, Promise<void>>()
-  /** After a failed compaction, how long the journal must grow before the next try. */
+  /** After a failed compaction, how long the journal must grow before the next try; 0 once one succeeds. */
   #compactAfterLines = 0
+  /** The journal's size after its last compaction: 0 before the first in this process. */
+  #snapshotBytes = 0
   readonly #journal: Journal
   readonly #hold: string | undefined
   readonly #now: () => number
@@ -8088,6 +8102,8 @@ export class FileStore implements Store {
   }
 
   async revokeGrant(id: string, now: number): Promise<void> {
+    // revoked and written already: a code replayed over and over for its minutes writes nothing more
+    if (this.memory.revokedGrants.has(id) && !this.memory.grants.has(id)) return
     await this.#append([{ delete: 'grant', key: id }])
     await this.memory.revokeGrant(id, now)
   }
@@ -8195,8 +8211,11 @@ export class FileStore implements Store {
       })
     }
     const lines = this.#journal.lines
+    if (this.compaction !== undefined || lines <= this.#compactAfterLines) return
+    // in bytes too: a refresh of a client with 8 KiB of scopes and resources writes 30 KB
+    if (this.#journal.size > Math.max(COMPACT_MIN_BYTES, COMPACT_FACTOR * this.#snapshotBytes)) return this.#compact()
     // the cheap tests first: counting live entries walks the 64 shards of each map
-    if (this.compaction !== undefined || lines <= Math.max(COMPACT_MIN_LINES, this.#compactAfterLines)) return
+    if (lines <= COMPACT_MIN_LINES) return
     const { codes, grants, tokens, sessions, passkeys } = this.memory
     if (lines > COMPACT_FACTOR * (codes.size + grants.size + tokens.size + sessions.size + passkeys.size))
       this.#compact()
@@ -8205,6 +8224,10 @@ export class FileStore implements Store {
   #compact(): void {
     this.compaction = this.#journal
       .compact(() => this.memory.records(this.#now(), this.#unsaved))
+      .then(() => {
+        this.#compactAfterLines = 0
+        this.#snapshotBytes = this.#journal.size
+      })
       .catch((err: unknown) => {
         // not again at every write, on a disk still full
         this.#compactAfterLines = this.#journal.lines + COMPACT_MIN_LINES
@@ -8216,6 +8239,8 @@ export class FileStore implements Store {
 }
 
 const COMPACT_MIN_LINES = 10_000
+/** A journal this long is compacted, whatever its lines, and then whenever it is four times its last snapshot. */
+const COMPACT_MIN_BYTES = 64 * 2 ** 20
 /** Far more than any line Latch writes, and far less than the longest string V8 can make of one. */
 const MAX_JOURNAL_LINE_BYTES = 256 * 2 ** 20
 const COMPACT_FACTOR = 4
@@ -8476,11 +8501,11 @@ export class ExpiringMap<V extends { expiresAt: number }> {
   }
 
   /**
-   * Takes up to `budget` steps of the walk, deleting what it finds expired: a step looks at one
-   * entry, or moves on to the next shard. A full round takes as many steps as entries, plus 64;
-   * one call takes one round at most.
+   * Takes up to `budget` steps of the walk, deleting what it finds expired, or `gone`: a step
+   * looks at one entry, or moves on to the next shard. A full round takes as many steps as
+   * entries, plus 64; one call takes one round at most.
    */
-  sweep(now: number, budget: number): void {
+  sweep(now: number, budget: number, gone?: (entry: V) => boolean): void {
     if (budget <= 0) return
     const nowSeconds = now / 1000
     let steps = 0
@@ -8490,7 +8515,7 @@ export class ExpiringMap<V extends { expiresAt: number }> {
       // `for…of` goes on where the walk stopped last time: a Map iterator has no `return`, so
       // leaving the loop early does not close it. Unlike `next()` by hand, V8 allocates nothing.
       for (const [key, entry] of this.#walkEntries) {
-        if (entry.expiresAt <= nowSeconds) shard.delete(key)
+        if (entry.expiresAt <= nowSeconds || gone?.(entry) === true) shard.delete(key)
         if (++steps === budget) return
       }
       if (shardsLeft === 0) return

@@ -1009,6 +1009,58 @@ describe('DATA_FILE: compaction and failures', () => {
     await reopened.close()
   })
 
+  it('compacts a journal past 64 MiB however few its lines: a refresh with long scopes and resources is 30 KB', async () => {
+    const file = join(directory, 'compact-bytes.jsonl')
+    await writeFile(file, `${JSON.stringify({ delete: 'session', key: 'x'.repeat(32_000) })}\n`.repeat(2_100))
+    const store = await FileStore.open(file, { now: () => START, log: () => {} })
+    await store.saveSession('kept', { createdAt: START, expiresAt: START + 3600_000, passwordTag: 't' }, START)
+    assert.ok(store.compaction !== undefined, 'no compaction started')
+    await store.close()
+    assert.equal((await readFile(file, 'utf8')).trim().split('\n').length, 1)
+  })
+
+  it('tries a failed compaction again 10,000 lines later, and after one succeeds, at 10,000 lines again', async () => {
+    const file = join(directory, 'compact-again.jsonl')
+    await writeFile(file, `${JSON.stringify({ delete: 'session', key: 'old' })}\n`.repeat(10_001))
+    const logs: string[] = []
+    const store = await FileStore.open(file, { now: () => START, log: (line) => logs.push(line) })
+    const session = { createdAt: START, expiresAt: START + 3600_000, passwordTag: 't' }
+    /** Writes `lines` lines (a session saved, then deleted), and says whether a compaction started. */
+    const write = async (lines: number) => {
+      for (let at = 0; at < lines; at += 1_000) {
+        const keys = Array.from({ length: 500 }, (_, i) => `s${at + i}`)
+        await Promise.all(keys.map((key) => store.saveSession(key, session, START)))
+        await Promise.all(keys.map((key) => store.deleteSession(key)))
+      }
+      return store.compaction !== undefined
+    }
+    // a session the snapshot cannot write (a value JSON has no text for): the compaction fails
+    store.memory.sessions.set('unwritable', { ...session, passwordTag: 1n as unknown as string })
+    assert.equal(await write(1_000), true)
+    await store.compaction
+    assert.match(logs.join('\n'), /journal: compacting .* failed, so it stays as it was/)
+    store.memory.sessions.delete('unwritable')
+    // the next try comes 10,000 lines after the failure (which came at most 1,000 lines after it began)
+    assert.equal(await write(9_000), false)
+    assert.equal(await write(2_000), true)
+    await store.compaction
+    // the snapshot holds what was written while it ran, up to 2,000 lines; past 10,000 again, the
+    // usual rule: a failure long mended no longer counts
+    assert.equal(await write(7_000), false)
+    assert.equal(await write(3_000), true)
+    await store.close()
+  })
+
+  it('writes nothing to revoke a grant revoked already, as a code replayed again and again for its minutes asks', async () => {
+    const file = join(directory, 'revoke-again.jsonl')
+    const store = await FileStore.open(file, { now: () => START, log: () => {} })
+    await store.revokeGrant('g', START)
+    const once = await readFile(file, 'utf8')
+    for (let i = 0; i < 3; i++) await store.revokeGrant('g', START + i)
+    assert.equal(await readFile(file, 'utf8'), once)
+    await store.close()
+  })
+
   it('remembers a revoked grant after a compaction until its tokens would have expired, so no late save revives it', async () => {
     const file = join(directory, 'revoked-compacted', 'data.jsonl')
     const running = await startOn(file)
