@@ -1169,6 +1169,24 @@ describe('MemoryStore', () => {
     assert.equal(store.tokens.size, 1)
   })
 
+  it('holds the signals of handlers weakly, for an app that makes a handler, and a signal, at each request', async () => {
+    setFlagsFromString('--expose-gc')
+    const gc = runInNewContext('gc') as () => void
+    const store = new MemoryStore()
+    const config = loadConfig({ DATA_FILE: 'memory' })
+    const signals = Array.from({ length: 3 }, () => {
+      const { signal } = new AbortController() // never aborted, and dropped with the request
+      createHandler({ config, store, now: () => 5000, log: () => {}, signal })
+      return new WeakRef(signal)
+    })
+    await new Promise((resolve) => setImmediate(resolve)) // a WeakRef keeps its target until the task ends
+    gc()
+    assert.deepEqual(
+      signals.map((signal) => signal.deref()),
+      [undefined, undefined, undefined],
+    )
+  })
+
   it('never starts sweeping when the signal given to the handler is aborted already', async (t) => {
     t.mock.timers.enable({ apis: ['setInterval'] })
     const store = new MemoryStore()

@@ -3351,8 +3351,13 @@ type Kept = {
   now: () => number
   /** Whether a proxy that TRUST_PROXY does not name is still to be warned of; the last one seen named. */
   proxyWarning: { pending: boolean; named?: string }
-  /** The signals of the handlers that sweep, `forever` once one has none, and the timer they share. */
-  signals: Set<AbortSignal>
+  /**
+   * The signals of the handlers that sweep, held weakly (an app may make a handler, and a signal,
+   * at each request), how many of them are yet to abort, `forever` once one has none, and the
+   * timer they share. A signal collected unaborted can never abort: it is counted for good.
+   */
+  signals: WeakSet<AbortSignal>
+  unaborted: number
   forever: boolean
   sweeping?: NodeJS.Timeout
 }
@@ -3385,7 +3390,7 @@ function keptFor(store: Store, config: Config, now: () => number): Kept {
     }
     // cleared once said; without a password, such a request is refused (`refusalOf`) and says why itself
     const proxyWarning = { pending: config.passwordHash !== undefined }
-    kept = { shared, now, proxyWarning, signals: new Set(), forever: false }
+    kept = { shared, now, proxyWarning, signals: new WeakSet(), unaborted: 0, forever: false }
     byConfig.set(key, kept)
   }
   return kept
@@ -3411,9 +3416,9 @@ function keepSweeping(kept: Kept, store: MemoryStore | FileStore, signal: AbortS
   if (signal === undefined) kept.forever = true
   else if (!kept.signals.has(signal)) {
     kept.signals.add(signal)
+    kept.unaborted++
     const stop = () => {
-      kept.signals.delete(signal)
-      if (kept.signals.size > 0 || kept.forever) return
+      if (--kept.unaborted > 0 || kept.forever) return
       clearInterval(kept.sweeping)
       kept.sweeping = undefined
     }
