@@ -612,6 +612,11 @@ describe('Configuration', () => {
       ['0.0.0.0', 'http://127.0.0.2:80'], // loopback too: no https wanted there
     ])
       assert.deepEqual(configWarnings(loadConfig({ ...me, HOST, ISSUER, PORT: '80', PASSWORD_HASH })), [])
+    // a name that begins as a loopback address does is no address
+    assert.match(
+      configWarnings(loadConfig({ ...me, ISSUER: 'http://127.example.com', PASSWORD_HASH })).join('\n'),
+      /IndieAuth wants https/,
+    )
   })
 
   it('warns about a profile URL with a port or an IP address, and about http off loopback', () => {

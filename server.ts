@@ -9185,7 +9185,8 @@ export function configWarnings(config: Config, env: Record<string, string | unde
   const issuer = new URL(config.issuer)
   const host = unbracketed(issuer.hostname)
   const loopback = LOOPBACK_HOSTS.has(host) || isLocalhostName(host)
-  const family = (name: string) => (name === '::1' ? 'IPv6' : /^127\./.test(name) ? 'IPv4' : undefined)
+  const family = (name: string) =>
+    name === '::1' ? 'IPv6' : isIP(name) === 4 && name.startsWith('127.') ? 'IPv4' : undefined
   if (issuer.protocol === 'http:' && !loopback && family(host) === undefined) {
     warnings.push(
       `ISSUER ${config.issuer} is http on a non-loopback host; IndieAuth wants https, ` +
