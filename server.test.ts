@@ -3505,6 +3505,17 @@ describe('Password attempts', () => {
     assert.equal(countAttempt(attempts, 1000 + 86401_000, 5).count, 1)
   })
 
+  it('forgets one attempt an hour, so that a stranger trying now and then never locks the owner out', () => {
+    let attempts: PasswordAttempts | undefined
+    let now = 0
+    for (let i = 0; i < 1_000; i++) {
+      attempts = countAttempt(attempts, (now += 3600_000), 20) // hourly, for six weeks
+      assert.equal(attempts.lockedUntil, now)
+    }
+    for (let i = 0; i < 30; i++) attempts = countAttempt(attempts, (now += 600_000), 20) // every ten minutes
+    assert.ok((attempts?.lockedUntil ?? 0) > now, 'a stranger guessing every ten minutes for five hours is not slowed')
+  })
+
   it('runs two password checks at once, queues 32 in order, and answers 429 past that', async () => {
     const slots: PasswordSlots = { running: 0, waiting: [] }
     const started: number[] = []

@@ -4341,6 +4341,7 @@ const FREE_ATTEMPTS_PER_ADDRESS = 5
 const FREE_ATTEMPTS_IN_TOTAL = 20
 const MAX_PASSWORD_DELAY_SECONDS = 900
 const FORGET_PASSWORD_FAILURES_SECONDS = 86400
+const FORGIVE_ATTEMPT_MS = 3_600_000
 const MAX_TRACKED_ADDRESSES = 10_000
 const MAX_PARALLEL_PASSWORD_CHECKS = 2
 const MAX_WAITING_PASSWORD_CHECKS = 32
@@ -4431,11 +4432,18 @@ async function checkSignIn(
 
 const NO_ATTEMPTS: PasswordAttempts = { count: 0, lastAt: 0, lockedUntil: 0 }
 
-/** One more attempt: free up to `free`, then locked for 2, 4, 8, … seconds, up to 15 minutes. */
+/**
+ * One more attempt: free up to `free`, then locked for 2, 4, 8, … seconds, up to 15 minutes. An
+ * hour without one forgives one (half an hour, half of one), so that the guesses every server
+ * meets now and then do not add up, over weeks, to a lock at each; a day without forgets them all.
+ */
 export function countAttempt(previous: PasswordAttempts | undefined, now: number, free: number): PasswordAttempts {
-  const forgotten = previous === undefined || now - previous.lastAt > FORGET_PASSWORD_FAILURES_SECONDS * 1000
-  const count = forgotten ? 1 : previous.count + 1
-  const delaySeconds = count <= free ? 0 : Math.min(2 ** (count - free), MAX_PASSWORD_DELAY_SECONDS)
+  const quiet = previous === undefined ? Infinity : now - previous.lastAt
+  // forgiven in part too: a guess every half hour adds up half as fast
+  const left = quiet > FORGET_PASSWORD_FAILURES_SECONDS * 1000 ? 0 : (previous?.count ?? 0) - quiet / FORGIVE_ATTEMPT_MS
+  const count = Math.max(0, left) + 1
+  const over = Math.ceil(count) - free
+  const delaySeconds = over <= 0 ? 0 : Math.min(2 ** over, MAX_PASSWORD_DELAY_SECONDS)
   return { count, lastAt: now, lockedUntil: now + delaySeconds * 1000 }
 }
 
