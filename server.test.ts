@@ -2010,6 +2010,15 @@ describe('POST /auth/consent with a password', () => {
     assert.match(consent.html, /Answer within 10 minutes: after that, start again from the app\./)
   })
 
+  it('says how long is left to answer when it shows the page again after a wrong password', async () => {
+    const consent = await openConsent(latch)
+    latch.advance(9 * 60 + 30)
+    const wrong = await submitConsent(latch, consent, { password: 'wrong horse' })
+    latch.advance(-(9 * 60 + 30))
+    assert.equal(wrong.status, 401)
+    assert.match(await wrong.text(), /Answer within 1 minute: after that, start again from the app\./)
+  })
+
   it('approves with the right password', async () => {
     const response = await submitConsent(latch, await openConsent(latch), { password: 'correct horse' })
     assert.equal(response.status, 303)

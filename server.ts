@@ -1236,6 +1236,7 @@ async function handleAuthorizationRequest(req: IncomingMessage, res: ServerRespo
     logo: client.info?.logo,
     clientUri: client.info?.url,
     passkeys,
+    now: ctx.now(),
   })
   sendPage(res, 200, page, {
     ...passkeyPageHeaders(ctx.config, passkeys),
@@ -1378,6 +1379,8 @@ function renderConsentPage(
     passkeys: boolean
     /** What the owner chose before a refused sign-in, shown again as they left it; else all, until revoked. */
     chosen?: { scope: string[]; lifetime: number }
+    /** The time now, to say how long is left to answer. */
+    now: number
   },
 ): string {
   const { config } = form
@@ -1471,7 +1474,7 @@ ${signInPart}
 ${approve}${passkey}<button name="decision" value="deny" formnovalidate>Deny</button>
 </div>
 </form>
-<p class="muted">Answer within ${formatPeriod(PENDING_TTL_SECONDS)}: after that, start again from the app.</p>`,
+<p class="muted">Answer within ${formatPeriod(60 * Math.max(1, Math.ceil((request.expiresAt - form.now) / 60_000)))}: after that, start again from the app.</p>`,
     form.passkeys ? renderPasskeyScript(config) : '',
   )
 }
@@ -1582,6 +1585,7 @@ async function handleConsent(req: IncomingMessage, res: ServerResponse, ctx: Con
           message: refused.message,
           passkeys,
           chosen: { scope: granted, lifetime },
+          now: ctx.now(),
         }),
         { ...passkeyPageHeaders(ctx.config, passkeys), ...refused.headers },
       )
