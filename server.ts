@@ -1552,7 +1552,7 @@ async function handleConsent(req: IncomingMessage, res: ServerResponse, ctx: Con
   if (request === undefined)
     throw new OAuthError('invalid_request', 'This sign-in request is unknown or has expired: start again from the app')
   noteClient(res, request.client_id)
-  const visitor = await requireFormToken(form, req, ctx)
+  const visitor = await requireFormToken(form, req, ctx, { signsIn: signsIn(form) })
   if (!readCsrfCookies(req, ctx.config).some((cookie) => safeEqual(hashSecret(cookie), request.csrfHash))) {
     throw new OAuthError(
       'access_denied',
@@ -3817,7 +3817,7 @@ h1 .logo, h2 .logo { vertical-align: middle; margin-right: .5rem; }
 fieldset { border: 1px solid var(--line); border-radius: .5rem; padding: .75rem 1rem; background: var(--panel); }
 legend { padding: 0 .25rem; font-weight: 600; }
 label { display: block; padding: .5rem 0; }
-.bar { display: flex; justify-content: space-between; align-items: center; gap: 1rem; margin: 0 0 1rem; }
+.bar { display: flex; flex-wrap: wrap; justify-content: space-between; align-items: center; gap: 1rem; margin: 0 0 1rem; }
 .bar button { width: auto; padding: .4rem .8rem; font-weight: 400; }
 input[type=password],
 input[type=url],
