@@ -3924,13 +3924,57 @@ describe('Sign-in sessions and connected apps', () => {
     const fields = form({ csrf: token, name: 'Hook', scope: 'create' })
     const stale = await post(`${latch.base}/apps/tokens`, fields, { Cookie: cookie, 'Sec-Fetch-Site': 'same-origin' })
     assert.equal(stale.status, 403)
-    assert.match(await stale.text(), /This page is out of date: you signed in or out since it was opened/)
+    assert.match(
+      await stale.text(),
+      /This page is out of date: you signed in or out, or your session ended, since it was opened/,
+    )
     assert.deepEqual(
       latch.logs.slice(logged).filter((line) => line.includes('security:')),
       [],
     )
     // a browser that does not say where the form came from is refused as before
     assert.equal((await post(`${latch.base}/apps/tokens`, fields, { Cookie: cookie })).status, 403)
+  })
+
+  it('approves a second consent page opened while signed out, with the password, after the first signed in', async () => {
+    const first = await openConsent(latch)
+    const second = await openConsent(latch, { state: 'other tab' }, first.cookie) // another tab, the same browser
+    const approved = await submitConsent(latch, first, { password })
+    assert.equal(approved.status, 303)
+    const signedIn = { ...second, cookie: `${second.cookie}; ${sessionOf(approved)}` }
+    // its form still names the CSRF cookie: taken as the signed-out page it is, so the password is checked
+    const wrong = await submitConsent(latch, signedIn, { password: 'wrong horse', scope: 'create' })
+    assert.equal(wrong.status, 401)
+    assert.match(await wrong.text(), /Wrong password/)
+    const right = await submitConsent(latch, signedIn, { password })
+    assert.equal(right.status, 303)
+    assert.equal(new URL(right.headers.get('location') ?? '').searchParams.get('state'), 'other tab')
+    // without the password, such a page approves nothing: a page on another port could have set that cookie
+    const third = await openConsent(latch, {}, first.cookie)
+    const bare = await submitConsent(latch, { ...third, cookie: signedIn.cookie })
+    assert.equal(bare.status, 403)
+  })
+
+  it('signs in from a sign-in page left open while another tab signed in', async () => {
+    const csrf = createSecret()
+    const session = await signIn(csrf) // the other tab
+    const response = await post(`${latch.base}/sign-in`, form({ csrf, password }), {
+      Cookie: `latch_csrf=${csrf}; ${session}`,
+      'Sec-Fetch-Site': 'same-origin',
+    })
+    assert.equal(response.status, 303)
+    assert.match(await appsPage(`latch_csrf=${csrf}; ${sessionOf(response)}`), /Connected apps/)
+  })
+
+  it('says that no cookie came when a browser refuses them, not that the page is out of date', async () => {
+    const consent = await openConsent(latch)
+    const response = await post(
+      `${latch.base}/auth/consent`,
+      form({ request: consent.request, csrf: consent.csrf, decision: 'approve', password }),
+      { 'Sec-Fetch-Site': 'same-origin' }, // and no Cookie
+    )
+    assert.equal(response.status, 403)
+    assert.match(await response.text(), /Your browser sent no cookie with this form: allow cookies for 127\.0\.0\.1/)
   })
 
   it('refuses a consent from a page on another port that planted its own CSRF cookie, though the owner is signed in', async () => {

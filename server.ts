@@ -3832,7 +3832,7 @@ input:not([type]) {
   border: 1px solid var(--line);
   border-radius: .4rem;
 }
-.actions { display: flex; gap: .75rem; margin: 1.25rem 0 1rem; }
+.actions { display: flex; flex-wrap: wrap; gap: .75rem; margin: 1.25rem 0 1rem; }
 [hidden] { display: none !important; }
 .passkey { border-top: 1px solid var(--line); padding-top: .5rem; }
 .passkey h3 { font-size: 1rem; margin: 0 0 .25rem; overflow-wrap: anywhere; }
@@ -4193,28 +4193,40 @@ function formToken(visitor: Pick<Visitor, 'csrf' | 'session'>): string {
  * be the session's token, and otherwise the browser's CSRF cookie; and a browser that says where
  * the form came from (`Sec-Fetch-Site`) must say this origin. Returns the visitor it names. A
  * form that this origin sent with a value that no longer fits is a page left open while the
- * owner signed in or out: a 403 that says so, not a forgery.
+ * owner signed in or out: a 403 that says so, not a forgery. But a form that `signsIn` (with a
+ * password or a passkey's answer), made while signed out and sent after another tab signed in,
+ * is taken as signed out, as it was made: whoever sends it must sign in all the same.
  */
-async function requireFormToken(form: Params, req: IncomingMessage, ctx: Context): Promise<Visitor> {
+async function requireFormToken(
+  form: Params,
+  req: IncomingMessage,
+  ctx: Context,
+  { signsIn = false } = {},
+): Promise<Visitor> {
   // sent by browsers since 2023: a form of this server's own pages is same-origin
   const site = req.headers['sec-fetch-site']
   const sent = site === undefined || site === 'same-origin' ? getParam(form, 'csrf') : undefined
   const cookies = readCsrfCookies(req, ctx.config)
-  const { session, signedInAt } = await findOwnerSession(req, ctx)
+  const fromCookie = cookies.find((cookie) => sent !== undefined && safeEqual(sent, cookie))
+  const owner = await findOwnerSession(req, ctx)
+  const { session, signedInAt } = signsIn && fromCookie !== undefined ? { ...owner, session: undefined } : owner
   // signed out, the form carries one of the browser's CSRF cookies; signed in, the session's token
-  const csrf =
-    session === undefined ? cookies.find((cookie) => sent !== undefined && safeEqual(sent, cookie)) : (cookies[0] ?? '')
+  const csrf = session === undefined ? fromCookie : (cookies[0] ?? '')
   const visitor = {
     csrf: csrf ?? '',
     session,
-    signedInAt,
+    signedInAt: session === undefined ? undefined : signedInAt,
     signedIn: ctx.config.passwordHash === undefined || session !== undefined,
   }
   if (sent === undefined || csrf === undefined || !safeEqual(sent, formToken(visitor))) {
     // the browser says a page of this server sent it: one made before the owner signed in or out
     if (site === 'same-origin' && sent !== undefined) {
       const stale =
-        'This page is out of date: you signed in or out since it was opened. Go back, reload it and try again'
+        cookies.length === 0
+          ? `Your browser sent no cookie with this form: allow cookies for ${new URL(ctx.config.issuer).hostname}, ` +
+            'then reload the page and try again'
+          : 'This page is out of date: you signed in or out, or your session ended, since it was opened. ' +
+            'Go back, reload it and try again'
       throw new OAuthError('access_denied', stale)
     }
     const sentTo = `${mountPath(ctx.config)}${pathOf(req.url ?? '/')}` // as the request's own log line says
@@ -4240,6 +4252,11 @@ async function requireFormToken(form: Params, req: IncomingMessage, ctx: Context
     )
   }
   return visitor
+}
+
+/** Whether a form signs in: it carries a password, or a passkey's answer. */
+function signsIn(form: Params): boolean {
+  return form.has('password') || form.has('credential')
 }
 
 /** Like `requireFormToken`, for what only the signed-in owner may do: a 403 to anyone else. */
@@ -5216,8 +5233,8 @@ async function sendSignInPage(
  */
 async function handleSignIn(req: IncomingMessage, res: ServerResponse, ctx: Context): Promise<void> {
   const form = await readForm(req)
-  const visitor = await requireFormToken(form, req, ctx)
-  const again = visitor.session !== undefined && (form.has('password') || form.has('credential'))
+  const visitor = await requireFormToken(form, req, ctx, { signsIn: signsIn(form) })
+  const again = visitor.session !== undefined && signsIn(form)
   if (visitor.signedIn && !again) return redirect(res, 303, endpointUrl(ctx.config, '/apps'))
   const refused = await checkSignIn(form, { visitor }, req, res, ctx)
   if (refused !== undefined && again) {
@@ -5479,7 +5496,10 @@ async function handlePasskeyChallenge(req: IncomingMessage, res: ServerResponse,
   if (purpose !== 'register' && purpose !== 'sign-in')
     throw new OAuthError('invalid_request', 'purpose must be register or sign-in')
   // only the owner adds a passkey; anyone may try to sign in
-  const visitor = purpose === 'register' ? await requireOwner(form, req, ctx) : await requireFormToken(form, req, ctx)
+  const visitor =
+    purpose === 'register'
+      ? await requireOwner(form, req, ctx)
+      : await requireFormToken(form, req, ctx, { signsIn: true })
   const rp = relyingParty(ctx.config)
   if (rp === undefined) throw new OAuthError('invalid_request', noPasskeysHere(ctx.config))
   if (purpose === 'register' && !signedInWithin(RECENT_SIGN_IN_SECONDS, visitor, ctx))

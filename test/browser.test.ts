@@ -220,7 +220,7 @@ describe('A person signs in with a browser', () => {
       assert.equal(answer.status(), 403)
       await assertVisibleText(
         page.locator('main'),
-        'This page is out of date: you signed in or out since it was opened',
+        'This page is out of date: you signed in or out, or your session ended, since it was opened',
       )
       assert.equal((await introspect(latch, client.tokens[1])).active, true)
     },

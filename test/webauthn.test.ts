@@ -1257,6 +1257,27 @@ describe('Passkeys over HTTP', () => {
     assert.match(apps, /Laptop/)
   })
 
+  it('signs in with the passkey from a sign-in page left open while another tab signed in', async () => {
+    quietDay()
+    const browser = openBrowser(latch)
+    const stale = await formToken(browser) // the sign-in page of one tab
+    await signInWithPassword(browser) // another tab signs in
+    const asked = await browser.post('/passkeys/challenge', { csrf: stale, purpose: 'sign-in' })
+    assert.equal(asked.status, 200, await asked.clone().text())
+    const options = (await asked.json()) as RequestOptions
+    const answer = authenticate(owner, { challenge: options.challenge, origin: latch.issuer, rpId: options.rpId })
+    const response = await browser.post('/sign-in', {
+      csrf: stale,
+      credential: answer.id,
+      client_data: base64url(answer.clientDataJSON),
+      authenticator_data: base64url(answer.authenticatorData),
+      signature: base64url(answer.signature),
+      user_handle: base64url(answer.userHandle),
+    })
+    assert.equal(response.status, 303, await response.text())
+    assert.doesNotMatch(await (await browser.get('/apps')).text(), /type="password"/)
+  })
+
   it('asks for a sign-in of the last 15 minutes before adding a passkey, and a sign-in on /apps renews it', async () => {
     quietDay()
     const browser = openBrowser(latch)
