@@ -1384,6 +1384,7 @@ function renderConsentPage(
   },
 ): string {
   const { config } = form
+  const minutesLeft = Math.max(1, Math.ceil((request.expiresAt - form.now) / 60_000))
   const redirect = new URL(request.redirect_uri)
   const toApp = redirect.protocol !== 'https:' && redirect.protocol !== 'http:' // a native app's scheme
   const scopes = request.scope
@@ -1474,7 +1475,7 @@ ${signInPart}
 ${approve}${passkey}<button name="decision" value="deny" formnovalidate>Deny</button>
 </div>
 </form>
-<p class="muted">Answer within ${formatPeriod(60 * Math.max(1, Math.ceil((request.expiresAt - form.now) / 60_000)))}: after that, start again from the app.</p>`,
+<p class="muted">Answer within ${formatPeriod(60 * minutesLeft)}: after that, start again from the app.</p>`,
     form.passkeys ? renderPasskeyScript(config) : '',
   )
 }
@@ -3817,7 +3818,15 @@ h1 .logo, h2 .logo { vertical-align: middle; margin-right: .5rem; }
 fieldset { border: 1px solid var(--line); border-radius: .5rem; padding: .75rem 1rem; background: var(--panel); }
 legend { padding: 0 .25rem; font-weight: 600; }
 label { display: block; padding: .5rem 0; }
-.bar { display: flex; flex-wrap: wrap; justify-content: space-between; align-items: center; gap: 1rem; margin: 0 0 1rem; }
+.bar {
+  display: flex;
+  flex-wrap: wrap;
+  justify-content: space-between;
+  align-items: center;
+  gap: 1rem;
+  margin: 0 0 1rem;
+}
+.bar .muted, a { overflow-wrap: anywhere; }
 .bar button { width: auto; padding: .4rem .8rem; font-weight: 400; }
 input[type=password],
 input[type=url],
@@ -3862,6 +3871,7 @@ select {
   border-radius: .4rem;
   padding: .4rem;
   margin-left: .25rem;
+  max-width: 100%;
 }
 .app, .maker, .passkeys {
   border: 1px solid var(--line);
@@ -3874,7 +3884,9 @@ select {
 .logo { border-radius: .5rem; }
 dl { display: grid; grid-template-columns: max-content 1fr; gap: .2rem .75rem; margin: 0 0 .75rem; }
 dt { color: var(--muted); }
-dd { margin: 0; }
+dd { margin: 0; min-width: 0; overflow-wrap: anywhere; }
+/* a small phone zoomed in: each term above what it names */
+@media (max-width: 20rem) { dl { grid-template-columns: 1fr; } dd { margin-bottom: .4rem; } }
 a { color: var(--accent); }
 :focus-visible { outline: 3px solid var(--accent); outline-offset: 2px; }
 `
@@ -6766,7 +6778,10 @@ function decodeEntities(text: string): string {
   })
 }
 
-/** The named characters `decodeEntities` knows: ASCII's five (some in capitals too), Latin-1's from U+00A0, windows-1252's. */
+/**
+ * The named characters `decodeEntities` knows: ASCII's five (some in capitals too), Latin-1's
+ * from U+00A0, windows-1252's.
+ */
 const NAMED_CHARACTERS = new Map<string, string>([
   ...Object.entries({ amp: '&', lt: '<', gt: '>', quot: '"', apos: "'" }),
   ...Object.entries({ AMP: '&', LT: '<', GT: '>', QUOT: '"', COPY: '\u00a9', REG: '\u00ae', TRADE: '\u2122' }),

@@ -174,14 +174,16 @@ function isPng(bytes: Buffer): boolean {
 
 /**
  * Screenshots the whole page at each width, in light and in dark, checking that nothing is wider
- * than the window; keeps them under docs/screenshots/ when asked to. Leaves the page light, at a phone's width.
+ * than the window, nor than a small phone's zoomed to 200% (160 CSS pixels, WCAG's reflow asks
+ * 320); keeps them under docs/screenshots/ when asked to. Leaves the page light, at a phone's width.
  */
 async function capture(page: Page, name: string): Promise<void> {
   if (WRITE_SCREENSHOTS) await mkdir(SCREENSHOTS, { recursive: true })
-  for (const [width, viewport] of WIDTHS) {
+  for (const [width, viewport] of [...WIDTHS, ['zoomed', { width: 160, height: 600 }] as const]) {
     await page.setViewportSize(viewport)
     const scrollWidth = await page.evaluate<number>('document.documentElement.scrollWidth')
     assert.ok(scrollWidth <= viewport.width, `${name} is ${scrollWidth} px wide in a ${viewport.width} px window`)
+    if (width === 'zoomed') continue
     for (const colorScheme of SCHEMES) {
       await page.emulateMedia({ colorScheme })
       const png = await page.screenshot({ fullPage: true, animations: 'disabled' }) // the buttons shown
