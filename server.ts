@@ -436,6 +436,8 @@ type Context = {
   scriptGrantsUnderWay: Map<string, Promise<void>>
   /** Grants of tokens for scripts stored without their token (a full disk): the form sent again makes it. */
   scriptGrantsWithoutToken: Set<string>
+  /** Tokens for scripts made in the last seconds, by grant, for a second press of the form's button. */
+  scriptTokensMadeLately: Map<string, { token: string; until: number }>
   /** Consent answered lately, by the hash of its request id, for a second press of its button (`rememberAnswer`). */
   answered: Map<string, Answer & { until: number }>
 }
@@ -3350,6 +3352,7 @@ type Kept = {
     | 'startedAt'
     | 'scriptGrantsUnderWay'
     | 'scriptGrantsWithoutToken'
+    | 'scriptTokensMadeLately'
     | 'answered'
   >
   /** The clock of the first handler, which the sweep follows. */
@@ -3391,6 +3394,7 @@ function keptFor(store: Store, config: Config, now: () => number): Kept {
       startedAt: now(),
       scriptGrantsUnderWay: new Map(),
       scriptGrantsWithoutToken: new Set(),
+      scriptTokensMadeLately: new Map(),
       answered: new Map(),
     }
     // cleared once said; without a password, such a request is refused (`refusalOf`) and says why itself
@@ -5384,7 +5388,13 @@ async function handleScriptToken(req: IncomingMessage, res: ServerResponse, ctx:
       )
     }
     if (stored !== undefined) {
-      if (!ctx.scriptGrantsWithoutToken.has(grantId)) return sendTokenMadeBefore(res, name, ctx.config)
+      if (!ctx.scriptGrantsWithoutToken.has(grantId)) {
+        // a double click: the browser shows the second answer, and only the first showed the token
+        const made = ctx.scriptTokensMadeLately.get(grantId)
+        if (made !== undefined && made.until > ctx.steadyNow())
+          return sendPage(res, 200, renderScriptTokenPage(name, made.token, ctx.config))
+        return sendTokenMadeBefore(res, name, ctx.config)
+      }
       // stored before without its token (a full disk): the form sent again makes it, if it asks for the same
       const ttl = lifetime === UNTIL_REVOKED ? MAX_DURATION_SECONDS : lifetime
       const same = stored.client_name === name && stored.accessTokenTtlSeconds === ttl
@@ -5399,12 +5409,28 @@ async function handleScriptToken(req: IncomingMessage, res: ServerResponse, ctx:
     const token = await makeScriptToken(grantId, stored ?? { name, scope, resource, lifetime }, ctx)
     if (token === undefined) return sendTokenMadeBefore(res, name, ctx.config) // revoked since it was made
     logEvent(ctx, 'security', `the owner made a token for scripts named ${JSON.stringify(name)}`, req)
+    rememberScriptToken(grantId, token, ctx)
     sendPage(res, 200, renderScriptTokenPage(name, token, ctx.config))
   } finally {
     ended()
     if (ctx.scriptGrantsUnderWay.get(grantId) === turn) ctx.scriptGrantsUnderWay.delete(grantId)
   }
 }
+
+/**
+ * Keeps a token for scripts just made, in memory, for the seconds in which its form's button may be
+ * pressed again: a double click, whose first answer the browser never shows. After that, the form
+ * sent again (a reload) says the token was made, and shows it no more.
+ */
+function rememberScriptToken(grantId: string, token: string, ctx: Context): void {
+  const now = ctx.steadyNow()
+  const made = ctx.scriptTokensMadeLately
+  for (const [id, { until }] of made) if (until <= now || made.size >= MAX_SCRIPT_TOKENS_SHOWN_AGAIN) made.delete(id)
+  made.set(grantId, { token, until: now + SCRIPT_TOKEN_SHOWN_AGAIN_SECONDS * 1000 })
+}
+
+const SCRIPT_TOKEN_SHOWN_AGAIN_SECONDS = 10
+const MAX_SCRIPT_TOKENS_SHOWN_AGAIN = 20
 
 /**
  * Saves the grant of a token for scripts, then its token, and returns the token; none if the grant
