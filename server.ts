@@ -5308,7 +5308,7 @@ async function handleAppRevocation(req: IncomingMessage, res: ServerResponse, ct
   if (grant !== undefined) await ctx.store.revokeGrant(id, ctx.now())
   const notice =
     grant === undefined
-      ? 'That app had no access any more: nothing was revoked.'
+      ? 'That app has no access any more: revoked already, or its access ended.'
       : `Revoked ${appName(grant)}: its tokens stopped working.`
   await sendAppsPage(res, ctx, visitor, { notice })
 }
@@ -5339,7 +5339,7 @@ async function handleAllAppsRevocation(req: IncomingMessage, res: ServerResponse
   ctx.answered.clear() // nor answered again, as a second press would: no approval from before gives access
   const notice =
     revoked === 0
-      ? 'Nothing was left to revoke: no app approved by then still had access.'
+      ? 'Nothing was left to revoke: every app approved by then has lost its access already.'
       : `Revoked ${countApps(revoked)}: ${revoked === 1 ? 'it has lost its' : 'they have lost their'} access.`
   await sendAppsPage(res, ctx, visitor, { notice })
 }
