@@ -3945,18 +3945,29 @@ describe('Sign-in sessions and connected apps', () => {
     const second = await openConsent(latch, { state: 'other tab' }, first.cookie) // another tab, the same browser
     const approved = await submitConsent(latch, first, { password })
     assert.equal(approved.status, 303)
-    const signedIn = { ...second, cookie: `${second.cookie}; ${sessionOf(approved)}` }
-    // its form still names the CSRF cookie: taken as the signed-out page it is, so the password is checked
-    const wrong = await submitConsent(latch, signedIn, { password: 'wrong horse', scope: 'create' })
+    const session = sessionOf(approved)
+    const cookie = `${second.cookie}; ${session}`
+    const send = (
+      fields: Record<string, string>,
+      headers: Record<string, string> = { 'Sec-Fetch-Site': 'same-origin' },
+    ) =>
+      post(
+        `${latch.base}/auth/consent`,
+        form({ request: second.request, csrf: second.csrf, scope: 'create', decision: 'approve', ...fields }),
+        { Cookie: cookie, ...headers },
+      )
+    // a browser that says the form is this origin's: taken as the signed-out page it is, the password checked
+    const wrong = await send({ password: 'wrong horse' })
     assert.equal(wrong.status, 401)
     assert.match(await wrong.text(), /Wrong password/)
-    const right = await submitConsent(latch, signedIn, { password })
+    // one that does not say (an old browser, or a page on another port that set the cookie): refused unchecked
+    assert.equal((await send({ password: 'wrong horse' }, {})).status, 403)
+    assert.equal((await send({}, {})).status, 403)
+    const right = await send({ password })
     assert.equal(right.status, 303)
     assert.equal(new URL(right.headers.get('location') ?? '').searchParams.get('state'), 'other tab')
-    // without the password, such a page approves nothing: a page on another port could have set that cookie
-    const third = await openConsent(latch, {}, first.cookie)
-    const bare = await submitConsent(latch, { ...third, cookie: signedIn.cookie })
-    assert.equal(bare.status, 403)
+    // the session this browser held ends, as at any sign-in: signing out then leaves none alive
+    assert.match(await appsPage(`${first.cookie}; ${session}`), /type="password"/)
   })
 
   it('signs in from a sign-in page left open while another tab signed in', async () => {
@@ -3964,7 +3975,7 @@ describe('Sign-in sessions and connected apps', () => {
     const session = await signIn(csrf) // the other tab
     const response = await post(`${latch.base}/sign-in`, form({ csrf, password }), {
       Cookie: `latch_csrf=${csrf}; ${session}`,
-      'Sec-Fetch-Site': 'same-origin',
+      'Sec-Fetch-Site': 'same-origin', // as browsers since 2023 say of a form of this server's own page
     })
     assert.equal(response.status, 303)
     assert.match(await appsPage(`latch_csrf=${csrf}; ${sessionOf(response)}`), /Connected apps/)

@@ -1594,6 +1594,8 @@ async function handleConsent(req: IncomingMessage, res: ServerResponse, ctx: Con
       )
     }
     headers['Set-Cookie'] = await startSession(ctx)
+    // a page opened before another tab signed in: the session this browser held ends, as at any sign-in
+    await Promise.all(readSessionCookies(req, ctx.config).map((value) => ctx.store.deleteSession(hashSecret(value))))
   }
   const taken = (await ctx.store.takePending(idHash, ctx.now())) !== undefined
   // a second press is answered as the first was: with what the first chose, whatever its own form says
@@ -4225,7 +4227,9 @@ async function requireFormToken(
   const cookies = readCsrfCookies(req, ctx.config)
   const fromCookie = cookies.find((cookie) => sent !== undefined && safeEqual(sent, cookie))
   const owner = await findOwnerSession(req, ctx)
-  const { session, signedInAt } = signsIn && fromCookie !== undefined ? { ...owner, session: undefined } : owner
+  // (only from a browser that says the page is this origin's: not from an old one, nor a page on another port)
+  const stale = signsIn && fromCookie !== undefined && site === 'same-origin'
+  const { session, signedInAt } = stale ? { ...owner, session: undefined } : owner
   // signed out, the form carries one of the browser's CSRF cookies; signed in, the session's token
   const csrf = session === undefined ? fromCookie : (cookies[0] ?? '')
   const visitor = {

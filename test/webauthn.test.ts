@@ -935,7 +935,8 @@ async function startLatch(): Promise<Latch> {
 type Browser = {
   cookies: Map<string, string>
   get: (path: string) => Promise<Response>
-  post: (path: string, fields: Record<string, string>) => Promise<Response>
+  /** `headers`, such as the `Sec-Fetch-Site` a real browser adds. */
+  post: (path: string, fields: Record<string, string>, headers?: Record<string, string>) => Promise<Response>
 }
 
 /** A browser; `forwardedFor`, the address a proxy of TRUST_PROXY says it comes from. */
@@ -963,10 +964,10 @@ function openBrowser(latch: Latch, forwardedFor?: string): Browser {
   return {
     cookies,
     get: (path) => send(path, {}),
-    post: (path, fields) =>
+    post: (path, fields, headers = {}) =>
       send(path, {
         method: 'POST',
-        headers: { 'Content-Type': 'application/x-www-form-urlencoded' },
+        headers: { 'Content-Type': 'application/x-www-form-urlencoded', ...headers },
         body: new URLSearchParams(fields).toString(),
       }),
   }
@@ -1262,18 +1263,23 @@ describe('Passkeys over HTTP', () => {
     const browser = openBrowser(latch)
     const stale = await formToken(browser) // the sign-in page of one tab
     await signInWithPassword(browser) // another tab signs in
-    const asked = await browser.post('/passkeys/challenge', { csrf: stale, purpose: 'sign-in' })
+    const sameOrigin = { 'Sec-Fetch-Site': 'same-origin' } // as a browser says of this server's own page
+    const asked = await browser.post('/passkeys/challenge', { csrf: stale, purpose: 'sign-in' }, sameOrigin)
     assert.equal(asked.status, 200, await asked.clone().text())
     const options = (await asked.json()) as RequestOptions
     const answer = authenticate(owner, { challenge: options.challenge, origin: latch.issuer, rpId: options.rpId })
-    const response = await browser.post('/sign-in', {
-      csrf: stale,
-      credential: answer.id,
-      client_data: base64url(answer.clientDataJSON),
-      authenticator_data: base64url(answer.authenticatorData),
-      signature: base64url(answer.signature),
-      user_handle: base64url(answer.userHandle),
-    })
+    const response = await browser.post(
+      '/sign-in',
+      {
+        csrf: stale,
+        credential: answer.id,
+        client_data: base64url(answer.clientDataJSON),
+        authenticator_data: base64url(answer.authenticatorData),
+        signature: base64url(answer.signature),
+        user_handle: base64url(answer.userHandle),
+      },
+      sameOrigin,
+    )
     assert.equal(response.status, 303, await response.text())
     assert.doesNotMatch(await (await browser.get('/apps')).text(), /type="password"/)
   })
