@@ -2780,6 +2780,25 @@ describe('POST /token with grant_type=refresh_token (IndieAuth ยง5.5, RFC 6749 ย
     assert.equal((await introspect(latch, first.access_token)).active, true) // access tokens live out their time
   })
 
+  it("retries a refresh with its grant's scope and resources, which a snapshot keeps though the used token's may not", async () => {
+    const store = new MemoryStore()
+    const latch = await startLatch({ ME: 'https://example.com/' }, { store })
+    try {
+      const first = (await (await exchange(latch, await obtainCode(latch))).json()) as Tokens
+      const body = form({ grant_type: 'refresh_token', refresh_token: first.refresh_token, client_id: CLIENT_ID })
+      assert.equal((await post(`${latch.base}/token`, body)).status, 200)
+      // as a snapshot taken with a clock ahead wrote it: the used token without its lists
+      const hash = hashSecret(first.refresh_token)
+      const used = (await store.findToken(hash, START)) as Token
+      await store.saveToken(hash, { ...used, scope: [], resource: [] }, START)
+      const retried = await post(`${latch.base}/token`, body) // within REFRESH_TOKEN_GRACE
+      assert.equal(retried.status, 200)
+      assert.equal(((await retried.json()) as Tokens).scope, 'profile create')
+    } finally {
+      await latch.close()
+    }
+  })
+
   it('gives an app approved until revoked tokens of ACCESS_TOKEN_TTL as set now, after a restart with a shorter one', async () => {
     const store = new MemoryStore()
     const before = await startLatch({ ME: 'https://example.com/' }, { store })
@@ -4111,6 +4130,19 @@ describe('Sign-in sessions and connected apps', () => {
     assert.ok(
       latch.logs.some((line) => / security: the owner made a token for scripts named "Deploy notes"/.test(line)),
     )
+  })
+
+  it('shows a token to a second press of its form only while it lives: revoked at /revoke, it is said made', async () => {
+    const csrf = createSecret()
+    const cookie = `latch_csrf=${csrf}; ${await signIn(csrf)}`
+    const once = /name="once" value="([A-Za-z0-9_-]{43})"/.exec(await appsPage(cookie))?.[1] ?? ''
+    const fields = { name: 'Revoked hook', scope: 'create', once }
+    const made = await makeScriptToken(cookie, fields)
+    const token = /<pre class="token">([A-Za-z0-9_-]{43})<\/pre>/.exec(await made.text())?.[1] ?? ''
+    assert.equal((await post(`${latch.base}/revoke`, form({ token }))).status, 200)
+    const again = await makeScriptToken(cookie, fields)
+    assert.equal(again.status, 409)
+    assert.doesNotMatch(await again.text(), /class="token"/)
   })
 
   it('makes one token from one form, sent twice or sent again after its token was revoked', async () => {

@@ -1954,9 +1954,11 @@ async function refreshGrant(form: Params, ctx: Context) {
   if (!isSameClientId(clientId, found.grant.client_id)) {
     throw new OAuthError('invalid_grant', 'client_id does not match the client the refresh token was issued to')
   }
+  // a refresh token is issued with its grant's scope and resources, which the grant keeps; a
+  // snapshot may write a used one without them
   const access = {
-    scope: narrowScope(getParam(form, 'scope'), found.token.scope),
-    resource: narrowResource(form, found.token.resource),
+    scope: narrowScope(getParam(form, 'scope'), found.grant.scope),
+    resource: narrowResource(form, found.grant.resource),
   }
   const day = countRefresh(found.token.grantId, found.grant.client_id, ctx)
   const redeemed = {
@@ -5395,7 +5397,8 @@ async function handleScriptToken(req: IncomingMessage, res: ServerResponse, ctx:
       if (!ctx.scriptGrantsWithoutToken.has(grantId)) {
         // a double click: the browser shows the second answer, and only the first showed the token
         const made = ctx.scriptTokensMadeLately.get(grantId)
-        if (made !== undefined && made.until > ctx.steadyNow())
+        const live = made !== undefined && (await ctx.store.findToken(hashSecret(made.token), now)) !== undefined
+        if (made !== undefined && made.until > ctx.steadyNow() && live)
           return sendPage(res, 200, renderScriptTokenPage(name, made.token, ctx.config))
         return sendTokenMadeBefore(res, name, ctx.config)
       }
@@ -5430,7 +5433,13 @@ function rememberScriptToken(grantId: string, token: string, ctx: Context): void
   const now = ctx.steadyNow()
   const made = ctx.scriptTokensMadeLately
   for (const [id, { until }] of made) if (until <= now || made.size >= MAX_SCRIPT_TOKENS_SHOWN_AGAIN) made.delete(id)
-  made.set(grantId, { token, until: now + SCRIPT_TOKEN_SHOWN_AGAIN_SECONDS * 1000 })
+  const remembered = { token, until: now + SCRIPT_TOKEN_SHOWN_AGAIN_SECONDS * 1000 }
+  made.set(grantId, remembered)
+  // and no longer: the only copy of a secret is the owner's
+  setTimeout(
+    () => made.get(grantId) === remembered && made.delete(grantId),
+    SCRIPT_TOKEN_SHOWN_AGAIN_SECONDS * 1000,
+  ).unref()
 }
 
 const SCRIPT_TOKEN_SHOWN_AGAIN_SECONDS = 10
