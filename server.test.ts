@@ -610,6 +610,7 @@ describe('Configuration', () => {
       ['::1', 'https://127.0.0.1'], // at 443
       ['::', 'http://127.0.0.1:80'], // every address of both families
       ['0.0.0.0', 'http://127.0.0.2:80'], // loopback too: no https wanted there
+      ['::ffff:127.0.0.1', 'http://127.0.0.1:80'], // an IPv4 address written as IPv6: it listens there
     ])
       assert.deepEqual(configWarnings(loadConfig({ ...me, HOST, ISSUER, PORT: '80', PASSWORD_HASH })), [])
     // a name that begins as a loopback address does is no address
@@ -2012,7 +2013,10 @@ describe('POST /auth/consent with a password', () => {
 
   it('says how long is left to answer when it shows the page again after a wrong password', async () => {
     const consent = await openConsent(latch)
-    latch.advance(9 * 60 + 30)
+    latch.advance(59) // 9 minutes and a second left: never more promised than is left
+    const early = await submitConsent(latch, consent, { password: 'wrong horse' })
+    assert.match(await early.text(), /Answer within 9 minutes: after that, start again from the app\./)
+    latch.advance(9 * 60 - 29)
     const wrong = await submitConsent(latch, consent, { password: 'wrong horse' })
     latch.advance(-(9 * 60 + 30))
     assert.equal(wrong.status, 401)

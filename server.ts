@@ -1386,7 +1386,7 @@ function renderConsentPage(
   },
 ): string {
   const { config } = form
-  const minutesLeft = Math.max(1, Math.ceil((request.expiresAt - form.now) / 60_000))
+  const minutesLeft = Math.max(1, Math.floor((request.expiresAt - form.now) / 60_000)) // never more than is left
   const redirect = new URL(request.redirect_uri)
   const toApp = redirect.protocol !== 'https:' && redirect.protocol !== 'http:' // a native app's scheme
   const scopes = request.scope
@@ -3805,7 +3805,7 @@ body {
   color: var(--fg);
   font: 1rem/1.5 system-ui, -apple-system, "Segoe UI", sans-serif;
 }
-main { max-width: 34rem; margin: 0 auto; padding: 2rem 1rem; }
+main { max-width: 34rem; margin: 0 auto; padding: 2rem 1rem; overflow-wrap: anywhere; }
 h1 { font-size: 1.5rem; line-height: 1.25; margin: 0 0 1rem; overflow-wrap: anywhere; }
 p, fieldset, pre { margin: 0 0 1rem; }
 code, pre { font-family: ui-monospace, Menlo, Consolas, monospace; font-size: .9rem; overflow-wrap: anywhere; }
@@ -3834,7 +3834,6 @@ label { display: block; padding: .5rem 0; }
   gap: 1rem;
   margin: 0 0 1rem;
 }
-.bar .muted, a { overflow-wrap: anywhere; }
 .bar button { width: auto; padding: .4rem .8rem; font-weight: 400; }
 input[type=password],
 input[type=url],
@@ -3892,7 +3891,7 @@ select {
 .logo { border-radius: .5rem; }
 dl { display: grid; grid-template-columns: max-content 1fr; gap: .2rem .75rem; margin: 0 0 .75rem; }
 dt { color: var(--muted); }
-dd { margin: 0; min-width: 0; overflow-wrap: anywhere; }
+dd { margin: 0; min-width: 0; }
 /* a small phone zoomed in: each term above what it names */
 @media (max-width: 20rem) { dl { grid-template-columns: 1fr; } dd { margin-bottom: .4rem; } }
 a { color: var(--accent); }
@@ -9294,7 +9293,9 @@ export function configWarnings(config: Config, env: Record<string, string | unde
   // Latch's own port on a loopback address it does not listen on: nothing answers there
   const ownPort = Number(issuer.port || (issuer.protocol === 'https:' ? 443 : 80)) === config.port
   const everyIpv4 = config.host === '0.0.0.0'
-  const listens = host === config.host || config.host === '::' || (everyIpv4 && family(host) === 'IPv4')
+  const written = isIP(config.host) === 6 ? embeddedIpv4(config.host) : undefined // ::ffff:127.0.0.1 is 127.0.0.1
+  const listens =
+    host === config.host || host === written || config.host === '::' || (everyIpv4 && family(host) === 'IPv4')
   if (family(host) !== undefined && ownPort && !listens) {
     const [where, instead] = everyIpv4 ? ['every IPv4 address', '127.0.0.1'] : [config.host, hostForUrl(config.host)]
     warnings.push(
