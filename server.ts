@@ -4227,16 +4227,16 @@ async function requireFormToken(
   const sent = site === undefined || site === 'same-origin' ? getParam(form, 'csrf') : undefined
   const cookies = readCsrfCookies(req, ctx.config)
   const fromCookie = cookies.find((cookie) => sent !== undefined && safeEqual(sent, cookie))
-  const owner = await findOwnerSession(req, ctx)
-  // (only from a browser that says the page is this origin's: not from an old one, nor a page on another port)
-  const stale = signsIn && fromCookie !== undefined && site === 'same-origin'
-  const { session, signedInAt } = stale ? { ...owner, session: undefined } : owner
+  // a form that signs in, made while signed out, is taken as signed out whatever the session, when
+  // the browser says it is this origin's (not an old browser, nor a page on another port)
+  const madeSignedOut = signsIn && fromCookie !== undefined && site === 'same-origin'
+  const { session, signedInAt } = madeSignedOut ? NO_SESSION : await findOwnerSession(req, ctx)
   // signed out, the form carries one of the browser's CSRF cookies; signed in, the session's token
   const csrf = session === undefined ? fromCookie : (cookies[0] ?? '')
   const visitor = {
     csrf: csrf ?? '',
     session,
-    signedInAt: session === undefined ? undefined : signedInAt,
+    signedInAt,
     signedIn: ctx.config.passwordHash === undefined || session !== undefined,
   }
   if (sent === undefined || csrf === undefined || !safeEqual(sent, formToken(visitor))) {
