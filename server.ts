@@ -5396,9 +5396,11 @@ async function handleScriptToken(req: IncomingMessage, res: ServerResponse, ctx:
       if (!ctx.scriptGrantsWithoutToken.has(grantId)) {
         // a double click: the browser shows the second answer, and only the first showed the token
         const made = ctx.scriptTokensMadeLately.get(grantId)
-        const live = made !== undefined && (await ctx.store.findToken(hashSecret(made.token), now)) !== undefined
-        if (made !== undefined && made.until > ctx.steadyNow() && live)
-          return sendPage(res, 200, renderScriptTokenPage(name, made.token, ctx.config))
+        const showAgain =
+          made !== undefined &&
+          made.until > ctx.steadyNow() &&
+          (await ctx.store.findToken(hashSecret(made.token), now)) !== undefined // not revoked meanwhile
+        if (showAgain) return sendPage(res, 200, renderScriptTokenPage(name, made.token, ctx.config))
         return sendTokenMadeBefore(res, name, ctx.config)
       }
       // stored before without its token (a full disk): the form sent again makes it, if it asks for the same
@@ -5429,12 +5431,10 @@ async function handleScriptToken(req: IncomingMessage, res: ServerResponse, ctx:
  * sent again (a reload) says the token was made, and shows it no more.
  */
 function rememberScriptToken(grantId: string, token: string, ctx: Context): void {
-  const now = ctx.steadyNow()
   const made = ctx.scriptTokensMadeLately
-  for (const [id, { until }] of made) if (until <= now || made.size >= MAX_SCRIPT_TOKENS_SHOWN_AGAIN) made.delete(id)
-  const remembered = { token, until: now + SCRIPT_TOKEN_SHOWN_AGAIN_SECONDS * 1000 }
+  const remembered = { token, until: ctx.steadyNow() + SCRIPT_TOKEN_SHOWN_AGAIN_SECONDS * 1000 }
   made.set(grantId, remembered)
-  // and no longer: the only copy of a secret is the owner's
+  // and then forgotten: the only copy of a secret is the owner's (only the owner makes them, one by one)
   setTimeout(
     () => made.get(grantId) === remembered && made.delete(grantId),
     SCRIPT_TOKEN_SHOWN_AGAIN_SECONDS * 1000,
@@ -5442,7 +5442,6 @@ function rememberScriptToken(grantId: string, token: string, ctx: Context): void
 }
 
 const SCRIPT_TOKEN_SHOWN_AGAIN_SECONDS = 10
-const MAX_SCRIPT_TOKENS_SHOWN_AGAIN = 20
 
 /**
  * Saves the grant of a token for scripts, then its token, and returns the token; none if the grant
