@@ -3247,8 +3247,8 @@ describe('Legacy IndieAuth', () => {
 
   it('answers GET /token as a form to a script that asks for a form alone, as tokens.indieauth.com did', async () => {
     const token = await obtainToken(latch)
-    const verify = (accept: string) =>
-      fetch(`${latch.base}/token`, { headers: { Authorization: `Bearer ${token}`, Accept: accept } })
+    const verify = (accept: string, headers: Record<string, string> = {}) =>
+      fetch(`${latch.base}/token`, { headers: { Authorization: `Bearer ${token}`, Accept: accept, ...headers } })
     const asForm = await verify('application/x-www-form-urlencoded')
     assert.equal(asForm.headers.get('content-type'), 'application/x-www-form-urlencoded')
     assert.equal(asForm.headers.get('cache-control'), 'no-store')
@@ -3259,6 +3259,14 @@ describe('Legacy IndieAuth', () => {
     })
     for (const accept of ['*/*', 'application/json, application/x-www-form-urlencoded;q=0.5'])
       assert.equal((await verify(accept)).headers.get('content-type'), 'application/json')
+    // the Micropub script copied from site to site: curl's */*, and the Content-Type of a form on its GET
+    const copied = { 'Content-Type': 'application/x-www-form-urlencoded' }
+    for (const [accept, headers] of [
+      ['*/*', copied],
+      ['Application/X-WWW-Form-Urlencoded', {}], // media types are not case-sensitive (RFC 9110 §8.3.1)
+    ] as const)
+      assert.equal((await verify(accept, headers)).headers.get('content-type'), 'application/x-www-form-urlencoded')
+    assert.equal((await verify('application/json', copied)).headers.get('content-type'), 'application/json')
   })
 
   it('says why a request without PKCE, or with a plain challenge, is refused, as apps from before it send', async () => {

@@ -2293,9 +2293,10 @@ async function handleTokenVerification(req: IncomingMessage, res: ServerResponse
   const { token, grant } = await requireAccessToken(req, undefined, ctx, undefined)
   const answer = { me: grant.me, client_id: grant.client_id, scope: token.scope.join(' ') }
   // the token endpoints of the indieauth.com era answered a form, and scripts written for them ask
-  // for one; a form alone, since `*/*` is what JSON readers send too
-  const accept = req.headers.accept ?? ''
-  if (accept.includes('application/x-www-form-urlencoded') && !accept.includes('json')) {
+  // for one, or send the Content-Type of a form on their GET (the Micropub script copied from site
+  // to site, with curl's `*/*`): those get a form, unless they name JSON, as JSON readers do
+  const accept = (req.headers.accept ?? '').toLowerCase()
+  if ((accept.includes(FORM_TYPE) || mediaTypeOf(req) === FORM_TYPE) && !accept.includes('json')) {
     const body = new URLSearchParams(answer).toString()
     const headers = { 'Content-Type': 'application/x-www-form-urlencoded', 'Content-Length': body.length, ...NO_STORE }
     return writeAnswer(res, 200, withCors(res, headers), body)
