@@ -2143,8 +2143,11 @@ async function findLiveToken(
 async function handleIntrospectionRequest(req: IncomingMessage, res: ServerResponse, ctx: Context): Promise<void> {
   requireIntrospectionCaller(req, ctx.config)
   const form = await readForm(req)
-  const found = await findLiveToken(hashSecret(requireParam(form, 'token')), 'access', ctx)
-  if (found === undefined) return sendJson(res, 200, { active: false })
+  const hash = hashSecret(requireParam(form, 'token'))
+  const caller = getParam(form, 'resource')
+  const found = await findLiveToken(hash, 'access', ctx)
+  // RFC 7662 §4: active only to a caller the token may be used at (see `isForResource`)
+  if (found === undefined || !isForResource(found.token, caller)) return sendJson(res, 200, { active: false })
   const { token, grant } = found
   noteClient(res, grant.client_id)
   await noteUse(ctx.store, token.grantId, ctx.now())
@@ -2392,10 +2395,7 @@ export async function checkAccessToken(
   if (found === undefined)
     return { active: false, error: 'invalid_token', description: 'The access token is unknown, expired or revoked' }
   const { resource, scope } = found.token
-  // a token bound to services (RFC 8707) is theirs alone: a server that names none is not one of them
-  const wanted = want.resource
-  const forThis = wanted === undefined ? resource.length === 0 : resource.some((one) => sameResource(one, wanted))
-  if (!forThis)
+  if (!isForResource(found.token, want.resource))
     return { active: false, error: 'invalid_token', description: 'The access token was not issued for this resource' }
   const missing = (want.scope ?? []).filter((one) => !scope.includes(one))
   if (missing.length > 0)
@@ -2403,6 +2403,19 @@ export async function checkAccessToken(
   await noteUse(store, found.token.grantId, now())
   const { me, client_id } = found.grant
   return { active: true, me, client_id, scope, aud: resource, expiresAt: found.token.expiresAt }
+}
+
+/**
+ * Whether a token may be used at the resource server that names itself `resource`, or none. A
+ * token bound to services (RFC 8707) is theirs alone: a server that names none, as IndieAuth's
+ * (a Micropub endpoint) do, is not one of them, else an MCP server the owner connected could post
+ * to the owner's site with the token an app gave it. A token with no audience, an IndieAuth one,
+ * is for servers that name none.
+ */
+function isForResource(token: Pick<Token, 'resource'>, resource: string | undefined): boolean {
+  return resource === undefined
+    ? token.resource.length === 0
+    : token.resource.some((one) => sameResource(one, resource))
 }
 
 /**

@@ -147,8 +147,10 @@ function closeServer(server: Server): Promise<void> {
   return new Promise((resolve) => server.close(() => resolve()))
 }
 
-async function introspect(latch: Latch, token: string): Promise<Introspection> {
-  const response = await fetch(`${latch.issuer}/introspect`, { method: 'POST', body: new URLSearchParams({ token }) })
+/** What /introspect says of a token to the resource server that names itself `resource`. */
+async function introspect(latch: Latch, token: string, resource: string): Promise<Introspection> {
+  const body = new URLSearchParams({ token, resource })
+  const response = await fetch(`${latch.issuer}/introspect`, { method: 'POST', body })
   assert.equal(response.status, 200)
   return (await response.json()) as Introspection
 }
@@ -180,7 +182,7 @@ async function startMcpServer(latch: Latch): Promise<McpSite> {
 
   /** Asks Latch about the token, and accepts it only for this server (RFC 8707 audience). */
   async function verifyAccessToken(token: string): Promise<AuthInfo> {
-    const answer = await introspect(latch, token)
+    const answer = await introspect(latch, token, resource)
     if (!answer.active) throw new InvalidTokenError('The access token is not active')
     const audiences = [answer.aud ?? []].flat()
     if (!audiences.includes(resource)) throw new InvalidTokenError(`The access token is not meant for ${resource}`)
@@ -496,7 +498,7 @@ describe('MCP clients sign in through Latch (Client ID Metadata Documents, RFC 8
       const tokens = provider.tokens()
       assert.ok(tokens)
       assert.equal(tokens.token_type.toLowerCase(), 'bearer')
-      const introspection = await introspect(latch, tokens.access_token)
+      const introspection = await introspect(latch, tokens.access_token, mcp.resource)
       assert.equal(introspection.active, true)
       assert.equal(introspection.aud, mcp.resource) // a string: the token has one resource
       assert.equal(introspection.client_id, CLIENT_ID)
@@ -512,9 +514,10 @@ describe('MCP clients sign in through Latch (Client ID Metadata Documents, RFC 8
   it('refuses a token for another resource with 401 and a pointer to its resource metadata', TEST_TIMEOUT, async () => {
     const other = `${new URL(mcp.url).origin}/other`
     const foreign = await tokenByHand(latch, other)
-    const foreignIntrospection = await introspect(latch, foreign)
-    assert.equal(foreignIntrospection.active, true) // live at Latch: only its audience is wrong
+    const foreignIntrospection = await introspect(latch, foreign, other)
+    assert.equal(foreignIntrospection.active, true) // live at Latch, for the server it names
     assert.equal(foreignIntrospection.aud, other)
+    assert.deepEqual(await introspect(latch, foreign, mcp.resource), { active: false }) // not for this one
 
     const refused = await initializeWith(mcp, foreign)
     assert.equal(refused.status, 401, await refused.text())
@@ -548,7 +551,7 @@ describe('MCP clients sign in through Latch (Client ID Metadata Documents, RFC 8
         assert.equal(typeof first.expires_in, 'number')
 
         latch.advance((first.expires_in ?? 0) + 1)
-        assert.deepEqual(await introspect(latch, first.access_token), { active: false })
+        assert.deepEqual(await introspect(latch, first.access_token, mcp.resource), { active: false })
 
         // The MCP server answers 401; the SDK refreshes on its own, with no new sign-in, and retries.
         assert.deepEqual(await callAdd(client, 20, 22), [{ type: 'text', text: '42' }])
@@ -563,7 +566,7 @@ describe('MCP clients sign in through Latch (Client ID Metadata Documents, RFC 8
         assert.ok(second)
         assert.notEqual(second.access_token, first.access_token)
         assert.notEqual(second.refresh_token, first.refresh_token) // rotated
-        const introspection = await introspect(latch, second.access_token)
+        const introspection = await introspect(latch, second.access_token, mcp.resource)
         assert.equal(introspection.active, true)
         assert.equal(introspection.aud, mcp.resource)
         assert.equal(introspection.client_id, CLIENT_ID)

@@ -133,8 +133,9 @@ async function tokensOf(response: Response): Promise<Tokens> {
   return JSON.parse(text) as Tokens
 }
 
-async function introspect(base: string, token: string): Promise<Record<string, unknown>> {
-  const response = await post(`${base}/introspect`, { token })
+/** What /introspect says of a token to a resource server that names itself `resource` (or none, as IndieAuth's). */
+async function introspect(base: string, token: string, resource?: string): Promise<Record<string, unknown>> {
+  const response = await post(`${base}/introspect`, resource === undefined ? { token } : { token, resource })
   assert.equal(response.status, 200)
   return (await response.json()) as Record<string, unknown>
 }
@@ -428,7 +429,7 @@ describe('Resource indicators (RFC 8707)', () => {
     const tokens = await tokensOf(await exchange(latch.base, code))
     assert.equal(tokens.token_type, 'Bearer')
     assert.equal(tokens.scope, '')
-    const introspection = await introspect(latch.base, tokens.access_token)
+    const introspection = await introspect(latch.base, tokens.access_token, API)
     assert.equal(introspection.active, true)
     assert.equal(introspection.aud, API) // one resource: a string
     assert.equal(introspection.scope, '')
@@ -436,7 +437,7 @@ describe('Resource indicators (RFC 8707)', () => {
 
     const two = await obtainCode(latch.base, { resource: [API, FILES] })
     const both = await tokensOf(await exchange(latch.base, two))
-    assert.deepEqual((await introspect(latch.base, both.access_token)).aud, [API, FILES])
+    assert.deepEqual((await introspect(latch.base, both.access_token, API)).aud, [API, FILES])
 
     // Asked for a scope the owner did not grant: the answer says so (RFC 6749 §5.1), not nothing.
     const unticked = await approve(latch.base, await openConsent(latch.base, { scope: 'create', resource: API }), [])
@@ -446,6 +447,33 @@ describe('Resource indicators (RFC 8707)', () => {
     // Neither scope nor resource: the code only proves identity, as IndieAuth says (not new).
     const identity = await obtainCode(latch.base)
     await assertError(await exchange(latch.base, identity), 400, 'invalid_grant')
+  })
+
+  it('answers a token for services active only to a resource server that names one of them (RFC 7662 §4)', async () => {
+    const code = await obtainCode(latch.base, { scope: 'create', resource: [API, FILES] })
+    const { access_token: token } = await tokensOf(await exchange(latch.base, code))
+    // a Micropub server asks without naming itself, as IndieAuth's do: a token for other services is not for it
+    assert.deepEqual(await introspect(latch.base, token), { active: false })
+    assert.deepEqual(await introspect(latch.base, token, ELSEWHERE), { active: false })
+    for (const resource of [API, 'HTTPS://files.example:443']) {
+      const named = await introspect(latch.base, token, resource)
+      assert.equal(named.active, true, resource)
+      assert.deepEqual(named.aud, [API, FILES])
+    }
+    // and an IndieAuth token, which names no service, is not one for a server that names itself
+    const plain = await tokensOf(await exchange(latch.base, await obtainCode(latch.base, { scope: 'create' })))
+    assert.equal((await introspect(latch.base, plain.access_token)).active, true)
+    assert.deepEqual(await introspect(latch.base, plain.access_token, API), { active: false })
+    // named twice, it is refused as any parameter is
+    const twice = await fetch(`${latch.base}/introspect`, {
+      method: 'POST',
+      body: new URLSearchParams([
+        ['token', token],
+        ['resource', API],
+        ['resource', FILES],
+      ]),
+    })
+    assert.equal(twice.status, 400)
   })
 
   it('lists a grant for resources on /apps with its services, and no empty scopes', async () => {
@@ -464,26 +492,26 @@ describe('Resource indicators (RFC 8707)', () => {
     await assertError(await exchange(latch.base, code, { resource: ELSEWHERE }), 400, 'invalid_target')
     await assertError(await exchange(latch.base, code, { resource: [API, ELSEWHERE] }), 400, 'invalid_target')
     const tokens = await tokensOf(await exchange(latch.base, code, { resource: FILES }))
-    assert.equal((await introspect(latch.base, tokens.access_token)).aud, FILES)
+    assert.equal((await introspect(latch.base, tokens.access_token, FILES)).aud, FILES)
   })
 
   it('narrows aud on refresh, refuses a resource not granted, and keeps the whole grant without one', async () => {
     const code = await obtainCode(latch.base, { scope: 'create', resource: [API, FILES] })
     const first = await tokensOf(await exchange(latch.base, code, { resource: API }))
-    assert.equal((await introspect(latch.base, first.access_token)).aud, API)
+    assert.equal((await introspect(latch.base, first.access_token, API)).aud, API)
 
     // The refresh token keeps the grant's audience, not the narrowed one of its access token.
     const second = await tokensOf(await refresh(latch.base, first.refresh_token))
-    assert.deepEqual((await introspect(latch.base, second.access_token)).aud, [API, FILES])
+    assert.deepEqual((await introspect(latch.base, second.access_token, API)).aud, [API, FILES])
 
     const third = await tokensOf(await refresh(latch.base, second.refresh_token, { resource: FILES }))
-    const narrowed = await introspect(latch.base, third.access_token)
+    const narrowed = await introspect(latch.base, third.access_token, FILES)
     assert.equal(narrowed.aud, FILES)
     assert.equal(narrowed.scope, 'create')
 
     await assertError(await refresh(latch.base, third.refresh_token, { resource: ELSEWHERE }), 400, 'invalid_target')
     const fourth = await tokensOf(await refresh(latch.base, third.refresh_token)) // not spent by the refusal
-    assert.deepEqual((await introspect(latch.base, fourth.access_token)).aud, [API, FILES])
+    assert.deepEqual((await introspect(latch.base, fourth.access_token, API)).aud, [API, FILES])
   })
 
   it("refuses a token for other services at Latch's own /userinfo and GET /token, unless it names /userinfo", async () => {
@@ -569,7 +597,10 @@ describe('checkAccessToken, for a resource server sharing the store', () => {
     const narrowed = await tokensOf(
       await refresh(latch.base, tokens.refresh_token, { resource: 'https://mcp.example' }),
     )
-    assert.equal((await introspect(latch.base, narrowed.access_token)).aud, 'https://mcp.example/')
+    assert.equal(
+      (await introspect(latch.base, narrowed.access_token, 'https://mcp.example/')).aud,
+      'https://mcp.example/',
+    )
     // a path is compared as written, as the consent page showed it, not resolved as URLs do
     const dotted = await obtainCode(latch.base, { scope: 'create', resource: 'https://mcp.example/docs/%2e%2e/admin' })
     const forDocs = await tokensOf(await exchange(latch.base, dotted))
