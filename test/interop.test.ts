@@ -119,8 +119,17 @@ async function refresh(
   return oauth.processRefreshTokenResponse(as, client, response)
 }
 
-async function introspect(as: oauth.AuthorizationServer, token: string): Promise<oauth.IntrospectionResponse> {
-  const response = await oauth.introspectionRequest(as, client, clientAuth, token, insecure)
+/** Introspects as the resource server that names itself `resource` (or none, as IndieAuth's do). */
+async function introspect(
+  as: oauth.AuthorizationServer,
+  token: string,
+  resource?: string,
+): Promise<oauth.IntrospectionResponse> {
+  const additionalParameters: Record<string, string> = resource === undefined ? {} : { resource }
+  const response = await oauth.introspectionRequest(as, client, clientAuth, token, {
+    ...insecure,
+    additionalParameters,
+  })
   return oauth.processIntrospectionResponse(as, client, response)
 }
 
@@ -196,7 +205,8 @@ describe('Interop with oauth4webapi, a real client library', () => {
     const authorization = await authorize(as, { scope: '', resource: [notes], granted: [] })
     const tokens = await exchangeCode(as, authorization, new URLSearchParams({ resource: notes }))
     assert.equal(tokens.scope, '') // none granted, and said so (RFC 6749 §5.1)
-    const introspection = await introspect(as, tokens.access_token)
+    assert.equal((await introspect(as, tokens.access_token)).active, false) // to a server that names none
+    const introspection = await introspect(as, tokens.access_token, notes)
     assert.equal(introspection.active, true)
     assert.equal(introspection.aud, notes)
     assert.equal(introspection.scope, '')
@@ -206,11 +216,11 @@ describe('Interop with oauth4webapi, a real client library', () => {
     const [notes, files] = ['https://notes.example.com/mcp', 'https://files.example.com/mcp']
     const authorization = await authorize(as, { resource: [notes, files] })
     const first = await exchangeCode(as, authorization, new URLSearchParams({ resource: notes }))
-    assert.equal((await introspect(as, first.access_token)).aud, notes)
+    assert.equal((await introspect(as, first.access_token, notes)).aud, notes)
     const second = await refresh(as, first.refresh_token ?? '', new URLSearchParams({ resource: files }))
-    assert.equal((await introspect(as, second.access_token)).aud, files)
+    assert.equal((await introspect(as, second.access_token, files)).aud, files)
     const third = await refresh(as, second.refresh_token ?? '')
-    assert.deepEqual((await introspect(as, third.access_token)).aud, [notes, files])
+    assert.deepEqual((await introspect(as, third.access_token, files)).aud, [notes, files])
     const elsewhere = new URLSearchParams({ resource: 'https://elsewhere.example.com/' })
     await assert.rejects(refresh(as, third.refresh_token ?? '', elsewhere), responseBodyError('invalid_target'))
   })
