@@ -2155,10 +2155,10 @@ async function handleIntrospectionRequest(req: IncomingMessage, res: ServerRespo
 }
 
 /**
- * What introspection says of a live access token. `aud` names the services it is for (RFC 8707),
- * one as a string, several as a list, as in a JWT; a resource server must check that it is one
- * of them. An IndieAuth token has no audience; a token without scope has "" as its scope, in
- * which no scope is found.
+ * What introspection says of a live access token, to a resource server it is for. `aud` names the
+ * services it is for (RFC 8707), one as a string, several as a list, as in a JWT: the one that asked
+ * is among them, and may check so itself. An IndieAuth token has no audience; a token without scope
+ * has "" as its scope, in which no scope is found.
  * @see https://www.rfc-editor.org/rfc/rfc7662#section-2.2
  */
 function describeToken(token: Token, grant: Grant): Record<string, unknown> {
