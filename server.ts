@@ -7698,8 +7698,9 @@ async function writeAll(file: FileHandle, bytes: Buffer): Promise<void> {
 /** The refusal to start on a journal line that is not a record: `why` says what is wrong with it. */
 function notARecord(path: string, line: number, why: string): ConfigError {
   return new ConfigError(
-    `${path} line ${line} is not a Latch journal record (${why}): correct that line, ` +
-      'restore the file from a backup, or move it away to start empty',
+    `${path} line ${line} is not a Latch journal record (${why}): if a newer Latch wrote it, start that ` +
+      'one again: nothing is lost. Else correct that line, restore the file from a backup, or move it away ' +
+      'to start empty',
   )
 }
 
@@ -8376,7 +8377,7 @@ const JOURNAL_FIELDS = {
     scope: 'strings',
     resource: 'strings?',
     me: 'string',
-    accessTokenTtlSeconds: 'number',
+    accessTokenTtlSeconds: 'number?', // see `applyRecord`
     approvedForSeconds: 'number?',
     issuedAt: 'number',
     expiresAt: 'number',
@@ -8388,7 +8389,7 @@ const JOURNAL_FIELDS = {
     me: 'string',
     scope: 'strings',
     resource: 'strings?',
-    accessTokenTtlSeconds: 'number',
+    accessTokenTtlSeconds: 'number?',
     approvedAt: 'number',
     lastUsedAt: 'number',
     endsAt: 'number?',
@@ -8485,6 +8486,9 @@ async function applyRecord(memory: MemoryStore, record: JournalRecord, now: numb
   if (record.value.expiresAt <= now) return
   // before 0.3, nothing had a resource; the value is the store's to keep, so it is completed in place
   if (record.set !== 'session' && record.value.resource === undefined) record.value.resource = []
+  // in 0.1, no lifetime of a grant's own: as long as any, so that ACCESS_TOKEN_TTL as set now applies
+  if ((record.set === 'code' || record.set === 'grant') && record.value.accessTokenTtlSeconds === undefined)
+    record.value.accessTokenTtlSeconds = MAX_DURATION_SECONDS
   if (record.set === 'code') await memory.saveCode(key, record.value, now)
   else if (record.set === 'grant') await memory.saveGrant(key, record.value, now)
   else if (record.set === 'token') {
