@@ -7590,7 +7590,7 @@ class Journal {
       await makeFolders(dirname(this.path), 0o700) // removed while Latch ran, with the journal in it
       const snapshot = await open(temporary, 'wx', 0o600)
       out = snapshot
-      let slice: string[] = []
+      let slice: string[] = [JOURNAL_HEADER]
       let lines = 0
       let size = 0
       const write = async (text: string) => {
@@ -8101,6 +8101,12 @@ export class FileStore implements Store {
             `(${new Date(newest).toISOString()}): it is behind. Until it is set right, what Latch issues ends ` +
             'when it is, and what expired meanwhile counts as live: start Latch once the clock is synced',
         )
+      if (bytes.length === 0) {
+        // a new journal (or an empty one) begins with its format
+        await writeAll(file, Buffer.from(JOURNAL_HEADER))
+        await file.datasync()
+        lines++
+      }
       await syncDirectory(dirname(path))
       return new FileStore(memory, new Journal(path, file, await file.stat(), lines, log), hold, options)
     } catch (err) {
@@ -8357,6 +8363,13 @@ function readJournalLine(line: string): JournalRecord[] | string {
   } catch {
     return NOT_JSON
   }
+  if (isObject(parsed) && parsed.journal === 'latch') {
+    const { format } = parsed
+    if (format === JOURNAL_FORMAT) return [] // this one's own
+    return Number.isInteger(format) && Number(format) > JOURNAL_FORMAT
+      ? `a newer Latch wrote it, in format ${String(format)}`
+      : 'its format is none Latch wrote'
+  }
   const all = isObject(parsed) ? parsed.all : undefined
   const records: unknown[] = Array.isArray(all) ? all : [parsed]
   if (records.length === 0) return 'it is an empty group of changes'
@@ -8366,6 +8379,15 @@ function readJournalLine(line: string): JournalRecord[] | string {
   }
   return records as JournalRecord[]
 }
+
+/**
+ * The first line of a journal: which Latch can read it. Every Latch before this line existed
+ * refuses it, having no key, and so changes nothing of a journal a newer one wrote (going back, some
+ * dropped what they did not know at the next write). A Latch refuses a format newer than its own.
+ * A journal written before it gets it at its next compaction.
+ */
+const JOURNAL_FORMAT = 1
+const JOURNAL_HEADER = `${JSON.stringify({ journal: 'latch', format: JOURNAL_FORMAT })}\n`
 
 /** What a stored value of each kind holds, field by field: `?` marks a field that may be absent. */
 const JOURNAL_FIELDS = {

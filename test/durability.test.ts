@@ -1019,6 +1019,27 @@ describe('DATA_FILE: compaction and failures', () => {
     await reopened.close()
   })
 
+  it('begins a journal with the line of its format, which every older Latch refuses, and refuses a newer format', async () => {
+    const file = join(directory, 'format.jsonl')
+    const store = await FileStore.open(file, { now: () => START, log: () => {} })
+    await store.saveSession('kept', { createdAt: START, expiresAt: START + 3600_000, passwordTag: 't' }, START)
+    await store.close()
+    const [first, second] = (await readFile(file, 'utf8')).split('\n')
+    assert.deepEqual(JSON.parse(first), { journal: 'latch', format: 1 }) // no key: older Latches stop at it
+    assert.equal(JSON.parse(second).set, 'session')
+    const reopened = await FileStore.open(file, { now: () => START, log: () => {} }) // read, and passed over
+    assert.ok(reopened.memory.sessions.has('kept'))
+    await reopened.close()
+    const newer = `${JSON.stringify({ journal: 'latch', format: 2 })}\n${second}\n`
+    await writeFile(file, newer)
+    await assert.rejects(FileStore.open(file, { now: () => START, log: () => {} }), (err: unknown) => {
+      assert.ok(err instanceof ConfigError, String(err))
+      assert.match(err.message, /line 1 is not a Latch journal record \(a newer Latch wrote it, in format 2\): /)
+      return true
+    })
+    assert.equal(await readFile(file, 'utf8'), newer)
+  })
+
   it('compacts a journal past 64 MiB however few its lines: a refresh with long scopes and resources is 30 KB', async () => {
     const file = join(directory, 'compact-bytes.jsonl')
     await writeFile(file, `${JSON.stringify({ delete: 'session', key: 'x'.repeat(32_000) })}\n`.repeat(2_100))
@@ -1026,7 +1047,7 @@ describe('DATA_FILE: compaction and failures', () => {
     await store.saveSession('kept', { createdAt: START, expiresAt: START + 3600_000, passwordTag: 't' }, START)
     assert.ok(store.compaction !== undefined, 'no compaction started')
     await store.close()
-    assert.equal((await readFile(file, 'utf8')).trim().split('\n').length, 1)
+    assert.equal((await readFile(file, 'utf8')).trim().split('\n').length, 2) // its format, and the session
   })
 
   it('tries a failed compaction again 10,000 lines later, and after one succeeds, at 10,000 lines again', async () => {
@@ -1035,14 +1056,25 @@ describe('DATA_FILE: compaction and failures', () => {
     const logs: string[] = []
     const store = await FileStore.open(file, { now: () => START, log: (line) => logs.push(line) })
     const session = { createdAt: START, expiresAt: START + 3600_000, passwordTag: 't' }
-    /** Writes `lines` lines (a session saved, then deleted), and says whether a compaction started. */
+    // every compaction begun, even one that ends before the writes that began it do
+    let begun = 0
+    let compaction: Promise<void> | undefined
+    Object.defineProperty(store, 'compaction', {
+      get: () => compaction,
+      set: (value: Promise<void> | undefined) => {
+        if (value !== undefined) begun++
+        compaction = value
+      },
+    })
+    /** Writes `lines` lines (a session saved, then deleted), and says whether a compaction began. */
     const write = async (lines: number) => {
+      const before = begun
       for (let at = 0; at < lines; at += 1_000) {
         const keys = Array.from({ length: 500 }, (_, i) => `s${at + i}`)
         await Promise.all(keys.map((key) => store.saveSession(key, session, START)))
         await Promise.all(keys.map((key) => store.deleteSession(key)))
       }
-      return store.compaction !== undefined
+      return begun > before
     }
     // a session the snapshot cannot write (a value JSON has no text for): the compaction fails
     store.memory.sessions.set('unwritable', { ...session, passwordTag: 1n as unknown as string })
@@ -1054,8 +1086,8 @@ describe('DATA_FILE: compaction and failures', () => {
     assert.equal(await write(9_000), false)
     assert.equal(await write(2_000), true)
     await store.compaction
-    // the snapshot holds what was written while it ran, up to 2,000 lines; past 10,000 again, the
-    // usual rule: a failure long mended no longer counts
+    // the snapshot holds its format and what was written while it ran, up to 2,000 lines; past
+    // 10,000 again, the usual rule: a failure long mended no longer counts
     assert.equal(await write(7_000), false)
     assert.equal(await write(3_000), true)
     await store.close()
@@ -1323,10 +1355,11 @@ describe('DATA_FILE: compaction and failures', () => {
     const running = await startOn(file)
     await obtainTokens(running.base)
     type Change = { set: string; value: { usedAt?: number } }
-    const [saved, exchanged, ...more] = (await readFile(file, 'utf8'))
+    const [format, saved, exchanged, ...more] = (await readFile(file, 'utf8'))
       .trim()
       .split('\n')
       .map((line) => JSON.parse(line) as Change & { all: Change[] })
+    assert.deepEqual(format, { journal: 'latch', format: 1 })
     assert.equal(saved.set, 'code')
     assert.deepEqual(
       exchanged.all.map((record) => record.set),
