@@ -8101,11 +8101,15 @@ export class FileStore implements Store {
             `(${new Date(newest).toISOString()}): it is behind. Until it is set right, what Latch issues ends ` +
             'when it is, and what expired meanwhile counts as live: start Latch once the clock is synced',
         )
-      if (bytes.length === 0) {
-        // a new journal (or an empty one) begins with its format
-        await writeAll(file, Buffer.from(JOURNAL_HEADER))
-        await file.datasync()
-        lines++
+      if ((await file.stat()).size === 0) {
+        // a new journal (or one left empty) begins with its format; on a full disk, its first compaction writes it
+        try {
+          await writeAll(file, Buffer.from(JOURNAL_HEADER))
+          await file.datasync()
+          lines++
+        } catch {
+          await file.truncate(0).catch(() => {})
+        }
       }
       await syncDirectory(dirname(path))
       return new FileStore(memory, new Journal(path, file, await file.stat(), lines, log), hold, options)

@@ -264,6 +264,29 @@ describe('DATA_FILE: a full disk', () => {
     }
   })
 
+  it('starts on a new data file when the disk is full, and writes once there is room', async (t) => {
+    if (!haveDisk(t)) return
+    const file = join(disk, 'new-on-full', 'data.jsonl')
+    await mkdir(join(disk, 'new-on-full'))
+    const filler = join(disk, 'new-on-full-filler')
+    t.after(() => rm(filler, { force: true }))
+    fillDisk(filler, 0) // not a byte left: not even for the line that names the journal's format
+    const running = await startOn(file)
+    try {
+      assert.equal(await readFile(file, 'utf8'), '')
+      await rm(filler)
+      assert.equal((await exchange(running.base, await obtainCode(running.base))).status, 200)
+    } finally {
+      await running.stop()
+    }
+    const restarted = await startOn(file) // and what it wrote is read back
+    try {
+      assert.equal(restarted.store.memory.grants.size, 1)
+    } finally {
+      await restarted.stop()
+    }
+  })
+
   it('keeps the journal as it was, and logs the failure, when a compaction runs out of space', async (t) => {
     if (!haveDisk(t)) return
     const file = join(disk, 'compact', 'data.jsonl')
