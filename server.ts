@@ -1594,8 +1594,7 @@ async function handleConsent(req: IncomingMessage, res: ServerResponse, ctx: Con
       )
     }
     headers['Set-Cookie'] = await startSession(ctx)
-    // a page opened before another tab signed in: the session this browser held ends, as at any sign-in
-    await Promise.all(readSessionCookies(req, ctx.config).map((value) => ctx.store.deleteSession(hashSecret(value))))
+    await endSessionsNamed(req, ctx) // a page opened before another tab signed in: as at any sign-in
   }
   const taken = (await ctx.store.takePending(idHash, ctx.now())) !== undefined
   // a second press is answered as the first was: with what the first chose, whatever its own form says
@@ -3819,10 +3818,10 @@ body {
   color: var(--fg);
   font: 1rem/1.5 system-ui, -apple-system, "Segoe UI", sans-serif;
 }
-main { max-width: 34rem; margin: 0 auto; padding: 2rem 1rem; overflow-wrap: anywhere; }
-h1 { font-size: 1.5rem; line-height: 1.25; margin: 0 0 1rem; overflow-wrap: anywhere; }
+main { max-width: 34rem; margin: 0 auto; padding: 2rem 1rem; overflow-wrap: anywhere; } /* a long word breaks */
+h1 { font-size: 1.5rem; line-height: 1.25; margin: 0 0 1rem; }
 p, fieldset, pre { margin: 0 0 1rem; }
-code, pre { font-family: ui-monospace, Menlo, Consolas, monospace; font-size: .9rem; overflow-wrap: anywhere; }
+code, pre { font-family: ui-monospace, Menlo, Consolas, monospace; font-size: .9rem; }
 pre {
   background: var(--panel);
   border: 1px solid var(--line);
@@ -3833,7 +3832,7 @@ pre {
 /* a new token: one click or tap takes it whole, and it breaks anywhere, not at a hyphen of its own */
 .token { user-select: all; -webkit-user-select: all; word-break: break-all; }
 .muted { color: var(--muted); }
-.error { border-left: 4px solid #d93025; padding: .25rem .75rem; overflow-wrap: anywhere; }
+.error { border-left: 4px solid #d93025; padding: .25rem .75rem; }
 .warning { border-left: 4px solid #f29900; padding: .25rem .75rem; }
 .notice { border-left: 4px solid var(--accent); padding: .25rem .75rem; }
 h1 .logo, h2 .logo { vertical-align: middle; margin-right: .5rem; }
@@ -3865,7 +3864,7 @@ input:not([type]) {
 .actions { display: flex; flex-wrap: wrap; gap: .75rem; margin: 1.25rem 0 1rem; }
 [hidden] { display: none !important; }
 .passkey { border-top: 1px solid var(--line); padding-top: .5rem; }
-.passkey h3 { font-size: 1rem; margin: 0 0 .25rem; overflow-wrap: anywhere; }
+.passkey h3 { font-size: 1rem; margin: 0 0 .25rem; }
 .actions > * { flex: 1; }
 button {
   width: 100%;
@@ -3901,7 +3900,7 @@ select {
   margin: 0 0 1rem;
   background: var(--panel);
 }
-.app h2, .maker h2, .passkeys h2 { font-size: 1.1rem; margin: 0 0 .5rem; overflow-wrap: anywhere; }
+.app h2, .maker h2, .passkeys h2 { font-size: 1.1rem; margin: 0 0 .5rem; }
 .logo { border-radius: .5rem; }
 dl { display: grid; grid-template-columns: max-content 1fr; gap: .2rem .75rem; margin: 0 0 .75rem; }
 dt { color: var(--muted); }
@@ -4287,6 +4286,14 @@ async function requireFormToken(
     )
   }
   return visitor
+}
+
+/**
+ * Ends every session the browser names, at a sign-in: not only the one it was signed in with,
+ * which a new one replaces.
+ */
+async function endSessionsNamed(req: IncomingMessage, ctx: Context): Promise<void> {
+  await Promise.all(readSessionCookies(req, ctx.config).map((value) => ctx.store.deleteSession(hashSecret(value))))
 }
 
 /** Whether a form signs in: it carries a password, or a passkey's answer. */
@@ -5279,9 +5286,7 @@ async function handleSignIn(req: IncomingMessage, res: ServerResponse, ctx: Cont
   if (refused !== undefined)
     return sendSignInPage(res, refused.status, { visitor, message: refused.message, headers: refused.headers }, ctx)
   const cookie = await startSession(ctx)
-  // every session this browser names ends, not only the one it was signed in with
-  const named = readSessionCookies(req, ctx.config)
-  await Promise.all(named.map((value) => ctx.store.deleteSession(hashSecret(value))))
+  await endSessionsNamed(req, ctx)
   redirect(res, 303, endpointUrl(ctx.config, '/apps'), { 'Set-Cookie': cookie })
 }
 
@@ -7281,7 +7286,7 @@ export class MemoryStore implements Store {
     // again: its scope and resources are never read, and may be long (a client's 8 KiB of them)
     const retriesOver = toSeconds(now) - MAX_REFRESH_GRACE_SECONDS - 1
     for (const [key, stored] of this.tokens) {
-      if (stored.expiresAt * 1000 <= now || !this.grants.has(stored.grantId)) continue
+      if (stored.expiresAt * 1000 <= now || this.#grantGone(stored)) continue
       const token = stored.toToken()
       if (unsaved.has(key)) token.usedAt = undefined
       else if (stored.kind === 'refresh' && stored.usedAt !== undefined && stored.usedAt < retriesOver) {
