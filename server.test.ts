@@ -1119,12 +1119,10 @@ describe('MemoryStore', () => {
     assert.equal(store.tokens.size, 0)
   })
 
-  it('sweeps the tokens of a grant revoked or expired, however long they had left', async () => {
+  it('sweeps the tokens of a grant revoked, however long they had left', async () => {
     const store = new MemoryStore()
     await store.saveGrant('g', grant(9000), 0)
-    await store.saveGrant('h', grant(2000), 0)
     await store.saveToken('of-g', token(9000), 0)
-    await store.saveToken('of-h', { ...token(9000), grantId: 'h' }, 0)
     await store.saveToken('scripts', { ...token(9000), grantId: 'k' }, 0) // a token for scripts, its grant revoked…
     await store.saveGrant('k', grant(9000), 0)
     await store.revokeGrant('k', 0) // …and so gone from memory too, not only from every lookup

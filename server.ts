@@ -6954,8 +6954,15 @@ export class MemoryStore implements Store {
   readonly #dropped = new Map<string, number>()
   /** Grants and tokens saved that the sweep has not yet walked twice as many entries for. */
   #savedSinceSweep = 0
-  /** Whether a token's grant is gone (revoked, or expired): the token is dead, and the sweep takes it. */
+  /** Whether a token's grant is gone (revoked, or expired): the token is dead, and a snapshot leaves it out. */
   readonly #grantGone = (token: StoredToken): boolean => !this.grants.has(token.grantId)
+  /**
+   * Whether a token's grant was revoked: the token is dead, and the sweep takes it. A grant lasts
+   * as long as the last token it issued (`issueTokens`), so the tokens of an expired grant have
+   * expired too; and the grants revoked are few, where a look in all the grants cost the sweep
+   * of a busy server more than anything else it does.
+   */
+  readonly #grantRevoked = (token: StoredToken): boolean => this.revokedGrants.has(token.grantId)
   /**
    * The refresh tokens each refresh token's rotations issued (two, for two refreshes sent at once),
    * while a retry of it may still come: the longest grace and a second. Kept in memory only: after
@@ -7255,7 +7262,7 @@ export class MemoryStore implements Store {
     sweepOldest(this.sessions, now, budget)
     this.grants.sweep(now, budget)
     this.revokedGrants.sweep(now, budget)
-    this.tokens.sweep(now, budget, this.#grantGone)
+    this.tokens.sweep(now, budget, this.#grantRevoked)
   }
 
   /**
