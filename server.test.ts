@@ -2009,6 +2009,15 @@ describe('POST /auth/consent with a password', () => {
     assert.match(consent.html, /Answer within 10 minutes: after that, start again from the app\./)
   })
 
+  it('names the owner beside the password, hidden, for password managers, and approves with it sent', async () => {
+    const consent = await openConsent(latch)
+    const me = `${latch.base}/` // ME is the issuer unless set
+    assert.ok(consent.html.includes(`<input type="text" name="username" autocomplete="username" value="${me}" hidden>`))
+    const answer = await submitConsent(latch, consent, { password: 'correct horse', username: me })
+    assert.equal(answer.status, 303)
+    assert.match(answer.headers.get('location') ?? '', /[?&]code=/)
+  })
+
   it('says how long is left to answer when it shows the page again after a wrong password', async () => {
     const consent = await openConsent(latch)
     latch.advance(59) // 9 minutes and a second left: never more promised than is left

@@ -1441,7 +1441,7 @@ function renderConsentPage(
   const signInPart = form.signedIn
     ? signedInNote
     : config.passwordSignIn
-      ? renderPasswordField(form.message)
+      ? renderPasswordField(config, form.message)
       : renderPasskeysOnly(form.message, '')
   // it signs in and approves at once, so it says so
   const passkey = form.passkeys ? renderPasskeyButton(config, 'Approve with a passkey', 'sign-in', true) : ''
@@ -4118,12 +4118,18 @@ function isOwnersForm(path: string): boolean {
   return /^\/(apps|passkeys|sign-in|sign-out)(\/|-|$)/.test(path)
 }
 
-/** The password field, with the message of a failed attempt right above it. */
-function renderPasswordField(message: string | undefined, autofocus = true): string {
+/**
+ * The password field, with the message of a failed attempt right above it. Beside it, hidden,
+ * the one user name there is, `ME`: a password manager keeps a password under its form's user
+ * name, and tells one account on a host from another by it (as the Chromium project advises
+ * for forms that ask only for a password). Latch reads no `username` field.
+ */
+function renderPasswordField(config: Config, message: string | undefined, autofocus = true): string {
   const focus = autofocus ? ' autofocus' : ''
   const input = `type="password" name="password" autocomplete="current-password" required${focus}`
-  if (message === undefined) return `<label>Password<input ${input}></label>`
-  return `<p class="error" id="password-error" role="alert">${escapeHtml(message)}</p>
+  const username = `<input type="text" name="username" autocomplete="username" value="${escapeHtml(config.me)}" hidden>`
+  if (message === undefined) return `${username}\n<label>Password<input ${input}></label>`
+  return `${username}\n<p class="error" id="password-error" role="alert">${escapeHtml(message)}</p>
 <label>Password<input ${input} aria-invalid="true" aria-describedby="password-error"></label>`
 }
 
@@ -5762,7 +5768,7 @@ function renderSignInForm(
 ): string {
   const passkey = form.passkeys ? renderPasskeyButton(config, 'Sign in with a passkey', 'sign-in') : ''
   const fields = config.passwordSignIn
-    ? `${renderPasswordField(form.message, form.autofocus)}
+    ? `${renderPasswordField(config, form.message, form.autofocus)}
 <div class="actions"><button class="primary">Sign in</button>${passkey}</div>`
     : renderPasskeysOnly(form.message, passkey)
   return `<form method="post" action="${escapeHtml(endpointUrl(config, '/sign-in'))}">
