@@ -3961,6 +3961,7 @@ async function usePasskey(button) {
 
 if (window.PublicKeyCredential) {
   for (const note of document.querySelectorAll('[data-passkey-missing]')) note.hidden = true
+  for (const part of document.querySelectorAll('[data-passkey-only]')) part.hidden = false // a passkey's name
   for (const button of document.querySelectorAll('button[data-passkey]')) {
     const status = document.createElement('p')
     Object.assign(status, { className: 'error', role: 'alert', hidden: true })
@@ -5892,8 +5893,8 @@ ${renderSignInForm(config, csrf, {
 })}`
         : `<form method="post" action="${escapeHtml(endpointUrl(config, '/passkeys/add'))}">
 ${csrfField}
-<p><label>Name <input name="name" required maxlength="${MAX_NAME_LENGTH}" placeholder="Phone"></label></p>
-<p class="muted" data-passkey-missing>To add one, open this page in a browser that makes passkeys.</p>
+<p data-passkey-only hidden><label>Name <input name="name" required maxlength="${MAX_NAME_LENGTH}" placeholder="Phone"></label></p>
+<p class="muted" data-passkey-missing>To add one, open this page in a browser that makes passkeys, with scripts on.</p>
 <div class="actions">${renderPasskeyButton(config, 'Add a passkey', 'register')}</div>
 </form>`
   return `<section class="passkeys">
