@@ -5893,7 +5893,7 @@ ${renderSignInForm(config, csrf, {
 })}`
         : `<form method="post" action="${escapeHtml(endpointUrl(config, '/passkeys/add'))}">
 ${csrfField}
-<p data-passkey-only hidden><label>Name <input name="name" required maxlength="${MAX_NAME_LENGTH}" placeholder="Phone"></label></p>
+<p data-passkey-only hidden><label>Passkey name <input name="name" required maxlength="${MAX_NAME_LENGTH}" placeholder="Phone"></label></p>
 <p class="muted" data-passkey-missing>To add one, open this page in a browser that makes passkeys, with scripts on.</p>
 <div class="actions">${renderPasskeyButton(config, 'Add a passkey', 'register')}</div>
 </form>`
@@ -5995,7 +5995,7 @@ function renderScriptTokenForm(config: Config, csrfField: string): string {
 <p class="muted">For a webhook, CI or a shell script that posts as you: no app, no sign-in.</p>
 <form method="post" action="${escapeHtml(endpointUrl(config, '/apps/tokens'))}">
 ${csrfField}<input type="hidden" name="once" value="${createSecret()}">
-<p><label>Name <input name="name" required maxlength="${MAX_NAME_LENGTH}" placeholder="Deploy notes"></label></p>
+<p><label>Token name <input name="name" required maxlength="${MAX_NAME_LENGTH}" placeholder="Deploy notes"></label></p>
 <p><label>Scopes <input name="scope" required value="create" autocapitalize="none" spellcheck="false"></label></p>
 <p><label>For the service at (optional)
 <input name="resource" type="url" placeholder="https://example.com/mcp"></label></p>

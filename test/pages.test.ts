@@ -374,6 +374,9 @@ describe("The owner's pages, at a phone's width and a desktop's, in light and da
     await page.goto(`${latch.base}/apps`)
     const section = page.locator('section.passkeys')
     await assertVisibleText(section, 'No passkey yet.')
+    // a screen reader's list of the page's fields tells each from the others by its label alone
+    const labels = await page.locator('label:visible').allInnerTexts()
+    assert.deepEqual(labels, [...new Set(labels)])
     await section.getByLabel('Name').fill('Phone')
     assert.equal(await press(page, section.getByRole('button', { name: 'Add a passkey' })), 200)
     assert.equal(await page.getByRole('status').innerText(), 'Added the passkey Phone.')
