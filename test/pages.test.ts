@@ -324,6 +324,10 @@ describe("The owner's pages, at a phone's width and a desktop's, in light and da
       await maker.getByLabel('Name').fill(name)
       await maker.getByLabel('Scopes').fill(scope)
       await maker.getByLabel('Its access lasts').selectOption({ label: lifetime })
+      // a token for a service is inactive to a Micropub endpoint, which names none: the field says so
+      const service = maker.getByLabel('For the service at (optional)')
+      const note = page.locator(`#${await service.getAttribute('aria-describedby')}`)
+      assert.match(await note.innerText(), /Leave it empty for Micropub\./)
       assert.equal(await press(page, maker.getByRole('button', { name: 'Make a token' })), 200)
       assert.equal(new URL(page.url()).pathname, '/apps/tokens')
       await page.getByRole('heading', { level: 1, name: 'Your new token' }).waitFor()
