@@ -8080,6 +8080,7 @@ export class FileStore implements Store {
       let lines = 0
       // an editor's byte order mark, and blank lines, are no one's records: passed over
       const bom = bytes[0] === 0xef && bytes[1] === 0xbb && bytes[2] === 0xbf ? 3 : 0
+      let formatted = bytes.toString('utf8', bom, bom + JOURNAL_HEADER.length) === JOURNAL_HEADER
       for (let start = bom; start < end; lines++) {
         const stop = bytes.indexOf(0x0a, start)
         const text = stop - start > MAX_JOURNAL_LINE_BYTES ? undefined : bytes.toString('utf8', start, stop)
@@ -8128,12 +8129,21 @@ export class FileStore implements Store {
           await writeAll(file, Buffer.from(JOURNAL_HEADER))
           await file.datasync()
           lines++
+          formatted = true
         } catch {
           await file.truncate(0).catch(() => {})
         }
       }
       await syncDirectory(dirname(path))
-      return new FileStore(memory, new Journal(path, file, await file.stat(), lines, log), hold, options)
+      const stats = await file.stat()
+      const store = new FileStore(memory, new Journal(path, file, stats, lines, log), hold, options)
+      if (stats.size > 0 && !formatted) {
+        // an older Latch wrote it, which could start on it still: rewritten now, it begins with its
+        // format, and none will (a full disk leaves it to the next compaction, as any)
+        log(`journal: ${path} has no line naming its format: writing it anew with one, which no older Latch reads`)
+        store.#compact()
+      }
+      return store
     } catch (err) {
       releaseJournal(hold)
       await file.close()
@@ -8409,7 +8419,7 @@ function readJournalLine(line: string): JournalRecord[] | string {
  * The first line of a journal: which Latch can read it. Every Latch before this line existed
  * refuses it, having no key, and so changes nothing of a journal a newer one wrote (going back, some
  * dropped what they did not know at the next write). A Latch refuses a format newer than its own.
- * A journal written before it gets it at its next compaction.
+ * A journal written before it is compacted at the first start that reads it, and so gets it.
  */
 const JOURNAL_FORMAT = 1
 const JOURNAL_HEADER = `${JSON.stringify({ journal: 'latch', format: JOURNAL_FORMAT })}\n`

@@ -139,6 +139,9 @@ async function startOn(file: string): Promise<Running> {
   }
 }
 
+/** The first line of a journal this Latch writes. */
+const FORMAT_LINE = `${JSON.stringify({ journal: 'latch', format: 1 })}\n`
+
 describe('DATA_FILE: restarts', () => {
   it('warns at start of a clock behind the newest entry in the file, as a box without a clock of its own boots', async () => {
     const file = join(directory, 'clock-behind', 'data.jsonl')
@@ -1019,6 +1022,28 @@ describe('DATA_FILE: compaction and failures', () => {
     await reopened.close()
   })
 
+  it('writes a journal of an older Latch anew at its first start, beginning with its format, which older ones refuse', async () => {
+    const file = join(directory, 'format-older.jsonl')
+    const session = { createdAt: START, expiresAt: START + 3600_000, passwordTag: 't' }
+    await writeFile(file, `${JSON.stringify({ set: 'session', key: 'kept', value: session })}\n`)
+    const logs: string[] = []
+    const store = await FileStore.open(file, { now: () => START, log: (line) => logs.push(line) })
+    await store.close()
+    assert.deepEqual(logs, [
+      `journal: ${file} has no line naming its format: writing it anew with one, which no older Latch reads`,
+    ])
+    const [first, ...rest] = (await readFile(file, 'utf8')).trim().split('\n')
+    assert.equal(first, FORMAT_LINE.trim())
+    assert.deepEqual(
+      rest.map((line) => JSON.parse(line).key),
+      ['kept'],
+    )
+    const reopened = await FileStore.open(file, { now: () => START, log: (line) => logs.push(line) })
+    assert.ok(reopened.memory.sessions.has('kept'))
+    await reopened.close()
+    assert.equal(logs.length, 1) // once
+  })
+
   it('begins a journal with the line of its format, which every older Latch refuses, and refuses a newer format', async () => {
     const file = join(directory, 'format.jsonl')
     const store = await FileStore.open(file, { now: () => START, log: () => {} })
@@ -1052,7 +1077,7 @@ describe('DATA_FILE: compaction and failures', () => {
 
   it('tries a failed compaction again 10,000 lines later, and after one succeeds, at 10,000 lines again', async () => {
     const file = join(directory, 'compact-again.jsonl')
-    await writeFile(file, `${JSON.stringify({ delete: 'session', key: 'old' })}\n`.repeat(10_001))
+    await writeFile(file, FORMAT_LINE + `${JSON.stringify({ delete: 'session', key: 'old' })}\n`.repeat(10_000))
     const logs: string[] = []
     const store = await FileStore.open(file, { now: () => START, log: (line) => logs.push(line) })
     const session = { createdAt: START, expiresAt: START + 3600_000, passwordTag: 't' }
@@ -1198,7 +1223,7 @@ describe('DATA_FILE: compaction and failures', () => {
   /** A store whose journal is one line short of a compaction. */
   async function nearCompaction(name: string): Promise<{ file: string; store: FileStore }> {
     const file = join(directory, name)
-    await writeFile(file, `${JSON.stringify({ delete: 'session', key: 'old' })}\n`.repeat(9_999))
+    await writeFile(file, FORMAT_LINE + `${JSON.stringify({ delete: 'session', key: 'old' })}\n`.repeat(9_998))
     return { file, store: await FileStore.open(file, { now: () => START, log: () => {} }) }
   }
 
