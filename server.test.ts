@@ -2928,6 +2928,26 @@ describe('POST /token with grant_type=refresh_token (IndieAuth §5.5, RFC 6749 �
     await assertError(await refresh(((await third.json()) as Tokens).refresh_token), 400, 'invalid_grant')
   })
 
+  it('ends refresh tokens issued before a shorter REFRESH_TOKEN_TTL once unused that long, as /apps then says', async () => {
+    const store = new MemoryStore()
+    const before = await startLatch({}, { store })
+    const tokens = async () => (await (await exchange(before, await obtainCode(before))).json()) as Tokens
+    const [unused, used] = [await tokens(), await tokens()]
+    await before.close()
+    const after = await startLatch({ REFRESH_TOKEN_TTL: '1d' }, { store }) // its clock starts where the first's did
+    const refreshAt = (token: string) =>
+      post(`${after.base}/token`, form({ grant_type: 'refresh_token', refresh_token: token, client_id: CLIENT_ID }))
+    try {
+      after.advance(86400 - 60)
+      const renewed = (await (await refreshAt(used.refresh_token)).json()) as Tokens
+      after.advance(120) // a day and a minute since the first was issued, a minute since the second's use
+      await assertError(await refreshAt(unused.refresh_token), 400, 'invalid_grant') // 30 days when it was issued
+      assert.equal((await refreshAt(renewed.refresh_token)).status, 200)
+    } finally {
+      await after.close()
+    }
+  })
+
   it('revokes the access tokens of the family when a refresh token is revoked (RFC 7009 §2.1)', async () => {
     const first = await firstTokens()
     assert.equal((await post(`${latch.base}/revoke`, form({ token: first.refresh_token }))).status, 200)

@@ -1939,8 +1939,10 @@ async function refreshGrant(form: Params, ctx: Context) {
   const hash = hashSecret(requireParam(form, 'refresh_token'))
   const clientId = requireParam(form, 'client_id')
   const found = await findLiveToken(hash, 'refresh', ctx)
-  if (found === undefined) throw new OAuthError('invalid_grant', 'The refresh token is unknown, expired or revoked')
   const now = ctx.now()
+  // issued (at its last use) for the REFRESH_TOKEN_TTL of then: a shorter one, set since, ends it too
+  if (found === undefined || found.token.issuedAt + ctx.config.refreshTokenTtlSeconds * 1000 <= now)
+    throw new OAuthError('invalid_grant', 'The refresh token is unknown, expired or revoked')
   const graceMs = ctx.config.refreshTokenGraceSeconds * 1000
   const retriedSince = now - graceMs
   const { usedAt } = found.token
