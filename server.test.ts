@@ -4137,6 +4137,17 @@ describe('Sign-in sessions and connected apps', () => {
     assert.ok(latch.logs.some((line) => /^\S+Z 127\.0\.0\.1 security: .*every session ended/.test(line)))
   })
 
+  it('takes a token for scripts off /apps when it is revoked at /revoke (RFC 7009), as its one token', async () => {
+    const csrf = createSecret()
+    const cookie = `latch_csrf=${csrf}; ${await signIn(csrf)}`
+    const made = await makeScriptToken(cookie, { name: 'Webhook', scope: 'create', lifetime: '604800' })
+    const token = /<pre class="token">([A-Za-z0-9_-]{43})<\/pre>/.exec(await made.text())?.[1] ?? ''
+    assert.match(await appsPage(cookie), /<h2><bdi>Webhook<\/bdi><\/h2>/)
+    assert.equal((await post(`${latch.base}/revoke`, form({ token }))).status, 200)
+    assert.deepEqual(await introspect(latch, token), { active: false })
+    assert.doesNotMatch(await appsPage(cookie), /Webhook/)
+  })
+
   it('makes a token for scripts on /apps: shown once, listed, introspected like any, revoked from the list', async () => {
     const csrf = createSecret()
     const cookie = `latch_csrf=${csrf}; ${await signIn(csrf)}`

@@ -2251,8 +2251,10 @@ async function revokeToken(value: string, clientId: string | undefined, ctx: Con
   const grant = await ctx.store.findGrant(token.grantId, ctx.now())
   if (grant === undefined) return
   if (clientId !== undefined && !isSameClientId(clientId, grant.client_id)) return
-  // one write either way, so that a failed one revokes nothing: a refresh token dies with its grant
-  if (token.kind === 'refresh') await ctx.store.revokeGrant(token.grantId, ctx.now())
+  // one write either way, so that a failed one revokes nothing: a refresh token dies with its
+  // grant, and so does a token for scripts, its grant's one token (else /apps would list it for years)
+  if (token.kind === 'refresh' || grant.client_id === scriptClientId(ctx.config))
+    await ctx.store.revokeGrant(token.grantId, ctx.now())
   else await ctx.store.deleteToken(hash)
 }
 
