@@ -3673,6 +3673,23 @@ describe('Sign-in sessions and connected apps', () => {
     assert.equal((await submitConsent(latch, { ...later, cookie: `${first.cookie}; ${session}` })).status, 401)
   })
 
+  it('names, on /apps, the ME an app approved before a new one knows the owner by', async () => {
+    const store = new MemoryStore()
+    const before = await startLatch({ ME: 'https://old.example/' }, { store })
+    await exchange(before, await obtainCode(before))
+    await before.close()
+    const after = await startLatch({ ME: 'https://new.example/' }, { store })
+    try {
+      const apps = await (await fetch(`${after.base}/apps`)).text() // no password: open to this machine
+      assert.match(apps, /<dt>Signs in as<\/dt><dd><code><bdi>https:\/\/old\.example\/<\/bdi><\/code><\/dd>/)
+      await exchange(after, await obtainCode(after))
+      const again = await (await fetch(`${after.base}/apps`)).text()
+      assert.equal(again.split('<dt>Signs in as</dt>').length, 2) // the one approved since knows the new one
+    } finally {
+      await after.close()
+    }
+  })
+
   it('ends a session older than SESSION_TTL as set now, after a restart with a shorter one', async () => {
     const store = new MemoryStore()
     const passwordHash = await hashPassword(password, FAST_COST)

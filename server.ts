@@ -5821,6 +5821,8 @@ function renderAppsPage(grants: [string, Grant][], page: AppsPage): string {
           : `<dt>${grant.resource.length === 1 ? 'Service' : 'Services'}</dt>` +
             `<dd>${grant.resource.map((resource) => `<code>${isolate(resource)}</code>`).join(' ')}</dd>\n`
       const scopes = grant.scope.length === 0 ? '' : `<dt>Scopes</dt><dd>${escapeHtml(grant.scope.join(' '))}</dd>\n`
+      // approved before ME changed: the app knows the owner by the old one, which may be someone else's now
+      const me = grant.me === config.me ? '' : `<dt>Signs in as</dt><dd><code>${isolate(grant.me)}</code></dd>\n`
       return `<section class="app">
 <h2>${image}${appName(grant)}</h2>
 <dl>
@@ -5831,7 +5833,7 @@ ${
       ? ''
       : `<dt>App</dt><dd><code>${isolate(grant.client_id)}</code></dd>`
 }
-${services}${scopes}<dt>Approved</dt><dd>${formatTime(grant.approvedAt)}</dd>
+${services}${scopes}${me}<dt>Approved</dt><dd>${formatTime(grant.approvedAt)}</dd>
 <dt>Last used</dt><dd>${lastUse(grant, page.startedAt)}</dd>
 <dt>Access ends</dt><dd>${grant.endsAt === undefined ? untilRevoked(grant, config) : formatTime(grant.endsAt)}</dd>
 </dl>
