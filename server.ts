@@ -8351,7 +8351,10 @@ export class FileStore implements Store {
     } catch (err) {
       if (!(err instanceof JournalGone)) throw new NotStored(err)
       if (this.compaction === undefined) {
-        this.#log(`journal: ${err.message}: writing it anew from memory`)
+        this.#log(
+          `journal: ${err.message}: writing it anew from memory. A copy moved away no longer follows ` +
+            'what happens (revocations included): stop Latch before moving its data file',
+        )
         this.#compact()
       }
       await this.compaction

@@ -368,7 +368,9 @@ describe('DATA_FILE: removed or moved away while Latch runs', () => {
       const { access_token } = (await after.json()) as { access_token: string }
       assert.ok(
         running.logs.some((line) =>
-          /journal: .* was removed or moved away while Latch ran: writing it anew/.test(line),
+          /journal: .* was removed or moved away while Latch ran: writing it anew .* stop Latch before moving/.test(
+            line,
+          ),
         ),
       )
       await running.stop()
