@@ -4771,6 +4771,31 @@ describe('closeLatchServer, as an embedding app stops', () => {
   })
 })
 
+describe('closeLatchServer: a request cut off', () => {
+  it('resolves once the request of a connection cut off at 5 s is logged, as the command then exits', async (t) => {
+    const logs: string[] = []
+    const server = createLatchServer()
+    server.on('request', createHandler({ config: loadConfig({ DATA_FILE: 'memory' }), log: (line) => logs.push(line) }))
+    await new Promise<void>((resolve) => server.listen(0, '127.0.0.1', resolve))
+    const socket = connect((server.address() as AddressInfo).port, '127.0.0.1').on('error', () => {})
+    const requested = once(server, 'request')
+    socket.write(
+      'POST /token HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/x-www-form-urlencoded\r\n' +
+        'Content-Length: 100\r\n\r\ngrant_type=auth', // the rest of its body never comes
+    )
+    await requested // the handler is reading the body
+    t.mock.timers.enable({ apis: ['setTimeout', 'setInterval'] })
+    const stopping = closeLatchServer(server)
+    t.mock.timers.tick(5_000)
+    await stopping
+    assert.equal(
+      logs.filter((line) => line.includes('POST /token closed before the answer')).length,
+      1,
+      logs.join('\n'),
+    )
+  })
+})
+
 describe('closeLatchServer: a request in flight', () => {
   it('answers a request in flight at the stop with Connection: close, and then closes its connection', async () => {
     const store = new MemoryStore()

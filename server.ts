@@ -3756,13 +3756,16 @@ const answersInFlight = new WeakMap<Server, () => void>()
  * connections; requests in flight answered, and they and those that come meanwhile with
  * `Connection: close` (those in flight, on a server made by `createLatchServer`); connections
  * closed as soon as they are idle; and whatever is still open after 5 s (a client that sent half
- * its headers, or never reads its answer) cut off. `server.close()` alone
+ * its headers, or never reads its answer) cut off, its request logged. `server.close()` alone
  * closes only the connections idle at that moment and stops node:http's request-timeout checks,
  * so a stalled connection keeps it open until the idle timeout: a minute here.
  */
 export function closeLatchServer(server: Server): Promise<void> {
   return new Promise((resolve) => {
-    server.close(() => resolve())
+    // The server closes as the last connection is cut, but that connection's own close (which
+    // logs its request) comes at the end of the event loop's turn, after this turn's immediates:
+    // the next turn's come after it.
+    server.close(() => setImmediate(() => setImmediate(resolve)))
     // A client that keeps its connection busy never lets it go idle: each request from now on
     // is answered with `Connection: close`, and a connection is closed once its answer is out.
     server.prependListener('request', (_req: IncomingMessage, res: ServerResponse) => {
