@@ -8898,6 +8898,11 @@ const MAX_CODE_TTL_SECONDS = 600
 const MIN_SECRET_LENGTH = 16
 /** NIST SP 800-63B-4 §3.1.1.2 (2025): 15 characters for a password that signs in alone, as this one does. */
 const MIN_PASSWORD_LENGTH = 15
+/**
+ * The longest password `hash-password` takes: sent in a form, percent-encoded, it stays well
+ * under the 64 KiB a body may hold. NIST SP 800-63B-4 asks that at least 64 be allowed.
+ */
+const MAX_PASSWORD_LENGTH = 1024
 const MAX_DURATION_SECONDS = 3650 * 86400
 const MAX_REFRESH_GRACE_SECONDS = 600
 
@@ -9461,9 +9466,10 @@ function wrap(text: string, width: number): string[] {
 /** Reads a password from the terminal without echo, or from piped standard input. */
 async function readPassword(): Promise<string> {
   if (!process.stdin.isTTY) {
-    let text = ''
-    for await (const chunk of process.stdin) text += chunk
-    return withoutControlKeys(text.split(/\r?\n/)[0])
+    const chunks: Buffer[] = []
+    for await (const chunk of process.stdin) chunks.push(chunk)
+    // decoded whole: a character may come in two chunks
+    return withoutControlKeys(Buffer.concat(chunks).toString('utf8').split(/\r?\n/)[0])
   }
   // what comes after the first Enter in one chunk (a pasted "password⏎password⏎") is the second
   const typed = { ahead: '' }
@@ -9516,8 +9522,8 @@ function promptHidden(prompt: string, typed: { ahead: string }, another = false)
 
 const HASH_PASSWORD_HELP = `Usage: npx tsx server.ts hash-password
 
-Asks for a password twice (${MIN_PASSWORD_LENGTH} characters or more), without showing it, and
-prints the line to set as PASSWORD_HASH. Piped in, the first line is the password.`
+Asks for a password twice (${MIN_PASSWORD_LENGTH} to ${MAX_PASSWORD_LENGTH} characters, in UTF-8), without showing it,
+and prints the line to set as PASSWORD_HASH. Piped in, the first line is the password.`
 
 /** Refuses an arrow key or Esc typed at the hidden prompt: a sign-in form could never type it back. */
 function withoutControlKeys(password: string): string {
@@ -9548,6 +9554,19 @@ function refuseWeakPassword(password: string): void {
     throw new ConfigError(
       `The password is shorter than ${MIN_PASSWORD_LENGTH} characters, the least NIST SP 800-63B-4 allows ` +
         'for a password that signs in on its own: choose a longer one, a few words are easy to remember',
+    )
+  }
+  // bytes that are not UTF-8 (a terminal or file in Latin-1) decode to U+FFFD, which no form sends for them
+  if (password.includes('\ufffd')) {
+    throw new ConfigError(
+      'The password is not UTF-8, as every browser sends it: set the terminal, or the file piped in, ' +
+        'to UTF-8 and run the command again',
+    )
+  }
+  if ([...password].length > MAX_PASSWORD_LENGTH) {
+    throw new ConfigError(
+      `The password is longer than ${MAX_PASSWORD_LENGTH} characters, more than a sign-in form is sure to ` +
+        'send whole: choose a shorter one',
     )
   }
 }

@@ -63,7 +63,7 @@ type Exit = { code: number | null; stdout: string; stderr: string }
 function runLatch(
   args: string[],
   settings: Record<string, string>,
-  options: { input?: string; as?: number } = {},
+  options: { input?: string | Buffer; as?: number } = {},
 ): Promise<Exit> {
   return new Promise((resolve, reject) => {
     const spawnOptions: SpawnOptions = { cwd: ROOT, env: childEnv(settings) }
@@ -669,6 +669,21 @@ describe('hash-password', () => {
     const long = await runLatch(['hash-password'], {}, { input: '123456789012345\n' })
     assert.equal(long.code, 0, long.stderr)
     assert.match(long.stdout, /^scrypt:\S+\n$/)
+  })
+
+  it('refuses more than 1,024 characters, more than a form is sure to send whole, and hashes 1,024', async () => {
+    const tooLong = await runLatch(['hash-password'], {}, { input: `${'é'.repeat(1025)}\n` })
+    assertOneLineFailure(tooLong, /longer than 1024 characters/)
+    assert.equal(tooLong.stdout, '')
+    const longest = await runLatch(['hash-password'], {}, { input: `${'é'.repeat(1024)}\n` })
+    assert.equal(longest.code, 0, longest.stderr)
+    assert.match(longest.stdout, /^scrypt:\S+\n$/)
+  })
+
+  it('refuses a password piped in as Latin-1, which no browser would send as it was hashed', async () => {
+    const latin1 = await runLatch(['hash-password'], {}, { input: Buffer.from('pässwörd über alles\n', 'latin1') })
+    assertOneLineFailure(latin1, /not UTF-8.*set the terminal, or the file piped in, to UTF-8/)
+    assert.equal(latin1.stdout, '')
   })
 
   it('refuses a password with a control key in it, an arrow typed at the prompt, say', async () => {
