@@ -8373,9 +8373,11 @@ export class FileStore implements Store {
     if (this.#journal.size > Math.max(COMPACT_MIN_BYTES, COMPACT_FACTOR * this.#snapshotBytes)) return this.#compact()
     // the cheap tests first: counting live entries walks the 64 shards of each map
     if (lines <= COMPACT_MIN_LINES) return
-    const { codes, grants, tokens, sessions, passkeys } = this.memory
-    if (lines > COMPACT_FACTOR * (codes.size + grants.size + tokens.size + sessions.size + passkeys.size))
-      this.#compact()
+    // every entry a snapshot writes, the revoked grants' lines too: else, more of them than three
+    // times the rest, each snapshot would be past this test already, and compact again at once
+    const { codes, grants, revokedGrants, tokens, sessions, passkeys } = this.memory
+    const written = codes.size + grants.size + revokedGrants.size + tokens.size + sessions.size + passkeys.size
+    if (lines > COMPACT_FACTOR * written) this.#compact()
   }
 
   #compact(): void {

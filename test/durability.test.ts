@@ -1120,6 +1120,18 @@ describe('DATA_FILE: compaction and failures', () => {
     await store.close()
   })
 
+  it('counts the revoked grants a snapshot writes, so that a snapshot of many does not start another at once', async () => {
+    const file = join(directory, 'revoked-many.jsonl')
+    const store = await FileStore.open(file, { now: () => START, log: () => {} })
+    for (let i = 0; i < 12_000; i += 1_000)
+      await Promise.all(Array.from({ length: 1_000 }, (_, j) => store.revokeGrant(`g${i + j}`, START)))
+    await store.compaction // any begun while they were written
+    const session = { createdAt: START, expiresAt: START + 3600_000, passwordTag: 't' }
+    await store.saveSession('s', session, START)
+    assert.equal(store.compaction, undefined, 'a snapshot of 12,000 lines started another')
+    await store.close()
+  })
+
   it('writes nothing to revoke a grant revoked already, as a code replayed again and again for its minutes asks', async () => {
     const file = join(directory, 'revoke-again.jsonl')
     const store = await FileStore.open(file, { now: () => START, log: () => {} })
