@@ -3332,6 +3332,29 @@ describe('Legacy IndieAuth', () => {
 })
 
 describe('The log', () => {
+  it("survives an app's log that throws, and a clock no date can be made of: the line is lost, not the process", async (t) => {
+    const errors = t.mock.method(console, 'error', () => {})
+    for (const [log, now] of [
+      [() => assert.fail('a log that fails the test on any line'), Date.now],
+      [() => {}, () => NaN],
+    ] as const) {
+      const server = createServer(createHandler({ config: loadConfig({ DATA_FILE: 'memory' }), log, now }))
+      await new Promise<void>((resolve) => server.listen(0, '127.0.0.1', resolve))
+      try {
+        const port = (server.address() as AddressInfo).port
+        const answer = await fetch(`http://127.0.0.1:${port}/.well-known/oauth-authorization-server`)
+        assert.equal(answer.status, 200)
+        await answer.arrayBuffer()
+        await until(() => errors.mock.callCount() > 0)
+        assert.match(String(errors.mock.calls.at(-1)?.arguments[0]), /^latch: a request could not be logged: /)
+        errors.mock.resetCalls()
+      } finally {
+        server.closeAllConnections()
+        await new Promise((resolve) => server.close(resolve))
+      }
+    }
+  })
+
   it('logs the path a client asked for under an ISSUER with a path, as where an app mounts Latch', async () => {
     const server = createServer()
     await new Promise<void>((resolve) => server.listen(0, '127.0.0.1', resolve))

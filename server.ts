@@ -2673,7 +2673,15 @@ export function createHandler(options: HandlerOptions): (req: IncomingMessage, r
       }
     }
     const logged = describePath(path, handler, mountedAt)
-    res.on('close', () => logRequest(req, res, { address, path: logged, started }, ctx))
+    res.on('close', () => {
+      try {
+        logRequest(req, res, { address, path: logged, started }, ctx)
+      } catch (err) {
+        // an embedding app's `log` that throws, or a clock no date can be made of: a lost line, not
+        // an uncaught exception that ends the process
+        console.error(`latch: a request could not be logged: ${String(err)}`)
+      }
+    })
     const host = req.headers.host
     const own = ownHosts === undefined || (host !== undefined && (host === lastOwnHost || isOwnHost(host, ownHosts)))
     if (own) lastOwnHost = host
