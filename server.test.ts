@@ -1750,7 +1750,7 @@ describe('GET /auth (IndieAuth §5.2)', () => {
   it('answers only this machine while no password is set, wherever an embedding app listens', async () => {
     // an app that embeds Latch may listen on every interface: a peer on the network, naming a
     // loopback host in its Host header, must not approve sign-ins without a password
-    const handler = createHandler({ config: loadConfig({ PORT: '0', DATA_FILE: 'memory' }), now: () => START })
+    const handler = createHandler({ config: loadConfig({ DATA_FILE: 'memory' }), now: () => START })
     const from = (peer: string | undefined) =>
       createServer((req, res) => {
         Object.defineProperty(req.socket, 'remoteAddress', { value: peer, configurable: true })
@@ -5398,12 +5398,22 @@ describe('Router and errors', () => {
   })
 
   it('refuses at once a config whose DATA_FILE is a file, without the store that keeps it', () => {
-    const config = loadConfig({ PORT: '0', DATA_FILE: 'latch-data.jsonl' })
+    const config = loadConfig({ DATA_FILE: 'latch-data.jsonl' })
     assert.throws(
       () => createHandler({ config }),
       /DATA_FILE is latch-data\.jsonl, but no store was given: .*openStore/,
     )
     assert.doesNotThrow(() => createHandler({ config: { ...config, dataFile: 'memory' }, signal: AbortSignal.abort() }))
+  })
+
+  it('refuses at once a config whose issuer has port 0, which no client can reach: PORT 0 without the port bound', () => {
+    const config = loadConfig({ PORT: '0', DATA_FILE: 'memory' })
+    assert.throws(
+      () => createHandler({ config }),
+      /ISSUER is http:\/\/127\.0\.0\.1:0: with PORT 0, pass the port bound/,
+    )
+    const bound = loadConfig({ PORT: '0', DATA_FILE: 'memory' }, [], { boundPort: 4000 })
+    assert.doesNotThrow(() => createHandler({ config: bound, signal: AbortSignal.abort() }))
   })
 
   it('refuses at once a store that is still a Promise: openStore not awaited', () => {
@@ -5413,7 +5423,7 @@ describe('Router and errors', () => {
   })
 
   it('closes the connection, and does not crash, when an embedding app makes writeHead throw', async () => {
-    const handler = createHandler({ config: loadConfig({ PORT: '0', DATA_FILE: 'memory' }), log: () => {} })
+    const handler = createHandler({ config: loadConfig({ DATA_FILE: 'memory' }), log: () => {} })
     const server = createServer((req, res) => {
       res.writeHead = () => {
         throw new Error('a hook of the embedding app')

@@ -2625,6 +2625,12 @@ export function createHandler(options: HandlerOptions): (req: IncomingMessage, r
       `createHandler: DATA_FILE is ${options.config.dataFile}, but no store was given: ` +
         'pass store: await openStore(config), or set DATA_FILE to memory',
     )
+  // else every URL it names (metadata, forms, redirects) has a port no client can reach
+  if (new URL(options.config.issuer).port === '0')
+    throw new TypeError(
+      `createHandler: ISSUER is ${options.config.issuer}: with PORT 0, pass the port bound to loadConfig ` +
+        '(its boundPort), or set ISSUER',
+    )
   const log = options.log ?? console.log
   const now = options.now ?? Date.now
   const store = options.store ?? new MemoryStore({ log })
