@@ -35,7 +35,16 @@ export async function startLatch(
   const config = loadConfig({ PORT: '0', DATA_FILE: 'memory', ...env }, [], { boundPort: port })
   let time = START
   const logs: string[] = []
-  server.on('request', createHandler({ config, store: options.store, now: () => time, log: (line) => logs.push(line) }))
+  // aborted at close: else each test's handler would go on sweeping its store, ten times a second, to the end of the run
+  const stopped = new AbortController()
+  const handler = createHandler({
+    config,
+    store: options.store,
+    now: () => time,
+    log: (line) => logs.push(line),
+    signal: stopped.signal,
+  })
+  server.on('request', handler)
   return {
     base: `http://127.0.0.1:${port}`,
     port,
@@ -45,6 +54,7 @@ export async function startLatch(
       time += seconds * 1000
     },
     close: () => {
+      stopped.abort()
       server.closeAllConnections()
       return new Promise((resolve) => server.close(() => resolve()))
     },
