@@ -3696,6 +3696,46 @@ describe('Sign-in sessions and connected apps', () => {
     assert.equal((await submitConsent(latch, { ...later, cookie: `${first.cookie}; ${session}` })).status, 401)
   })
 
+  it('lists the 200 apps approved last on /apps and in Revoke all, and says how many more there are', async () => {
+    const store = new MemoryStore()
+    const latch = await startLatch({}, { store }) // no password: open to this machine
+    try {
+      for (let i = 0; i < 203; i++) {
+        const approvedAt = START - (203 - i) * 1000
+        const grant: Grant = {
+          client_id: CLIENT_ID,
+          client_name: `App ${i}`,
+          me: `${latch.base}/`,
+          scope: ['create'],
+          resource: [],
+          accessTokenTtlSeconds: 3600,
+          approvedAt,
+          lastUsedAt: approvedAt,
+          endsAt: undefined,
+          expiresAt: START + 3600_000,
+          lastRotated: undefined,
+        }
+        await store.saveGrant(`g${i}`, grant, START)
+      }
+      const page = await fetch(`${latch.base}/apps`)
+      const apps = await page.text()
+      assert.equal(apps.split('<section class="app">').length - 1, 200)
+      assert.match(
+        apps,
+        /The 200 approved last are listed; 3 approved before them are not, and "Revoke all" revokes them too\./,
+      )
+      assert.ok(apps.includes('App 202') && apps.includes('App 3<') && !apps.includes('App 2<'))
+      const csrf = /name="csrf" value="([^"]+)"/.exec(apps)?.[1] ?? ''
+      const cookie = (page.headers.get('set-cookie') ?? '').split(';')[0]
+      const question = await (await post(`${latch.base}/apps/revoke-all`, form({ csrf }), { Cookie: cookie })).text()
+      assert.match(question, /These 203 apps lose their/)
+      assert.equal(question.split('<li>').length - 1, 201)
+      assert.match(question, /<li>and 3 approved before them<\/li>/)
+    } finally {
+      await latch.close()
+    }
+  })
+
   it('names, on /apps, the ME an app approved before a new one knows the owner by', async () => {
     const store = new MemoryStore()
     const before = await startLatch({ ME: 'https://old.example/' }, { store })

@@ -5823,10 +5823,24 @@ function lastUse(grant: Grant, startedAt: number): string {
   return grant.approvedAt >= startedAt ? 'Never' : 'Not since Latch last started'
 }
 
+/**
+ * The most apps the apps page (and "Revoke all") lists, the ones approved last: a script that
+ * approves thousands (a test suite) would make a page of megabytes, and its making stall every
+ * request meanwhile.
+ */
+const MAX_APPS_LISTED = 200
+
 function renderAppsPage(grants: [string, Grant][], page: AppsPage): string {
   const { config } = page
   const csrfField = `<input type="hidden" name="csrf" value="${escapeHtml(page.csrf)}">`
+  const unlisted = Math.max(0, grants.length - MAX_APPS_LISTED)
+  const older =
+    unlisted === 0
+      ? ''
+      : `<p class="muted">The ${MAX_APPS_LISTED} approved last are listed; ${unlisted} approved before them are ` +
+        'not, and "Revoke all" revokes them too.</p>\n'
   const apps = grants
+    .slice(unlisted)
     .map(([id, grant]) => {
       const logo = page.logoOf(grant.client_id)
       const image =
@@ -5873,7 +5887,7 @@ ${renderButton(config, '/apps/revoke', `${csrfField}${grantField(id)}`, 'danger'
 <h1>Connected apps</h1>
 ${notice}<p>These apps can act as you. Revoking one ends its access at once; otherwise it ends when
 you chose on the consent page.</p>
-${apps === '' ? '<p class="muted">No app holds a token right now.</p>' : apps}
+${apps === '' ? '<p class="muted">No app holds a token right now.</p>' : older + apps}
 ${actions}
 ${renderScriptTokenForm(config, csrfField)}
 ${renderPasskeys(page, csrfField)}
@@ -5971,7 +5985,12 @@ ${button}
 ${back}`,
     )
   }
-  const names = grants.map(([, grant]) => `<li>${appName(grant)}</li>`).join('\n')
+  const unlisted = Math.max(0, grants.length - MAX_APPS_LISTED)
+  const names =
+    grants
+      .slice(unlisted)
+      .map(([, grant]) => `<li>${appName(grant)}</li>`)
+      .join('\n') + (unlisted === 0 ? '' : `\n<li>and ${unlisted} approved before them</li>`)
   return renderPage(
     'Revoke all apps?',
     `<h1>Revoke all apps?</h1>
