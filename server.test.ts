@@ -3398,6 +3398,27 @@ describe('The log', () => {
     assert.equal(writes.length, 2)
   })
 
+  it('lets go of its stream and of the process at close, having written what waited', () => {
+    const written: string[] = []
+    const stream = new Writable({
+      write: (chunk: Buffer, _encoding, callback) => (written.push(`${chunk}`), callback()),
+    })
+    const exitListeners = process.listenerCount('exit')
+    for (let i = 0; i < 20; i++) {
+      const log = createLineWriter(stream, 100) // one for each Latch a test suite starts
+      log(`line ${i}`)
+      log.close()
+      log('after its close')
+    }
+    assert.deepEqual(
+      written,
+      Array.from({ length: 20 }, (_, i) => `line ${i}\n`),
+    )
+    assert.equal(process.listenerCount('exit'), exitListeners)
+    assert.equal(stream.listenerCount('drain'), 0)
+    assert.equal(stream.listenerCount('error'), 0)
+  })
+
   it('goes on without a log when the program reading it has gone (EPIPE), and drops the lines', async () => {
     let writes = 0
     const stream = new Writable({

@@ -3026,7 +3026,7 @@ export function createLineWriter(
   output: Writable | number,
   everyMs = 100,
   format = (line: string) => line,
-): ((line: string) => void) & { flush: () => void } {
+): ((line: string) => void) & { flush: () => void; close: () => void } {
   let pending = ''
   let lines = 0
   let dropped = 0
@@ -3034,7 +3034,8 @@ export function createLineWriter(
   let broken = false
   const stream = typeof output === 'number' ? undefined : output
   const fd = typeof output === 'number' ? output : undefined
-  stream?.on('error', () => (broken = true))
+  const onError = () => (broken = true)
+  stream?.on('error', onError)
   let torn = false // the file ends with part of a line, where the disk filled up
   /** Writes to the file: false when the disk took none of it, or only part (ended on the next write). */
   const writeFile = (fd: number, text: string): boolean => {
@@ -3064,7 +3065,8 @@ export function createLineWriter(
     pending = ''
     lines = 0
   }
-  stream?.on('drain', () => dropped > 0 && flush()) // the reader has caught up: say so now
+  const onDrain = () => dropped > 0 && flush() // the reader has caught up: say so now
+  stream?.on('drain', onDrain)
   process.on('exit', flush)
   const write = (line: string) => {
     if (broken) return
@@ -3073,7 +3075,14 @@ export function createLineWriter(
     if (pending.length >= 65_536) flush()
     else timer ??= setTimeout(flush, everyMs).unref() // the exit handler writes what is left
   }
-  return Object.assign(write, { flush })
+  /** Writes what waits and lets go of the stream and the process: a writer made for each Latch a test starts. */
+  const close = () => {
+    flush()
+    broken = true // lines written after are dropped
+    stream?.off('error', onError).off('drain', onDrain)
+    process.off('exit', flush)
+  }
+  return Object.assign(write, { flush, close })
 }
 
 /**
