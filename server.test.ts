@@ -3794,6 +3794,26 @@ describe('Sign-in sessions and connected apps', () => {
     }
   })
 
+  it('says on the sign-in page that the password was changed, to a browser signed in with the one before', async () => {
+    const store = new MemoryStore()
+    const before = await startLatch({ PASSWORD_HASH: await hashPassword(password, FAST_COST) }, { store })
+    const session = sessionOf(await submitConsent(before, await openConsent(before), { password }))
+    await before.close()
+    const after = await startLatch(
+      { PASSWORD_HASH: await hashPassword('a new horse battery staple', FAST_COST) },
+      { store },
+    )
+    try {
+      const page = await (await fetch(`${after.base}/apps`, { headers: { Cookie: session } })).text()
+      assert.match(page, /type="password"/)
+      assert.match(page, /The password was changed since you signed in here: sign in with the new one\./)
+      const stranger = await (await fetch(`${after.base}/apps`)).text()
+      assert.doesNotMatch(stranger, /The password was changed/)
+    } finally {
+      await after.close()
+    }
+  })
+
   it('shows a sign-in form at /apps to anyone not signed in', async () => {
     const html = await appsPage('')
     assert.match(html, /action="[^"]*\/sign-in"/)

@@ -4243,13 +4243,22 @@ function endedSessionCookie(config: Config): string {
  * Who is at the browser: its CSRF value, the owner's session if any and when it signed in, and
  * whether approving needs no password.
  */
-type Visitor = { csrf: string; session: string | undefined; signedInAt: number | undefined; signedIn: boolean }
+type Visitor = {
+  csrf: string
+  session: string | undefined
+  signedInAt: number | undefined
+  signedIn: boolean
+  /** Signed in with the password held before: a new `PASSWORD_HASH` ended the session. */
+  oldPassword?: boolean
+}
 
 /** Reads the visitor of a page. The CSRF value is the browser's own when it has one, so two open tabs both work. */
 async function readVisitor(req: IncomingMessage, ctx: Context): Promise<Visitor> {
   const csrf = readCsrfCookies(req, ctx.config)[0] ?? createSecret()
-  const { session, signedInAt } = await findOwnerSession(req, ctx)
-  return { csrf, session, signedInAt, signedIn: ctx.config.passwordHash === undefined || session !== undefined }
+  const found = await findOwnerSession(req, ctx)
+  const { session, signedInAt } = found
+  const signedIn = ctx.config.passwordHash === undefined || session !== undefined
+  return { csrf, session, signedInAt, signedIn, oldPassword: 'oldPassword' in found }
 }
 
 /** The value a visitor's forms carry in their `csrf` field: derived from the session when signed in. */
@@ -4365,7 +4374,9 @@ function readCsrfCookies(req: IncomingMessage, config: Config): string[] {
 async function findOwnerSession(
   req: IncomingMessage,
   ctx: Context,
-): Promise<{ session: string; signedInAt: number } | { session: undefined; signedInAt: undefined }> {
+): Promise<
+  { session: string; signedInAt: number } | { session: undefined; signedInAt: undefined; oldPassword?: boolean }
+> {
   if (ctx.config.passwordHash === undefined) return NO_SESSION
   // any cookie of the name: those planted by other pages on this host must not sign the owner out;
   // looked up all at once, as a store across a network would otherwise take a round trip for each
@@ -4373,16 +4384,18 @@ async function findOwnerSession(
   const now = ctx.now()
   const sessions = await Promise.all(values.map((value) => ctx.store.findSession(hashSecret(value), now)))
   const tag = passwordTag(ctx.config.passwordHash)
-  for (const [i, session] of sessions.entries()) {
-    // a session of an old password is ignored, not deleted here: a read writes nothing, and it
-    // expires; so is one older than SESSION_TTL, which may have been made shorter since
-    const current = session !== undefined && session.createdAt + ctx.config.sessionTtlSeconds * 1000 > now
-    if (current && session.passwordTag === tag) return { session: values[i], signedInAt: session.createdAt }
-  }
-  return NO_SESSION
+  // a session of an old password is ignored, not deleted here: a read writes nothing, and it
+  // expires; so is one older than SESSION_TTL, which may have been made shorter since
+  const current = (session: Session | undefined): session is Session =>
+    session !== undefined && session.createdAt + ctx.config.sessionTtlSeconds * 1000 > now
+  for (const [i, session] of sessions.entries())
+    if (current(session) && session.passwordTag === tag) return { session: values[i], signedInAt: session.createdAt }
+  return sessions.some(current) ? OLD_PASSWORD : NO_SESSION // live, and of another password
 }
 
 const NO_SESSION = { session: undefined, signedInAt: undefined }
+/** No session, but the browser's was made with the password `PASSWORD_HASH` held before: the sign-in page says so. */
+const OLD_PASSWORD = { session: undefined, signedInAt: undefined, oldPassword: true }
 
 function readSessionCookies(req: IncomingMessage, config: Config): string[] {
   const name = sessionCookieName(config)
@@ -5256,7 +5269,12 @@ async function findPasskeyForHere(id: string, rp: { id: string }, ctx: Context):
 async function handleAppsPage(req: IncomingMessage, res: ServerResponse, ctx: Context): Promise<void> {
   const visitor = await readVisitor(req, ctx)
   const headers = { 'Set-Cookie': csrfCookie(visitor, ctx.config) }
-  if (!visitor.signedIn) return sendSignInPage(res, 200, { visitor, headers }, ctx)
+  if (!visitor.signedIn) {
+    const notice = visitor.oldPassword
+      ? 'The password was changed since you signed in here: sign in with the new one.'
+      : undefined
+    return sendSignInPage(res, 200, { visitor, headers, notice }, ctx)
+  }
   await sendAppsPage(res, ctx, visitor, { headers })
 }
 
