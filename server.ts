@@ -9530,8 +9530,13 @@ async function readPassword(): Promise<string> {
   if (!process.stdin.isTTY) {
     const chunks: Buffer[] = []
     for await (const chunk of process.stdin) chunks.push(chunk)
-    // decoded whole: a character may come in two chunks
-    return withoutControlKeys(Buffer.concat(chunks).toString('utf8').split(/\r?\n/)[0])
+    // decoded whole, as a character may come in two chunks; without the byte order mark an
+    // editor may begin a file with (Notepad's), which no browser sends
+    const text = Buffer.concat(chunks)
+      .toString('utf8')
+      .replace(/^\ufeff/, '')
+    if (/[\0\ufffd]/.test(text)) throw notUtf8() // bytes that are no UTF-8, or UTF-16's zeros
+    return withoutControlKeys(text.split(/\r?\n/)[0])
   }
   // what comes after the first Enter in one chunk (a pasted "password⏎password⏎") is the second
   const typed = { ahead: '' }
@@ -9598,6 +9603,13 @@ function withoutControlKeys(password: string): string {
   return password
 }
 
+function notUtf8(): ConfigError {
+  return new ConfigError(
+    'The password is not UTF-8, as every browser sends it: set the terminal, or the file piped in, ' +
+      'to UTF-8 and run the command again',
+  )
+}
+
 async function runHashPassword(): Promise<void> {
   const password = await readPassword()
   refuseWeakPassword(password)
@@ -9618,13 +9630,8 @@ function refuseWeakPassword(password: string): void {
         'for a password that signs in on its own: choose a longer one, a few words are easy to remember',
     )
   }
-  // bytes that are not UTF-8 (a terminal or file in Latin-1) decode to U+FFFD, which no form sends for them
-  if (password.includes('\ufffd')) {
-    throw new ConfigError(
-      'The password is not UTF-8, as every browser sends it: set the terminal, or the file piped in, ' +
-        'to UTF-8 and run the command again',
-    )
-  }
+  // bytes that are not UTF-8 (a terminal in Latin-1) decode to U+FFFD, which no form sends for them
+  if (password.includes('\ufffd')) throw notUtf8()
   if ([...password].length > MAX_PASSWORD_LENGTH) {
     throw new ConfigError(
       `The password is longer than ${MAX_PASSWORD_LENGTH} characters, more than a sign-in form is sure to ` +

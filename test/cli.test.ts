@@ -680,10 +680,18 @@ describe('hash-password', () => {
     assert.match(longest.stdout, /^scrypt:\S+\n$/)
   })
 
-  it('refuses a password piped in as Latin-1, which no browser would send as it was hashed', async () => {
-    const latin1 = await runLatch(['hash-password'], {}, { input: Buffer.from('pässwörd über alles\n', 'latin1') })
-    assertOneLineFailure(latin1, /not UTF-8.*set the terminal, or the file piped in, to UTF-8/)
-    assert.equal(latin1.stdout, '')
+  it('refuses a password piped in as Latin-1 or UTF-16, which no browser would send as it was hashed', async () => {
+    for (const encoding of ['latin1', 'utf16le'] as const) {
+      const refused = await runLatch(['hash-password'], {}, { input: Buffer.from('pässwörd über alles\n', encoding) })
+      assertOneLineFailure(refused, /not UTF-8.*set the terminal, or the file piped in, to UTF-8/)
+      assert.equal(refused.stdout, '')
+    }
+  })
+
+  it('hashes the password of a file that begins with a byte order mark without it, as a browser sends it', async () => {
+    const hashed = await runLatch(['hash-password'], {}, { input: '\ufeffcorrect horse battery staple\n' })
+    assert.equal(hashed.code, 0, hashed.stderr)
+    assert.equal(await verifyPassword('correct horse battery staple', hashed.stdout.trim()), true)
   })
 
   it('refuses a password with a control key in it, an arrow typed at the prompt, say', async () => {
