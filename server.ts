@@ -5957,7 +5957,8 @@ ${renderSignInForm(config, csrf, {
 })}`
         : `<form method="post" action="${escapeHtml(endpointUrl(config, '/passkeys/add'))}">
 ${csrfField}
-<p data-passkey-only hidden><label>Passkey name <input name="name" required maxlength="${MAX_NAME_LENGTH}" placeholder="Phone"></label></p>
+<p data-passkey-only hidden><label>Passkey name
+<input name="name" required maxlength="${MAX_NAME_LENGTH}" placeholder="Phone"></label></p>
 <p class="muted" data-passkey-missing>To add one, open this page in a browser that makes passkeys, with scripts on.</p>
 <div class="actions">${renderPasskeyButton(config, 'Add a passkey', 'register')}</div>
 </form>`
@@ -6068,8 +6069,8 @@ ${csrfField}<input type="hidden" name="once" value="${createSecret()}">
 <p><label>Scopes <input name="scope" required value="create" autocapitalize="none" spellcheck="false"></label></p>
 <p><label>For the service at (optional)
 <input name="resource" type="url" placeholder="https://example.com/mcp" aria-describedby="resource-note"></label></p>
-<p class="muted" id="resource-note">Only a service that names itself when it checks a token, as an MCP server does, takes
-a token made for it. Leave it empty for Micropub.</p>
+<p class="muted" id="resource-note">Only a service that names itself when it checks a token, as an
+MCP server does, takes a token made for it. Leave it empty for Micropub.</p>
 ${renderLifetimeChoice(config, UNTIL_REVOKED)}
 <div class="actions"><button class="primary">Make a token</button></div>
 </form>

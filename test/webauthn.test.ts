@@ -1472,7 +1472,7 @@ describe('Passkeys over HTTP', () => {
     const apps = await appsPage.text()
     assert.match(apps, /Add a passkey/)
     // the button and the passkey's name box are for the script to show: without it, neither works
-    assert.match(apps, /<p data-passkey-only hidden><label>Passkey name <input name="name"/)
+    assert.match(apps, /<p data-passkey-only hidden><label>Passkey name\s<input name="name"/)
     assert.ok(contentSecurityPolicy(appsPage).includes(`script-src ${latch.issuer}/passkey.js`))
     const home = await browser.get('/')
     assert.doesNotMatch(contentSecurityPolicy(home), /script-src/)
