@@ -1387,6 +1387,17 @@ describe('GET /auth (IndieAuth §5.2)', () => {
   before(async () => (latch = await startLatch()))
   after(() => latch.close())
 
+  it("refuses an app that names itself by the client_id of the owner's tokens for scripts, as /apps would list it as one", async () => {
+    for (const clientId of [`${latch.issuer}/apps`, `${latch.issuer.toUpperCase()}/apps`]) {
+      const redirectUri = `${latch.issuer}/apps/callback`
+      const response = await fetch(authorizationUrl(latch, { client_id: clientId, redirect_uri: redirectUri }), {
+        redirect: 'manual',
+      })
+      assert.equal(response.status, 400, clientId)
+      assert.match(await response.text(), /client_id names this server&#39;s own tokens for scripts, not an app/)
+    }
+  })
+
   it('keeps nothing for a request a browser makes for an image, a frame or a script, and shows a navigation the page', async () => {
     const store = new MemoryStore()
     const own = await startLatch({}, { store })

@@ -1192,6 +1192,9 @@ async function handleAuthorizationRequest(req: IncomingMessage, res: ServerRespo
   const clientProblem = clientIdProblem(clientId)
   if (clientProblem !== undefined)
     throw new OAuthError('invalid_request', `client_id is not a valid client identifier: ${clientProblem}`)
+  // the client_id of the tokens the owner makes on /apps: an app that took it would be listed as one
+  if (isSameClientId(clientId, scriptClientId(ctx.config)))
+    throw new OAuthError('invalid_request', "client_id names this server's own tokens for scripts, not an app")
   const redirectUri = requireParam(query, 'redirect_uri')
   const client = await findClient(canonicalizeUrl(clientId), req, ctx)
   // The draft compares the two by "simple string comparison", and IndieAuth's JSON metadata at an
