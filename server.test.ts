@@ -3473,11 +3473,30 @@ describe('The log: what a client sends', () => {
   it("writes a client_id that holds a line break as JSON, on the request's one line", async () => {
     const latch = await startLatch()
     try {
-      const forged = 'x\n2027-01-01T00:00:00.000Z 127.0.0.1 security: a line of my own'
+      const forged = 'https://app.example/\n2027-01-01T00:00:00.000Z 127.0.0.1 security: a line of my own'
       await (await fetch(authorizationUrl(latch, { client_id: forged }))).text()
       await new Promise((resolve) => setImmediate(resolve))
       assert.equal(latch.logs.length, 1)
       assert.ok(latch.logs[0].endsWith(`client_id=${JSON.stringify(forged)}`), latch.logs[0])
+    } finally {
+      await latch.close()
+    }
+  })
+
+  it('logs no client_id that is not a URL: a script may send its token there, as curl -u TOKEN: does', async () => {
+    const latch = await startLatch()
+    try {
+      const token = createSecret()
+      const basic = `Basic ${Buffer.from(`${token}:`).toString('base64')}`
+      await (await post(`${latch.base}/revoke`, form({ token }), { Authorization: basic })).text()
+      await (
+        await post(`${latch.base}/token`, form({ grant_type: 'refresh_token', refresh_token: 'x', client_id: token }))
+      ).text()
+      await until(() => latch.logs.length === 2)
+      for (const line of latch.logs) {
+        assert.ok(!line.includes(token), line)
+        assert.match(line, /client_id="\(not a URL\)"$/)
+      }
     } finally {
       await latch.close()
     }

@@ -2911,7 +2911,10 @@ const LOGGED_CLIENT = Symbol('logged client')
 
 /** Notes the client a request is for, for its log line. */
 function noteClient(res: ServerResponse, clientId: string | undefined): void {
-  if (clientId !== undefined) (res as MarkedResponse)[LOGGED_CLIENT] = clientId
+  // only what may be a client identifier, an http(s) URL: a script that sends a token there (curl's
+  // `-u TOKEN:` is read as the client_id) would have it logged
+  if (clientId !== undefined)
+    (res as MarkedResponse)[LOGGED_CLIENT] = /^https?:\/\//i.test(clientId) ? clientId : '(not a URL)'
 }
 
 /** Notes the OAuth error an answer carries, for its log line (an error redirect is a 302 or a 303). */
