@@ -423,7 +423,7 @@ describe('Configuration', () => {
       'a profile URL whose user name is not written in ASCII, for its user name',
       { ME: 'https://ü@example.com/' },
       [],
-      /^ME https:\/\/ü@example\.com\/ is not a valid profile URL/,
+      /^ME https:\/\/…@example\.com\/ is not a valid profile URL/, // its user name, not said back
     ],
     [
       'a profile URL whose path is not written in ASCII, as it was',
@@ -502,13 +502,25 @@ describe('Configuration', () => {
       'a profile photo with a user name and password, which every app would be given',
       { PROFILE_PHOTO: 'https://me:secret@example.com/photo.jpg' },
       [],
-      /^PROFILE_PHOTO .* contains a user name or password: remove it$/,
+      /^PROFILE_PHOTO https:\/\/…@example\.com\/photo\.jpg contains a user name or password: remove it$/,
     ],
     [
       'a home page with a user name',
       { PROFILE_URL: 'https://me@example.com/' },
       [],
       /^PROFILE_URL .* contains a user name or password: remove it$/,
+    ],
+    [
+      'an issuer with a password, not said back',
+      { ISSUER: 'https://admin:hunter2hunter2@auth.example' },
+      [],
+      /^ISSUER https:\/\/…@auth\.example contains a user name or password: remove it$/,
+    ],
+    [
+      'a profile URL with a password, not said back',
+      { ME: 'https://me:hunter2hunter2@example.com/' },
+      [],
+      /^ME https:\/\/…@example\.com\/ is not a valid profile URL/,
     ],
     ['a profile email that is not an address', { PROFILE_EMAIL: 'me' }, [], /PROFILE_EMAIL/],
     ['a zero refresh token lifetime', { REFRESH_TOKEN_TTL: '0' }, [], /REFRESH_TOKEN_TTL/],

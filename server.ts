@@ -9357,7 +9357,7 @@ function parseIssuer(value: string): string {
     )
   }
   if (url.username !== '' || url.password !== '') {
-    throw new ConfigError(`ISSUER ${value} contains a user name or password: remove it`)
+    throw new ConfigError(`ISSUER ${quotable(value)} contains a user name or password: remove it`)
   }
   return url.href.replace(/\/+$/, '')
 }
@@ -9369,11 +9369,11 @@ function parseMe(value: string): string {
   const host = /^[a-z][a-z0-9+.-]*:\/\/(?:[^/?#]*@)?([^/?#]*)/i.exec(value)?.[1] ?? ''
   if (/[^\x00-\x7f]/.test(host) && URL.canParse(value))
     throw new ConfigError(
-      `ME ${value} has a host with characters outside ASCII: write the host in punycode, ` +
+      `ME ${quotable(value)} has a host with characters outside ASCII: write the host in punycode, ` +
         `as ${new URL(value).hostname}`,
     )
   throw new ConfigError(
-    `ME ${value} is not a valid profile URL (${problem}): use your site's URL, as in https://example.com/`,
+    `ME ${quotable(value)} is not a valid profile URL (${problem}): use your site's URL, as in https://example.com/`,
   )
 }
 
@@ -9386,8 +9386,13 @@ function parseProfileLink(name: string, value: string): string {
   const url = new URL(value)
   // as ISSUER and ME: the profile goes to every app granted it, and a password with it
   if (url.username !== '' || url.password !== '')
-    throw new ConfigError(`${name} ${value} contains a user name or password: remove it`)
+    throw new ConfigError(`${name} ${quotable(value)} contains a user name or password: remove it`)
   return url.href
+}
+
+/** A URL as a refusal quotes it, to a terminal or a service's journal: without the password it may hold. */
+function quotable(value: string): string {
+  return value.replace(/^([a-z][a-z0-9+.-]*:\/\/)[^/?#]*@/i, '$1…@')
 }
 
 function parseEmail(value: string): string {
@@ -9744,7 +9749,8 @@ async function main(argv: string[], env: Record<string, string | undefined>): Pr
   if (argv[0] === 'hash-password') {
     if (argv.length === 1) return runHashPassword()
     if (argv[1] === '--help' || argv[1] === '-h') return void console.log(HASH_PASSWORD_HELP)
-    throw new ConfigError(`hash-password takes no arguments (${argv[1]}): it asks for the password, twice`)
+    // not said back: it may be the password, which the shell's history now holds
+    throw new ConfigError('hash-password takes no arguments: it asks for the password, twice')
   }
   if (argv.includes('--help') || argv.includes('-h')) return void console.log(buildHelp())
   let config = loadConfig(env, argv)

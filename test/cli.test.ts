@@ -660,6 +660,9 @@ describe('hash-password', () => {
     assert.match(help.stdout, /^Usage: npx tsx server\.ts hash-password\n/)
     assert.doesNotMatch(help.stdout, /scrypt:/)
     assertOneLineFailure(await runLatch(['hash-password', '--cost=20'], {}), /hash-password takes no arguments/)
+    const given = await runLatch(['hash-password', 'my very secret passphrase'], {})
+    assertOneLineFailure(given, /hash-password takes no arguments/)
+    assert.doesNotMatch(given.stderr, /secret/) // not said back: it may be the password
   })
 
   it('refuses 14 characters, citing NIST SP 800-63B-4, and hashes 15', async () => {
