@@ -5863,17 +5863,22 @@ function lastUse(grant: Grant, startedAt: number): string {
  */
 const MAX_APPS_LISTED = 200
 
+/** The apps a page lists (`grants` come oldest first), and how many approved before them it leaves out. */
+function appsListed(grants: [string, Grant][]): { listed: [string, Grant][]; unlisted: number } {
+  const unlisted = Math.max(0, grants.length - MAX_APPS_LISTED)
+  return { listed: grants.slice(unlisted), unlisted }
+}
+
 function renderAppsPage(grants: [string, Grant][], page: AppsPage): string {
   const { config } = page
   const csrfField = `<input type="hidden" name="csrf" value="${escapeHtml(page.csrf)}">`
-  const unlisted = Math.max(0, grants.length - MAX_APPS_LISTED)
+  const { listed, unlisted } = appsListed(grants)
   const older =
     unlisted === 0
       ? ''
       : `<p class="muted">The ${MAX_APPS_LISTED} approved last are listed; ${unlisted} approved before them are ` +
         'not, and "Revoke all" revokes them too.</p>\n'
-  const apps = grants
-    .slice(unlisted)
+  const apps = listed
     .map(([id, grant]) => {
       const logo = page.logoOf(grant.client_id)
       const image =
@@ -6019,12 +6024,10 @@ ${button}
 ${back}`,
     )
   }
-  const unlisted = Math.max(0, grants.length - MAX_APPS_LISTED)
+  const { listed, unlisted } = appsListed(grants)
   const names =
-    grants
-      .slice(unlisted)
-      .map(([, grant]) => `<li>${appName(grant)}</li>`)
-      .join('\n') + (unlisted === 0 ? '' : `\n<li>and ${unlisted} approved before them</li>`)
+    listed.map(([, grant]) => `<li>${appName(grant)}</li>`).join('\n') +
+    (unlisted === 0 ? '' : `\n<li>and ${unlisted} approved before them</li>`)
   return renderPage(
     'Revoke all apps?',
     `<h1>Revoke all apps?</h1>
