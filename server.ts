@@ -108,7 +108,12 @@ const { hash } = crypto
 // --- Types ----------------------------------------------------------------------
 // The protocol's nouns. Times are milliseconds since the epoch, as `now()` returns them.
 
-/** Everything Latch needs to know to serve; made by `loadConfig`. */
+/**
+ * Everything Latch needs to know to serve; made by `loadConfig` from the environment. Each field
+ * is a setting of the same name in capitals, which the README's table and the comments here use:
+ * `DATA_FILE` is `dataFile`, `ACCESS_TOKEN_TTL` is `accessTokenTtlSeconds`, and the `PROFILE_`
+ * settings make `profile` (see `SETTINGS`).
+ */
 export type Config = {
   /** Port to listen on; 0 asks the system for any free port. */
   port: number
@@ -194,7 +199,10 @@ export type AuthorizationCode = {
 
 /**
  * What the owner approved for one client: the family of tokens issued from one code. Its id is
- * the hash of that code, so a replayed code finds the grant to revoke.
+ * the hash of that code, so a replayed code finds the grant to revoke. Each refresh issues a new
+ * refresh token and retires the one sent (rotation): the retired one sent again within
+ * `REFRESH_TOKEN_GRACE` is taken for a retry whose answer was lost, and after that for a stolen
+ * copy, which revokes the grant (`refreshGrant` tells the story).
  */
 export type Grant = {
   client_id: string
@@ -277,30 +285,9 @@ export type Passkey = {
  * Where codes and tokens live. Keys are hashes (`hashSecret`); raw secrets never reach a store
  * (passkeys are kept under their credential ids, which are no secret, though only the signed-in
  * owner is shown them). Single use is a store operation: `markCodeUsed` and `redeemForTokens`
- * must be atomic. On SQL, each kind is a table keyed by hash with an `expires_at` column, and
- * those two are one statement:
- * `UPDATE ... SET used_at = ? WHERE hash = ? AND used_at IS NULL AND expires_at > ?` (one row
- * changed: the first caller), in a transaction with the inserts of the grant and the tokens; a
- * refresh token's `UPDATE` also wants its grant not revoked (revoked since Latch found it). A
- * refresh token's retry within the grace period is the one exception: its condition is `hash = ?
- * AND expires_at > ? AND (used_at IS NULL OR (used_at >= <retriedSince> AND hash = <its grant's
- * last_rotated>))`, with `SET used_at = COALESCE(used_at, ?)` so that a retry does not move it;
- * each first redemption of a refresh token sets its grant's `last_rotated`. `revokeGrant`
- * deletes the grant and inserts it into a table of revoked ids; `revokeApprovedBy` does that for
- * every grant approved by a time and every code issued by then, and deletes those codes, in one
- * transaction. On Redis, each entry is a key with a TTL, and the same step is a `WATCH`/`MULTI`
- * or a small Lua script. A write the database refused (full, or unreachable) is thrown as
- * `NotStored`, once its cause is logged: the client is told 500 `server_error`, and nothing
- * happened (a `touchGrant` that fails so refuses no token). Any other error is a fault,
- * answered 500 too, with its stack in the log. Every call must settle, the database reachable or
- * not: give its driver a timeout (a few seconds), as Latch waits for the store as long as it
- * takes, and a request waiting on a call that never settles is never answered, and keeps its
- * memory. `findSession` may be asked for up to 300 sessions at once, for the cookies of one
- * request on http, and 4 on https (`findOwnerSession`). What a store returns has each field a
- * type says may be missing as `undefined`, never `null`: turn a NULL column into `undefined`
- * (Latch reads `usedAt !== undefined` as "used"). Latch sweeps expired entries out of its own two
- * stores; one of your own expires them itself (a TTL, or a periodic
- * `DELETE ... WHERE expires_at < ?`).
+ * must be atomic, so that of two requests with one code only the first gets tokens. How to put
+ * a database behind Latch (the SQL or Redis for each step, what to throw when it fails, what to
+ * return) is where the storage section begins, in Part 2.
  */
 export interface Store {
   /**
@@ -395,7 +382,12 @@ export type HandlerOptions = {
   signal?: AbortSignal
 }
 
-/** What every endpoint handler receives besides the request and the response. */
+/**
+ * What every endpoint handler receives besides the request and the response: the settings, the
+ * store and the clock, and then what a Latch keeps in memory only, shared by its handlers (Part
+ * 2's `Kept`): password tries, client lookups, passkey challenges and the like. A reader of the
+ * protocol needs the first three; the rest is explained where it is used.
+ */
 type Context = {
   config: Config
   store: Store
@@ -460,17 +452,22 @@ export type Params = Map<string, string[]>
 // JSON. Anything else is a 500, a store's `NotStored` included. One handler catches its own:
 // `GET /auth` sends an error to the app in a redirect, once its `redirect_uri` is trusted.
 
+/** The HTTP status of each error code; an error thrown with a status of its own says so. */
 const ERROR_STATUS: Record<string, number> = {
+  // RFC 6749's, of the token endpoint (§5.2) and of the authorization endpoint (§4.1.2.1)
   invalid_request: 400,
   invalid_grant: 400,
   invalid_scope: 400,
-  invalid_target: 400,
   invalid_client: 401,
-  invalid_token: 401,
-  insufficient_scope: 403,
   unsupported_grant_type: 400,
   unsupported_response_type: 400,
   access_denied: 403,
+  // RFC 8707 §2's, for a resource the owner did not approve; RFC 6750 §3.1's, of a Bearer token
+  invalid_target: 400,
+  invalid_token: 401,
+  insufficient_scope: 403,
+  // Latch's own, in the same JSON shape: no RFC names these. The daily refresh limit also
+  // borrows `slow_down`, RFC 8628 §3.5's code for a client that asks too often (`countRefresh`).
   not_found: 404,
   method_not_allowed: 405,
   too_many_requests: 429,
@@ -800,8 +797,9 @@ function isLoopbackClient(url: string): boolean {
 }
 
 /**
- * Why a string is not a valid profile URL, or undefined when it is one. A port or an IP
- * address is only warned about, so that Latch can be tried on a laptop.
+ * Why a string is not a valid profile URL, or undefined when it is one. It lets through a port
+ * and an IP address, which §3.2 forbids, so that Latch can be tried on a laptop: the owner's is
+ * warned about at start instead (`configWarnings`).
  * @see https://indieauth.spec.indieweb.org/#user-profile-url IndieAuth §3.2
  */
 export function profileUrlProblem(raw: string): string | undefined {
@@ -938,7 +936,8 @@ type ClientDocument = { clientId?: string; name?: string; url?: string; logoUrl?
  * https URL) must also spell the URL as the request does, or canonically (checked by
  * `handleAuthorizationRequest`, with `documentClientId`; its `client_uri`, if not a prefix, is
  * only left unshown), list its `redirect_uris`, and hold no client secret
- * (§4.1); Latch serves public clients only, so `token_endpoint_auth_method` may only be `none`.
+ * (rules of the OAuth Client ID Metadata Document draft, not of IndieAuth); Latch serves public
+ * clients only, so `token_endpoint_auth_method` may only be `none`.
  * Its faults throw `InvalidClientDocument`, which refuses the request.
  * @see https://indieauth.spec.indieweb.org/#client-metadata IndieAuth §4.2.1
  * @see https://datatracker.ietf.org/doc/draft-ietf-oauth-client-id-metadata-document/
@@ -1546,7 +1545,11 @@ function readLifetime(value: string | undefined, config: Config): number {
 /**
  * Handles the consent form: checks the pending request, the CSRF token and, unless the owner is
  * signed in, the password or a passkey; then redirects to the client with a code or with
- * `access_denied`.
+ * `access_denied`. Two checks tie the form to the owner's browser: its token (`requireFormToken`)
+ * proves that one of Latch's pages sent it; the CSRF cookie set when the request was opened
+ * proves that this browser opened it, so that the owner cannot be led to approve a request that
+ * someone else opened, whose code would go to that someone's session at the app. A button
+ * pressed twice gets the first press's answer (`rememberAnswer`).
  * @see https://indieauth.spec.indieweb.org/#authorization-response IndieAuth §5.2.1
  * @see https://www.rfc-editor.org/rfc/rfc9207#section-2 RFC 9207 (iss)
  */
@@ -1930,11 +1933,13 @@ async function exchangeCode(form: Params, ctx: Context) {
 
 /**
  * Rotates a refresh token: the old one stops working, and presenting it again revokes the
- * whole grant, since one of the two presenters must have stolen it (RFC 9700 §4.14.2). Within
- * `REFRESH_TOKEN_GRACE` of its rotation, though, a token the client has not gone on from is a
- * retry (the answer was lost on the way, or the client refreshed twice at once) and gets fresh
- * tokens too, as the FAPI 2.0 Security Profile asks of rotation. Once the client has used what
- * the rotation gave, the old token is a reuse (see `MemoryStore.redeem`).
+ * whole grant, since one of the two presenters must have stolen it. RFC 9700 §4.14.2 asks this
+ * of a server whose clients are public, as Latch's are (they hold no secret to prove who they
+ * are). Within `REFRESH_TOKEN_GRACE` of its rotation, though, a token the client has not gone on
+ * from is a retry (the answer was lost on the way, or the client refreshed twice at once) and
+ * gets fresh tokens too: the FAPI 2.0 Security Profile (§5.3.2.1), written for confidential
+ * clients and against rotation, asks that much of any server that rotates. Once the client has
+ * used what the rotation gave, the old token is a reuse (see `MemoryStore.redeem`).
  * @see https://www.rfc-editor.org/rfc/rfc6749#section-6
  * @see https://www.rfc-editor.org/rfc/rfc9700#section-4.14.2 RFC 9700 §4.14.2
  */
@@ -1949,8 +1954,9 @@ async function refreshGrant(form: Params, ctx: Context) {
   const graceMs = ctx.config.refreshTokenGraceSeconds * 1000
   const retriedSince = now - graceMs
   const { usedAt } = found.token
-  // A retry comes within the grace period of the rotation (kept to the whole second). A clock
-  // set back by more than the grace makes it a reuse: else the set-back would hold the grace open.
+  // A retry comes within the grace period of the rotation; `usedAt` is kept in whole seconds,
+  // rounded down, hence the 1000. A `usedAt` further ahead than the grace means the clock was set
+  // back since: a reuse, else the set-back would hold the grace open.
   const retry = graceMs > 0 && usedAt !== undefined && usedAt + 1000 > retriedSince && usedAt <= now + graceMs
   if (usedAt !== undefined && !retry) {
     await revokeReusedRefreshToken(found.token.grantId, found.grant.client_id, ctx) // whatever else the request says
@@ -7009,6 +7015,31 @@ async function fetchLogo(logoUrl: string, options: FetchRules): Promise<string |
 // starts leaves older entries behind the sweep's front for a while: reads still hide them.)
 // Grants and tokens need not; the sweep walks them in turn, a few thousand steps a time.
 // To put SQLite or Redis behind Latch, implement `Store`: twenty-four small methods.
+//
+// On SQL, each kind is a table keyed by hash with an `expires_at` column, and the two atomic steps
+// are one statement each: `UPDATE ... SET used_at = ? WHERE hash = ? AND used_at IS NULL AND
+// expires_at > ?` (one row changed: the first caller), in a transaction with the inserts of the
+// grant and the tokens; a refresh token's `UPDATE` also wants its grant not revoked (revoked
+// since Latch found it). A refresh token's retry within the grace period is the one exception:
+// its condition is `hash = ? AND expires_at > ? AND (used_at IS NULL OR (used_at >=
+// <retriedSince> AND hash = <its grant's last_rotated>))`, with `SET used_at = COALESCE(used_at,
+// ?)` so that a retry does not move it; each first redemption of a refresh token sets its grant's
+// `last_rotated`. `revokeGrant` deletes the grant and inserts it into a table of revoked ids;
+// `revokeApprovedBy` does that for every grant approved by a time and every code issued by then,
+// and deletes those codes, in one transaction. On Redis, each entry is a key with a TTL, and the
+// same step is a `WATCH`/`MULTI` or a small Lua script.
+//
+// A write the database refused (full, or unreachable) is thrown as `NotStored`, once its cause is
+// logged: the client is told 500 `server_error`, and nothing happened (a `touchGrant` that fails
+// so refuses no token). Any other error is a fault, answered 500 too, with its stack in the log.
+// Every call must settle, the database reachable or not: give its driver a timeout (a few
+// seconds), as Latch waits for the store as long as it takes, and a request waiting on a call that
+// never settles is never answered, and keeps its memory. `findSession` may be asked for up to 300
+// sessions at once, for the cookies of one request on http, and 4 on https (`findOwnerSession`).
+// What a store returns has each field a type says may be missing as `undefined`, never `null`:
+// turn a NULL column into `undefined` (Latch reads `usedAt !== undefined` as "used"). Latch sweeps
+// expired entries out of its own two stores; one of your own expires them itself (a TTL, or a
+// periodic `DELETE ... WHERE expires_at < ?`).
 
 /** Options of the in-memory store: caps so that a flood cannot grow memory without limit. */
 export type MemoryStoreOptions = {
