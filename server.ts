@@ -95,7 +95,7 @@ import type { FileHandle } from 'node:fs/promises'
 import type { Writable } from 'node:stream'
 import { basename, dirname, isAbsolute, join, resolve } from 'node:path'
 import { isatty } from 'node:tty'
-import { fileURLToPath } from 'node:url'
+import { domainToUnicode, fileURLToPath } from 'node:url'
 
 // Node 20.12 or later (21.7 or later on Node 21): node:crypto's one-shot `hash` came then. An
 // older Node is told so here, before anything runs, rather than failing on a missing export.
@@ -757,9 +757,18 @@ function isIpAddress(host: string): boolean {
   return /^(\d+|0x[0-9a-f]*)$/i.test(labels[labels.length - 1])
 }
 
+/**
+ * A host of letters, digits and hyphens. A label that begins `xn--` is an international name
+ * in punycode, and must decode (RFC 5891 §5.4), which Node's URL parser no longer checks from
+ * Node 24 on: `domainToUnicode` still does, and leaves a label it cannot decode as it was (or,
+ * before Node 24, gives '').
+ */
 function isDomainName(host: string): boolean {
   const labels = host.replace(/\.$/, '').split('.')
-  return labels.every((label) => /^[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?$/.test(label))
+  if (!labels.every((label) => /^[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?$/.test(label))) return false
+  if (!host.includes('xn--')) return true
+  const unicode = domainToUnicode(host)
+  return unicode !== '' && !unicode.split('.').some((label) => label.startsWith('xn--'))
 }
 
 /**
