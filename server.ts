@@ -47,7 +47,7 @@
 // --- Imports --------------------------------------------------------------------
 // node: modules only. Latch has no runtime dependencies.
 
-import { createServer, request as httpRequest } from 'node:http'
+import { createServer, request as httpRequest, STATUS_CODES } from 'node:http'
 import type {
   Agent,
   IncomingHttpHeaders,
@@ -3667,6 +3667,13 @@ function addressGroup(address: string): string {
   return `${new URL(`http://[${prefix}::]/`).hostname.slice(1, -1)}/64` // as an address is written: 2001:db8::/64
 }
 
+/** The status of node:http's answer to a request it could not read, by the code of its error; else 400. */
+const CLIENT_ERROR_STATUS: Record<string, number> = {
+  ERR_HTTP_REQUEST_TIMEOUT: 408,
+  HPE_CHUNK_EXTENSIONS_OVERFLOW: 413,
+  HPE_HEADER_OVERFLOW: 431,
+}
+
 /**
  * An http server whose slow clients cannot hold a connection for long (slowloris): headers
  * within 10 s, the whole request within 30 s, 5 s idle between requests, checked every second.
@@ -3675,7 +3682,8 @@ function addressGroup(address: string): string {
  * closed. And no more connections than `limits` allow, nor more than 8 answers waiting on one of
  * them (see `MAX_QUEUED_ANSWERS`). Connections closed for a limit are said in `log`, at most once
  * a minute. An `Expect` other than 100-continue is answered 417, and the connection closed,
- * without reading the body. Attach the handler with `server.on('request', handler)`.
+ * without reading the body; bytes that are no request, once the answer to the request before
+ * them is out. Attach the handler with `server.on('request', handler)`.
  */
 export function createLatchServer(
   timeouts: ServerTimeouts = SERVER_TIMEOUTS,
@@ -3713,6 +3721,19 @@ export function createLatchServer(
   })
   server.setTimeout(timeouts.idleMs, (socket: Socket) => {
     if (answers.get(socket)?.writableEnded !== false) socket.destroy()
+  })
+  // Bytes node:http cannot read. Behind a request it is answering (sent in one go with it), the
+  // answer goes out whole before the connection closes: node:http itself closes it at once,
+  // which from Node 24 on cut such an answer short. Else, node:http's own answer (400, or 408,
+  // 413, 431), and the connection closed.
+  server.on('clientError', (err: NodeJS.ErrnoException, socket: Socket) => {
+    const answer = answers.get(socket)
+    if (answer?.socket === socket && answer.headersSent) return void socket.end()
+    if (socket.writable) {
+      const status = CLIENT_ERROR_STATUS[err.code ?? ''] ?? 400
+      socket.write(`HTTP/1.1 ${status} ${STATUS_CODES[status]}\r\nConnection: close\r\n\r\n`)
+    }
+    socket.destroy(err)
   })
   server.maxConnections = limits.total
   // A flood closes thousands a second: the first is said at once; then, for as long as more

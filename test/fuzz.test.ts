@@ -76,7 +76,7 @@ type Target = Pick<TestServer, 'port' | 'logs' | 'advance' | 'close'> & {
 
 /** Starts Latch (test/harness.ts), with what the fuzzer needs to know of it. */
 async function startTarget(name: Target['name'], env: Record<string, string>): Promise<Target> {
-  const { port, logs, advance, close } = await startLatch(env)
+  const { port, logs, advance, close } = await startLatch(env, { latchServer: true }) // as the command runs it
   return {
     name,
     port,

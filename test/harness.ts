@@ -5,7 +5,7 @@ import { createServer } from 'node:http'
 import { setTimeout as delay } from 'node:timers/promises'
 import type { IncomingMessage, Server, ServerResponse } from 'node:http'
 import type { AddressInfo } from 'node:net'
-import { createHandler, loadConfig } from '../server.ts'
+import { createHandler, createLatchServer, loadConfig } from '../server.ts'
 import type { Store } from '../server.ts'
 
 /** Where every test clock starts: a fixed instant, so that `exp` and `iat` can be asserted. */
@@ -23,13 +23,15 @@ export type TestServer = {
 
 /**
  * Starts Latch with the given settings (PORT is 0), and a store of the test's own if it passes
- * one; `maxHeaderSize` as an app that lets in larger headers than node:http's 16 KiB would.
+ * one; `maxHeaderSize` as an app that lets in larger headers than node:http's 16 KiB would. Its
+ * handler is on a bare node:http server, as an app may put it, or with `latchServer` on the one
+ * the command runs (`createLatchServer`: its timeouts and limits, its answers to unreadable bytes).
  */
 export async function startLatch(
   env: Record<string, string> = {},
-  options: { store?: Store; maxHeaderSize?: number } = {},
+  options: { store?: Store; maxHeaderSize?: number; latchServer?: true } = {},
 ): Promise<TestServer> {
-  const server = createServer({ maxHeaderSize: options.maxHeaderSize })
+  const server = options.latchServer ? createLatchServer() : createServer({ maxHeaderSize: options.maxHeaderSize })
   await new Promise<void>((resolve) => server.listen(0, '127.0.0.1', resolve))
   const port = (server.address() as AddressInfo).port
   const config = loadConfig({ PORT: '0', DATA_FILE: 'memory', ...env }, [], { boundPort: port })
