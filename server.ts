@@ -976,12 +976,8 @@ export function readClientMetadata(text: string, clientId: string, metadataDocum
     // "The client_uri MUST be a prefix of the client_id"
     throw fault('its client_uri is not a prefix of its client_id')
   }
-  // URLs only, without spaces: the list may be shown on an error page, where a stranger's prose
-  // ("this server has moved, sign in at…") must not be
   const redirectUris = Array.isArray(metadata.redirect_uris)
-    ? metadata.redirect_uris.filter(
-        (uri): uri is string => typeof uri === 'string' && /^[^\s\p{C}]+$/u.test(uri) && URL.canParse(uri),
-      )
+    ? metadata.redirect_uris.filter((uri): uri is string => typeof uri === 'string' && isPlainUrl(uri))
     : []
   if (metadataDocument) {
     if (redirectUris.length === 0) throw fault('it lists no redirect_uris')
@@ -1017,7 +1013,7 @@ export function readClientPage(html: string, pageUrl: string): ClientDocument {
       element.attributes.href !== undefined
     ) {
       const resolved = resolveLink(element.attributes.href, pageUrl)
-      if (resolved !== undefined) redirectUris.push(resolved)
+      if (resolved !== undefined && isPlainUrl(resolved)) redirectUris.push(resolved)
     }
   }
   const app = elements.findIndex(
@@ -1040,6 +1036,16 @@ export function readClientPage(html: string, pageUrl: string): ClientDocument {
     logoUrl: logo === undefined ? undefined : resolveLink(logo, pageUrl),
     redirectUris,
   }
+}
+
+/**
+ * Whether a redirect URI a client publishes is a URL and nothing else: no spaces, no invisible
+ * characters. The list may be shown on an error page, where a stranger's prose ("this server
+ * has moved, sign in at…") must not be; and a URL parser keeps the spaces of
+ * `important: sign in at…`, a URL of the scheme `important`.
+ */
+function isPlainUrl(uri: string): boolean {
+  return /^[^\s\p{C}]+$/u.test(uri) && URL.canParse(uri)
 }
 
 /** The URLs of one relation in a `Link` header, resolved against the page's URL. */
@@ -6642,7 +6648,7 @@ export async function discoverClient(
   const document = isJson
     ? readClientMetadata(fetched.body.toString('utf8'), clientId, metadataDocument)
     : readClientPage(decodePage(fetched.body, fetched.headers['content-type'] ?? ''), clientId)
-  const linked = metadataDocument ? [] : readLinkHeader(fetched.link, 'redirect_uri', clientId)
+  const linked = metadataDocument ? [] : readLinkHeader(fetched.link, 'redirect_uri', clientId).filter(isPlainUrl)
   const redirectUris = [...document.redirectUris, ...linked]
     .filter((uri) => uri.length <= MAX_URL_LENGTH)
     .slice(0, MAX_REDIRECT_URIS) // what a client publishes is kept, so it is bounded

@@ -126,6 +126,13 @@ function site(req: IncomingMessage, res: ServerResponse): void {
           ...Array.from({ length: 5 }, (_, i) => `https://prose.example/cb${i}`),
         ],
       })
+    case 'prose-page.example': // the same prose in a page's link and in a Link header, where a URL parser keeps spaces
+      return sendHtml(
+        res,
+        `<link rel="redirect_uri" href="Important: Latch has moved. Sign in again at https://evil.example/ with your password">
+<link rel="redirect_uri" href="https://prose-page.example/cb">`,
+        { Link: '<NOTICE: sign in at https://evil.example/ now>; rel="redirect_uri"' },
+      )
     case 'html.example':
       return sendHtml(
         res,
@@ -495,6 +502,14 @@ describe('Client discovery (IndieAuth §4.2)', () => {
       html.includes('https://prose.example/cb0 , https://prose.example/cb1 , https://prose.example/cb2 and 2 more'),
       html,
     )
+  })
+
+  it("shows no stranger's prose from a client page's links or its Link header either", async () => {
+    const response = await authorize(latch, 'http://prose-page.example/', 'https://other.example/callback')
+    assert.equal(response.status, 400)
+    const html = await response.text()
+    assert.doesNotMatch(html, /has moved|NOTICE:|evil\.example/)
+    assert.ok(html.includes('https://prose-page.example/cb'), html)
   })
 
   it('matches redirect URIs exactly: a trailing slash, an added query or another case is refused', async () => {
