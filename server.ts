@@ -1475,7 +1475,15 @@ function renderConsentPage(
     expected !== undefined && expected !== new URL(config.me).host
       ? `<p class="muted">The app expected <code>${isolate(expected)}</code>.</p>`
       : ''
-  const appName = request.client_name ?? clientHost
+  // a name with a dot may name another site ("accounts.example.com"), where the app is not: the
+  // heading then adds the host the app is at, which is where its name came from
+  const named = request.client_name
+  const appName =
+    named === undefined
+      ? clientHost
+      : named.includes('.') && named.toLowerCase() !== clientHost
+        ? `${named} (${clientHost})`
+        : named
   return renderPage(
     `Sign in to ${appName}`,
     `<h1>${logo}Sign in to ${isolate(appName)}</h1>

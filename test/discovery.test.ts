@@ -126,6 +126,18 @@ function site(req: IncomingMessage, res: ServerResponse): void {
           ...Array.from({ length: 5 }, (_, i) => `https://prose.example/cb${i}`),
         ],
       })
+    case 'sitename.example': // a name that passes for another site
+      return sendJson(res, {
+        client_id: 'http://sitename.example/',
+        client_name: 'https://accounts.google.com/ (Google)',
+        redirect_uris: ['http://sitename.example/callback'],
+      })
+    case 'micro.example':
+      return sendJson(res, {
+        client_id: 'http://micro.example/',
+        client_name: 'Micro.example',
+        redirect_uris: ['http://micro.example/callback'],
+      })
     case 'prose-page.example': // the same prose in a page's link and in a Link header, where a URL parser keeps spaces
       return sendHtml(
         res,
@@ -429,6 +441,21 @@ describe('Client discovery (IndieAuth §4.2)', () => {
       /class="warning">After you decide, your browser goes to <code><bdi>other\.example<\/bdi><\/code>, not to <code><bdi>json\.example<\/bdi><\/code>/,
     )
     assert.doesNotMatch(html, /src="http/) // the page loads nothing from elsewhere
+  })
+
+  it("heads the consent page with the app's own host too when its name may name another site", async () => {
+    const heading = async (clientId: string) => {
+      const html = await (await authorize(latch, clientId, `${clientId}callback`)).text()
+      return [/<title>([^<]*)<\/title>/.exec(html)?.[1], /<h1>(.*)<\/h1>/.exec(html)?.[1]]
+    }
+    assert.deepEqual(await heading('http://sitename.example/'), [
+      'Sign in to https://accounts.google.com/ (Google) (sitename.example)',
+      'Sign in to <bdi>https://accounts.google.com/ (Google) (sitename.example)</bdi>',
+    ])
+    assert.deepEqual(await heading('http://micro.example/'), [
+      'Sign in to Micro.example', // its own host for a name: said once
+      'Sign in to <bdi>Micro.example</bdi>',
+    ])
   })
 
   it('shows the logo it fetched beside the app on /apps, once the owner has approved', async () => {
