@@ -1873,7 +1873,9 @@ describe('Keys and data that only a forger would send', () => {
     identity[0] = 1
     const forged = Buffer.concat([identity, Buffer.alloc(32)]) // R the identity point, S zero
     const weak = createPublicKey({ key: { kty: 'OKP', crv: 'Ed25519', x: base64url(identity) }, format: 'jwk' })
-    assert.equal(verify(null, Buffer.from('any message'), weak, forged), true)
+    // OpenSSL 3.0 (Node 20, and older Node 22) verifies it; OpenSSL 3.5 refuses such a key itself
+    if (process.versions.openssl.startsWith('3.0.'))
+      assert.equal(verify(null, Buffer.from('any message'), weak, forged), true)
     const smallOrder = [
       '0000000000000000000000000000000000000000000000000000000000000000',
       '0100000000000000000000000000000000000000000000000000000000000000',
