@@ -758,10 +758,10 @@ function isIpAddress(host: string): boolean {
 }
 
 /**
- * A host of letters, digits and hyphens. A label that begins `xn--` is an international name
- * in punycode, and must decode (RFC 5891 §5.4), which Node's URL parser no longer checks from
- * Node 24 on: `domainToUnicode` still does, and leaves a label it cannot decode as it was (or,
- * before Node 24, gives '').
+ * A host of letters, digits and hyphens. A label that begins `xn--` is an international name in
+ * punycode, and must decode (an A-label, RFC 5890 §2.3.2.1), which Node's URL parser no longer
+ * checks from Node 24 on: `domainToUnicode` still does, and leaves a label it cannot decode as it
+ * was (or, before Node 24, gives '').
  */
 function isDomainName(host: string): boolean {
   const labels = host.replace(/\.$/, '').split('.')
