@@ -602,7 +602,8 @@ export function isScopeToken(value: string): boolean {
   return /^[\x21\x23-\x5b\x5d-\x7e]+$/.test(value) // scope-token = 1*( %x21 / %x23-5B / %x5D-7E )
 }
 
-const utf8 = new TextDecoder('utf-8', { fatal: true, ignoreBOM: true }) // the URL standard keeps a BOM in a value
+// the Encoding Standard's "UTF-8 decode without BOM": the URL standard keeps a BOM in a value
+const utf8 = new TextDecoder('utf-8', { fatal: true, ignoreBOM: true })
 
 /**
  * Parses `application/x-www-form-urlencoded` text (a body or a query string): `+` is a space,
@@ -3129,8 +3130,10 @@ const MAX_UNREAD_LOG = 16 * 1024 * 1024
 // --- HTTP plumbing --------------------------------------------------------------
 // Read a form, send JSON, redirect. What OAuth asks of them (its error codes, and the JSON body of
 // an error) is said where it is used; the pages come two sections on. Then who sent a request
-// (its address, read through the proxies `TRUST_PROXY` names), a clock that never goes back, and
-// slots that bound how much of some work runs at once.
+// (its address, read through the proxies `TRUST_PROXY` names), a clock that never goes back,
+// slots that bound how much of some work runs at once, and what a Latch keeps in memory beside its
+// store (`Kept`), shared by every handler of one store and settings, with the timer that sweeps
+// the store.
 
 const MAX_BODY_BYTES = 64 * 1024
 
@@ -3226,8 +3229,9 @@ function readBody(req: IncomingMessage): Promise<Buffer> {
 /**
  * A body in a coding Latch does not undo. node:http takes `chunked` off and leaves any other
  * transfer coding (`gzip, chunked`) on, so the bytes would be read as a form when they are not,
- * and perhaps not as a proxy in front read them. RFC 9112 §6.1 suggests 501 for a transfer
- * coding a server does not know; a stranger's request gets a 4xx here, as every other does.
+ * and perhaps not as a proxy in front read them. RFC 9112 §6.1 says a server SHOULD answer
+ * 501 to a transfer coding it does not know: Latch departs from it, and answers 400, since a 5xx
+ * would say the server failed, and a stranger's request gets a 4xx here, as every other does.
  * @see https://www.rfc-editor.org/rfc/rfc9112#section-6.1 RFC 9112 §6.1
  * @see https://www.rfc-editor.org/rfc/rfc9110#section-15.5.16 RFC 9110 §15.5.16
  */
@@ -3409,11 +3413,12 @@ function steadyClock(now: () => number): () => number {
 }
 
 /**
- * What a Latch keeps in memory besides its store, one set for each store and configuration: a
- * handler made at each request, or two serving one Latch, still count wrong passwords and
- * refreshes once, on one steady clock, know each other's passkey challenges, share discovery's
- * cache and slots, warn of an unnamed proxy once, and sweep the store once. Handlers of one store
- * with other settings (another password, another `ISSUER`) are other Latches, and keep their own.
+ * What a Latch keeps in memory besides its store, one set for each store and configuration,
+ * which all their handlers share instead of each starting from zero: handlers made at each
+ * request, or two serving one Latch, count wrong passwords and refreshes once, on one steady
+ * clock, know each other's passkey challenges, share discovery's cache and slots, warn of an
+ * unnamed proxy once, and sweep the store once. Handlers of one store with other settings
+ * (another password, another `ISSUER`) are other Latches, and keep their own.
  */
 type Kept = {
   shared: Pick<
@@ -3696,8 +3701,8 @@ const CLIENT_ERROR_STATUS: Record<string, number> = {
  * closed. And no more connections than `limits` allow, nor more than 8 answers waiting on one of
  * them (see `MAX_QUEUED_ANSWERS`). Connections closed for a limit are said in `log`, at most once
  * a minute. An `Expect` other than 100-continue is answered 417, and the connection closed,
- * without reading the body; bytes that are no request, once the answer to the request before
- * them is out. Attach the handler with `server.on('request', handler)`.
+ * without reading the body. Bytes that are no request close the connection too, but only once
+ * the answer to the request before them has gone out whole. Attach the handler with `server.on('request', handler)`.
  */
 export function createLatchServer(
   timeouts: ServerTimeouts = SERVER_TIMEOUTS,
@@ -3722,7 +3727,8 @@ export function createLatchServer(
     if (socket.destroyed) return // the rest of what a connection closed below had sent at once
     const before = answers.get(socket)
     answers.set(socket, res)
-    // a request behind one marked at the stop: this one's answer closes the connection instead
+    // a request sent behind an answer that the stop marked to close the connection: that answer
+    // leaves it open after all, so that this one is answered too, and this one's closes it
     if (stopping && before !== undefined && closing.has(before) && !before.headersSent) before.shouldKeepAlive = true
     if (before === undefined || before.writableFinished) return // the usual case: one at a time
     const count = (queued.get(socket) ?? 0) + 1
@@ -4656,8 +4662,9 @@ export async function verifyPassword(password: string, passwordHash: string): Pr
 
 /**
  * A hash's cost must be one this machine can pay for every wrong password a stranger sends, two
- * at a time: at most 256 MiB of work (128 · 2^ln · r · p bytes; 2^17 with r=8, OWASP's advice,
- * is 128 MiB). And at least ln=10 with r=8 (the tests' cost): less makes each guess nearly free.
+ * at a time: at most 256 MiB of work, 128 · 2^ln · r · p bytes (scrypt's memory is 128 · 2^ln · r
+ * bytes, gone through p times; 2^17 with r=8 and p=1, OWASP's advice, is 128 MiB). And at least
+ * ln=10 with r=8 (the tests' cost): less makes each guess nearly free.
  */
 function parsePasswordHash(value: string): PasswordHash | undefined {
   const match = PASSWORD_HASH_FORMAT.exec(value)
@@ -4696,12 +4703,13 @@ function runScrypt(password: string, params: { ln: number; r: number; p: number;
 // is the device signing a challenge Latch made. What arrives is three byte strings a browser hands
 // over: `clientDataJSON` (what the browser saw: the challenge and the page's origin),
 // `authenticatorData` (what the device says: which site, whether the person was there, a counter)
-// and a signature over both. Registration sends an `attestationObject` instead, a CBOR map that
-// carries the authenticator data with the new public key in it, as a COSE key. So WebAuthn needs
-// no library: a small CBOR reader, COSE keys turned into JWKs for `createPublicKey`, and the checks
-// of the spec's two ceremonies (§7.1 and §7.2), each of which throws a `PasskeyError` that says
-// which check failed. Latch trusts the owner, not the device's maker: an attestation statement,
-// if the device sends one, is ignored.
+// and a signature over the authenticator data and the SHA-256 hash of the client data.
+// Registration sends an `attestationObject` instead, a CBOR map that carries the authenticator
+// data with the new public key in it, as a COSE key. So WebAuthn needs no library: a small CBOR
+// reader, COSE keys turned into JWKs for `createPublicKey`, and the checks of the spec's two
+// ceremonies (§7.1 and §7.2), each of which throws a `PasskeyError` that says which check failed.
+// Latch trusts the owner, not the device's maker: an attestation statement, if the device sends
+// one, is ignored.
 
 /** A WebAuthn check that failed; its message says which, for the log and the page. */
 export class PasskeyError extends Error {}
@@ -4712,13 +4720,14 @@ const MAX_CBOR_DEPTH = 16
 const MAX_CREDENTIAL_ID_BYTES = 1_023
 const MIN_RSA_BITS = 2_048
 const MAX_RSA_BITS = 4_096
-const utf8WithoutBom = new TextDecoder('utf-8', { fatal: true })
+const utf8DroppingBom = new TextDecoder('utf-8', { fatal: true }) // the Encoding Standard's "UTF-8 decode"
 
 /**
  * Reads one CBOR data item (RFC 8949 §3) at `offset`: its value and where it ends. Enough CBOR for
- * WebAuthn, whose authenticators must send the core deterministic encoding: integers, byte and
- * text strings, arrays, maps, `true`, `false`, `null`. Indefinite lengths, tags and floats never
- * occur there, and are refused, as is anything that claims more bytes than there are.
+ * WebAuthn, whose authenticators send CTAP2's canonical form: integers, byte and text strings,
+ * arrays, maps, `true`, `false`, `null`. Indefinite lengths, tags and floats never occur there,
+ * and are refused, as is anything that claims more bytes than there are. That the encoding is
+ * the canonical one (its map keys in order, say) is not checked: nothing here depends on it.
  * @see https://www.rfc-editor.org/rfc/rfc8949#section-3
  */
 export function readCbor(bytes: Buffer, offset = 0, depth = 0): { value: unknown; end: number } {
@@ -4791,7 +4800,8 @@ function readCborArgument(bytes: Buffer, offset: number): { argument: number; en
   const major = bytes[offset] >> 5
   if (major === 7) return { argument: 0, end: offset + 1 }
   if (low < 24) return { argument: low, end: offset + 1 }
-  if (low > 27) throw new PasskeyError('CBOR indefinite lengths are not used by WebAuthn')
+  if (low === 31) throw new PasskeyError('CBOR indefinite lengths are not used by WebAuthn')
+  if (low > 27) throw new PasskeyError('CBOR reserved values (28 to 30) are not well-formed') // RFC 8949 §3
   const size = 2 ** (low - 24) // 1, 2, 4 or 8 bytes
   if (offset + 1 + size > bytes.length) throw new PasskeyError('CBOR ends inside a length')
   const big = size === 8 ? bytes.readBigUInt64BE(offset + 1) : BigInt(bytes.readUIntBE(offset + 1, size))
@@ -4801,7 +4811,8 @@ function readCborArgument(bytes: Buffer, offset: number): { argument: number; en
 
 /**
  * A COSE key (RFC 9052 §7, as a map `readCbor` made) as a node:crypto public key: each of the
- * three kinds Latch accepts becomes the JWK it is (RFC 9053 §2, §7; RFC 8812 §2).
+ * three kinds Latch accepts becomes the JWK it is (RFC 9053 §2, §7 for EC2 and OKP keys; RFC 8230
+ * §4 for RSA keys, and RFC 8812 §2 for RS256).
  * @see https://www.w3.org/TR/webauthn-3/#sctn-encoded-credPubKey-examples
  */
 export function readCoseKey(cose: unknown): { key: KeyObject; algorithm: number } {
@@ -5018,7 +5029,8 @@ export function verifyAuthentication(
   const digest = expected.algorithm === COSE_ALGORITHMS.EdDSA ? null : 'sha256'
   if (!SUPPORTED_ALGORITHMS.includes(expected.algorithm) || !verifies(digest, signed, key, response.signature))
     throw new PasskeyError('the signature does not verify with the stored public key')
-  // step 22: a counter that does not grow means two devices hold the key: a clone
+  // step 22: a counter that does not grow may mean that two devices hold the key, one of them a
+  // clone; the spec leaves it to the server whether to refuse, and Latch does
   if ((data.counter !== 0 || expected.counter !== 0) && data.counter <= expected.counter)
     throw new PasskeyError(
       `the signature counter went from ${expected.counter} to ${data.counter}, not up: ` +
@@ -5054,7 +5066,7 @@ function checkClientData(json: Buffer, type: string, expected: CeremonyExpectati
  */
 function readClientData(json: Buffer): unknown {
   try {
-    return JSON.parse(utf8WithoutBom.decode(json))
+    return JSON.parse(utf8DroppingBom.decode(json))
   } catch {
     throw new PasskeyError('the client data is not JSON')
   }
@@ -5072,11 +5084,12 @@ function checkAuthenticatorData(data: AuthenticatorData, rpId: string): void {
 
 // Where passkeys work, and the challenges: each is made for one browser (its session when the
 // owner is signed in, else its CSRF cookie), for one purpose, and on a consent page for one
-// pending request; it is used once, right or wrong, within five minutes. Anyone may ask for a
-// challenge, so making one stores nothing: a challenge is 16 random bytes, its expiry, and an
-// HMAC of both and of what it is bound to, under a key this process drew at start. Only a used
-// challenge is remembered, until it expires, and using one takes a sign-in attempt with a passkey
-// stored here (counted per address, as a password is, though not in the total) or the owner's session.
+// pending request; it is used once, right or wrong, by an answer that names a passkey stored
+// here, within five minutes. Anyone may ask for a challenge, so making one stores nothing: a
+// challenge is 16 random bytes, its expiry, and an HMAC of both and of what it is bound to, under
+// a key this process drew at start. Only a used challenge is remembered, until it expires, and
+// using one takes a sign-in attempt with a passkey stored here (counted per address, as a
+// password is, though not in the total) or the owner's session.
 
 /** What a challenge is made for: checked by its HMAC when an answer comes back. */
 export type PasskeyChallenge = {
@@ -5319,8 +5332,9 @@ async function findPasskeyForHere(id: string, rp: { id: string }, ctx: Context):
 // `requireOwner` where only the signed-in owner may act).
 
 /**
- * Shows the connected apps to the signed-in owner, and a sign-in form to anyone else.
- * @see https://www.rfc-editor.org/rfc/rfc7009#section-1 RFC 7009 §1 (revocation by the end user)
+ * Shows the connected apps to the signed-in owner, and a sign-in form to anyone else. No
+ * standard defines this page: RFC 7009 lets an app revoke its own tokens, and here the owner
+ * revokes an app's.
  */
 async function handleAppsPage(req: IncomingMessage, res: ServerResponse, ctx: Context): Promise<void> {
   const visitor = await readVisitor(req, ctx)
@@ -5432,8 +5446,9 @@ async function handleSignOutEverywhere(req: IncomingMessage, res: ServerResponse
 }
 
 /**
- * Revokes one grant: its access and refresh tokens stop working at once.
- * @see https://www.rfc-editor.org/rfc/rfc7009#section-1 RFC 7009 §1 (revocation by the end user)
+ * Revokes one grant: its access and refresh tokens stop working at once, as RFC 7009 §2.1 asks
+ * when an app revokes its refresh token.
+ * @see https://www.rfc-editor.org/rfc/rfc7009#section-2.1 RFC 7009 §2.1
  */
 async function handleAppRevocation(req: IncomingMessage, res: ServerResponse, ctx: Context): Promise<void> {
   const form = await readForm(req)
@@ -5451,7 +5466,6 @@ async function handleAppRevocation(req: IncomingMessage, res: ServerResponse, ct
 /**
  * Revokes every grant, once the owner has said yes a second time: the first press shows what
  * would end, with one button that carries `confirm=yes`.
- * @see https://www.rfc-editor.org/rfc/rfc7009#section-1 RFC 7009 §1 (revocation by the end user)
  */
 async function handleAllAppsRevocation(req: IncomingMessage, res: ServerResponse, ctx: Context): Promise<void> {
   const form = await readForm(req)

@@ -571,6 +571,12 @@ describe('readCbor', () => {
     refuses(() => readCbor(Buffer.from('bf61610161629f0203ffff', 'hex')))
   })
 
+  it('names reserved additional information (28 to 30) as such, not as an indefinite length', () => {
+    for (const initial of ['1c', '3d', '5e', '9e', 'bc'])
+      assert.throws(() => readCbor(Buffer.from(`${initial}00`, 'hex')), /reserved/)
+    assert.throws(() => readCbor(Buffer.from('5f42010243030405ff', 'hex')), /indefinite/)
+  })
+
   it('refuses tags', () => {
     refuses(() => readCbor(Buffer.from('c074323031332d30332d32315432303a30343a30305a', 'hex')))
     refuses(() => readCbor(Buffer.from('c11a514b67b0', 'hex')))
