@@ -4852,6 +4852,10 @@ describe('Pages that explain themselves', () => {
     assert.match(html, /Too many wrong passwords: try again in \d+ seconds/)
     assert.match(html, /type="password"/) // the form is there again
     assert.match(response.headers.get('retry-after') ?? '', /^\d+$/)
+    locked.advance(Number(response.headers.get('retry-after')) - 1)
+    const last = await submitConsent(locked, consent, { password: 'wrong guess' })
+    assert.equal(last.status, 429)
+    assert.match(await last.text(), /try again in 1 second</)
   })
 
   it('counts the wrong passwords of an IPv6 /64 together, as one host may use any address in it', async () => {

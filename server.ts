@@ -4567,7 +4567,8 @@ async function checkSignIn(
   if (locked > now) {
     const retryAfter = String(Math.ceil((locked - now) / 1000))
     noteError(res, 'too_many_requests')
-    const message = `Too many ${byPasskey ? 'failed sign-ins' : 'wrong passwords'}: try again in ${retryAfter} seconds`
+    const wait = `${retryAfter} second${retryAfter === '1' ? '' : 's'}`
+    const message = `Too many ${byPasskey ? 'failed sign-ins' : 'wrong passwords'}: try again in ${wait}`
     return { status: 429, message, headers: { 'Retry-After': retryAfter } }
   }
   if (!byPasskey && !ctx.config.passwordSignIn)
