@@ -3888,6 +3888,7 @@ const STYLESHEET = `
   --bg: #fbfbfd;
   --muted: #55535e;
   --line: #c9c7d1;
+  --field: #85838f; /* a field's border, the one sign of where it is: 3:1 and more in light and dark (WCAG 1.4.11) */
   --accent: #1f4fd1;
   --danger: #b3261e;
   --panel: #fff;
@@ -3950,14 +3951,15 @@ input:not([type]) {
   font: inherit;
   color: inherit;
   background: var(--panel);
-  border: 1px solid var(--line);
+  border: 1px solid var(--field);
   border-radius: .4rem;
 }
+::placeholder { color: var(--muted); }
 .actions { display: flex; flex-wrap: wrap; gap: .75rem; margin: 1.25rem 0 1rem; }
 [hidden] { display: none !important; }
 .passkey { border-top: 1px solid var(--line); padding-top: .5rem; }
 .passkey h3 { font-size: 1rem; margin: 0 0 .25rem; }
-.actions > * { flex: 1; }
+.actions > * { flex: 1 1 6rem; }
 button {
   width: 100%;
   padding: .7rem 1rem;
@@ -3979,7 +3981,7 @@ select {
   font: inherit;
   color: inherit;
   background: var(--panel);
-  border: 1px solid var(--line);
+  border: 1px solid var(--field);
   border-radius: .4rem;
   padding: .4rem;
   margin-left: .25rem;

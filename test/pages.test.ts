@@ -173,19 +173,78 @@ function isPng(bytes: Buffer): boolean {
 }
 
 /**
+ * What a page shows below WCAG 2.2 AA's contrast: a field's border against what is on either side
+ * of it under 3:1 (1.4.11: the border is all that shows where a field is), a placeholder against
+ * its field under 4.5:1 (1.4.3). Computed from the colours the browser resolved.
+ */
+const LOW_CONTRAST = `(() => {
+  const rgba = (color) => { const [r, g, b, a = 1] = color.match(/[\\d.]+/g).map(Number); return { r, g, b, a } }
+  const channel = (v) => (v / 255 <= 0.03928 ? v / 255 / 12.92 : ((v / 255 + 0.055) / 1.055) ** 2.4)
+  const luminance = ({ r, g, b }) => 0.2126 * channel(r) + 0.7152 * channel(g) + 0.0722 * channel(b)
+  const ratio = (x, y) => { const [hi, lo] = [luminance(x), luminance(y)].sort((p, q) => q - p); return (hi + 0.05) / (lo + 0.05) }
+  const behind = (element) => {
+    for (let at = element.parentElement; at !== null; at = at.parentElement) {
+      const color = rgba(getComputedStyle(at).backgroundColor)
+      if (color.a > 0) return color
+    }
+    return rgba(getComputedStyle(document.documentElement).backgroundColor)
+  }
+  const found = []
+  for (const field of document.querySelectorAll('input:not([type=hidden]):not([type=checkbox]):not([type=radio]), select')) {
+    if (field.getClientRects().length === 0) continue
+    const style = getComputedStyle(field)
+    const around = behind(field)
+    const fill = rgba(style.backgroundColor).a > 0 ? rgba(style.backgroundColor) : around
+    const border = Math.min(ratio(rgba(style.borderTopColor), around), ratio(rgba(style.borderTopColor), fill))
+    if (border < 3) found.push(field.name + ': border ' + border.toFixed(2) + ':1')
+    if (field.placeholder) {
+      const shown = ratio(rgba(getComputedStyle(field, '::placeholder').color), fill)
+      if (shown < 4.5) found.push(field.name + ': placeholder ' + shown.toFixed(2) + ':1')
+    }
+  }
+  return found
+})()`
+
+/**
+ * The buttons of a row whose label cannot fit a word of it on one line, so that the browser breaks
+ * it inside (WCAG 1.4.10 asks for no loss at 320 CSS pixels; "Appr|ove" is a loss).
+ */
+const BROKEN_WORDS = `(() => {
+  const measure = document.createElement('canvas').getContext('2d')
+  const found = []
+  for (const button of document.querySelectorAll('.actions button')) {
+    if (button.getClientRects().length === 0) continue
+    const style = getComputedStyle(button)
+    measure.font = style.fontWeight + ' ' + style.fontSize + ' ' + style.fontFamily
+    const room = button.clientWidth - parseFloat(style.paddingLeft) - parseFloat(style.paddingRight)
+    for (const word of button.innerText.split(/\\s+/))
+      if (measure.measureText(word).width > room + 0.5) found.push(word + ' in ' + Math.round(room) + ' px')
+  }
+  return found
+})()`
+
+/**
  * Screenshots the whole page at each width, in light and in dark, checking that nothing is wider
  * than the window, nor than a small phone's zoomed to 200% (160 CSS pixels, WCAG's reflow asks
- * 320); keeps them under docs/screenshots/ when asked to. Leaves the page light, at a phone's width.
+ * 320), that no button's word is broken at 320, and that fields and placeholders stand out (see
+ * `LOW_CONTRAST`); keeps them under docs/screenshots/ when asked to. Leaves the page light, at a
+ * phone's width.
  */
 async function capture(page: Page, name: string): Promise<void> {
   if (WRITE_SCREENSHOTS) await mkdir(SCREENSHOTS, { recursive: true })
-  for (const [width, viewport] of [...WIDTHS, ['zoomed', { width: 160, height: 600 }] as const]) {
+  const sizes = [...WIDTHS, ['small', { width: 320, height: 640 }], ['zoomed', { width: 160, height: 600 }]] as const
+  for (const [width, viewport] of sizes) {
     await page.setViewportSize(viewport)
     const scrollWidth = await page.evaluate<number>('document.documentElement.scrollWidth')
     assert.ok(scrollWidth <= viewport.width, `${name} is ${scrollWidth} px wide in a ${viewport.width} px window`)
     if (width === 'zoomed') continue
+    if (width === 'small') {
+      assert.deepEqual(await page.evaluate<string[]>(BROKEN_WORDS), [], `${name}: words broken at 320 px`)
+      continue
+    }
     for (const colorScheme of SCHEMES) {
       await page.emulateMedia({ colorScheme })
+      assert.deepEqual(await page.evaluate<string[]>(LOW_CONTRAST), [], `${name} (${colorScheme}): low contrast`)
       const png = await page.screenshot({ fullPage: true, animations: 'disabled' }) // the buttons shown
       assert.ok(isPng(png), `screenshot ${name}-${width}-${colorScheme} is a PNG`)
       if (WRITE_SCREENSHOTS) await writeFile(new URL(`${name}-${width}-${colorScheme}.png`, SCREENSHOTS), png)
