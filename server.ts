@@ -4069,7 +4069,10 @@ if (window.PublicKeyCredential) {
           status.textContent = 'The passkey did not work: ' + err.message
           status.hidden = false
         })
-        .finally(() => (button.disabled = false))
+        .finally(() => {
+          button.disabled = false
+          if (document.activeElement === document.body) button.focus() // disabled, it had lost focus
+        })
     })
     // Pressed, by a click or by Enter where it is the first button, it uses a passkey rather than
     // send the form as it is; and so does Enter in a form without a button of its own (a name)

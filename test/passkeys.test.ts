@@ -359,6 +359,40 @@ describe('The owner signs in with a passkey (WebAuthn) in a browser', () => {
     }
   })
 
+  it(
+    'keeps the focus on the passkey button when the passkey fails, for a keyboard and a screen reader',
+    { skip: SKIP },
+    async () => {
+      const failing = await browser.newContext({ viewport: VIEWPORT })
+      failing.setDefaultTimeout(WAIT)
+      try {
+        const other = await failing.newPage()
+        watch(other, 'failing', seen)
+        // a device that holds no passkey of this site, and whose person is never verified: the ceremony fails
+        const cdp = await failing.newCDPSession(other)
+        await cdp.send('WebAuthn.enable')
+        await cdp.send('WebAuthn.addVirtualAuthenticator', {
+          options: {
+            protocol: 'ctap2',
+            transport: 'internal',
+            hasResidentKey: true,
+            hasUserVerification: true,
+            isUserVerified: false,
+            automaticPresenceSimulation: true,
+          },
+        })
+        await other.goto(`${latch.issuer}/apps`)
+        const button = passkeyButton(other)
+        await button.focus()
+        await other.keyboard.press('Enter')
+        await other.getByRole('alert').filter({ hasText: 'The passkey did not work' }).waitFor()
+        assert.equal(await button.evaluate((element) => element === element.ownerDocument.activeElement), true)
+      } finally {
+        await failing.close()
+      }
+    },
+  )
+
   it('removes the passkey on /apps: the list no longer has it', { skip: SKIP }, async () => {
     // a second browser opens the sign-in page first, while the passkey exists, with the same key
     staleContext = await browser.newContext({ viewport: VIEWPORT })
