@@ -6147,9 +6147,10 @@ ${csrfField}<input type="hidden" name="once" value="${createSecret()}">
 <p><label>Token name <input name="name" required maxlength="${MAX_NAME_LENGTH}" placeholder="Deploy notes"></label></p>
 <p><label>Scopes <input name="scope" required value="create" autocapitalize="none" spellcheck="false"></label></p>
 <p><label>For the service at (optional)
-<input name="resource" type="url" placeholder="https://example.com/mcp" aria-describedby="resource-note"></label></p>
-<p class="muted" id="resource-note">Only a service that names itself when it checks a token, as an
-MCP server does, takes a token made for it. Leave it empty for Micropub.</p>
+<input name="resource" type="url" aria-describedby="resource-note"></label></p>
+<p class="muted" id="resource-note">Its URL, as <code>https://example.com/mcp</code>. Only a service that
+names itself when it checks a token, as an MCP server does, takes a token made for it. Leave it
+empty for Micropub.</p>
 ${renderLifetimeChoice(config, UNTIL_REVOKED)}
 <div class="actions"><button class="primary">Make a token</button></div>
 </form>
