@@ -7695,8 +7695,10 @@ class Journal {
       },
       (err: unknown) => {
         // a journal gone is written anew by the store, which then appends these changes again
-        if (!(err instanceof JournalGone))
-          this.#log(`journal: writing ${this.path} failed, so ${lines.length} changes were not stored: ${String(err)}`)
+        if (!(err instanceof JournalGone)) {
+          const changes = lines.length === 1 ? '1 change was' : `${lines.length} changes were`
+          this.#log(`journal: writing ${this.path} failed, so ${changes} not stored: ${String(err)}`)
+        }
         waiters.forEach((waiter) => waiter.reject(err))
       },
     )
