@@ -5192,6 +5192,53 @@ describe('Slow clients', () => {
     }
   })
 
+  it(
+    'closes a connection that sent bytes which are no request and does not read its answer',
+    { timeout: 20_000 },
+    async () => {
+      const server = createLatchServer(timeouts)
+      const size = 32 * 1024 * 1024 // more than the buffers between the two hold: the answer waits on the client
+      server.on('request', (_req, res: ServerResponse) => res.end(Buffer.alloc(size)))
+      await new Promise<void>((resolve) => server.listen(0, '127.0.0.1', resolve))
+      let count = -1
+      const connections = () => (void server.getConnections((_err, now) => (count = now)), count)
+      const socket = connect((server.address() as AddressInfo).port, '127.0.0.1').on('error', () => {})
+      const trickle = setInterval(() => socket.write('X'), 50) // a byte now and then, as if still sending
+      try {
+        socket.pause() // reads nothing
+        socket.write('GET / HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\nGARBAGE\0\r\n\r\n')
+        assert.ok(await until(() => connections() === 1, 5_000), 'the connection is open')
+        assert.ok(await until(() => connections() === 0, 5_000), `${count} connection still open`)
+      } finally {
+        clearInterval(trickle)
+        socket.destroy()
+        await new Promise((resolve) => server.close(resolve))
+      }
+    },
+  )
+
+  it('answers every request made before bytes that are no request, in order, then closes', async () => {
+    const server = createLatchServer(timeouts)
+    // the first answer comes later than the second, which waits behind it
+    server.on('request', (req, res: ServerResponse) =>
+      req.url === '/first' ? setTimeout(() => res.end('first'), 50) : res.end('second'),
+    )
+    await new Promise<void>((resolve) => server.listen(0, '127.0.0.1', resolve))
+    try {
+      const socket = connect((server.address() as AddressInfo).port, '127.0.0.1')
+      const request = (path: string) => `GET ${path} HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n`
+      socket.write(`${request('/first')}${request('/second')}GARBAGE\0\r\n\r\n`)
+      let answer = ''
+      socket.on('data', (chunk) => (answer += chunk))
+      await new Promise((resolve) => socket.on('close', resolve))
+      const statuses = answer.match(/HTTP\/1\.1 \d{3}/g) ?? []
+      assert.deepEqual(statuses, ['HTTP/1.1 200', 'HTTP/1.1 200'], answer)
+      assert.ok(answer.endsWith('second'), answer)
+    } finally {
+      await new Promise((resolve) => server.close(resolve))
+    }
+  })
+
   it('does not close a connection while the server is still making its answer', { timeout: 10_000 }, async () => {
     const server = createLatchServer(timeouts)
     // answers only once the connection has been idle for longer than the idle timeout

@@ -3702,7 +3702,7 @@ const CLIENT_ERROR_STATUS: Record<string, number> = {
  * them (see `MAX_QUEUED_ANSWERS`). Connections closed for a limit are said in `log`, at most once
  * a minute. An `Expect` other than 100-continue is answered 417, and the connection closed,
  * without reading the body. Bytes that are no request close the connection too, but only once
- * the answer to the request before them has gone out whole. Attach the handler with `server.on('request', handler)`.
+ * the answers to the requests before them have gone out whole (within the 5 s of keep-alive). Attach the handler with `server.on('request', handler)`.
  */
 export function createLatchServer(
   timeouts: ServerTimeouts = SERVER_TIMEOUTS,
@@ -3742,14 +3742,22 @@ export function createLatchServer(
   server.setTimeout(timeouts.idleMs, (socket: Socket) => {
     if (answers.get(socket)?.writableEnded !== false) socket.destroy()
   })
-  // Bytes node:http cannot read. Behind a request it is answering (sent in one go with it), the
-  // answer goes out whole before the connection closes: node:http itself closes it at once,
-  // which from Node 24 on cut such an answer short. Else, node:http's own answer (400, or 408,
-  // 413, 431), and the connection closed.
+  // Bytes node:http cannot read, behind requests whose answers are made (sent in one go with them):
+  // those answers go out whole, in order, and then the connection closes. node:http itself closes
+  // it at once, which from Node 24 on cut the answer being written short. A client that does not
+  // read them has as long as one may wait between requests: what it sends meanwhile is never a
+  // request, and would keep any other timer from running out. Else, node:http's own answer (400,
+  // or 408, 413, 431) unless one has begun, and the connection closed.
   server.on('clientError', (err: NodeJS.ErrnoException, socket: Socket) => {
-    const answer = answers.get(socket)
-    if (answer?.socket === socket && answer.headersSent) return void socket.end()
-    if (socket.writable) {
+    const answer = answers.get(socket) // the last made; those before it go out before it
+    const made = answer !== undefined && answer.writableEnded && !answer.writableFinished
+    if (made && err.code !== 'ERR_HTTP_REQUEST_TIMEOUT') {
+      answer.once('finish', () => socket.end())
+      const cut = setTimeout(() => socket.destroy(), timeouts.keepAliveMs).unref()
+      return void socket.once('close', () => clearTimeout(cut))
+    }
+    const begun = answer !== undefined && !answer.writableFinished && (answer.headersSent || answer.socket === null)
+    if (socket.writable && !begun) {
       const status = CLIENT_ERROR_STATUS[err.code ?? ''] ?? 400
       socket.write(`HTTP/1.1 ${status} ${STATUS_CODES[status]}\r\nConnection: close\r\n\r\n`)
     }
