@@ -1477,14 +1477,13 @@ function renderConsentPage(
       ? `<p class="muted">The app expected <code>${isolate(expected)}</code>.</p>`
       : ''
   // a name with a dot may name another site ("accounts.example.com"), where the app is not: the
-  // heading then adds the host the app is at, which is where its name came from
+  // heading then adds the host the app is at, which is where its name came from. Dots that only
+  // look like one count too: the ideographic full stop, which a host name may even be written with
+  // (IDNA reads it as a dot), and those NFKC folds to one of the two (fullwidth, small, halfwidth)
   const named = request.client_name
+  const dotted = named !== undefined && /[.\u3002]/.test(named.normalize('NFKC'))
   const appName =
-    named === undefined
-      ? clientHost
-      : named.includes('.') && named.toLowerCase() !== clientHost
-        ? `${named} (${clientHost})`
-        : named
+    named === undefined ? clientHost : dotted && named.toLowerCase() !== clientHost ? `${named} (${clientHost})` : named
   return renderPage(
     `Sign in to ${appName}`,
     `<h1>${logo}Sign in to ${isolate(appName)}</h1>
@@ -7060,11 +7059,13 @@ export function cleanName(name: string): string | undefined {
 
 /**
  * Text on one line, without control or formatting characters, so that right-to-left overrides,
- * isolates and invisible marks cannot disguise what a stranger chose.
+ * isolates and invisible marks cannot disguise what a stranger chose; letters that show nothing
+ * (the Braille blank, the Hangul fillers) are one space, so that they cannot push what follows
+ * a name out of view either.
  */
 function plainText(text: string): string {
   return text
-    .replace(/[\s\p{Cc}\p{Zl}\p{Zp}]+/gu, ' ')
+    .replace(/[\s\p{Cc}\p{Zl}\p{Zp}\u115f\u1160\u2800\u3164\uffa0]+/gu, ' ') // and letters that show nothing
     .replace(/\p{Cf}/gu, '') // bidi overrides, isolates and marks, zero-width characters
     .trim()
 }

@@ -132,6 +132,18 @@ function site(req: IncomingMessage, res: ServerResponse): void {
         client_name: 'https://accounts.google.com/ (Google)',
         redirect_uris: ['http://sitename.example/callback'],
       })
+    case 'dots.example': // the same, with dots that only look like dots
+      return sendJson(res, {
+        client_id: 'http://dots.example/',
+        client_name: 'accounts\u3002google\uff0ecom',
+        redirect_uris: ['http://dots.example/callback'],
+      })
+    case 'blank.example': // letters that show nothing, to push the host out of the title
+      return sendJson(res, {
+        client_id: 'http://blank.example/',
+        client_name: `Jot${'\u2800'.repeat(40)}Notes\u3164\uffa0`,
+        redirect_uris: ['http://blank.example/callback'],
+      })
     case 'micro.example':
       return sendJson(res, {
         client_id: 'http://micro.example/',
@@ -451,6 +463,14 @@ describe('Client discovery (IndieAuth §4.2)', () => {
     assert.deepEqual(await heading('http://sitename.example/'), [
       'Sign in to https://accounts.google.com/ (Google) (sitename.example)',
       'Sign in to <bdi>https://accounts.google.com/ (Google) (sitename.example)</bdi>',
+    ])
+    assert.deepEqual(await heading('http://dots.example/'), [
+      'Sign in to accounts\u3002google\uff0ecom (dots.example)',
+      'Sign in to <bdi>accounts\u3002google\uff0ecom (dots.example)</bdi>',
+    ])
+    assert.deepEqual(await heading('http://blank.example/'), [
+      'Sign in to Jot Notes',
+      'Sign in to <bdi>Jot Notes</bdi>',
     ])
     assert.deepEqual(await heading('http://micro.example/'), [
       'Sign in to Micro.example', // its own host for a name: said once
