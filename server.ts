@@ -3701,7 +3701,8 @@ const CLIENT_ERROR_STATUS: Record<string, number> = {
  * them (see `MAX_QUEUED_ANSWERS`). Connections closed for a limit are said in `log`, at most once
  * a minute. An `Expect` other than 100-continue is answered 417, and the connection closed,
  * without reading the body. Bytes that are no request close the connection too, but only once
- * the answers to the requests before them have gone out whole (within the 5 s of keep-alive). Attach the handler with `server.on('request', handler)`.
+ * the answers to the requests before them have gone out whole (within the 5 s of keep-alive).
+ * Attach the handler with `server.on('request', handler)`.
  */
 export function createLatchServer(
   timeouts: ServerTimeouts = SERVER_TIMEOUTS,
