@@ -941,6 +941,16 @@ class InvalidClientDocument extends Error {}
 type ClientDocument = { clientId?: string; name?: string; url?: string; logoUrl?: string; redirectUris: string[] }
 
 /**
+ * Whether a redirect URI a client publishes is a URL and nothing else: no spaces, no invisible
+ * characters. The list may be shown on an error page, where a stranger's prose ("this server
+ * has moved, sign in at…") must not be; and a URL parser keeps the spaces of
+ * `important: sign in at…`, a URL of the scheme `important`.
+ */
+function isPlainUrl(uri: string): boolean {
+  return /^[^\s\p{C}]+$/u.test(uri) && URL.canParse(uri)
+}
+
+/**
  * Reads a client metadata document: its `client_id` must be the URL it came from, and its
  * `client_uri` a prefix of it. A Client ID Metadata Document (`metadataDocument`, JSON at an
  * https URL) must also spell the URL as the request does, or canonically (checked by
@@ -1037,16 +1047,6 @@ export function readClientPage(html: string, pageUrl: string): ClientDocument {
     logoUrl: logo === undefined ? undefined : resolveLink(logo, pageUrl),
     redirectUris,
   }
-}
-
-/**
- * Whether a redirect URI a client publishes is a URL and nothing else: no spaces, no invisible
- * characters. The list may be shown on an error page, where a stranger's prose ("this server
- * has moved, sign in at…") must not be; and a URL parser keeps the spaces of
- * `important: sign in at…`, a URL of the scheme `important`.
- */
-function isPlainUrl(uri: string): boolean {
-  return /^[^\s\p{C}]+$/u.test(uri) && URL.canParse(uri)
 }
 
 /** The URLs of one relation in a `Link` header, resolved against the page's URL. */
