@@ -4126,8 +4126,12 @@ function passkeyPageHeaders(config: Config, scripted: boolean): Record<string, s
 /** A length of time, exactly, in the largest unit that divides it: `30 days`, `36 hours`, `90 seconds`. */
 function formatPeriod(seconds: number): string {
   const [size, unit] = PERIOD_UNITS.find(([size]) => seconds % size === 0) ?? [1, 'second']
-  const count = seconds / size
-  return `${count} ${unit}${count === 1 ? '' : 's'}`
+  return countOf(seconds / size, unit)
+}
+
+/** A count and its noun, plural but for one: `1 app`, `3 apps`, `0 live codes`. */
+function countOf(count: number, noun: string): string {
+  return `${count} ${noun}${count === 1 ? '' : 's'}`
 }
 
 const PERIOD_UNITS: [number, string][] = [
@@ -4578,11 +4582,11 @@ async function checkSignIn(
     Math.max(attempts.byAddress.get(group)?.lockedUntil ?? 0, byPasskey ? 0 : attempts.total.lockedUntil)
   const locked = lockedUntil()
   if (locked > now) {
-    const retryAfter = String(Math.ceil((locked - now) / 1000))
+    const retryAfter = Math.ceil((locked - now) / 1000)
     noteError(res, 'too_many_requests')
-    const wait = `${retryAfter} second${retryAfter === '1' ? '' : 's'}`
+    const wait = countOf(retryAfter, 'second')
     const message = `Too many ${byPasskey ? 'failed sign-ins' : 'wrong passwords'}: try again in ${wait}`
-    return { status: 429, message, headers: { 'Retry-After': retryAfter } }
+    return { status: 429, message, headers: { 'Retry-After': String(retryAfter) } }
   }
   if (!byPasskey && !ctx.config.passwordSignIn)
     return { status: 403, message: 'Password sign-in is off: sign in with a passkey', headers: {} }
@@ -5503,7 +5507,7 @@ async function handleAllAppsRevocation(req: IncomingMessage, res: ServerResponse
   const notice =
     revoked === 0
       ? 'Nothing was left to revoke: every app approved by then has lost its access already.'
-      : `Revoked ${countApps(revoked)}: ${revoked === 1 ? 'it has lost its' : 'they have lost their'} access.`
+      : `Revoked ${countOf(revoked, 'app')}: ${revoked === 1 ? 'it has lost its' : 'they have lost their'} access.`
   await sendAppsPage(res, ctx, visitor, { notice })
 }
 
@@ -6128,10 +6132,6 @@ function plainName(grant: Grant): string {
 /** An app as the owner's pages name it, escaped: its name, or its client_id. */
 function appName(grant: Grant): string {
   return isolate(plainName(grant))
-}
-
-function countApps(count: number): string {
-  return count === 1 ? '1 app' : `${count} apps`
 }
 
 /**
@@ -7706,8 +7706,8 @@ class Journal {
       (err: unknown) => {
         // a journal gone is written anew by the store, which then appends these changes again
         if (!(err instanceof JournalGone)) {
-          const changes = lines.length === 1 ? '1 change was' : `${lines.length} changes were`
-          this.#log(`journal: writing ${this.path} failed, so ${changes} not stored: ${String(err)}`)
+          const lost = `${countOf(lines.length, 'change')} ${lines.length === 1 ? 'was' : 'were'}`
+          this.#log(`journal: writing ${this.path} failed, so ${lost} not stored: ${String(err)}`)
         }
         waiters.forEach((waiter) => waiter.reject(err))
       },
@@ -9781,15 +9781,14 @@ function printStartup(
   // a used one (a rotated refresh token) is kept only to recognise its reuse
   for (const [, token] of memory.tokens)
     if (token.usedAt === undefined && token.expiresAt * 1000 > now && memory.grants.has(token.grantId)) live.token++
-  const count = (n: number, what: string) => `${n} ${what}${n === 1 ? '' : 's'}`
-  const tokens = `${count(live.token, 'live token')} and ${count(live.grant, 'grant')}`
-  const loaded = `${count(live.code, 'live code')}, ${tokens}`
+  const tokens = `${countOf(live.token, 'live token')} and ${countOf(live.grant, 'grant')}`
+  const loaded = `${countOf(live.code, 'live code')}, ${tokens}`
   const data =
     config.dataFile === 'memory'
       ? 'in memory only: codes and tokens are lost when the server stops'
       : `${config.dataFile}: ${loaded} loaded`
   const forHere = passkeysForHere([...memory.passkeys], config).length
-  const passkeys = `${count(live.passkey, 'passkey')}${forHere < live.passkey ? `, ${forHere} for this host` : ''}`
+  const passkeys = `${countOf(live.passkey, 'passkey')}${forHere < live.passkey ? `, ${forHere} for this host` : ''}`
   const password =
     config.passwordHash === undefined
       ? NO_PASSWORD
