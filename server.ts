@@ -3692,6 +3692,12 @@ const CLIENT_ERROR_STATUS: Record<string, number> = {
   HPE_HEADER_OVERFLOW: 431,
 }
 
+/** Closes a connection after `ms` at the latest, whatever its client does or does not read. */
+function closeWithin(socket: Socket, ms: number): void {
+  const cut = setTimeout(() => socket.destroy(), ms).unref()
+  socket.once('close', () => clearTimeout(cut))
+}
+
 /**
  * An http server whose slow clients cannot hold a connection for long (slowloris): headers
  * within 10 s, the whole request within 30 s, 5 s idle between requests, checked every second.
@@ -3753,8 +3759,7 @@ export function createLatchServer(
     const made = answer !== undefined && answer.writableEnded && !answer.writableFinished
     if (made && err.code !== 'ERR_HTTP_REQUEST_TIMEOUT') {
       answer.once('finish', () => socket.end())
-      const cut = setTimeout(() => socket.destroy(), timeouts.keepAliveMs).unref()
-      return void socket.once('close', () => clearTimeout(cut))
+      return closeWithin(socket, timeouts.keepAliveMs)
     }
     const begun = answer !== undefined && !answer.writableFinished && (answer.headersSent || answer.socket === null)
     if (socket.writable && !begun) {
@@ -3801,8 +3806,7 @@ export function createLatchServer(
   // once the answer is out, or after 5 s for a client that does not read it
   server.on('connect', (_req: IncomingMessage, socket: Socket) => {
     socket.on('error', () => {})
-    const cut = setTimeout(() => socket.destroy(), 5_000).unref()
-    socket.once('close', () => clearTimeout(cut))
+    closeWithin(socket, 5_000)
     socket.end(
       'HTTP/1.1 405 Method Not Allowed\r\nAllow: GET, POST, OPTIONS\r\nContent-Length: 0\r\nConnection: close\r\n\r\n',
       () => socket.destroy(),
