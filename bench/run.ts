@@ -20,6 +20,9 @@
 //       with 100,000 live tokens in it (≤ 1.5 s); CPU of the first 100 and 1,000 requests of each
 //       kind, one at a time      target: first 100 exchanges ≤ 2× the same process's, once warm;
 //       and the same for the bare server, fresh too: what node:http alone pays for being cold
+// Counted (each server afresh under valgrind's callgrind, bench/instructions.ts)
+//   (j) instructions per introspection and per exchange: beside CPU time, a figure that does not
+//       move with the machine's other load, for changes too small for the timed figures to show
 // Memory
 //   (d) heap bytes per live token, 1,000,000 in a MemoryStore    target: ≤ 300
 //   (e) longest event-loop stall while they all expire            target: ≤ 20 ms
@@ -32,7 +35,7 @@
 //
 // Settings: SOAK_SECONDS (60), BENCH_SECONDS per timed run (6), BENCH_ROUNDS (5),
 // BENCH_EXCHANGE_BATCHES (4: batches of 9,000 fresh codes a round for (b)),
-// BENCH_CONNECTIONS (10), BENCH_FIGURES (abgcihfde: the letters of the figures to measure).
+// BENCH_CONNECTIONS (10), BENCH_FIGURES (abgcijhfde: the letters of the figures to measure).
 // The bench never fails: it prints what it measured, and which targets were missed.
 
 import { fork, spawn } from 'node:child_process'
@@ -47,6 +50,7 @@ import { createSecret } from '../server.ts'
 import type { BareAnswers } from './bare.ts'
 import type { PeerAnswer } from './peer.ts'
 import type { LoadJob, LoadResult, SoakJob } from './load.ts'
+import { callgrindMissing, Counter, underCallgrind } from './instructions.ts'
 import { atRate, oneAtATime, startToFirstAnswer } from './paced.ts'
 import { fillDataFile } from './tokens.ts'
 
@@ -55,7 +59,7 @@ const MEASURE_SECONDS = Number(process.env.BENCH_SECONDS ?? 6)
 const WARMUP_SECONDS = 2
 const CONNECTIONS = Number(process.env.BENCH_CONNECTIONS ?? 10)
 /** Which figures to measure, by letter: all by default; `BENCH_FIGURES=ab` for introspection and exchange only. */
-const FIGURES = process.env.BENCH_FIGURES ?? 'abgcihfde'
+const FIGURES = process.env.BENCH_FIGURES ?? 'abgcijhfde'
 /** Requests of each paced run, and the fixed rate of the second. */
 const PACED_REQUESTS = 1000
 const PACED_RATE = 200
@@ -82,23 +86,28 @@ const TOKEN_BODY = `grant_type=authorization_code&code=CODE&${new URLSearchParam
 
 type Server = { url: string; child: ChildProcess; logFile: string }
 
-/** Starts a node process whose output goes to a file, and waits for the line that names its URL. */
+/**
+ * Starts a node process whose output goes to a file, and waits for the line that names its URL.
+ * `wrapper` is a command that runs node (callgrind, for (j)).
+ */
 async function startServer(
   name: string,
   args: string[],
   env: Record<string, string>,
   ready: RegExp,
   dir: string,
+  wrapper: string[] = [],
 ): Promise<Server> {
   const logFile = join(dir, `${name}.log`)
   const fd = openSync(logFile, 'w')
-  const child = spawn(process.execPath, args, {
+  const [command, ...commandArgs] = [...wrapper, process.execPath, ...args]
+  const child = spawn(command, commandArgs, {
     cwd: ROOT,
     env: { ...cleanEnv(), ...env },
     stdio: ['ignore', fd, fd, 'ipc'],
   })
   closeSync(fd)
-  for (let waited = 0; waited < 20_000; waited += 50) {
+  for (let waited = 0; waited < (wrapper.length === 0 ? 20_000 : 120_000); waited += 50) {
     const match = ready.exec(readFileSync(logFile, 'utf8'))
     if (match !== null)
       return { url: match[1].startsWith('http') ? match[1] : `http://127.0.0.1:${match[1]}`, child, logFile }
@@ -304,6 +313,42 @@ function exchangeJobs(contender: Contender, seconds: number): Batches {
   })
 }
 
+const LATCH_PATHS = { token: '/token', introspection: '/introspect', revocation: '/revoke' }
+
+/** Latch as a contender: its codes made as a person makes them, `token` one of its live access tokens. */
+function latchContender(server: Server, token: string): Contender {
+  return {
+    name: 'Latch',
+    server,
+    paths: LATCH_PATHS,
+    codes: (count) => mintCodes(server.url, count),
+    tokenBody: (code) => TOKEN_BODY.replace('CODE', code),
+    introspectionBody: `token=${token}`,
+    revocationBody,
+  }
+}
+
+/** The bare server as a contender: it reads no code or token, so any will do. */
+function bareContender(server: Server, token: string): Contender {
+  return {
+    name: 'bare',
+    server,
+    paths: LATCH_PATHS,
+    codes: async (count) => Array.from({ length: count }, (_, i) => `code-${i}`),
+    tokenBody: (code) => TOKEN_BODY.replace('CODE', code),
+    introspectionBody: `token=${token}`,
+    revocationBody,
+  }
+}
+
+/** A live access token from the Latch at `url`, made as a client makes one. */
+async function issueToken(url: string): Promise<string> {
+  const exchanged = await send(url, 'POST', '/token', { body: TOKEN_BODY.replace('CODE', await mintCode(url)) })
+  const token = /"access_token":"([^"]+)"/.exec(exchanged.text)?.[1]
+  if (token === undefined) throw new Error(`/token answered ${exchanged.status} ${exchanged.text}`)
+  return token
+}
+
 /** The timed runs of one round at one server, each made when its turn comes. */
 type Batches = (() => Promise<LoadJob>)[]
 
@@ -463,17 +508,73 @@ async function measureCold(probe: string, dir: string, answers: BareAnswers): Pr
 }
 
 /**
+ * Requests of each kind (j) counts at each server, three times over (the median counts), after
+ * WARM_BATCHES times as many not counted: V8 goes on optimizing for thousands of requests.
+ */
+const COUNTED_REQUESTS = 1000
+const WARM_BATCHES = 10
+
+/** Instructions per request, by kind. */
+type Instructions = { introspection: number; exchange: number }
+
+/** Sends each body as a POST to `path`, CONNECTIONS at a time; throws unless every answer is 200. */
+async function sendAll(url: string, path: string, bodies: string[]): Promise<void> {
+  let next = 0
+  const sender = async () => {
+    while (next < bodies.length) {
+      const answer = await send(url, 'POST', path, { body: bodies[next++] })
+      if (answer.status !== 200) throw new Error(`${path} answered ${answer.status} ${answer.text.slice(0, 200)}`)
+    }
+  }
+  await Promise.all(Array.from({ length: CONNECTIONS }, sender))
+}
+
+/**
+ * (j) A server started afresh under callgrind (bench/instructions.ts): its instructions per
+ * introspection, then per exchange (the peer's token to introspect is the one made at its start,
+ * before its store fills), each counted as COUNTED_REQUESTS says.
+ */
+async function countInstructions(
+  start: (wrapper: string[]) => Promise<Contender>,
+  file: string,
+): Promise<Instructions> {
+  const contender = await start(underCallgrind(file))
+  const { server, paths } = contender
+  const counter = new Counter(server.child.pid ?? 0, file)
+  const introspections = () =>
+    sendAll(server.url, paths.introspection, Array(COUNTED_REQUESTS).fill(contender.introspectionBody))
+  const exchanges = async () => (await contender.codes(COUNTED_REQUESTS)).map(contender.tokenBody)
+  const counts = async (count: () => Promise<number>) => {
+    const three = [await count(), await count(), await count()]
+    return medianOf(three) / COUNTED_REQUESTS
+  }
+  try {
+    for (let warmup = 0; warmup < WARM_BATCHES; warmup++) await introspections()
+    const introspection = await counts(() => counter.count(introspections))
+    for (let warmup = 0; warmup < WARM_BATCHES; warmup++) await sendAll(server.url, paths.token, await exchanges())
+    const exchange = await counts(async () => {
+      const bodies = await exchanges() // made before the count begins
+      return counter.count(() => sendAll(server.url, paths.token, bodies))
+    })
+    return { introspection, exchange }
+  } finally {
+    await stop(server.child)
+  }
+}
+
+/**
  * The peer, node-oidc-provider (bench/peer.ts), with its own paths. It wants every caller of its
  * introspection endpoint to name a client: the bench's public client names itself, as Latch's
  * revocation requests do. Its codes and tokens are made in its process, outside the timed part.
  */
-async function startPeer(probe: string, dir: string): Promise<Contender> {
+async function startPeer(probe: string, dir: string, name = 'peer', wrapper: string[] = []): Promise<Contender> {
   const server = await startServer(
-    'peer',
+    name,
     ['--import', 'tsx', '--import', probe, 'bench/peer.ts'],
     {},
     /listening (\d+)/,
     dir,
+    wrapper,
   )
   const ready = /token=(\S+) introspection=(\S+) revocation=(\S+)/.exec(readFileSync(server.logFile, 'utf8'))
   if (ready === null) throw new Error('the peer did not name its endpoints')
@@ -601,28 +702,7 @@ async function main(): Promise<void> {
   )
   const peer = await startPeer(probe, dir)
   const load = fork(join(ROOT, 'bench/load.ts'), { cwd: ROOT, execArgv: ['--import', 'tsx'], stdio: 'inherit' })
-  const latchPaths = { token: '/token', introspection: '/introspect', revocation: '/revoke' }
-  const contenders: Contender[] = [
-    {
-      name: 'bare',
-      server: bare,
-      paths: latchPaths,
-      codes: async (count) => Array.from({ length: count }, (_, i) => `code-${i}`),
-      tokenBody: (code) => TOKEN_BODY.replace('CODE', code),
-      introspectionBody: `token=${token}`,
-      revocationBody,
-    },
-    {
-      name: 'Latch',
-      server: latch,
-      paths: latchPaths,
-      codes: (count) => mintCodes(latch.url, count),
-      tokenBody: (code) => TOKEN_BODY.replace('CODE', code),
-      introspectionBody: `token=${token}`,
-      revocationBody,
-    },
-    peer,
-  ]
+  const contenders: Contender[] = [bareContender(bare, token), latchContender(latch, token), peer]
   try {
     const rows: Row[] = [['figure (medians)', 'measured', 'target', 'verdict']]
     const median = (rounds: Map<string, Rounds>, name: string) => rounds.get(name)?.median
@@ -731,6 +811,59 @@ async function main(): Promise<void> {
           const rated = await atRate(contender.server.url, path, await bodies(), PACED_RATE, cpu)
           console.log(describeRun(`${kind} ${contender.name} 1×`, single.whole))
           console.log(describeRun(`${kind} ${contender.name} ${PACED_RATE}/s`, rated))
+        }
+      }
+    }
+
+    if (FIGURES.includes('j')) {
+      const missing = callgrindMissing()
+      console.log(
+        `\n(j) instructions per request, counted by callgrind: each server started afresh under valgrind, ${format(COUNTED_REQUESTS * WARM_BATCHES)} requests of each kind to warm it up, then the median of three counts of ${format(COUNTED_REQUESTS)}, ${CONNECTIONS} at a time; what timers run left out (bench/instructions.ts)`,
+      )
+      if (missing !== undefined) console.log(`  left out: ${missing}`)
+      else {
+        const counted = new Map<string, Instructions>()
+        const starts: [string, (wrapper: string[]) => Promise<Contender>][] = [
+          [
+            'bare',
+            async (wrapper) => {
+              const args = ['--import', 'tsx', '--import', probe, 'bench/bare.ts']
+              const env = { BARE_ANSWERS: JSON.stringify(answers) }
+              return bareContender(await startServer('bare-counted', args, env, /listening (\d+)/, dir, wrapper), token)
+            },
+          ],
+          [
+            'Latch',
+            async (wrapper) => {
+              const args = ['--import', 'tsx', '--import', probe, 'server.ts']
+              const env = { PORT: '0', DATA_FILE: 'memory' }
+              const started = await startServer('latch-counted', args, env, /listening on (http:\/\/\S+)/, dir, wrapper)
+              return latchContender(started, await issueToken(started.url))
+            },
+          ],
+          ['peer', (wrapper) => startPeer(probe, dir, 'peer-counted', wrapper)],
+        ]
+        for (const [name, start] of starts)
+          counted.set(name, await countInstructions(start, join(dir, `${name}.callgrind`)))
+        for (const kind of ['introspection', 'exchange'] as const) {
+          const [bareCount, latchCount, peerCount] = ['bare', 'Latch', 'peer'].map(
+            (name) => counted.get(name)?.[kind] ?? 0,
+          )
+          console.log(
+            `  ${kind.padEnd(14)} bare ${format(bareCount)}   Latch ${format(latchCount)}   peer ${format(peerCount)}`,
+          )
+          rows.push([
+            `(j) ${kind}, instructions/request Latch/bare`,
+            `${format(latchCount / bareCount, 2)}× (${format(latchCount)} / ${format(bareCount)})`,
+            '-',
+            '-',
+          ])
+          rows.push([
+            `(j) ${kind}, instructions/request peer/Latch`,
+            `${format(peerCount / latchCount, 1)}× (${format(peerCount)} / ${format(latchCount)})`,
+            '-',
+            '-',
+          ])
         }
       }
     }
