@@ -1,7 +1,7 @@
 // (j) Instructions per request: what a server executes for one request, counted by valgrind's callgrind
 // rather than timed. CPU time on two shared cores moves by a tenth from one run to the next, more than
 // most changes to the code save; the count of instructions hardly moves with whatever else the machine
-// does: Latch's moved by about 1% from one run to the next (the bare server's and the peer's by up to 7
+// does: Latch's moved by 1 to 2% from one run to the next (the bare server's and the peer's by up to 7
 // and 9%, how many requests one turn of the event loop takes varying more there), so that a change of a
 // few percent to Latch shows.
 //
