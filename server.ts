@@ -8410,7 +8410,11 @@ export class FileStore implements Store {
       return this.#append(records()).then(() => redemption)
     }
     this.#unsaved.set(redeemed.hash, rotatedBefore)
-    const written = this.#append([this.#redeemedRecord(redeemed), ...records()])
+    const written = this.#append([this.#redeemedRecord(redeemed), ...records()]).then(() => {
+      // the rotation's answer leaves only now: a retry's grace counts from here (see `findToken`)
+      const stored = redeemed.kind === 'refresh' ? this.memory.tokens.get(redeemed.hash) : undefined
+      if (stored?.usedAt !== undefined) stored.usedAt = Math.max(stored.usedAt, toSeconds(this.#now()))
+    })
     this.#firstWrites.set(redeemed.hash, written)
     try {
       await written
@@ -8469,8 +8473,16 @@ export class FileStore implements Store {
     await this.memory.saveToken(hash, token, now)
   }
 
+  /**
+   * A refresh token whose rotation is being written is read once it is written: sent again
+   * meanwhile, it is a retry whose answer has not even left, and a disk that stalls for longer
+   * than `REFRESH_TOKEN_GRACE` must not make it a reuse. So the grace counts from the write
+   * (`#redeemAndStore`); after a restart, from the rotation's time as the journal kept it.
+   */
   findToken(hash: string, now: number): Promise<Token | undefined> {
-    return this.memory.findToken(hash, now)
+    const writing = this.#firstWrites.get(hash)
+    const read = () => this.memory.findToken(hash, now)
+    return writing === undefined ? read() : writing.then(read, read) // a write that failed took its mark back
   }
 
   async deleteToken(hash: string): Promise<void> {
