@@ -8198,6 +8198,8 @@ export class FileStore implements Store {
   readonly #unsaved = new Map<string, string | undefined>()
   /** The writes of those marks, for a retry of the same refresh token to wait on (see `#redeemAndStore`). */
   readonly #firstWrites = new Map<string, Promise<void>>()
+  /** Removals of grants and tokens being written, for a repeat to wait on (see `#removeOnce`). */
+  readonly #removing = new Map<string, Promise<void>>()
   /** After a failed compaction, how long the journal must grow before the next try; 0 once one succeeds. */
   #compactAfterLines = 0
   /** The journal's size after its last compaction: 0 before the first in this process. */
@@ -8450,8 +8452,24 @@ export class FileStore implements Store {
   async revokeGrant(id: string, now: number): Promise<void> {
     // revoked and written already: a code replayed over and over for its minutes writes nothing more
     if (this.memory.revokedGrants.has(id) && !this.memory.grants.has(id)) return
-    await this.#append([{ delete: 'grant', key: id }])
-    await this.memory.revokeGrant(id, now)
+    await this.#removeOnce({ delete: 'grant', key: id }, () => this.memory.revokeGrant(id, now))
+  }
+
+  /**
+   * Writes the removal of a grant or a token once, however many ask for it while it is being
+   * written: on a disk that stalls, a code replayed or a token revoked over and over would else
+   * queue a line each time. Each asker is answered when that one write is done.
+   */
+  #removeOnce(record: { delete: 'grant' | 'token'; key: string }, apply: () => Promise<void>): Promise<void> {
+    const key = `${record.delete} ${record.key}`
+    let removal = this.#removing.get(key)
+    if (removal === undefined) {
+      removal = this.#append([record])
+        .then(apply)
+        .finally(() => this.#removing.delete(key))
+      this.#removing.set(key, removal)
+    }
+    return removal
   }
 
   /** One line, and so one fsync, however many apps: on a full disk, nothing is revoked. */
@@ -8485,9 +8503,8 @@ export class FileStore implements Store {
     return writing === undefined ? read() : writing.then(read, read) // a write that failed took its mark back
   }
 
-  async deleteToken(hash: string): Promise<void> {
-    await this.#append([{ delete: 'token', key: hash }])
-    await this.memory.deleteToken(hash)
+  deleteToken(hash: string): Promise<void> {
+    return this.#removeOnce({ delete: 'token', key: hash }, () => this.memory.deleteToken(hash))
   }
 
   async saveSession(hash: string, session: Session, now: number): Promise<void> {

@@ -1446,6 +1446,47 @@ describe('DATA_FILE: compaction and failures', () => {
     await running.stop()
   })
 
+  it('writes a revocation asked for again while it is being written once: a stalled disk queues no line per repeat', async (t) => {
+    const file = join(directory, 'slow-disk-repeats.jsonl')
+    const running = await startOn(file)
+    const { access_token } = await obtainTokens(running.base)
+    const code = await obtainCode(running.base)
+    assert.equal((await exchange(running.base, code)).status, 200)
+    const handle = await open(join(directory, 'handle-probe'), 'w')
+    const methods = Object.getPrototypeOf(handle) as { datasync: () => Promise<void> }
+    await handle.close()
+    const datasync = methods.datasync
+    t.after(() => (methods.datasync = datasync))
+    let entered = false
+    let release = () => {}
+    const held = new Promise<void>((resolve) => (release = resolve))
+    methods.datasync = async function (this: unknown) {
+      methods.datasync = datasync
+      entered = true
+      await held
+      return datasync.call(this)
+    }
+    let removals = 0
+    const { store } = running
+    const [deleteToken, revokeGrant] = [store.deleteToken.bind(store), store.revokeGrant.bind(store)]
+    store.deleteToken = (hash) => (removals++, deleteToken(hash))
+    store.revokeGrant = (id, now) => (removals++, revokeGrant(id, now))
+    const linesBefore = (await readFile(file, 'utf8')).split('\n').length
+    const revocations = [post(`${running.base}/revoke`, form({ token: access_token }))]
+    assert.ok(await until(() => entered), 'the revocation was never written')
+    // while the disk stalls: the same token revoked again, and the code replayed, each twenty times
+    for (let i = 0; i < 20; i++) revocations.push(post(`${running.base}/revoke`, form({ token: access_token })))
+    const replays = Array.from({ length: 20 }, () => exchange(running.base, code))
+    assert.ok(await until(() => removals === 41), `${removals} of the 41 removals reached the store`)
+    release()
+    assert.deepEqual(new Set((await Promise.all(revocations)).map((answer) => answer.status)), new Set([200]))
+    assert.deepEqual(new Set((await Promise.all(replays)).map((answer) => answer.status)), new Set([400]))
+    const added = (await readFile(file, 'utf8')).split('\n').length - linesBefore
+    assert.equal(added, 2) // one line for the token, one for the code's grant
+    assert.equal(await isActive(running.base, access_token), false)
+    await running.stop()
+  })
+
   it('stores an exchange as one line (the used code, the grant and both tokens), and takes the code back when that fails', async () => {
     const file = join(directory, 'exchange.jsonl')
     const running = await startOn(file)
