@@ -3,6 +3,7 @@
 // test runs the server as a child process and SIGKILLs it in the middle of concurrent flows.
 
 import { after, before, describe, it } from 'node:test'
+import type { TestContext } from 'node:test'
 import assert from 'node:assert/strict'
 import { spawn, spawnSync } from 'node:child_process'
 import { createHash } from 'node:crypto'
@@ -137,6 +138,37 @@ async function startOn(file: string): Promise<Running> {
       await store.close()
     },
   }
+}
+
+/**
+ * Holds the next fsync of any file until the test calls `release`, as a disk that stalls; then
+ * it `runs`, or `fails` with EIO. `entered` says whether it has begun.
+ */
+async function holdNextSync(t: TestContext, then: 'runs' | 'fails') {
+  const handle = await open(process.execPath, 'r') // any file: its handle's class is every file's
+  const methods = Object.getPrototypeOf(handle) as { datasync: () => Promise<void> }
+  await handle.close()
+  const datasync = methods.datasync
+  t.after(() => (methods.datasync = datasync))
+  let entered = false
+  let release = () => {}
+  const held = new Promise<void>((resolve) => (release = resolve))
+  methods.datasync = async function (this: unknown) {
+    methods.datasync = datasync
+    entered = true
+    await held
+    if (then === 'fails') throw Object.assign(new Error('EIO: i/o error, fdatasync'), { code: 'EIO' })
+    return datasync.call(this)
+  }
+  return { entered: () => entered, release }
+}
+
+/** Counts the store's reads of tokens as they come, the ones that then wait for a write included. */
+function countTokenReads(store: FileStore): () => number {
+  let reads = 0
+  const findToken = store.findToken.bind(store)
+  store.findToken = (hash, now) => (reads++, findToken(hash, now))
+  return () => reads
 }
 
 /** The first line of a journal this Latch writes. */
@@ -1349,20 +1381,7 @@ describe('DATA_FILE: compaction and failures', () => {
     const running = await startOn(file)
     const { refresh_token } = await obtainTokens(running.base)
     // the next fsync waits for the test, then fails: the first refresh's line is not stored
-    const handle = await open(join(directory, 'handle-probe'), 'w')
-    const methods = Object.getPrototypeOf(handle) as { datasync: () => Promise<void> }
-    await handle.close()
-    const datasync = methods.datasync
-    t.after(() => (methods.datasync = datasync))
-    let entered = false
-    let release = () => {}
-    const held = new Promise<void>((resolve) => (release = resolve))
-    methods.datasync = async function (this: unknown) {
-      methods.datasync = datasync
-      entered = true
-      await held
-      throw Object.assign(new Error('EIO: i/o error, fdatasync'), { code: 'EIO' })
-    }
+    const sync = await holdNextSync(t, 'fails')
     const redemptions: string[] = []
     const memory = running.store.memory
     const redeem = memory.redeem.bind(memory)
@@ -1371,19 +1390,14 @@ describe('DATA_FILE: compaction and failures', () => {
       redemptions.push(String(result))
       return result
     }
-    let finds = 0
-    const findToken = running.store.findToken.bind(running.store)
-    running.store.findToken = (hash, now) => {
-      finds++
-      return findToken(hash, now)
-    }
+    const finds = countTokenReads(running.store)
     const refresh = () =>
       post(`${running.base}/token`, form({ grant_type: 'refresh_token', refresh_token, client_id: CLIENT_ID }))
     const first = refresh()
-    assert.ok(await until(() => entered), 'the first refresh was never written')
+    assert.ok(await until(sync.entered), 'the first refresh was never written')
     const retried = refresh() // within REFRESH_TOKEN_GRACE, while the first is being written
-    assert.ok(await until(() => finds === 2), 'the retry never looked for its token')
-    release()
+    assert.ok(await until(() => finds() === 2), 'the retry never looked for its token')
+    sync.release()
     assert.equal((await first).status, 500)
     // the retry waited for that write: the first redemption did not happen, so the retry is the
     // token's first use, stored as one (else the token, taken back as unused, could be used again
@@ -1404,35 +1418,17 @@ describe('DATA_FILE: compaction and failures', () => {
     const running = await startOn(file)
     const { refresh_token } = await obtainTokens(running.base)
     // the next fsync waits for the test: a disk that stalls for longer than REFRESH_TOKEN_GRACE (30 s)
-    const handle = await open(join(directory, 'handle-probe'), 'w')
-    const methods = Object.getPrototypeOf(handle) as { datasync: () => Promise<void> }
-    await handle.close()
-    const datasync = methods.datasync
-    t.after(() => (methods.datasync = datasync))
-    let entered = false
-    let release = () => {}
-    const held = new Promise<void>((resolve) => (release = resolve))
-    methods.datasync = async function (this: unknown) {
-      methods.datasync = datasync
-      entered = true
-      await held
-      return datasync.call(this)
-    }
-    let finds = 0
-    const findToken = running.store.findToken.bind(running.store)
-    running.store.findToken = (hash, now) => {
-      finds++
-      return findToken(hash, now)
-    }
+    const sync = await holdNextSync(t, 'runs')
+    const finds = countTokenReads(running.store)
     const refresh = () =>
       post(`${running.base}/token`, form({ grant_type: 'refresh_token', refresh_token, client_id: CLIENT_ID }))
     const first = refresh()
-    assert.ok(await until(() => entered), 'the first refresh was never written')
+    assert.ok(await until(sync.entered), 'the first refresh was never written')
     running.advance(40) // the app gave up waiting for an answer that has not left, and sends the token again
     const retried = refresh()
-    assert.ok(await until(() => finds === 2), 'the retry never looked for its token')
+    assert.ok(await until(() => finds() === 2), 'the retry never looked for its token')
     running.advance(1) // the disk comes back
-    release()
+    sync.release()
     const [firstAnswer, retryAnswer] = await Promise.all([first, retried])
     assert.equal(firstAnswer.status, 200)
     assert.equal(retryAnswer.status, 200, await retryAnswer.clone().text()) // not a reuse: the grant stays
@@ -1452,20 +1448,7 @@ describe('DATA_FILE: compaction and failures', () => {
     const { access_token } = await obtainTokens(running.base)
     const code = await obtainCode(running.base)
     assert.equal((await exchange(running.base, code)).status, 200)
-    const handle = await open(join(directory, 'handle-probe'), 'w')
-    const methods = Object.getPrototypeOf(handle) as { datasync: () => Promise<void> }
-    await handle.close()
-    const datasync = methods.datasync
-    t.after(() => (methods.datasync = datasync))
-    let entered = false
-    let release = () => {}
-    const held = new Promise<void>((resolve) => (release = resolve))
-    methods.datasync = async function (this: unknown) {
-      methods.datasync = datasync
-      entered = true
-      await held
-      return datasync.call(this)
-    }
+    const sync = await holdNextSync(t, 'runs')
     let removals = 0
     const { store } = running
     const [deleteToken, revokeGrant] = [store.deleteToken.bind(store), store.revokeGrant.bind(store)]
@@ -1473,12 +1456,12 @@ describe('DATA_FILE: compaction and failures', () => {
     store.revokeGrant = (id, now) => (removals++, revokeGrant(id, now))
     const linesBefore = (await readFile(file, 'utf8')).split('\n').length
     const revocations = [post(`${running.base}/revoke`, form({ token: access_token }))]
-    assert.ok(await until(() => entered), 'the revocation was never written')
+    assert.ok(await until(sync.entered), 'the revocation was never written')
     // while the disk stalls: the same token revoked again, and the code replayed, each twenty times
     for (let i = 0; i < 20; i++) revocations.push(post(`${running.base}/revoke`, form({ token: access_token })))
     const replays = Array.from({ length: 20 }, () => exchange(running.base, code))
     assert.ok(await until(() => removals === 41), `${removals} of the 41 removals reached the store`)
-    release()
+    sync.release()
     assert.deepEqual(new Set((await Promise.all(revocations)).map((answer) => answer.status)), new Set([200]))
     assert.deepEqual(new Set((await Promise.all(replays)).map((answer) => answer.status)), new Set([400]))
     const added = (await readFile(file, 'utf8')).split('\n').length - linesBefore
