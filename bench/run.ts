@@ -117,6 +117,18 @@ async function startServer(
   throw new Error(`${name} did not start:\n${readFileSync(logFile, 'utf8')}`)
 }
 
+/** Latch by its own command line, with `probe` preloaded, on `dataFile`: memory unless told. */
+function startLatch(name: string, probe: string, dir: string, dataFile = 'memory', wrapper: string[] = []) {
+  const args = ['--import', 'tsx', '--import', probe, 'server.ts']
+  return startServer(name, args, { PORT: '0', DATA_FILE: dataFile }, /listening on (http:\/\/\S+)/, dir, wrapper)
+}
+
+/** The bare server (bench/bare.ts), with `probe` preloaded, answering as `answers` says. */
+function startBare(name: string, probe: string, dir: string, answers: BareAnswers, wrapper: string[] = []) {
+  const args = ['--import', 'tsx', '--import', probe, 'bench/bare.ts']
+  return startServer(name, args, { BARE_ANSWERS: JSON.stringify(answers) }, /listening (\d+)/, dir, wrapper)
+}
+
 /** The environment without any Latch setting, so that the bench measures the defaults. */
 function cleanEnv(): Record<string, string> {
   const env: Record<string, string> = {}
@@ -458,13 +470,7 @@ async function measureCold(probe: string, dir: string, answers: BareAnswers): Pr
     for (let start = 0; start < COLD_STARTS; start++) {
       const copy = join(dir, `cold-${kind}-${start}.journal`)
       copyFileSync(small, copy)
-      const server = await startServer(
-        `cold-${kind}-${start}`,
-        ['--import', 'tsx', '--import', probe, 'server.ts'],
-        { PORT: '0', DATA_FILE: copy },
-        /listening on (http:\/\/\S+)/,
-        dir,
-      )
+      const server = await startLatch(`cold-${kind}-${start}`, probe, dir, copy)
       runs.push(await coldRun(server, path, [...bodies]))
       await stop(server.child)
       rmSync(copy, { force: true })
@@ -474,13 +480,7 @@ async function measureCold(probe: string, dir: string, answers: BareAnswers): Pr
   // What node:http itself pays for being cold: the bare server, started afresh, answering the same exchanges.
   const bare: ColdRun[] = []
   for (let start = 0; start < COLD_STARTS; start++) {
-    const server = await startServer(
-      `cold-bare-${start}`,
-      ['--import', 'tsx', '--import', probe, 'bench/bare.ts'],
-      { BARE_ANSWERS: JSON.stringify(answers) },
-      /listening (\d+)/,
-      dir,
-    )
+    const server = await startBare(`cold-bare-${start}`, probe, dir, answers)
     bare.push(
       await coldRun(
         server,
@@ -671,13 +671,7 @@ async function main(): Promise<void> {
   )
   const dir = mkdtempSync(join(tmpdir(), 'latch-bench-'))
   const probe = new URL('probe.ts', import.meta.url).href
-  const latch = await startServer(
-    'latch',
-    ['--import', 'tsx', '--import', probe, 'server.ts'],
-    { PORT: '0', DATA_FILE: 'memory' },
-    /listening on (http:\/\/\S+)/,
-    dir,
-  )
+  const latch = await startLatch('latch', probe, dir)
   // One answer of each kind from Latch, for the bare server to send the same headers and as many bytes.
   const consentPage = await send(latch.url, 'GET', AUTHORIZATION_PATH)
   const exchanged = await send(latch.url, 'POST', '/token', {
@@ -693,13 +687,7 @@ async function main(): Promise<void> {
     '/introspect': shapeOf(introspected),
     '/revoke': shapeOf(revoked),
   }
-  const bare = await startServer(
-    'bare',
-    ['--import', 'tsx', '--import', probe, 'bench/bare.ts'],
-    { BARE_ANSWERS: JSON.stringify(answers) },
-    /listening (\d+)/,
-    dir,
-  )
+  const bare = await startBare('bare', probe, dir, answers)
   const peer = await startPeer(probe, dir)
   const load = fork(join(ROOT, 'bench/load.ts'), { cwd: ROOT, execArgv: ['--import', 'tsx'], stdio: 'inherit' })
   const contenders: Contender[] = [bareContender(bare, token), latchContender(latch, token), peer]
@@ -826,18 +814,12 @@ async function main(): Promise<void> {
         const starts: [string, (wrapper: string[]) => Promise<Contender>][] = [
           [
             'bare',
-            async (wrapper) => {
-              const args = ['--import', 'tsx', '--import', probe, 'bench/bare.ts']
-              const env = { BARE_ANSWERS: JSON.stringify(answers) }
-              return bareContender(await startServer('bare-counted', args, env, /listening (\d+)/, dir, wrapper), token)
-            },
+            async (wrapper) => bareContender(await startBare('bare-counted', probe, dir, answers, wrapper), token),
           ],
           [
             'Latch',
             async (wrapper) => {
-              const args = ['--import', 'tsx', '--import', probe, 'server.ts']
-              const env = { PORT: '0', DATA_FILE: 'memory' }
-              const started = await startServer('latch-counted', args, env, /listening on (http:\/\/\S+)/, dir, wrapper)
+              const started = await startLatch('latch-counted', probe, dir, 'memory', wrapper)
               return latchContender(started, await issueToken(started.url))
             },
           ],
