@@ -613,11 +613,14 @@ const utf8 = new TextDecoder('utf-8', { fatal: true, ignoreBOM: true })
  */
 export function parseForm(text: string): Params {
   const params: Params = new Map()
+  // printable ASCII throughout, the usual case: then a name or value needs decoding only if it
+  // has a `%` or a `+`, which is quicker to ask of each than whether it is printable
+  const printable = PRINTABLE_ASCII.test(text)
   for (const pair of text.split('&')) {
     if (pair === '') continue
     const equals = pair.indexOf('=')
-    const name = decodeFormComponent(equals === -1 ? pair : pair.slice(0, equals))
-    const value = equals === -1 ? '' : decodeFormComponent(pair.slice(equals + 1))
+    const name = decodeFormComponent(equals === -1 ? pair : pair.slice(0, equals), printable)
+    const value = equals === -1 ? '' : decodeFormComponent(pair.slice(equals + 1), printable)
     const values = params.get(name)
     if (values === undefined) params.set(name, [value])
     else values.push(value)
@@ -625,11 +628,14 @@ export function parseForm(text: string): Params {
   return params
 }
 
-function decodeFormComponent(text: string): string {
-  if (/^[\x21-\x24\x26-\x2a\x2c-\x7e]*$/.test(text)) return text // printable ASCII without % or +: nothing to decode
-  if (/^[\x21-\x7e]*$/.test(text)) {
+const PRINTABLE_ASCII = /^[\x21-\x7e]*$/
+
+function decodeFormComponent(text: string, printable = PRINTABLE_ASCII.test(text)): string {
+  if (printable) {
+    const plus = text.includes('+')
+    if (!plus && !text.includes('%')) return text // nothing to decode
     try {
-      return decodeURIComponent(text.replaceAll('+', ' ')) // the usual case: escapes in ASCII, decoded natively
+      return decodeURIComponent(plus ? text.replaceAll('+', ' ') : text) // escapes in ASCII, decoded natively
     } catch {
       // a malformed escape or invalid UTF-8: the loop below says which
     }
