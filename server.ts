@@ -2970,13 +2970,13 @@ function logEvent(ctx: Context, event: string, message: string, from?: IncomingM
  */
 function formatLogEntry(entry: LogEntry, format: Config['logFormat']): string {
   if (format === 'json') return asciiJson(entry)
-  const words = entry.address === undefined ? [entry.time] : [entry.time, entry.address]
-  if (entry.method === undefined) return [...words, `${entry.event}: ${loggable(entry.message ?? '')}`].join(' ')
-  words.push(entry.method, entry.path ?? '', String(entry.status), `${entry.ms}ms`)
-  if (entry.error !== undefined) words.push(`error=${entry.error}`)
+  const when = entry.address === undefined ? entry.time : `${entry.time} ${entry.address}`
+  if (entry.method === undefined) return `${when} ${entry.event}: ${loggable(entry.message ?? '')}`
+  let line = `${when} ${entry.method} ${entry.path ?? ''} ${entry.status} ${entry.ms}ms`
+  if (entry.error !== undefined) line += ` error=${entry.error}`
   if (entry.client_id !== undefined)
-    words.push(`client_id=${/^[\x21-\x7e]*$/.test(entry.client_id) ? entry.client_id : asciiJson(entry.client_id)}`)
-  return words.join(' ')
+    line += ` client_id=${/^[\x21-\x7e]*$/.test(entry.client_id) ? entry.client_id : asciiJson(entry.client_id)}`
+  return line
 }
 
 function loggable(text: string): string {
