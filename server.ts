@@ -7647,6 +7647,9 @@ type JournalRecord =
  */
 type JournalLine = JournalRecord | { all: JournalRecord[] }
 
+/** How long a write may wait for the disk before the log says so. */
+const SLOW_DISK_SECONDS = 5
+
 /**
  * An append-only file with group commit: `append` resolves once its lines are fsync'd. A write
  * can fail, or on a full disk write only part of what it was given without failing; either way
@@ -7677,15 +7680,25 @@ class Journal {
    */
   #sinceSnapshot: string[] | undefined
   #closed = false
+  /** When the write that holds the file began, by the store's clock, and whether the log said it is slow. */
+  #holding: { since: number; said: boolean } | undefined
   readonly #log: (line: string) => void
+  readonly #now: () => number
 
-  constructor(path: string, file: FileHandle, stats: Stats, lines: number, log: (line: string) => void) {
+  constructor(
+    path: string,
+    file: FileHandle,
+    stats: Stats,
+    lines: number,
+    { log, now }: { log: (line: string) => void; now: () => number },
+  ) {
     this.path = path
     this.#file = file
     this.#identity = stats
     this.#size = stats.size
     this.lines = lines
     this.#log = log
+    this.#now = now
   }
 
   /** The file's length in bytes, to the end of its last whole line. */
@@ -7714,7 +7727,7 @@ class Journal {
     const waiters = this.#waiters
     this.#queue = []
     this.#waiters = []
-    this.#running = this.#writeLines(lines).then(
+    this.#running = this.#holdFile(() => this.#writeLines(lines)).then(
       () => {
         for (const line of lines) this.#sinceSnapshot?.push(line)
         waiters.forEach((waiter) => waiter.resolve())
@@ -7880,10 +7893,42 @@ class Journal {
     })
   }
 
+  /**
+   * Runs a write, or a compaction's last step, as the one task that holds the file: the writes
+   * queued meanwhile, and the requests that made them, wait for it. On a disk that stalls that
+   * may be long, and nothing else would tell the owner why requests hang: see `noteWait`.
+   */
+  async #holdFile(task: () => Promise<void>): Promise<void> {
+    const holding = { since: this.#now(), said: false }
+    this.#holding = holding
+    try {
+      await task()
+      const seconds = Math.round((this.#now() - holding.since) / 1000)
+      if (holding.said) this.#log(`journal: the disk answered: the write to ${this.path} was stored after ${seconds} s`)
+    } finally {
+      this.#holding = undefined // a failure says so itself, in the line of the write that failed
+    }
+  }
+
+  /**
+   * Says in the log, once, that the write holding the file has waited `SLOW_DISK_SECONDS` for the
+   * disk, and again when the disk answers. Called now and then by the store's sweep, so that no
+   * timer runs for a write that the disk answers in a millisecond, as nearly all do.
+   */
+  noteWait(now: number): void {
+    const holding = this.#holding
+    if (holding === undefined || holding.said || now - holding.since < SLOW_DISK_SECONDS * 1000) return
+    holding.said = true
+    this.#log(
+      `journal: a write to ${this.path} has waited ${SLOW_DISK_SECONDS} s for the disk so far: ` +
+        'every request that changes something waits for it',
+    )
+  }
+
   /** Runs `task` while nothing else writes to the file. */
   async #exclusive(task: () => Promise<void>): Promise<void> {
     while (this.#running !== undefined) await this.#running.catch(() => {})
-    this.#running = task()
+    this.#running = this.#holdFile(task)
     try {
       await this.#running
     } finally {
@@ -8341,7 +8386,12 @@ export class FileStore implements Store {
       }
       await syncDirectory(dirname(path))
       const stats = await file.stat()
-      const store = new FileStore(memory, new Journal(path, file, stats, lines, log), hold, options)
+      const store = new FileStore(
+        memory,
+        new Journal(path, file, stats, lines, { log, now: options.now ?? Date.now }),
+        hold,
+        options,
+      )
       if (stats.size > 0 && !formatted) {
         // an older Latch wrote it, which could start on it still: rewritten now, it begins with its
         // format, and none will (a full disk leaves it to the next compaction, as any)
@@ -8555,8 +8605,10 @@ export class FileStore implements Store {
     await this.memory.deletePasskey(id)
   }
 
+  /** Sweeps the memory, and says in the log when a write has waited long for the disk (`Journal.noteWait`). */
   sweep(now: number, budget?: number): void {
     this.memory.sweep(now, budget)
+    this.#journal.noteWait(now)
   }
 
   /** Lets a compaction under way finish, flushes what is queued and closes the file. */

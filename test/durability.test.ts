@@ -1442,6 +1442,37 @@ describe('DATA_FILE: compaction and failures', () => {
     await running.stop()
   })
 
+  it('says in the log when a write has waited 5 s for a stalled disk, once, and when the disk answers', async (t) => {
+    const file = join(directory, 'slow-disk-said.jsonl')
+    const running = await startOn(file)
+    const { access_token } = await obtainTokens(running.base)
+    const sync = await holdNextSync(t, 'runs')
+    const revoked = post(`${running.base}/revoke`, form({ token: access_token }))
+    assert.ok(await until(sync.entered), 'the revocation was never written')
+    const said = () => running.logs.filter((line) => line.startsWith('journal: '))
+    running.advance(4)
+    running.store.sweep(time)
+    assert.deepEqual(said(), []) // a disk may take a moment
+    running.advance(1)
+    running.store.sweep(time)
+    running.advance(30)
+    running.store.sweep(time)
+    assert.deepEqual(said(), [
+      `journal: a write to ${file} has waited 5 s for the disk so far: every request that changes something waits for it`,
+    ])
+    sync.release()
+    assert.equal((await revoked).status, 200)
+    assert.deepEqual(said().slice(1), [`journal: the disk answered: the write to ${file} was stored after 35 s`])
+    // the next write, answered at once, says nothing
+    assert.equal(
+      (await post(`${running.base}/revoke`, form({ token: (await obtainTokens(running.base)).access_token }))).status,
+      200,
+    )
+    running.store.sweep(time + 60_000)
+    assert.equal(said().length, 2)
+    await running.stop()
+  })
+
   it('writes a revocation asked for again while it is being written once: a stalled disk queues no line per repeat', async (t) => {
     const file = join(directory, 'slow-disk-repeats.jsonl')
     const running = await startOn(file)
