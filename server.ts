@@ -7680,9 +7680,10 @@ class Journal {
    */
   #sinceSnapshot: string[] | undefined
   #closed = false
-  /** When the write that holds the file began, by the store's clock, and whether the log said it is slow. */
+  /** When the write that holds the file began, and whether the log said it is slow. */
   #holding: { since: number; said: boolean } | undefined
   readonly #log: (line: string) => void
+  /** The store's clock, kept steady: a clock set back while a write waits would hide the wait. */
   readonly #now: () => number
 
   constructor(
@@ -7698,7 +7699,7 @@ class Journal {
     this.#size = stats.size
     this.lines = lines
     this.#log = log
-    this.#now = now
+    this.#now = steadyClock(now)
   }
 
   /** The file's length in bytes, to the end of its last whole line. */
@@ -7915,9 +7916,9 @@ class Journal {
    * disk, and again when the disk answers. Called now and then by the store's sweep, so that no
    * timer runs for a write that the disk answers in a millisecond, as nearly all do.
    */
-  noteWait(now: number): void {
+  noteWait(): void {
     const holding = this.#holding
-    if (holding === undefined || holding.said || now - holding.since < SLOW_DISK_SECONDS * 1000) return
+    if (holding === undefined || holding.said || this.#now() - holding.since < SLOW_DISK_SECONDS * 1000) return
     holding.said = true
     this.#log(
       `journal: a write to ${this.path} has waited ${SLOW_DISK_SECONDS} s for the disk so far: ` +
@@ -8608,7 +8609,7 @@ export class FileStore implements Store {
   /** Sweeps the memory, and says in the log when a write has waited long for the disk (`Journal.noteWait`). */
   sweep(now: number, budget?: number): void {
     this.memory.sweep(now, budget)
-    this.#journal.noteWait(now)
+    this.#journal.noteWait() // on the store's own clock: a handler's may be another
   }
 
   /** Lets a compaction under way finish, flushes what is queued and closes the file. */

@@ -153,6 +153,7 @@ async function holdNextSync(t: TestContext, then: 'runs' | 'fails') {
   let entered = false
   let release = () => {}
   const held = new Promise<void>((resolve) => (release = resolve))
+  t.after(() => release()) // a test that failed before it let go: the write, and its request, end
   methods.datasync = async function (this: unknown) {
     methods.datasync = datasync
     entered = true
@@ -1470,6 +1471,24 @@ describe('DATA_FILE: compaction and failures', () => {
     )
     running.store.sweep(time + 60_000)
     assert.equal(said().length, 2)
+    await running.stop()
+  })
+
+  it("counts a write's wait for the disk on a steady clock: one set back meanwhile does not hide it", async (t) => {
+    const file = join(directory, 'slow-disk-clock.jsonl')
+    const running = await startOn(file)
+    const { access_token } = await obtainTokens(running.base)
+    const sync = await holdNextSync(t, 'runs')
+    const revoked = post(`${running.base}/revoke`, form({ token: access_token }))
+    assert.ok(await until(sync.entered), 'the revocation was never written')
+    running.advance(-3600) // a time server sets the clock back an hour while the disk stalls
+    running.store.sweep(time) // as the sweep every 100 ms would
+    running.advance(5)
+    running.store.sweep(time)
+    assert.equal(running.logs.filter((line) => / has waited 5 s for the disk/.test(line)).length, 1)
+    sync.release()
+    assert.equal((await revoked).status, 200)
+    assert.ok(running.logs.some((line) => line.endsWith('was stored after 5 s')))
     await running.stop()
   })
 
