@@ -614,8 +614,9 @@ const utf8 = new TextDecoder('utf-8', { fatal: true, ignoreBOM: true })
 export function parseForm(text: string): Params {
   const params: Params = new Map()
   // printable ASCII throughout, the usual case: then a name or value needs decoding only if it
-  // has a `%` or a `+`, which is quicker to ask of each than whether it is printable
-  const printable = PRINTABLE_ASCII.test(text)
+  // has a `%` or a `+`, which is quicker to ask of each than whether it is printable. Else each is
+  // asked (undefined), so that one raw byte does not send every other down the slow path
+  const printable = PRINTABLE_ASCII.test(text) || undefined
   for (const pair of text.split('&')) {
     if (pair === '') continue
     const equals = pair.indexOf('=')
