@@ -164,6 +164,17 @@ async function holdNextSync(t: TestContext, then: 'runs' | 'fails') {
   return { entered: () => entered, release }
 }
 
+/** Starts a Latch on a data file of that name, and revokes a token of it: the fsync of that waits for the test. */
+async function revokeWhileDiskStalls(t: TestContext, name: string) {
+  const file = join(directory, name)
+  const running = await startOn(file)
+  const { access_token } = await obtainTokens(running.base)
+  const sync = await holdNextSync(t, 'runs')
+  const revoked = post(`${running.base}/revoke`, form({ token: access_token }))
+  assert.ok(await until(sync.entered), 'the revocation was never written')
+  return { file, running, sync, revoked }
+}
+
 /** Counts the store's reads of tokens as they come, the ones that then wait for a write included. */
 function countTokenReads(store: FileStore): () => number {
   let reads = 0
@@ -1444,12 +1455,7 @@ describe('DATA_FILE: compaction and failures', () => {
   })
 
   it('says in the log when a write has waited 5 s for a stalled disk, once, and when the disk answers', async (t) => {
-    const file = join(directory, 'slow-disk-said.jsonl')
-    const running = await startOn(file)
-    const { access_token } = await obtainTokens(running.base)
-    const sync = await holdNextSync(t, 'runs')
-    const revoked = post(`${running.base}/revoke`, form({ token: access_token }))
-    assert.ok(await until(sync.entered), 'the revocation was never written')
+    const { file, running, sync, revoked } = await revokeWhileDiskStalls(t, 'slow-disk-said.jsonl')
     const said = () => running.logs.filter((line) => line.startsWith('journal: '))
     running.advance(4)
     running.store.sweep(time)
@@ -1469,18 +1475,14 @@ describe('DATA_FILE: compaction and failures', () => {
       (await post(`${running.base}/revoke`, form({ token: (await obtainTokens(running.base)).access_token }))).status,
       200,
     )
-    running.store.sweep(time + 60_000)
+    running.advance(60)
+    running.store.sweep(time)
     assert.equal(said().length, 2)
     await running.stop()
   })
 
   it("counts a write's wait for the disk on a steady clock: one set back meanwhile does not hide it", async (t) => {
-    const file = join(directory, 'slow-disk-clock.jsonl')
-    const running = await startOn(file)
-    const { access_token } = await obtainTokens(running.base)
-    const sync = await holdNextSync(t, 'runs')
-    const revoked = post(`${running.base}/revoke`, form({ token: access_token }))
-    assert.ok(await until(sync.entered), 'the revocation was never written')
+    const { running, sync, revoked } = await revokeWhileDiskStalls(t, 'slow-disk-clock.jsonl')
     running.advance(-3600) // a time server sets the clock back an hour while the disk stalls
     running.store.sweep(time) // as the sweep every 100 ms would
     running.advance(5)
