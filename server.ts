@@ -629,6 +629,7 @@ export function parseForm(text: string): Params {
   return params
 }
 
+/** Printable ASCII, the space left out: text that a form needs not decode, nor a log line quote. */
 const PRINTABLE_ASCII = /^[\x21-\x7e]*$/
 
 function decodeFormComponent(text: string, printable = PRINTABLE_ASCII.test(text)): string {
@@ -2976,7 +2977,7 @@ function formatLogEntry(entry: LogEntry, format: Config['logFormat']): string {
   let line = `${when} ${entry.method} ${entry.path ?? ''} ${entry.status} ${entry.ms}ms`
   if (entry.error !== undefined) line += ` error=${entry.error}`
   if (entry.client_id !== undefined)
-    line += ` client_id=${/^[\x21-\x7e]*$/.test(entry.client_id) ? entry.client_id : asciiJson(entry.client_id)}`
+    line += ` client_id=${PRINTABLE_ASCII.test(entry.client_id) ? entry.client_id : asciiJson(entry.client_id)}`
   return line
 }
 
