@@ -1908,7 +1908,8 @@ function readPublicClient(req: IncomingMessage, form: Params, config: Config): v
     if (/^Basic\b/i.test(req.headers.authorization)) throw basicRefused('The Basic credentials are malformed', config)
     return
   }
-  const credentials = Buffer.from(match[1], 'base64').toString('utf8')
+  // a byte a character, as a body is read: the client_id's UTF-8 is decoded with its escapes, once
+  const credentials = Buffer.from(match[1], 'base64').toString('latin1')
   // the last colon: a client_id should be form-encoded, but many libraries send a URL as it is
   const colon = credentials.lastIndexOf(':')
   if (colon === -1) throw basicRefused('The Basic credentials are malformed', config)

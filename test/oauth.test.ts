@@ -316,6 +316,18 @@ describe('HTTP Basic with an empty password, for public clients (RFC 6749 §2.3.
     await assertError(await exchange(latch.base, await obtainCode(latch.base), {}, secret), 401, 'invalid_client')
   })
 
+  it('reads a client_id sent in Basic credentials as UTF-8 bytes once, as the same one in the body is read', async () => {
+    const raw = (user: string) => ({ Authorization: `Basic ${Buffer.from(`${user}:`).toString('base64')}` })
+    // not form-encoded, as a URL is often sent: its bytes are UTF-8, as in a body
+    const accented = `${CLIENT_ID}caf\u00e9`
+    const revoked = await post(`${latch.base}/revoke`, { token: 'not-a-token', client_id: accented }, raw(accented))
+    assert.equal(revoked.status, 200)
+    // and not twice over: "Ã©" is not read as "é"
+    const twice = `${CLIENT_ID}caf\u00c3\u00a9`
+    const again = await post(`${latch.base}/revoke`, { token: 'not-a-token', client_id: twice }, raw(twice))
+    assert.equal(again.status, 200)
+  })
+
   it('refuses malformed Basic credentials with 401 invalid_client', async () => {
     const code = await obtainCode(latch.base, { scope: 'create' })
     const base64 = (user: string | Buffer) =>
