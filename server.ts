@@ -7907,8 +7907,10 @@ class Journal {
     this.#holding = holding
     try {
       await task()
-      const seconds = Math.round((this.#now() - holding.since) / 1000)
-      if (holding.said) this.#log(`journal: the disk answered: the write to ${this.path} was stored after ${seconds} s`)
+      if (holding.said) {
+        const seconds = Math.round((this.#now() - holding.since) / 1000)
+        this.#log(`journal: the disk answered: the write to ${this.path} was stored after ${seconds} s`)
+      }
     } finally {
       this.#holding = undefined // a failure says so itself, in the line of the write that failed
     }
