@@ -1846,6 +1846,25 @@ describe('GET /auth (IndieAuth §5.2)', () => {
     assert.equal(await statusOf(`GET /apps HTTP/1.1\r\nHost: 127.0.0.1:${port}\r\n${lines(999)}`), 200)
   })
 
+  it("says why it refused headers too large to read: in a browser, other pages' cookies", async (t) => {
+    // what a page on another port of this host name can make a browser send Latch: 24 KiB of cookies
+    const cookie = Array.from({ length: 8 }, (_, i) => `c${i}=${'x'.repeat(3000)}`).join('; ')
+    const { base, close } = await startLatch({}, { latchServer: true })
+    t.after(close)
+    const res = await fetch(`${base}/apps`, { headers: { Cookie: cookie } })
+    assert.equal(res.status, 431)
+    assert.equal(res.headers.get('content-type'), 'text/plain; charset=utf-8')
+    assert.equal(res.headers.get('x-content-type-options'), 'nosniff')
+    assert.equal(res.headers.get('connection'), 'close')
+    assert.match(await res.text(), /cookies that other pages on this host name set: clear this site's cookies/)
+    // to a HEAD, the same refusal, with no body: none may follow the head of an answer to one
+    const socket = connect(Number(new URL(base).port), '127.0.0.1')
+    socket.end(`HEAD /apps HTTP/1.1\r\nHost: 127.0.0.1\r\nCookie: ${cookie}\r\n\r\n`)
+    let answer = ''
+    for await (const chunk of socket) answer += String(chunk)
+    assert.equal(answer, 'HTTP/1.1 431 Request Header Fields Too Large\r\nConnection: close\r\n\r\n')
+  })
+
   it('routes a target in absolute form by its path, and takes its authority for the host', async () => {
     const port = Number(new URL(latch.base).port)
     const answer = async (target: string, host: string) => {

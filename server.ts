@@ -3701,10 +3701,36 @@ function addressGroup(address: string): string {
 }
 
 /** The status of node:http's answer to a request it could not read, by the code of its error; else 400. */
-const CLIENT_ERROR_STATUS: Record<string, number> = {
-  ERR_HTTP_REQUEST_TIMEOUT: 408,
-  HPE_CHUNK_EXTENSIONS_OVERFLOW: 413,
-  HPE_HEADER_OVERFLOW: 431,
+const CLIENT_ERRORS: Record<string, { status: number; why: string }> = {
+  ERR_HTTP_REQUEST_TIMEOUT: { status: 408, why: 'The request did not arrive in time.' },
+  HPE_CHUNK_EXTENSIONS_OVERFLOW: { status: 413, why: 'The chunk extensions of the request are too large.' },
+  // what a browser meets when pages on another port of this host name, or on a sibling host, have
+  // set it more cookies than fit: Latch is out of its reach until they are gone
+  HPE_HEADER_OVERFLOW: {
+    status: 431,
+    why:
+      'The headers of the request are too large. In a browser, that is most often cookies that other pages ' +
+      "on this host name set: clear this site's cookies, then try again.",
+  },
+}
+const NOT_READ = { status: 400, why: 'The request is not HTTP that this server can read.' }
+
+/**
+ * node:http's refusal of a request it could not read, with a line of text that says why: a
+ * browser shows it, where it would show an error of its own for an answer with no body. Only to a
+ * GET or a POST: no answer to a HEAD has a body, and node:http does not say which method it was
+ * reading, only the bytes it was given last, which begin with the request line when they came in
+ * one piece, as a browser's do.
+ */
+function clientErrorAnswer(err: NodeJS.ErrnoException & { rawPacket?: Buffer }): string {
+  const { status, why } = CLIENT_ERRORS[err.code ?? ''] ?? NOT_READ
+  const statusLine = `HTTP/1.1 ${status} ${STATUS_CODES[status]}\r\n`
+  if (!/^(GET|POST) /.test(err.rawPacket?.toString('latin1', 0, 5) ?? ''))
+    return `${statusLine}Connection: close\r\n\r\n`
+  return (
+    `${statusLine}Content-Type: text/plain; charset=utf-8\r\nContent-Length: ${why.length + 1}\r\n` +
+    `X-Content-Type-Options: nosniff\r\nCache-Control: no-store\r\nConnection: close\r\n\r\n${why}\n`
+  )
 }
 
 /** Closes a connection after `ms` at the latest, whatever its client does or does not read. */
@@ -3767,8 +3793,9 @@ export function createLatchServer(
   // those answers go out whole, in order, and then the connection closes. node:http itself closes
   // it at once, which from Node 24 on cut the answer being written short. A client that does not
   // read them has as long as one may wait between requests: what it sends meanwhile is never a
-  // request, and would keep any other timer from running out. Else, node:http's own answer (400,
-  // or 408, 413, 431) unless one has begun, and the connection closed.
+  // request, and would keep any other timer from running out. Else, node:http's refusal (400, or
+  // 408, 413, 431) with a line that says why (`clientErrorAnswer`), unless an answer has begun, and
+  // the connection closed.
   server.on('clientError', (err: NodeJS.ErrnoException, socket: Socket) => {
     const answer = answers.get(socket) // the last made; those before it go out before it
     const made = answer !== undefined && answer.writableEnded && !answer.writableFinished
@@ -3777,10 +3804,7 @@ export function createLatchServer(
       return closeWithin(socket, timeouts.keepAliveMs)
     }
     const begun = answer !== undefined && !answer.writableFinished && (answer.headersSent || answer.socket === null)
-    if (socket.writable && !begun) {
-      const status = CLIENT_ERROR_STATUS[err.code ?? ''] ?? 400
-      socket.write(`HTTP/1.1 ${status} ${STATUS_CODES[status]}\r\nConnection: close\r\n\r\n`)
-    }
+    if (socket.writable && !begun) socket.write(clientErrorAnswer(err))
     socket.destroy(err)
   })
   server.maxConnections = limits.total
