@@ -6617,6 +6617,9 @@ function decodePage(body: Buffer, contentType: string): string {
   return body.toString('utf8')
 }
 
+/** The Encoding Standard's "UTF-8 decode", as a browser's `fetch` reads JSON: a BOM is dropped. */
+const utf8Decode = new TextDecoder()
+
 /**
  * Bytes as text in a decoder's encoding. Node 20's TextDecoder reads windows-1252 (which ISO-8859-1
  * and ASCII name too) as Latin-1: 0x80–0x9F become control characters, where a browser shows the
@@ -6716,9 +6719,11 @@ export async function discoverClient(
   const isJson = fetched.type === 'application/json' || fetched.type.endsWith('+json')
   // JSON at an https URL: a Client ID Metadata Document, which IndieAuth's JSON metadata is too
   const metadataDocument = isJson && url.protocol === 'https:'
-  // a document served as text (a raw file on a code host, say) would be read as a page without
-  // redirect URIs, and the refusal would name the wrong cause; the type is named if it is one
-  const jsonAsText = !isJson && !fetched.type.includes('html') && /^\s*\{/.test(fetched.body.toString('latin1', 0, 64))
+  // a document served as text (a raw file on a code host, say; a BOM before it or not) would be
+  // read as a page without redirect URIs, and the refusal would name the wrong cause; the type is
+  // named if it is one
+  const jsonAsText =
+    !isJson && !fetched.type.includes('html') && /^(\xef\xbb\xbf)?\s*\{/.test(fetched.body.toString('latin1', 0, 64))
   if (url.protocol === 'https:' && jsonAsText) {
     const type = /^[\w.+-]{1,40}\/[\w.+-]{1,80}$/.test(fetched.type) ? fetched.type : 'another type'
     throw new InvalidClientDocument(`it is served as ${type}: it must be application/json`)
@@ -6726,7 +6731,7 @@ export async function discoverClient(
   if (metadataDocument && fetched.body.length > MAX_METADATA_DOCUMENT_BYTES)
     throw new InvalidClientDocument(`it is larger than ${MAX_METADATA_DOCUMENT_BYTES / 1024} KiB`)
   const document = isJson
-    ? readClientMetadata(fetched.body.toString('utf8'), clientId, metadataDocument)
+    ? readClientMetadata(utf8Decode.decode(fetched.body), clientId, metadataDocument)
     : readClientPage(decodePage(fetched.body, fetched.headers['content-type'] ?? ''), clientId)
   const linked = metadataDocument ? [] : readLinkHeader(fetched.link, 'redirect_uri', clientId).filter(isPlainUrl)
   const redirectUris = [...document.redirectUris, ...linked]

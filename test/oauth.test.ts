@@ -828,6 +828,16 @@ describe('Loopback redirects and Client ID Metadata Documents', () => {
     assert.ok(location.searchParams.get('code'))
   })
 
+  it('reads a document that begins with a byte order mark, as a browser would', async () => {
+    // RFC 8259 §8.1: no sender may add one, a parser may ignore it; a Windows editor saves one
+    const clientId = 'https://app.example/bom.json'
+    serveClient(clientId)
+    const served = documents.get('app.example/bom.json')
+    if (served !== undefined) served.body = `\ufeff${served.body}`
+    const accepted = await authorizeClient(latch, clientId, 'https://app.example/callback')
+    assert.equal(accepted.status, 200, pageError(await accepted.text()))
+  })
+
   it('refuses a document whose client_id is not the URL, exactly, and says why', async () => {
     const clientId = 'https://app.example/mismatch.json'
     serveDocument(clientId, { client_id: 'https://APP.example/mismatch.json', redirect_uris: [`${clientId}/cb`] })
@@ -895,9 +905,15 @@ describe('Loopback redirects and Client ID Metadata Documents', () => {
   })
 
   it('refuses a document served as another type than JSON, and says so', async () => {
-    for (const type of ['text/plain; charset=utf-8', 'application/octet-stream']) {
-      const clientId = `https://app.example/typed-${type.split('/')[0]}.json`
+    for (const [type, bom] of [
+      ['text/plain; charset=utf-8', ''],
+      ['application/octet-stream', ''],
+      ['text/plain', '\ufeff'], // as a Windows editor saves it
+    ]) {
+      const clientId = `https://app.example/typed-${type.split('/')[0]}${bom === '' ? '' : '-bom'}.json`
       serveClient(clientId, {}, { 'Content-Type': type })
+      const served = documents.get(new URL(clientId).host + new URL(clientId).pathname)
+      if (served !== undefined) served.body = `${bom}${served.body}`
       await assertRefusedPage(
         await authorizeClient(latch, clientId, 'https://app.example/callback'),
         /Client ID Metadata Document cannot be used/,
