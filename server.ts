@@ -273,7 +273,7 @@ export type Passkey = {
   lastUsedAt: number | undefined
   /**
    * The WebAuthn user handle it was made with, which the device sends back at each sign-in: made
-   * from `ME` at the time, so a new `ME` keeps it working. Absent on a passkey stored before it was
+   * from `ME` and `ISSUER` at the time, so a new `ME` keeps it working. Absent on a passkey stored before it was
    * kept, until it signs in under the same `ME`.
    */
   userHandle?: string
@@ -5234,9 +5234,14 @@ function relyingParty(config: Config): { id: string; origin: string } | undefine
   return { id: issuer.hostname, origin: issuer.origin }
 }
 
-/** The owner's WebAuthn user handle: opaque, the same on every device, and no secret. */
+/**
+ * The owner's WebAuthn user handle: opaque, the same on every device, and no secret. It names the
+ * issuer as well as the owner: a device keeps one passkey per host name (the RP ID) and handle,
+ * and replaces it with the next one made for both, so two Latches under one host name (on two
+ * ports, or two paths) with one `ME` would each make the device forget the other's.
+ */
 function userHandleOf(config: Config): string {
-  return base64url(hash('sha256', `latch user ${config.me}`, 'buffer').subarray(0, 16))
+  return base64url(hash('sha256', `latch user ${config.me} at ${config.issuer}`, 'buffer').subarray(0, 16))
 }
 
 /** What binds a challenge to a browser: its session when signed in, else its CSRF cookie. */

@@ -30,8 +30,9 @@ const ME = 'https://example.com/'
 const VIEWPORT = { width: 420, height: 900 }
 const WAIT = 5000 // every wait of the walk ends after this many milliseconds
 const PASSKEY_NAME = 'Laptop key'
-/** The WebAuthn user.id Latch registers: the first 16 bytes of sha256("latch user " + ME). */
-const USER_HANDLE = createHash('sha256').update(`latch user ${ME}`).digest().subarray(0, 16)
+/** The WebAuthn user.id Latch registers: the first 16 bytes of sha256("latch user ME at ISSUER"). */
+const userHandleAt = (issuer: string) =>
+  createHash('sha256').update(`latch user ${ME} at ${issuer}`).digest().subarray(0, 16)
 
 type Latch = Listening & {
   issuer: string
@@ -228,7 +229,7 @@ describe('The owner signs in with a passkey (WebAuthn) in a browser', () => {
     assert.equal(credentials.length, 1)
     assert.equal(credentials[0].rpId, 'localhost')
     assert.equal(credentials[0].isResidentCredential, true)
-    assert.deepEqual(Buffer.from(credentials[0].userHandle ?? '', 'base64'), USER_HANDLE)
+    assert.deepEqual(Buffer.from(credentials[0].userHandle ?? '', 'base64'), userHandleAt(latch.issuer))
     signCount = credentials[0].signCount
   })
 

@@ -1126,6 +1126,25 @@ describe('Passkeys over HTTP', () => {
     assert.doesNotMatch(contentSecurityPolicy(home), /script-src/)
   })
 
+  it('gives two Latches under one host name, and one ME, user handles of their own', async () => {
+    // a device keeps one passkey per host name and user handle: with one handle for both, adding a
+    // passkey at one Latch would make the device forget the other's
+    const other = await startLatch()
+    try {
+      const handles: string[] = []
+      for (const server of [latch, other]) {
+        const browser = openBrowser(server)
+        await signInWithPassword(browser)
+        const options = await askChallenge(browser, 'register')
+        assert.equal(options.rp.id, 'localhost')
+        handles.push(options.user.id)
+      }
+      assert.notEqual(handles[0], handles[1])
+    } finally {
+      await other.close()
+    }
+  })
+
   it('gives a register challenge to the signed-in owner only', async () => {
     const browser = openBrowser(latch)
     const refused = await browser.post('/passkeys/challenge', { csrf: await formToken(browser), purpose: 'register' })
@@ -1134,7 +1153,7 @@ describe('Passkeys over HTTP', () => {
     const options = await askChallenge(browser, 'register')
     assert.equal(Buffer.from(options.challenge, 'base64url').length >= 16, true)
     assert.equal(options.rp.id, 'localhost')
-    const userId = createHash('sha256').update(`latch user ${ME}`).digest().subarray(0, 16)
+    const userId = createHash('sha256').update(`latch user ${ME} at ${latch.issuer}`).digest().subarray(0, 16)
     assert.equal(options.user.id, base64url(userId))
     assert.ok(options.pubKeyCredParams.every((parameters) => parameters.type === 'public-key'))
     assert.deepEqual(options.pubKeyCredParams.map((parameters) => parameters.alg).sort(), [EDDSA, ES256, RS256].sort())
