@@ -273,8 +273,8 @@ export type Passkey = {
   lastUsedAt: number | undefined
   /**
    * The WebAuthn user handle it was made with, which the device sends back at each sign-in: made
-   * from `ME` and `ISSUER` at the time, so a new `ME` keeps it working. Absent on a passkey stored before it was
-   * kept, until it signs in under the same `ME`.
+   * from `ME` and `ISSUER` at the time, so a new `ME` keeps it working. Absent on a passkey stored
+   * before it was kept, until it signs in with the handle Latch makes now.
    */
   userHandle?: string
   /** The host name it was made for (its RP ID), the only one it works on; absent as `userHandle` may be. */
@@ -3700,7 +3700,7 @@ function addressGroup(address: string): string {
   return `${new URL(`http://[${prefix}::]/`).hostname.slice(1, -1)}/64` // as an address is written: 2001:db8::/64
 }
 
-/** The status of node:http's answer to a request it could not read, by the code of its error; else 400. */
+/** node:http's answer to a request it could not read, by the code of its error: a status, and why; else `NOT_READ`. */
 const CLIENT_ERRORS: Record<string, { status: number; why: string }> = {
   ERR_HTTP_REQUEST_TIMEOUT: { status: 408, why: 'The request did not arrive in time.' },
   HPE_CHUNK_EXTENSIONS_OVERFLOW: { status: 413, why: 'The chunk extensions of the request are too large.' },
