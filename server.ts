@@ -4779,7 +4779,6 @@ const COSE_ALGORITHMS = { ES256: -7, EdDSA: -8, RS256: -257 } as const
 const SUPPORTED_ALGORITHMS: number[] = Object.values(COSE_ALGORITHMS)
 const MAX_CBOR_DEPTH = 16
 const MAX_CREDENTIAL_ID_BYTES = 1_023
-const MAX_SIGNATURE_COUNTER = 0xffff_ffff // 32 bits
 const MIN_RSA_BITS = 2_048
 const MAX_RSA_BITS = 4_096
 const utf8DroppingBom = new TextDecoder('utf-8', { fatal: true }) // the Encoding Standard's "UTF-8 decode"
@@ -5057,8 +5056,7 @@ export function verifyRegistration(
   if (data.credential === undefined) throw new PasskeyError('the authenticator data carries no new credential')
   // a counter must grow at each sign-in (`verifyAuthentication`): one at its end never could, yet
   // would count as a passkey left, where it is the last
-  if (data.counter === MAX_SIGNATURE_COUNTER)
-    throw new PasskeyError('the signature counter is at its end, so it cannot grow')
+  if (data.counter === 0xffff_ffff) throw new PasskeyError('the signature counter is at its end, so it cannot grow')
   const { key, algorithm } = readCoseKey(data.credential.publicKey) // step 20: one of the algorithms offered
   return {
     id: base64url(data.credential.id),
@@ -5213,15 +5211,11 @@ async function offersPasskeys(ctx: Context): Promise<boolean> {
   return passkeysForHere(await ctx.store.listPasskeys(), ctx.config).length > 0
 }
 
-/**
- * The passkeys that can sign in on the issuer's host: made for it, and with a signature counter
- * short of its end, which a sign-in may have brought it to (registration refuses one there): from
- * then on, none could pass `verifyAuthentication`.
- */
+/** The passkeys that can sign in on the issuer's host. */
 function passkeysForHere(passkeys: [string, Passkey][], config: Config): [string, Passkey][] {
   const rp = relyingParty(config)
   if (rp === undefined) return []
-  return passkeys.filter(([, passkey]) => madeFor(passkey, rp.id) && passkey.counter < MAX_SIGNATURE_COUNTER)
+  return passkeys.filter(([, passkey]) => madeFor(passkey, rp.id))
 }
 
 /** Whether a passkey works on a host: only on the one it was made for (one stored before Latch noted it, anywhere). */
@@ -10034,14 +10028,6 @@ async function main(argv: string[], env: Record<string, string | undefined>): Pr
   })
   const passkeys = await store.listPasskeys()
   if (!config.passwordSignIn && passkeys.length === 0) throw noPasskey()
-  const madeHere = passkeys.filter(([, passkey]) => madeFor(passkey, new URL(config.issuer).hostname))
-  if (!config.passwordSignIn && madeHere.length > 0 && passkeysForHere(passkeys, config).length === 0) {
-    throw new ConfigError(
-      `PASSWORD_SIGN_IN=off, and the signature counters of the passkeys for this host in ${config.dataFile} ` +
-        'are at their end, so no one could sign in: unset PASSWORD_SIGN_IN, sign in with the password ' +
-        'and add a passkey',
-    )
-  }
   if (!config.passwordSignIn && passkeysForHere(passkeys, config).length === 0) {
     const hosts = [...new Set(passkeys.map(([, passkey]) => passkey.rpId))]
     const counted = passkeys.length === 1 ? 'the 1 passkey' : `the ${passkeys.length} passkeys`

@@ -747,15 +747,6 @@ describe('The start-up block', () => {
     }
   })
 
-  it('refuses to start with PASSWORD_SIGN_IN=off when the passkeys for this host can no longer sign in', async () => {
-    const file = join(directory, 'passkey-worn.jsonl')
-    const worn = { ...PASSKEY, rpId: 'localhost', counter: 0xffff_ffff } // a sign-in brought its counter to its end
-    await writeFile(file, `${JSON.stringify({ set: 'passkey', key: 'credential-1', value: worn })}\n`)
-    const settings = { PASSWORD_SIGN_IN: 'off', PASSWORD_HASH, ISSUER: 'http://localhost:3000', PORT: '0' }
-    const refused = await runLatch([], { ...settings, DATA_FILE: file })
-    assertOneLineFailure(refused, /^latch: PASSWORD_SIGN_IN=off, and the signature counters .* are at their end/)
-  })
-
   it('says how many passkeys are for this host when some were made for another', async () => {
     const file = join(directory, 'passkeys-two-hosts.jsonl')
     const lines = [
