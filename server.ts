@@ -4779,6 +4779,7 @@ const COSE_ALGORITHMS = { ES256: -7, EdDSA: -8, RS256: -257 } as const
 const SUPPORTED_ALGORITHMS: number[] = Object.values(COSE_ALGORITHMS)
 const MAX_CBOR_DEPTH = 16
 const MAX_CREDENTIAL_ID_BYTES = 1_023
+const MAX_SIGNATURE_COUNTER = 0xffff_ffff // 32 bits
 const MIN_RSA_BITS = 2_048
 const MAX_RSA_BITS = 4_096
 const utf8DroppingBom = new TextDecoder('utf-8', { fatal: true }) // the Encoding Standard's "UTF-8 decode"
@@ -5056,7 +5057,8 @@ export function verifyRegistration(
   if (data.credential === undefined) throw new PasskeyError('the authenticator data carries no new credential')
   // a counter must grow at each sign-in (`verifyAuthentication`): one at its end never could, yet
   // would count as a passkey left, where it is the last
-  if (data.counter === 0xffff_ffff) throw new PasskeyError('the signature counter is at its end, so it cannot grow')
+  if (data.counter === MAX_SIGNATURE_COUNTER)
+    throw new PasskeyError('the signature counter is at its end, so it cannot grow')
   const { key, algorithm } = readCoseKey(data.credential.publicKey) // step 20: one of the algorithms offered
   return {
     id: base64url(data.credential.id),
@@ -5097,6 +5099,9 @@ export function verifyAuthentication(
       `the signature counter went from ${expected.counter} to ${data.counter}, not up: ` +
         'the passkey may have been cloned',
     )
+  // one at its end, stored, could never grow again, yet would count as a passkey left (as at registration)
+  if (data.counter === MAX_SIGNATURE_COUNTER)
+    throw new PasskeyError('the signature counter is at its end, so it cannot grow')
   return { counter: data.counter }
 }
 

@@ -833,6 +833,14 @@ for (const [name, algorithm] of [
       refuses(() => verifyAuthentication(assertion({ counter: 0 }), { ...expected, counter: 5 }), /clone/)
     })
 
+    it('refuses a counter at its end: stored, it could never grow again, yet would count as a passkey left', () => {
+      refuses(
+        () => verifyAuthentication(assertion({ counter: 0xffff_ffff }), { ...expected, counter: 5 }),
+        /at its end/,
+      )
+      assert.deepEqual(verifyAuthentication(assertion({ counter: 0xffff_fffe }), expected), { counter: 0xffff_fffe })
+    })
+
     it('refuses clientDataJSON of another type', () => {
       refuses(() => verifyAuthentication(assertion({ type: 'webauthn.create' }), expected))
     })
