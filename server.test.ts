@@ -1857,12 +1857,17 @@ describe('GET /auth (IndieAuth §5.2)', () => {
     assert.equal(res.headers.get('x-content-type-options'), 'nosniff')
     assert.equal(res.headers.get('connection'), 'close')
     assert.match(await res.text(), /cookies that other pages on this host name set: clear this site's cookies/)
-    // to a HEAD, the same refusal, with no body: none may follow the head of an answer to one
-    const socket = connect(Number(new URL(base).port), '127.0.0.1')
-    socket.end(`HEAD /apps HTTP/1.1\r\nHost: 127.0.0.1\r\nCookie: ${cookie}\r\n\r\n`)
-    let answer = ''
-    for await (const chunk of socket) answer += String(chunk)
-    assert.equal(answer, 'HTTP/1.1 431 Request Header Fields Too Large\r\nConnection: close\r\n\r\n')
+    // to a HEAD, the same refusal, with no body: none may follow the head of an answer to one; nor
+    // to one sent behind a GET, whose bytes came first
+    const refusal = 'HTTP/1.1 431 Request Header Fields Too Large\r\nConnection: close\r\n\r\n'
+    const head = `HEAD /apps HTTP/1.1\r\nHost: 127.0.0.1\r\nCookie: ${cookie}\r\n\r\n`
+    for (const sent of [head, `GET /nowhere HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n${head}`]) {
+      const socket = connect(Number(new URL(base).port), '127.0.0.1')
+      socket.end(sent)
+      let answer = ''
+      for await (const chunk of socket) answer += String(chunk)
+      assert.ok(answer.endsWith(refusal), answer)
+    }
   })
 
   it('routes a target in absolute form by its path, and takes its authority for the host', async () => {

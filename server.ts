@@ -3700,9 +3700,13 @@ function addressGroup(address: string): string {
   return `${new URL(`http://[${prefix}::]/`).hostname.slice(1, -1)}/64` // as an address is written: 2001:db8::/64
 }
 
-/** node:http's answer to a request it could not read, by the code of its error: a status, and why; else `NOT_READ`. */
-const CLIENT_ERRORS: Record<string, { status: number; why: string }> = {
-  ERR_HTTP_REQUEST_TIMEOUT: { status: 408, why: 'The request did not arrive in time.' },
+/**
+ * node:http's answer to a request it could not read, by the code of its error: a status, and a
+ * line that says why; else `NOT_READ`. A request that ran out of time gets no line: node:http
+ * keeps none of its bytes, so which method it was is not known (see `clientErrorAnswer`).
+ */
+const CLIENT_ERRORS: Record<string, { status: number; why?: string }> = {
+  ERR_HTTP_REQUEST_TIMEOUT: { status: 408 },
   HPE_CHUNK_EXTENSIONS_OVERFLOW: { status: 413, why: 'The chunk extensions of the request are too large.' },
   // what a browser meets when pages on another port of this host name, or on a sibling host, have
   // set it more cookies than fit: Latch is out of its reach until they are gone
@@ -3719,13 +3723,15 @@ const NOT_READ = { status: 400, why: 'The request is not HTTP that this server c
  * node:http's refusal of a request it could not read, with a line of text that says why: a
  * browser shows it, where it would show an error of its own for an answer with no body. Only to a
  * GET or a POST: no answer to a HEAD has a body, and node:http does not say which method it was
- * reading, only the bytes it was given last, which begin with the request line when they came in
- * one piece, as a browser's do.
+ * reading, only the bytes it was given last and how far it read them. Those begin with the request
+ * line when the request came in one piece, as a browser's does, and no other request ends before
+ * it, which one would with a blank line (`\r\n\r\n`) before where the reading stopped.
  */
-function clientErrorAnswer(err: NodeJS.ErrnoException & { rawPacket?: Buffer }): string {
+function clientErrorAnswer(err: NodeJS.ErrnoException & { rawPacket?: Buffer; bytesParsed?: number }): string {
   const { status, why } = CLIENT_ERRORS[err.code ?? ''] ?? NOT_READ
   const statusLine = `HTTP/1.1 ${status} ${STATUS_CODES[status]}\r\n`
-  if (!/^(GET|POST) /.test(err.rawPacket?.toString('latin1', 0, 5) ?? ''))
+  const read = err.rawPacket?.subarray(0, err.bytesParsed ?? 0).toString('latin1') ?? ''
+  if (why === undefined || !/^(GET|POST) /.test(read) || read.includes('\r\n\r\n'))
     return `${statusLine}Connection: close\r\n\r\n`
   return (
     `${statusLine}Content-Type: text/plain; charset=utf-8\r\nContent-Length: ${why.length + 1}\r\n` +
