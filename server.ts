@@ -5255,6 +5255,17 @@ function userHandleOf(config: Config): string {
   return base64url(hash('sha256', `latch user ${config.me} at ${config.issuer}`, 'buffer').subarray(0, 16))
 }
 
+/**
+ * The name a device shows for the owner's passkey, beside the host name: `ME`, and the port or
+ * path of `ISSUER` when it has one, which the device does not show. So the passkeys of two Latches
+ * under one host name (see `userHandleOf`) can be told apart where the device offers both.
+ */
+function accountName(config: Config): string {
+  const issuer = new URL(config.issuer)
+  const where = `${issuer.port === '' ? '' : `:${issuer.port}`}${issuer.pathname === '/' ? '' : issuer.pathname}`
+  return where === '' ? config.me : `${config.me} at ${issuer.hostname}${where}`
+}
+
 /** What binds a challenge to a browser: its session when signed in, else its CSRF cookie. */
 function browserOf(visitor: Visitor): string {
   return hashSecret(visitor.session ?? visitor.csrf)
@@ -5397,7 +5408,10 @@ function passkeyRefused(err: PasskeyError): string {
 /** The stored passkey of this id, when it signs in on the issuer's host; else a PasskeyError says why. */
 async function findPasskeyForHere(id: string, rp: { id: string }, ctx: Context): Promise<Passkey> {
   const passkey = await ctx.store.findPasskey(id)
-  if (passkey === undefined) throw new PasskeyError('it is not a passkey of this server, or it was removed')
+  if (passkey === undefined)
+    throw new PasskeyError(
+      'it is not a passkey of this server (where the device offers several, choose another), or it was removed',
+    )
   if (!madeFor(passkey, rp.id)) throw new PasskeyError(`it was made for ${passkey.rpId}, not for ${rp.id}`)
   return passkey
 }
@@ -5792,7 +5806,11 @@ async function handlePasskeyChallenge(req: IncomingMessage, res: ServerResponse,
   sendJson(res, 200, {
     challenge,
     rp: { id: rp.id, name: `Latch for ${new URL(ctx.config.me).host}` },
-    user: { id: userHandleOf(ctx.config), name: ctx.config.me, displayName: ctx.config.profile.name ?? ctx.config.me },
+    user: {
+      id: userHandleOf(ctx.config),
+      name: accountName(ctx.config),
+      displayName: ctx.config.profile.name ?? ctx.config.me,
+    },
     pubKeyCredParams: SUPPORTED_ALGORITHMS.map((alg) => ({ type: 'public-key', alg })),
     timeout,
     attestation: 'none',

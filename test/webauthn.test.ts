@@ -1137,20 +1137,23 @@ describe('Passkeys over HTTP', () => {
     assert.doesNotMatch(contentSecurityPolicy(home), /script-src/)
   })
 
-  it('gives two Latches under one host name, and one ME, user handles of their own', async () => {
+  it('gives two Latches under one host name, and one ME, user handles and account names of their own', async () => {
     // a device keeps one passkey per host name and user handle: with one handle for both, adding a
-    // passkey at one Latch would make the device forget the other's
+    // passkey at one Latch would make the device forget the other's; and where it offers both, it
+    // shows their names beside the host name, not the port
     const other = await startLatch()
     try {
-      const handles: string[] = []
+      const users: { id: string; name: string }[] = []
       for (const server of [latch, other]) {
         const browser = openBrowser(server)
         await signInWithPassword(browser)
         const options = await askChallenge(browser, 'register')
         assert.equal(options.rp.id, 'localhost')
-        handles.push(options.user.id)
+        assert.equal(options.user.name, `${ME} at localhost:${new URL(server.issuer).port}`)
+        users.push(options.user)
       }
-      assert.notEqual(handles[0], handles[1])
+      assert.notEqual(users[0].id, users[1].id)
+      assert.notEqual(users[0].name, users[1].name)
     } finally {
       await other.close()
     }
