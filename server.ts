@@ -7803,7 +7803,7 @@ class Journal {
         // a journal gone is written anew by the store, which then appends these changes again
         if (!(err instanceof JournalGone)) {
           const lost = `${countOf(lines.length, 'change')} ${lines.length === 1 ? 'was' : 'were'}`
-          this.#log(`journal: writing ${this.path} failed, so ${lost} not stored: ${String(err)}`)
+          this.#log(`journal: writing ${this.path} failed, so ${lost} not stored: ${String(err)}${whatToDo(err)}`)
         }
         waiters.forEach((waiter) => waiter.reject(err))
       },
@@ -8735,10 +8735,26 @@ export class FileStore implements Store {
         // not again at every write, on a disk still full
         this.#compactAfterLines = this.#journal.lines + COMPACT_MIN_LINES
         const left = existsSync(this.#journal.path) ? 'it stays as it was' : 'it is still missing'
-        this.#log(`journal: compacting ${this.#journal.path} failed, so ${left}: ${String(err)}`)
+        this.#log(`journal: compacting ${this.#journal.path} failed, so ${left}: ${String(err)}${whatToDo(err)}`)
       })
       .finally(() => (this.compaction = undefined))
   }
+}
+
+/**
+ * What the owner can do about a write the disk refused, for the log line that says so. Once space
+ * is freed, writes go on by themselves: a restart, the first thing one would try, is not needed.
+ */
+function whatToDo(err: unknown): string {
+  const freed = 'writes go on by themselves once it is, with no restart'
+  const fix: Record<string, string> = {
+    ENOSPC: `the disk is full: free some space; ${freed}`,
+    EDQUOT: `the user's disk quota is used up: free some of its space, or raise the quota; ${freed}`,
+    EROFS: 'the file system is read-only, as one is made after disk errors: see the system log (dmesg)',
+    EIO: 'the disk could not write: see the system log (dmesg)',
+  }
+  const said = fix[(err as NodeJS.ErrnoException).code ?? '']
+  return said === undefined ? '' : ` (${said})`
 }
 
 const COMPACT_MIN_LINES = 10_000

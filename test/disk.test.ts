@@ -193,6 +193,12 @@ describe('DATA_FILE: a full disk', () => {
     }
     assert.ok(failed !== undefined, 'every exchange was answered 200: the disk never filled up')
     await assertWholeLines(file, 'after the disk filled up')
+    // the log says what to do, and that no restart is needed: the first thing an owner would try
+    const said = running.logs.find((line) => line.startsWith('journal: writing '))
+    assert.match(
+      said ?? '',
+      /ENOSPC.* \(the disk is full: free some space; writes go on by themselves once it is, with no restart\)$/,
+    )
 
     await rm(filler) // space returns: the same store writes again, the failed code's exchange included
     const retried = await exchange(running.base, failed)
@@ -335,7 +341,9 @@ describe('DATA_FILE: a full disk', () => {
     assert.ok(running.store.compaction !== undefined, 'no compaction started')
     await running.store.compaction
     assert.ok(
-      running.logs.some((line) => /^journal: compacting .* failed/.test(line)),
+      running.logs.some((line) =>
+        /^journal: compacting .* failed, .*ENOSPC.* \(the disk is full: free some space;/.test(line),
+      ),
       'no log line says the compaction failed',
     )
     assert.ok(
