@@ -8433,7 +8433,8 @@ export class FileStore implements Store {
             `${path} does not end as a Latch journal does: ` +
               'restore the file from a backup, or move it away to start empty',
           )
-        log(`warning: ${path} ends with an incomplete line, as a crash mid-write leaves it; dropping it`)
+        const size = tail.length === 1 ? '1 byte' : `${tail.length.toLocaleString('en-US')} bytes`
+        log(`warning: ${path} ends with an incomplete line (${size}), as a crash mid-write leaves it; dropping it`)
         await truncate(path, end)
       }
       if (newest > now + CLOCK_BEHIND_MS)
