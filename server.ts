@@ -8375,8 +8375,9 @@ export class FileStore implements Store {
         (await access(dirname(path), fsConstants.W_OK).then(
           () => undefined,
           () =>
+            ownFolderNotWritable(path) ??
             `is in a folder this user cannot write (${dirname(path)}), where the journal is rewritten as it ` +
-            'grows: give the user the folder, or choose a path in one it owns',
+              'grows: give the user the folder, or choose a path in one it owns',
         ))
       if (refusal !== undefined) {
         if (found === undefined) await rm(path, { force: true }) // made just now: nothing is left of a refused start
@@ -10195,6 +10196,9 @@ function dataFileProblem(err: NodeJS.ErrnoException, dataFile: string): ConfigEr
         `run chmod 600 ${resolve(dataFile)}`,
     )
   }
+  // a folder of this user's own, which its mode keeps from it (a chmod u-w): the mode is what to fix
+  const folder = err.code === 'EACCES' && file === undefined ? ownFolderNotWritable(resolve(dataFile)) : undefined
+  if (folder !== undefined) return new ConfigError(`DATA_FILE ${named} ${folder}`)
   // its own folder exists (Latch made it): the folder of a symbolic link's target is what is missing
   const target = err.code === 'ENOENT' ? linkTarget(dataFile) : undefined
   if (target !== undefined && !existsSync(dirname(target))) {
@@ -10207,6 +10211,17 @@ function dataFileProblem(err: NodeJS.ErrnoException, dataFile: string): ConfigEr
 }
 
 /** What a file's owner and mode are, or undefined when it cannot be looked at. */
+/** Why a file cannot be made or rewritten in its folder, when that folder is this user's and its mode is the cause. */
+function ownFolderNotWritable(path: string): string | undefined {
+  const folder = dirname(path)
+  const stats = statOf(folder)
+  if (stats === undefined || stats.uid !== process.getuid?.() || (stats.mode & 0o300) === 0o300) return undefined
+  return (
+    `is in a folder of this user's that its mode keeps it from writing (${folder}, ${modeOf(stats)}), ` +
+    `where the journal is made and rewritten as it grows: run chmod u+wx ${folder}`
+  )
+}
+
 function statOf(path: string): Stats | undefined {
   try {
     return statSync(path)

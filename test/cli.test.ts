@@ -313,6 +313,26 @@ describe('A start-up failure is one line naming the setting and the fix, and exi
     )
   })
 
+  it("DATA_FILE in a folder of the user's own that its mode keeps it from writing: names chmod", async (t) => {
+    const user = unprivilegedUser() // root writes in any folder, whatever its mode
+    if (user.skip !== undefined) return void t.skip(user.skip)
+    const folder = join(directory, 'own-folder-read-only')
+    await mkdir(folder, { mode: 0o700 })
+    const file = join(folder, 'latch.jsonl')
+    if (user.as !== undefined) await chown(folder, user.as, user.as)
+    await chmod(folder, 0o500) // as a chmod u-w leaves it
+    const fix = new RegExp(
+      `own-folder-read-only/latch\\.jsonl is in a folder of this user's that its mode keeps it from writing ` +
+        `\\(\\S+, mode 0500\\), where the journal is made and rewritten as it grows: run chmod u\\+wx \\S+$`,
+    )
+    assertOneLineFailure(await runLatch([], { DATA_FILE: file, PORT: '0' }, { as: user.as }), fix) // a new file
+    await chmod(folder, 0o700)
+    await writeFile(file, '', { mode: 0o600 })
+    if (user.as !== undefined) await chown(file, user.as, user.as)
+    await chmod(folder, 0o500)
+    assertOneLineFailure(await runLatch([], { DATA_FILE: file, PORT: '0' }, { as: user.as }), fix) // one there
+  })
+
   it('DATA_FILE that other users may write, or that is in a folder they may write', async () => {
     const folder = join(directory, 'shared')
     await mkdir(folder)
