@@ -8372,7 +8372,7 @@ export class FileStore implements Store {
       // the journal grow without end
       const refusal =
         (await unsafeDataFile(dataFile, path, await file.stat())) ??
-        (await access(dirname(path), fsConstants.W_OK).then(
+        (await access(dirname(path), fsConstants.R_OK | fsConstants.W_OK | fsConstants.X_OK).then(
           () => undefined,
           () =>
             ownFolderNotWritable(path) ??
@@ -8434,7 +8434,8 @@ export class FileStore implements Store {
             `${path} does not end as a Latch journal does: ` +
               'restore the file from a backup, or move it away to start empty',
           )
-        const size = tail.length === 1 ? '1 byte' : `${tail.length.toLocaleString('en-US')} bytes`
+        const dropped = bytes.length - end // a byte order mark before a first line cut short goes with it
+        const size = dropped === 1 ? '1 byte' : `${dropped.toLocaleString('en-US')} bytes`
         log(`warning: ${path} ends with an incomplete line (${size}), as a crash mid-write leaves it; dropping it`)
         await truncate(path, end)
       }
@@ -10197,7 +10198,7 @@ function dataFileProblem(err: NodeJS.ErrnoException, dataFile: string): ConfigEr
     )
   }
   // a folder of this user's own, which its mode keeps from it (a chmod u-w): the mode is what to fix
-  const folder = err.code === 'EACCES' && file === undefined ? ownFolderNotWritable(resolve(dataFile)) : undefined
+  const folder = err.code === 'EACCES' ? ownFolderNotWritable(resolve(dataFile)) : undefined
   if (folder !== undefined) return new ConfigError(`DATA_FILE ${named} ${folder}`)
   // its own folder exists (Latch made it): the folder of a symbolic link's target is what is missing
   const target = err.code === 'ENOENT' ? linkTarget(dataFile) : undefined
@@ -10210,18 +10211,23 @@ function dataFileProblem(err: NodeJS.ErrnoException, dataFile: string): ConfigEr
   return reason === undefined ? undefined : new ConfigError(`DATA_FILE ${named} ${reason}`)
 }
 
-/** What a file's owner and mode are, or undefined when it cannot be looked at. */
-/** Why a file cannot be made or rewritten in its folder, when that folder is this user's and its mode is the cause. */
+/**
+ * Why a file cannot be made or rewritten in its folder (or in the folders still to be made for
+ * it), when the nearest folder there is belongs to this user and its mode is the cause: Latch
+ * lists, makes and renames files in it, so it needs all three of read, write and search.
+ */
 function ownFolderNotWritable(path: string): string | undefined {
-  const folder = dirname(path)
-  const stats = statOf(folder)
-  if (stats === undefined || stats.uid !== process.getuid?.() || (stats.mode & 0o300) === 0o300) return undefined
+  let folder = dirname(path)
+  let stats = statOf(folder)
+  while (stats === undefined && dirname(folder) !== folder) stats = statOf((folder = dirname(folder)))
+  if (stats === undefined || stats.uid !== process.getuid?.() || (stats.mode & 0o700) === 0o700) return undefined
   return (
-    `is in a folder of this user's that its mode keeps it from writing (${folder}, ${modeOf(stats)}), ` +
-    `where the journal is made and rewritten as it grows: run chmod u+wx ${folder}`
+    `is in a folder of this user's that its mode keeps it from using (${folder}, ${modeOf(stats)}), ` +
+    `where the journal is made and rewritten as it grows: run chmod u+rwx ${folder}`
   )
 }
 
+/** What a file's owner and mode are, or undefined when it cannot be looked at. */
 function statOf(path: string): Stats | undefined {
   try {
     return statSync(path)

@@ -7,7 +7,7 @@ import assert from 'node:assert/strict'
 import { spawn, spawnSync } from 'node:child_process'
 import type { ChildProcessWithoutNullStreams, SpawnOptions } from 'node:child_process'
 import { EventEmitter } from 'node:events'
-import { chmod, chown, mkdir, mkdtemp, rm, symlink, writeFile } from 'node:fs/promises'
+import { chmod, chown, mkdir, mkdtemp, readdir, rm, symlink, writeFile } from 'node:fs/promises'
 import { existsSync, readFileSync } from 'node:fs'
 import { request as httpRequest } from 'node:http'
 import { connect } from 'node:net'
@@ -313,24 +313,33 @@ describe('A start-up failure is one line naming the setting and the fix, and exi
     )
   })
 
-  it("DATA_FILE in a folder of the user's own that its mode keeps it from writing: names chmod", async (t) => {
-    const user = unprivilegedUser() // root writes in any folder, whatever its mode
+  it("DATA_FILE in a folder of the user's own that its mode keeps it from using: names chmod, which then works", async (t) => {
+    const user = unprivilegedUser() // root uses any folder, whatever its mode
     if (user.skip !== undefined) return void t.skip(user.skip)
-    const folder = join(directory, 'own-folder-read-only')
+    const folder = join(directory, 'own-folder-locked')
     await mkdir(folder, { mode: 0o700 })
-    const file = join(folder, 'latch.jsonl')
     if (user.as !== undefined) await chown(folder, user.as, user.as)
-    await chmod(folder, 0o500) // as a chmod u-w leaves it
-    const fix = new RegExp(
-      `own-folder-read-only/latch\\.jsonl is in a folder of this user's that its mode keeps it from writing ` +
-        `\\(\\S+, mode 0500\\), where the journal is made and rewritten as it grows: run chmod u\\+wx \\S+$`,
-    )
-    assertOneLineFailure(await runLatch([], { DATA_FILE: file, PORT: '0' }, { as: user.as }), fix) // a new file
-    await chmod(folder, 0o700)
-    await writeFile(file, '', { mode: 0o600 })
-    if (user.as !== undefined) await chown(file, user.as, user.as)
+    const start = (path: string) => runLatch([], { DATA_FILE: join(folder, path), PORT: '0' }, { as: user.as })
+    const fix = (mode: string) =>
+      new RegExp(
+        `is in a folder of this user's that its mode keeps it from using \\(\\S+own-folder-locked, mode ${mode}\\), ` +
+          'where the journal is made and rewritten as it grows: run chmod u\\+rwx \\S+own-folder-locked$',
+      )
+    // as a chmod u-w, u-r or u-x leaves it: for a new file, and one in a folder it cannot make there
+    for (const mode of [0o500, 0o300, 0o600]) {
+      await chmod(folder, mode)
+      const shown = mode.toString(8).padStart(4, '0')
+      assertOneLineFailure(await start('latch.jsonl'), fix(shown))
+      if (mode !== 0o300) assertOneLineFailure(await start('sub/latch.jsonl'), fix(shown)) // 0300 makes sub/ itself
+      await chmod(folder, 0o700)
+      assert.deepEqual(await readdir(folder), []) // nothing is left of a refused start
+    }
+    await writeFile(join(folder, 'latch.jsonl'), '', { mode: 0o600 })
+    if (user.as !== undefined) await chown(join(folder, 'latch.jsonl'), user.as, user.as)
     await chmod(folder, 0o500)
-    assertOneLineFailure(await runLatch([], { DATA_FILE: file, PORT: '0' }, { as: user.as }), fix) // one there
+    assertOneLineFailure(await start('latch.jsonl'), fix('0500'))
+    await chmod(folder, 0o700) // the fix named
+    assert.match((await start('latch.jsonl')).stdout, /Latch is listening/)
   })
 
   it('DATA_FILE that other users may write, or that is in a folder they may write', async () => {
