@@ -1868,6 +1868,24 @@ describe('GET /auth (IndieAuth §5.2)', () => {
       for await (const chunk of socket) answer += String(chunk)
       assert.ok(answer.endsWith(refusal), answer)
     }
+    // a GET whose 24 KiB of headers came in pieces, as they do across a network: the last piece,
+    // all node:http says it read, names no method, and the refusal still says why
+    const server = createLatchServer()
+    await new Promise<void>((resolve) => server.listen(0, '127.0.0.1', resolve))
+    t.after(() => new Promise((resolve) => server.close(resolve)))
+    const accepted = once(server, 'connection')
+    const client = connect((server.address() as AddressInfo).port, '127.0.0.1')
+    const [socket] = (await accepted) as [Socket]
+    const piece = Buffer.from(`${'x'.repeat(8192)}; c7=${'x'.repeat(3000)}\r\n\r\n`)
+    const overflow = Object.assign(new Error('Parse Error: Header overflow'), {
+      code: 'HPE_HEADER_OVERFLOW',
+      rawPacket: piece,
+      bytesParsed: 8192,
+    })
+    server.emit('clientError', overflow, socket)
+    let pieced = ''
+    for await (const chunk of client) pieced += String(chunk)
+    assert.match(pieced, /^HTTP\/1\.1 431 [^]*\r\n\r\nThe headers of the request are too large\. [^]*try again\.\n$/)
   })
 
   it('routes a target in absolute form by its path, and takes its authority for the host', async () => {

@@ -3721,17 +3721,19 @@ const NOT_READ = { status: 400, why: 'The request is not HTTP that this server c
 
 /**
  * node:http's refusal of a request it could not read, with a line of text that says why: a
- * browser shows it, where it would show an error of its own for an answer with no body. Only to a
- * GET or a POST: no answer to a HEAD has a body, and node:http does not say which method it was
- * reading, only the bytes it was given last and how far it read them. Those begin with the request
- * line when the request came in one piece, as a browser's does, and no other request ends before
- * it, which one would with a blank line (`\r\n\r\n`) before where the reading stopped.
+ * browser shows it, where it would show an error of its own for an answer with no body. Not to a
+ * HEAD, whose answer has no body. node:http does not say which method it was reading, only the
+ * bytes it was given last and how far it read them: the refused request's own begin after the
+ * last blank line (`\r\n\r\n`) in them, where another request ended. Where they begin with a
+ * method, that is its method; else its first bytes came in an earlier piece (16 KiB of headers
+ * rarely come in one), and it is taken to be what a browser sends, not a HEAD.
  */
 function clientErrorAnswer(err: NodeJS.ErrnoException & { rawPacket?: Buffer; bytesParsed?: number }): string {
   const { status, why } = CLIENT_ERRORS[err.code ?? ''] ?? NOT_READ
   const statusLine = `HTTP/1.1 ${status} ${STATUS_CODES[status]}\r\n`
   const read = err.rawPacket?.subarray(0, err.bytesParsed ?? 0).toString('latin1') ?? ''
-  if (why === undefined || !/^(GET|POST) /.test(read) || read.includes('\r\n\r\n'))
+  const blank = read.lastIndexOf('\r\n\r\n')
+  if (why === undefined || /^HEAD /.test(blank === -1 ? read : read.slice(blank + 4)))
     return `${statusLine}Connection: close\r\n\r\n`
   return (
     `${statusLine}Content-Type: text/plain; charset=utf-8\r\nContent-Length: ${why.length + 1}\r\n` +
