@@ -5258,14 +5258,15 @@ function userHandleOf(config: Config): string {
 }
 
 /**
- * The name a device shows for the owner's passkey, beside the host name: `ME`, and the port or
+ * The name a device shows for the owner's passkey, beside the host name: `ME`, after the port or
  * path of `ISSUER` when it has one, which the device does not show. So the passkeys of two Latches
- * under one host name (see `userHandleOf`) can be told apart where the device offers both.
+ * under one host name (see `userHandleOf`) can be told apart where the device offers both, even
+ * by one that shows only the first 64 bytes of a name, as WebAuthn lets it.
  */
 function accountName(config: Config): string {
   const issuer = new URL(config.issuer)
   const where = `${issuer.port === '' ? '' : `:${issuer.port}`}${issuer.pathname === '/' ? '' : issuer.pathname}`
-  return where === '' ? config.me : `${config.me} at ${issuer.hostname}${where}`
+  return where === '' ? config.me : `${where} · ${config.me}`
 }
 
 /** What binds a challenge to a browser: its session when signed in, else its CSRF cookie. */

@@ -1149,7 +1149,7 @@ describe('Passkeys over HTTP', () => {
         await signInWithPassword(browser)
         const options = await askChallenge(browser, 'register')
         assert.equal(options.rp.id, 'localhost')
-        assert.equal(options.user.name, `${ME} at localhost:${new URL(server.issuer).port}`)
+        assert.equal(options.user.name, `:${new URL(server.issuer).port} · ${ME}`)
         users.push(options.user)
       }
       assert.notEqual(users[0].id, users[1].id)
