@@ -8740,7 +8740,8 @@ export class FileStore implements Store {
       .catch((err: unknown) => {
         // not again at every write, on a disk still full
         this.#compactAfterLines = this.#journal.lines + COMPACT_MIN_LINES
-        const left = existsSync(this.#journal.path) ? 'it stays as it was' : 'it is still missing'
+        const again = `is tried again ${COMPACT_MIN_LINES.toLocaleString('en-US')} lines on`
+        const left = existsSync(this.#journal.path) ? `it stays as it was, and ${again}` : 'it is still missing'
         this.#log(`journal: compacting ${this.#journal.path} failed, so ${left}: ${String(err)}${whatToDo(err)}`)
       })
       .finally(() => (this.compaction = undefined))
