@@ -8378,7 +8378,7 @@ export class FileStore implements Store {
         (await access(dirname(path), fsConstants.R_OK | fsConstants.W_OK | fsConstants.X_OK).then(
           () => undefined,
           () =>
-            ownFolderNotWritable(path) ??
+            ownFolderModeProblem(path) ??
             `is in a folder this user cannot write (${dirname(path)}), where the journal is rewritten as it ` +
               'grows: give the user the folder, or choose a path in one it owns',
         ))
@@ -10202,7 +10202,7 @@ function dataFileProblem(err: NodeJS.ErrnoException, dataFile: string): ConfigEr
     )
   }
   // a folder of this user's own, which its mode keeps from it (a chmod u-w): the mode is what to fix
-  const folder = err.code === 'EACCES' ? ownFolderNotWritable(resolve(dataFile)) : undefined
+  const folder = err.code === 'EACCES' ? ownFolderModeProblem(resolve(dataFile)) : undefined
   if (folder !== undefined) return new ConfigError(`DATA_FILE ${named} ${folder}`)
   // its own folder exists (Latch made it): the folder of a symbolic link's target is what is missing
   const target = err.code === 'ENOENT' ? linkTarget(dataFile) : undefined
@@ -10220,7 +10220,7 @@ function dataFileProblem(err: NodeJS.ErrnoException, dataFile: string): ConfigEr
  * it), when the nearest folder there is belongs to this user and its mode is the cause: Latch
  * lists, makes and renames files in it, so it needs all three of read, write and search.
  */
-function ownFolderNotWritable(path: string): string | undefined {
+function ownFolderModeProblem(path: string): string | undefined {
   let folder = dirname(path)
   let stats = statOf(folder)
   while (stats === undefined && dirname(folder) !== folder) stats = statOf((folder = dirname(folder)))
