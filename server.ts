@@ -5063,10 +5063,6 @@ export function verifyRegistration(
   const data = readAuthenticatorData(authData) // step 13
   checkAuthenticatorData(data, expected.rpId) // steps 14 to 17
   if (data.credential === undefined) throw new PasskeyError('the authenticator data carries no new credential')
-  // a counter must grow at each sign-in (`verifyAuthentication`): one at its end never could, yet
-  // would count as a passkey left, where it is the last
-  if (data.counter === MAX_SIGNATURE_COUNTER)
-    throw new PasskeyError('the signature counter is at its end, so it cannot grow')
   const { key, algorithm } = readCoseKey(data.credential.publicKey) // step 20: one of the algorithms offered
   return {
     id: base64url(data.credential.id),
@@ -5107,9 +5103,6 @@ export function verifyAuthentication(
       `the signature counter went from ${expected.counter} to ${data.counter}, not up: ` +
         'the passkey may have been cloned',
     )
-  // one at its end, stored, could never grow again, yet would count as a passkey left (as at registration)
-  if (data.counter === MAX_SIGNATURE_COUNTER)
-    throw new PasskeyError('the signature counter is at its end, so it cannot grow')
   return { counter: data.counter }
 }
 
@@ -5146,7 +5139,11 @@ function readClientData(json: Buffer): unknown {
   }
 }
 
-/** The authenticator data checks both ceremonies share: the RP ID, a person present and verified, the backup flags. */
+/**
+ * The authenticator data checks both ceremonies share: the RP ID, a person present and verified,
+ * the backup flags, and a signature counter short of its end. A counter must grow at each sign-in:
+ * one at its end, stored, never could, yet would count as a passkey left, where it is the last.
+ */
 function checkAuthenticatorData(data: AuthenticatorData, rpId: string): void {
   if (!data.rpIdHash.equals(hash('sha256', rpId, 'buffer')))
     throw new PasskeyError(`the passkey was made for another site than ${rpId}`)
@@ -5154,6 +5151,8 @@ function checkAuthenticatorData(data: AuthenticatorData, rpId: string): void {
   if (!data.flags.userVerified) throw new PasskeyError('the device did not verify the person (PIN or biometrics)')
   if (data.flags.backedUp && !data.flags.backupEligible)
     throw new PasskeyError('the device says a passkey that cannot be backed up was backed up')
+  if (data.counter === MAX_SIGNATURE_COUNTER)
+    throw new PasskeyError('the signature counter is at its end, so it cannot grow')
 }
 
 // Where passkeys work, and the challenges: each is made for one browser (its session when the
