@@ -6264,7 +6264,7 @@ function renderButton(config: Config, path: string, fields: string, kind: string
 // URL a stranger chose is the classic way into a private network, so: http(s) only; never a
 // loopback client ("the authorization endpoint MUST NOT fetch the client_id"); the name is
 // resolved first, every address checked, and the connection made to the address checked; no
-// redirects; a short deadline; a capped body; only a 200 counts.
+// redirects; a short deadline, the page's and its logo's together; a capped body; only a 200 counts.
 
 /** How Latch fetches clients: tests and embedders may swap the resolver and the HTTP agent. */
 export type ClientFetchOptions = {
@@ -6272,7 +6272,7 @@ export type ClientFetchOptions = {
   lookup?: (hostname: string) => Promise<LookupAddress[]>
   /** The agent requests go through; by default none: each fetch makes a connection of its own. */
   agent?: Agent
-  /** How long a fetch may take, resolving included; defaults to 5 seconds. */
+  /** How long a client's page and its logo may take, together, resolving included; defaults to 5 seconds. */
   timeoutMs?: number
 }
 
@@ -6518,15 +6518,20 @@ const MAX_INTERIM_ANSWERS = 4
 /** Besides the body, a fetch may read this and a quarter of the body's cap: the head, and a chunked body's framing. */
 const FETCH_HEAD_BYTES = 32 * 1024
 
+/** When a discovery gives up, and how long it was given, which the reasons it gives up name. */
+type Deadline = { signal: AbortSignal; timeoutMs: number }
+
 /**
  * Fetches a URL under the rules above: resolve, check every address, connect to the checked
  * one, no redirects, a deadline and a body cap. Throws an Error whose message says why not.
  */
-async function fetchSafely(url: URL, maxBytes: number, options: FetchRules): Promise<Fetched> {
+async function fetchSafely(url: URL, maxBytes: number, options: FetchRules, until: Deadline): Promise<Fetched> {
   if (url.protocol !== 'https:' && url.protocol !== 'http:') throw new Error('it is not an http or https URL')
   const hostname = unbracketed(url.hostname)
-  const timeoutMs = options.fetch.timeoutMs ?? CLIENT_FETCH_TIMEOUT_MS
-  const deadline = AbortSignal.timeout(timeoutMs)
+  const { signal: deadline, timeoutMs } = until
+  // out of time, which the server's own load may cause (see `withDeadline`): not the client's failure
+  const outOfTime = () => new DiscoveryBusy(`it did not answer within ${timeoutMs} ms`)
+  if (deadline.aborted) throw outOfTime()
   const addresses =
     isIP(hostname) !== 0
       ? [{ address: hostname, family: isIP(hostname) }]
@@ -6570,8 +6575,6 @@ async function fetchSafely(url: URL, maxBytes: number, options: FetchRules): Pro
         request.destroy()
         reject(typeof reason === 'string' ? new Error(reason) : reason)
       })
-    // out of time, which the server's own load may cause (see `withDeadline`): not the client's failure
-    const outOfTime = () => new DiscoveryBusy(`it did not answer within ${timeoutMs} ms`)
     const onDeadline = () => fail(outOfTime())
     deadline.addEventListener('abort', onDeadline, { once: true })
     request.on('error', (err) => fail(deadline.aborted ? outOfTime() : `fetching it failed: ${err.message}`))
@@ -6751,7 +6754,10 @@ export async function discoverClient(
 ): Promise<{ info: ClientInfo; maxAgeSeconds: number }> {
   const url = new URL(clientId)
   if (isLoopbackClient(clientId)) throw new Error(LOOPBACK_CLIENT)
-  const fetched = await fetchSafely(url, MAX_CLIENT_DOCUMENT_BYTES, options)
+  // one deadline for the document and its logo: the consent page waits for both, no longer
+  const timeoutMs = options.fetch.timeoutMs ?? CLIENT_FETCH_TIMEOUT_MS
+  const until = { signal: AbortSignal.timeout(timeoutMs), timeoutMs }
+  const fetched = await fetchSafely(url, MAX_CLIENT_DOCUMENT_BYTES, options, until)
   const isJson = fetched.type === 'application/json' || fetched.type.endsWith('+json')
   // JSON at an https URL: a Client ID Metadata Document, which IndieAuth's JSON metadata is too
   const metadataDocument = isJson && url.protocol === 'https:'
@@ -6779,7 +6785,7 @@ export async function discoverClient(
   const logo =
     document.logoUrl === undefined
       ? undefined
-      : await fetchLogo(document.logoUrl, options).catch(() => void (logoFailed = true))
+      : await fetchLogo(document.logoUrl, options, until).catch(() => void (logoFailed = true))
   const maxAgeSeconds = cacheLifetime(fetched.headers, Date.now())
   return {
     info: {
@@ -7156,9 +7162,9 @@ function plainText(text: string): string {
 }
 
 /** Fetches a logo under the same rules, and inlines it: images only, at most 64 KiB. */
-async function fetchLogo(logoUrl: string, options: FetchRules): Promise<string | undefined> {
+async function fetchLogo(logoUrl: string, options: FetchRules, until: Deadline): Promise<string | undefined> {
   if (isLoopbackClient(logoUrl)) return undefined
-  const fetched = await fetchSafely(new URL(logoUrl), MAX_LOGO_BYTES, options)
+  const fetched = await fetchSafely(new URL(logoUrl), MAX_LOGO_BYTES, options, until)
   if (!LOGO_TYPES.has(fetched.type)) return undefined
   return `data:${fetched.type};base64,${fetched.body.toString('base64')}`
 }

@@ -246,6 +246,18 @@ function site(req: IncomingMessage, res: ServerResponse): void {
         logo_uri: '/huge.png',
         redirect_uris: ['https://other.example/callback'],
       })
+    case 'slowlogo.example': // a page that takes 0.7 s, and a logo that never comes
+      if (req.url === '/stuck.png') return
+      return void setTimeout(
+        () =>
+          sendJson(res, {
+            client_id: 'http://slowlogo.example/',
+            client_name: 'Slow Logo',
+            logo_uri: '/stuck.png',
+            redirect_uris: ['https://other.example/callback'],
+          }),
+        700,
+      )
     case 'flakylogo.example':
       if (req.url === '/flaky.png') {
         res.writeHead(logoDown ? 503 : 200, { 'Content-Type': 'image/png' })
@@ -659,6 +671,23 @@ describe('Client discovery (IndieAuth §4.2)', () => {
       assert.equal(fetchesOf('flakylogo.example'), 2)
     } finally {
       logoDown = false
+    }
+  })
+
+  it('gives a page and its logo one deadline: a slow page leaves its logo what is left of it', async () => {
+    const patient = await startLatch({}, { ...clientFetch, timeoutMs: 1_000 })
+    try {
+      const started = performance.now()
+      const response = await authorize(patient, 'http://slowlogo.example/', 'https://other.example/callback')
+      const page = await response.text()
+      const waited = performance.now() - started
+      assert.equal(response.status, 200)
+      assert.match(page, /Slow Logo/)
+      assert.doesNotMatch(page, /<img/)
+      // 0.7 of the deadline went to the page: with a deadline of its own, the logo would take 1.7 in all
+      assert.ok(waited < 1_400, `the consent page waited ${Math.round(waited)} ms for a deadline of 1,000`)
+    } finally {
+      await patient.close()
     }
   })
 
