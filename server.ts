@@ -22,13 +22,15 @@
  *     createLatchServer(undefined, undefined, console.log).on('request', handler).listen(3000, '127.0.0.1')
  *
  * Reading guide. The file has two parts. Part 1, "The protocol", is IndieAuth: the nouns and the
- * `Store` contract, errors, parameters, PKCE, identifiers and what a client publishes, then the
- * endpoints in the order a client meets them (metadata, authorization, consent, redemption,
- * token, introspection, revocation, the Bearer endpoints, the home page), then the route table
- * and `createHandler`. To learn IndieAuth, read to the end of Part 1. Part 2, "What it leans
- * on", is the machinery: the log, HTTP and the server, pages, sessions and sign-in throttling,
- * the owner's password and passkeys (WebAuthn), the owner's own pages, client fetching, the
- * stores and the journal, performance, configuration, `main()`.
+ * `Store` contract, errors, secrets, PKCE and parameters, identifiers and what a client publishes,
+ * scopes and lifetimes, then the endpoints in the order a client meets them (metadata,
+ * authorization, consent, redemption, token, introspection, revocation, the Bearer endpoints, the
+ * home page), then the route table and `createHandler`. To learn IndieAuth, read to the end of
+ * Part 1. Part 2, "What it leans on", is the machinery: the log, HTTP and the server, pages,
+ * sessions and sign-in throttling, the owner's password and passkeys (WebAuthn), the owner's own
+ * pages, client fetching, the stores and the journal, performance, configuration, `main()`. What
+ * each endpoint answers, its statuses and error codes, is Latch's wire contract: the README's
+ * table of endpoints and the sections after it, which server.test.ts holds Latch to.
  *
  * @see https://indieauth.spec.indieweb.org/ IndieAuth Living Standard (2024-07-11)
  * @see https://www.rfc-editor.org/rfc/rfc6749 OAuth 2.0
@@ -377,7 +379,8 @@ export type HandlerOptions = {
   clientFetch?: ClientFetchOptions
   /**
    * Aborting it stops the handler's share of the timer that sweeps expired entries from the store
-   * every 100 ms: the timer stops once every handler of the store and config that has one is stopped.
+   * every 100 ms: the timer stops once every handler of the store and config is stopped, and never
+   * if one was made without a signal.
    */
   signal?: AbortSignal
 }
@@ -710,6 +713,12 @@ export function parseScope(value: string | undefined): string[] {
 // https://indieauth.spec.indieweb.org/#user-profile-url
 // https://indieauth.spec.indieweb.org/#client-identifier
 
+/**
+ * The longest URL taken: a `client_id`, a `me` hint, a redirect URI, a resource, and what a
+ * client's page publishes.
+ */
+const MAX_URL_LENGTH = 2_048
+
 type UrlParts = { raw: string; scheme: string; userinfo: boolean; host: string; port: string; path: string }
 
 function splitHttpUrl(raw: string): UrlParts | string {
@@ -807,9 +816,9 @@ export function isClientId(raw: string): boolean {
 /**
  * Whether a URL names this machine: a client there is never fetched ("the authorization endpoint
  * MUST NOT fetch" it, IndieAuth §4.2), so it publishes nothing, and its redirect URI must share
- * its scheme, host and port.
+ * its scheme, host and port; a native app listens there for its answer over plain http.
  */
-function isLoopbackClient(url: string): boolean {
+function isLoopbackUrl(url: string): boolean {
   const host = new URL(url).hostname
   return host === '127.0.0.1' || host === '[::1]' || host === 'localhost'
 }
@@ -834,6 +843,11 @@ export function profileUrlProblem(raw: string): string | undefined {
  */
 export function canonicalizeUrl(raw: string): string {
   return new URL(raw).href
+}
+
+/** Compares a sent `client_id` with a stored canonical one, after canonicalizing it (IndieAuth §3.4). */
+function isSameClientId(sent: string, stored: string): boolean {
+  return sent === stored || (isClientId(sent) && canonicalizeUrl(sent) === stored)
 }
 
 /** Schemes that run or show something in the browser itself, or that no app can be handed. */
@@ -878,6 +892,10 @@ export function redirectUriProblem(
   const redirect = new URL(redirectUri)
   const repeated = RESPONSE_PARAMETERS.filter((name) => redirect.searchParams.has(name))
   if (repeated.length > 0) return `redirect_uri must not carry ${repeated.join(', ')}: the answer adds its own`
+  // an OAuth client's answer never crosses a network unencrypted: plain http only to a native
+  // app's loopback listener (RFC 9700 §2.6, RFC 8252 §7.3)
+  if (client.info?.metadataDocument && scheme === 'http' && !isLoopbackUrl(redirectUri))
+    return 'redirect_uri uses http on a host other than this machine: an OAuth client must use https there'
   if (client.info?.redirectUris.some((published) => isSameRedirect(published, redirectUri))) return undefined
   const listed = client.info?.redirectUris ?? []
   const shown = listed.slice(0, 3).join(' , ') // a page to read, not the whole list
@@ -891,7 +909,7 @@ export function redirectUriProblem(
   const origin = new URL(clientId)
   if (redirect.protocol === origin.protocol && redirect.host === origin.host) return undefined
   const notSameOrigin = 'redirect_uri is not on the scheme, host and port of client_id'
-  if (isLoopbackClient(clientId)) return `${notSameOrigin}, as it must be for a loopback client, which is never fetched`
+  if (isLoopbackUrl(clientId)) return `${notSameOrigin}, as it must be for a loopback client, which is never fetched`
   if (client.info === undefined) {
     return `${notSameOrigin}, and the app's information could not be fetched to check it`
   }
@@ -1350,8 +1368,6 @@ function buildPendingRequest(
 // What a pending request may hold: with the 8 KiB request target, these keep the 1,000 pending
 // requests a store holds at once to a few megabytes, and the consent page to a few kilobytes.
 const MAX_STATE_LENGTH = 1_024
-/** The longest URL taken: a `me` hint, a redirect URI, a resource, and what a client's page publishes. */
-const MAX_URL_LENGTH = 2_048
 /**
  * The longest redirect back to a client: with its other headers, within the 4 KiB that a proxy
  * such as nginx holds of an answer's headers by default, past which the client would get a 502.
@@ -1412,7 +1428,8 @@ function renderConsentPage(
   },
 ): string {
   const { config } = form
-  const minutesLeft = Math.max(1, Math.floor((request.expiresAt - form.now) / 60_000)) // never more than is left
+  // whole minutes left, rounded down, but at least 1
+  const minutesLeft = Math.max(1, Math.floor((request.expiresAt - form.now) / 60_000))
   const redirect = new URL(request.redirect_uri)
   const toApp = redirect.protocol !== 'https:' && redirect.protocol !== 'http:' // a native app's scheme
   const scopes = request.scope
@@ -1718,7 +1735,7 @@ function answeredLately(idHash: string, ctx: Context): Answer | undefined {
   return answer !== undefined && answer.until > ctx.steadyNow() ? answer : undefined
 }
 
-/** The first key, in the map's order, of the group that holds the most entries: one walk of the map. */
+/** The first key, in the map's order, of the group that holds the most entries: a walk to count, one to find it. */
 function oldestOfBusiest<V>(map: Map<string, V>, groupOf: (value: V) => string | undefined): string | undefined {
   const counts = new Map<string | undefined, number>()
   let busiest: string | undefined
@@ -1811,11 +1828,6 @@ async function checkCode(form: Params, options: { clientRequired: boolean }, ctx
     throw new OAuthError('invalid_grant', 'PKCE check failed: code_verifier does not match code_challenge')
   }
   return { code, codeHash }
-}
-
-/** Compares a sent `client_id` with a stored canonical one, after canonicalizing it (IndieAuth §3.4). */
-function isSameClientId(sent: string, stored: string): boolean {
-  return sent === stored || (isClientId(sent) && canonicalizeUrl(sent) === stored)
 }
 
 /** Whether what a redemption spent is gone (a code), or its grant is (a refresh token), rather than used. */
@@ -2046,7 +2058,7 @@ function countRefresh(grantId: string, clientId: string, ctx: Context): { count:
 
 const MAX_REFRESHES_A_DAY = 1_000
 const DAY_MS = 86_400_000
-/** The grants whose refreshes are counted at once; past it, the one counted longest ago is forgotten. */
+/** The grants whose refreshes are counted at once; past it, the one whose day began longest ago is forgotten. */
 const MAX_REFRESHING_GRANTS = 10_000
 
 async function revokeReusedRefreshToken(grantId: string, clientId: string, ctx: Context): Promise<never> {
@@ -5053,17 +5065,17 @@ export function verifyRegistration(
   response: { clientDataJSON: Buffer; attestationObject: Buffer },
   expected: CeremonyExpectations,
 ): { id: string; publicKey: string; algorithm: number; counter: number } {
-  checkClientData(response.clientDataJSON, 'webauthn.create', expected) // steps 7 to 11
+  checkClientData(response.clientDataJSON, 'webauthn.create', expected) // steps 7 to 10
   const attestation = readCbor(response.attestationObject)
   if (!(attestation.value instanceof Map) || attestation.end !== response.attestationObject.length)
     throw new PasskeyError('the attestation object is not one CBOR map')
   const authData = attestation.value.get('authData')
   if (typeof attestation.value.get('fmt') !== 'string' || !Buffer.isBuffer(authData))
     throw new PasskeyError('the attestation object lacks fmt or authData')
-  const data = readAuthenticatorData(authData) // step 13
-  checkAuthenticatorData(data, expected.rpId) // steps 14 to 17
+  const data = readAuthenticatorData(authData) // step 12
+  checkAuthenticatorData(data, expected.rpId) // steps 13 to 16, and the counter's end
   if (data.credential === undefined) throw new PasskeyError('the authenticator data carries no new credential')
-  const { key, algorithm } = readCoseKey(data.credential.publicKey) // step 20: one of the algorithms offered
+  const { key, algorithm } = readCoseKey(data.credential.publicKey) // step 19: one of the algorithms offered
   return {
     id: base64url(data.credential.id),
     publicKey: base64url(key.export({ type: 'spki', format: 'der' })),
@@ -5081,10 +5093,10 @@ export function verifyAuthentication(
   response: { clientDataJSON: Buffer; authenticatorData: Buffer; signature: Buffer },
   expected: CeremonyExpectations & { publicKey: string; algorithm: number; counter: number },
 ): { counter: number } {
-  checkClientData(response.clientDataJSON, 'webauthn.get', expected) // steps 10 to 14
+  checkClientData(response.clientDataJSON, 'webauthn.get', expected) // steps 10 to 13
   const data = readAuthenticatorData(response.authenticatorData)
   if (data.credential !== undefined) throw new PasskeyError('a sign-in carries a new credential')
-  checkAuthenticatorData(data, expected.rpId) // steps 15 to 18
+  checkAuthenticatorData(data, expected.rpId) // steps 14 to 17, and the counter's end (see step 22)
   // steps 20 and 21: the signature covers the authenticator data and the hash of the client data
   const signed = Buffer.concat([response.authenticatorData, hash('sha256', response.clientDataJSON, 'buffer')])
   let key: KeyObject
@@ -5141,8 +5153,9 @@ function readClientData(json: Buffer): unknown {
 
 /**
  * The authenticator data checks both ceremonies share: the RP ID, a person present and verified,
- * the backup flags, and a signature counter short of its end. A counter must grow at each sign-in:
- * one at its end, stored, never could, yet would count as a passkey left, where it is the last.
+ * the backup flags, and a signature counter short of its end. A counter that is kept must grow at
+ * each sign-in: a passkey stored with its counter at the end could never sign in again, yet would
+ * count as the last one left when password sign-in is off.
  */
 function checkAuthenticatorData(data: AuthenticatorData, rpId: string): void {
   if (!data.rpIdHash.equals(hash('sha256', rpId, 'buffer')))
@@ -6301,7 +6314,7 @@ async function findClient(clientId: string, req: IncomingMessage, ctx: Context):
   const now = ctx.steadyNow()
   const cached = ctx.clients.get(clientId)
   if (cached !== undefined && cached.expiresAt > now) return { info: cached.info }
-  if (isLoopbackClient(clientId)) return {}
+  if (isLoopbackUrl(clientId)) return {}
   const failed = ctx.failedClients.get(clientId)
   if (failed !== undefined && failed.until > now) return failed.busy ? { busy: true } : {}
   let lookup = ctx.clientLookups.get(clientId)
@@ -6753,7 +6766,7 @@ export async function discoverClient(
   options: FetchRules,
 ): Promise<{ info: ClientInfo; maxAgeSeconds: number }> {
   const url = new URL(clientId)
-  if (isLoopbackClient(clientId)) throw new Error(LOOPBACK_CLIENT)
+  if (isLoopbackUrl(clientId)) throw new Error(LOOPBACK_CLIENT)
   // one deadline for the document and its logo: the consent page waits for both, no longer
   const timeoutMs = options.fetch.timeoutMs ?? CLIENT_FETCH_TIMEOUT_MS
   const until = { signal: AbortSignal.timeout(timeoutMs), timeoutMs }
@@ -7163,7 +7176,7 @@ function plainText(text: string): string {
 
 /** Fetches a logo under the same rules, and inlines it: images only, at most 64 KiB. */
 async function fetchLogo(logoUrl: string, options: FetchRules, until: Deadline): Promise<string | undefined> {
-  if (isLoopbackClient(logoUrl)) return undefined
+  if (isLoopbackUrl(logoUrl)) return undefined
   const fetched = await fetchSafely(new URL(logoUrl), MAX_LOGO_BYTES, options, until)
   if (!LOGO_TYPES.has(fetched.type)) return undefined
   return `data:${fetched.type};base64,${fetched.body.toString('base64')}`
@@ -8726,7 +8739,7 @@ export class FileStore implements Store {
     if (this.compaction !== undefined || lines <= this.#compactAfterLines) return
     // in bytes too: a refresh of a client with 8 KiB of scopes and resources writes 30 KB
     if (this.#journal.size > Math.max(COMPACT_MIN_BYTES, COMPACT_FACTOR * this.#snapshotBytes)) return this.#compact()
-    // the cheap tests first: counting live entries walks the 64 shards of each map
+    // the cheap tests first: counting live entries walks the 64 shards of grants, revoked grants and tokens
     if (lines <= COMPACT_MIN_LINES) return
     // every entry a snapshot writes, the revoked grants' lines too: else, more of them than three
     // times the rest, each snapshot would be past this test already, and compact again at once

@@ -799,6 +799,21 @@ describe('Loopback redirects and Client ID Metadata Documents', () => {
     )
   }
 
+  it('refuses a published http redirect off this machine: an answer there would cross the network in clear', async () => {
+    const clientId = 'https://app.example/plain-redirect.json'
+    const redirectUris = ['http://app.example/callback', 'com.example.app:/callback', 'http://127.0.0.1/callback']
+    serveClient(clientId, { redirect_uris: redirectUris })
+    await assertRefusedPage(
+      await authorizeClient(latch, clientId, 'http://app.example/callback'),
+      /redirect_uri uses http on a host other than this machine/,
+    )
+    // a native app's own scheme, and its loopback listener, are its to use
+    for (const redirectUri of ['com.example.app:/callback', 'http://127.0.0.1:49152/callback']) {
+      const accepted = await authorizeClient(latch, clientId, redirectUri)
+      assert.equal(accepted.status, 200, `${redirectUri}: ${pageError(await accepted.text())}`)
+    }
+  })
+
   it('matches a published loopback redirect on any port, and nothing else about it', async () => {
     const clientId = 'https://app.example/loopback.json'
     serveClient(clientId, { redirect_uris: ['http://127.0.0.1/callback', 'http://localhost/cb', 'http://[::1]/cb'] })
