@@ -3422,6 +3422,57 @@ describe('The log', () => {
     }
   })
 
+  it("loses only the line when an app's log throws: a stranger is answered, and stores and limits go on", async (t) => {
+    const errors = t.mock.method(console, 'error', () => {})
+    const throwing = () => {
+      throw new Error('EAGAIN: the log cannot be written')
+    }
+    const lost = () =>
+      errors.mock.calls.filter((call) => /^latch: a line could not be logged: /.test(String(call.arguments[0])))
+    // a stranger's consent form without its cookie: a security event, logged before the answer
+    const server = createServer(createHandler({ config: loadConfig({ DATA_FILE: 'memory' }), log: throwing }))
+    // a connection past the limit, closed and logged from the server's own listener
+    const limited = createLatchServer(undefined, { total: 1, perAddress: 100, groupOf: () => undefined }, throwing)
+    for (const listening of [server, limited])
+      await new Promise<void>((resolve) => listening.listen(0, '127.0.0.1', resolve))
+    try {
+      const port = (server.address() as AddressInfo).port
+      const latch = { base: `http://127.0.0.1:${port}`, port } as TestServer
+      const consent = await openConsent(latch)
+      const refused = await submitConsent(latch, consent, { csrf: 'not the one' })
+      assert.equal(refused.status, 403)
+      await refused.arrayBuffer()
+      const limitedPort = (limited.address() as AddressInfo).port
+      const held = connect(limitedPort, '127.0.0.1').on('error', () => {})
+      await new Promise((resolve) => limited.once('connection', resolve))
+      const past = connect(limitedPort, '127.0.0.1').on('error', () => {})
+      await new Promise((resolve) => past.on('close', resolve))
+      held.destroy()
+      assert.ok(lost().length >= 2, String(errors.mock.calls.map((call) => call.arguments[0])))
+    } finally {
+      for (const listening of [server, limited]) {
+        listening.closeAllConnections()
+        await new Promise((resolve) => listening.close(resolve))
+      }
+    }
+    // the stores: a code dropped for room, and a journal's torn last line, each logged
+    const memory = new MemoryStore({ log: throwing, maxCodes: 1 })
+    const saved = {
+      ...{ client_id: CLIENT_ID, client_name: undefined, redirect_uri: REDIRECT_URI, code_challenge: CHALLENGE },
+      ...{ scope: [], resource: [], me: 'https://example.com/', accessTokenTtlSeconds: 60 },
+      ...{ issuedAt: 1, expiresAt: 2, usedAt: undefined },
+    }
+    for (const hash of ['a', 'b']) await memory.saveCode(hash, saved, 1)
+    const dir = await mkdtemp(join(tmpdir(), 'latch-log-'))
+    try {
+      await writeFile(join(dir, 'data.jsonl'), '{"set":"co', { mode: 0o600 })
+      await (await FileStore.open(join(dir, 'data.jsonl'), { log: throwing })).close()
+    } finally {
+      await rm(dir, { recursive: true, force: true })
+    }
+    assert.ok(lost().length >= 4)
+  })
+
   it('logs the path a client asked for under an ISSUER with a path, as where an app mounts Latch', async () => {
     const server = createServer()
     await new Promise<void>((resolve) => server.listen(0, '127.0.0.1', resolve))

@@ -2684,7 +2684,7 @@ export function createHandler(options: HandlerOptions): (req: IncomingMessage, r
       `createHandler: ISSUER is ${options.config.issuer}: with PORT 0, pass the port bound to loadConfig ` +
         '(its boundPort), or set ISSUER',
     )
-  const log = options.log ?? console.log
+  const log = neverThrowing(options.log ?? console.log)
   const now = options.now ?? Date.now
   const store = options.store ?? new MemoryStore({ log })
   const kept = keptFor(store, options.config, now)
@@ -2940,6 +2940,21 @@ function renderError(error: unknown, req: IncomingMessage, res: ServerResponse, 
 // `LOG_FORMAT=json` makes each line a JSON object. Never a code, token, verifier, password or
 // hash. Of what a request sent, only its `client_id`, its address (from `X-Forwarded-For` behind
 // a trusted proxy) and the names the owner gives tokens and passkeys are logged.
+
+/**
+ * A `log` as Latch calls it: one that throws (an embedding app's, writing to a disk that is full,
+ * say) loses its line, and nothing more. Latch logs from timers, from failures it is recovering
+ * from, and before it answers: a throw there would end the process, or leave a request unanswered.
+ */
+function neverThrowing(log: (line: string) => void): (line: string) => void {
+  return (line) => {
+    try {
+      log(line)
+    } catch (err) {
+      console.error(`latch: a line could not be logged: ${String(err)}`)
+    }
+  }
+}
 
 /** A line of the log: a request answered (`method` to `ms`), or an `event` and its `message`. */
 type LogEntry = {
@@ -3776,6 +3791,7 @@ export function createLatchServer(
   limits: ConnectionLimits = CONNECTION_LIMITS,
   log: (line: string) => void = () => {},
 ): Server {
+  const logLine = neverThrowing(log)
   const server = createServer({
     headersTimeout: timeouts.headersMs,
     requestTimeout: timeouts.requestMs,
@@ -3840,12 +3856,12 @@ export function createLatchServer(
     const counts = (['perAddress', 'total', 'queued'] as const).filter((limit) => dropped[limit] > 0)
     if (counts.length === 0) return void (dropped.minute = undefined)
     const said = counts.map((limit) => `${dropped[limit]} ${pastLimit[limit]}`).join(', ')
-    log(`security: connections closed at once in the last minute: ${said} (the last from ${dropped.last})`)
+    logLine(`security: connections closed at once in the last minute: ${said} (the last from ${dropped.last})`)
     Object.assign(dropped, { perAddress: 0, total: 0, queued: 0, minute: setTimeout(endMinute, 60_000).unref() })
   }
   const drop = (limit: 'perAddress' | 'total' | 'queued', address = 'an unknown address') => {
     if (dropped.minute === undefined) {
-      log(`security: a connection from ${address} was closed at once, ${pastLimit[limit]}`)
+      logLine(`security: a connection from ${address} was closed at once, ${pastLimit[limit]}`)
       dropped.minute = setTimeout(endMinute, 60_000).unref()
     } else {
       dropped[limit]++
@@ -7270,7 +7286,7 @@ export class MemoryStore implements Store {
   constructor(options: MemoryStoreOptions = {}) {
     this.#maxPendingRequests = options.maxPendingRequests ?? 1_000
     this.#maxCodes = options.maxCodes ?? 10_000
-    this.#log = options.log ?? console.log
+    this.#log = neverThrowing(options.log ?? console.log)
   }
 
   async savePending(id: string, request: PendingRequest, _now: number): Promise<void> {
@@ -8355,7 +8371,7 @@ export class FileStore implements Store {
     this.#journal = journal
     this.#hold = hold
     this.#now = options.now ?? Date.now
-    this.#log = options.log ?? console.log
+    this.#log = neverThrowing(options.log ?? console.log)
   }
 
   /**
@@ -8367,7 +8383,7 @@ export class FileStore implements Store {
    * or root, on the way to the file, is refused (see `foreignLink`).
    */
   static async open(dataFile: string, options: FileStoreOptions = {}): Promise<FileStore> {
-    const log = options.log ?? console.log
+    const log = neverThrowing(options.log ?? console.log)
     const memory = new MemoryStore(options)
     // before anything is made: a planted link would have it made where its owner chose
     const uid = process.geteuid?.()
