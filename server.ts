@@ -6297,7 +6297,10 @@ function renderButton(config: Config, path: string, fields: string, kind: string
 
 /** How Latch fetches clients: tests and embedders may swap the resolver and the HTTP agent. */
 export type ClientFetchOptions = {
-  /** Resolves a host name to all its addresses; defaults to `dns.lookup`, which honours /etc/hosts. */
+  /**
+   * Resolves a host name to all its addresses; defaults to `dns.lookup`, which honours /etc/hosts.
+   * It must settle: at most 8 lookups are under way at once in the process, whichever Latch asked.
+   */
   lookup?: (hostname: string) => Promise<LookupAddress[]>
   /** The agent requests go through; by default none: each fetch makes a connection of its own. */
   agent?: Agent
@@ -6533,7 +6536,8 @@ function resolveHost(hostname: string, options: FetchRules, deadline: AbortSigna
   if (lookups.underway >= MAX_LOOKUPS_UNDERWAY)
     return Promise.reject(new DiscoveryBusy('too many host names are being resolved at once'))
   lookups.underway++
-  const resolving = (options.fetch.lookup ?? lookupAll)(hostname)
+  // an app's lookup that throws, or returns no promise, still settles, and gives its place back
+  const resolving = Promise.resolve().then(() => (options.fetch.lookup ?? lookupAll)(hostname))
   const settled = () => void lookups.underway--
   resolving.then(settled, settled)
   options.hostLookups?.push(resolving)

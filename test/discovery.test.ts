@@ -698,6 +698,26 @@ describe('Client discovery (IndieAuth §4.2)', () => {
     assert.equal(fetchesOf('json.example'), before)
   })
 
+  it("gives a lookup's place back when an app's resolver throws instead of rejecting", async () => {
+    const lookup: ClientFetchOptions['lookup'] = (hostname) => {
+      if (hostname.startsWith('throws')) throw Object.assign(new Error('no such name'), { code: 'ENOTFOUND' })
+      return clientFetch.lookup!(hostname)
+    }
+    const throwing = await startLatch({}, { ...clientFetch, lookup })
+    try {
+      // more than the 8 lookups that may be under way at once in the process
+      for (let i = 0; i < 10; i++) {
+        const clientId = `http://throws${i}.example/`
+        const response = await authorize(throwing, clientId, 'https://other.example/callback')
+        await assertNotFetched(throwing, response, clientId, /its host name does not resolve \(ENOTFOUND\)/)
+      }
+      const found = await authorize(throwing, 'http://json.example/', 'https://other.example/callback')
+      assert.equal(found.status, 200, await found.text())
+    } finally {
+      await throwing.close()
+    }
+  })
+
   it('gives up on an oversized page and on a slow one', async () => {
     const big = await authorize(latch, 'http://big.example/', 'https://other.example/callback')
     await assertNotFetched(latch, big, 'http://big.example/', /larger than 256 KiB/)
