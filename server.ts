@@ -2438,7 +2438,8 @@ export type AccessCheck =
  * MCP server must check; one that gives none takes only tokens bound to none, as IndieAuth's are.
  * A resource server elsewhere asks `POST /introspect` the same (see the README). Answer
  * `invalid_token` with 401 and `insufficient_scope` with 403, each with a `WWW-Authenticate:
- * Bearer` challenge (RFC 6750 §3).
+ * Bearer` challenge (RFC 6750 §3). It rejects when the store does (a full disk, a database away):
+ * answer 500 then, as `POST /introspect` does.
  * @see https://www.rfc-editor.org/rfc/rfc6750#section-3.1
  */
 export async function checkAccessToken(
