@@ -8976,12 +8976,17 @@ async function applyRecord(memory: MemoryStore, record: JournalRecord, now: numb
   else await memory.saveSession(key, { ...record.value, passwordTag: record.value.passwordTag ?? '' }, now)
 }
 
-/** When an entry was made: a code's issue, a grant's approval, a session's start; 0 for the rest. */
+/**
+ * When an entry was last written: a code's issue or use, a grant's approval or last refresh, a
+ * token's issue or use, a session's start, a passkey's adding or last sign-in; 0 for a deletion.
+ */
 function madeAt(record: JournalRecord): number {
   if (!('set' in record)) return 0
-  if (record.set === 'code') return record.value.issuedAt
-  if (record.set === 'grant') return record.value.approvedAt
-  return record.set === 'session' ? record.value.createdAt : 0
+  if (record.set === 'code') return Math.max(record.value.issuedAt, record.value.usedAt ?? 0)
+  if (record.set === 'grant') return Math.max(record.value.approvedAt, record.value.lastUsedAt)
+  if (record.set === 'token') return Math.max(record.value.issuedAt, record.value.usedAt ?? 0)
+  if (record.set === 'session') return record.value.createdAt
+  return Math.max(record.value.addedAt, record.value.lastUsedAt ?? 0)
 }
 
 /**

@@ -205,6 +205,24 @@ describe('DATA_FILE: restarts', () => {
     assert.doesNotMatch(right.logs.join('\n'), /the clock says/)
   })
 
+  it('warns of a clock behind the newest refresh, though every approval and sign-in is older', async () => {
+    const file = join(directory, 'clock-behind-refresh', 'data.jsonl')
+    const first = await startOn(file)
+    const { refresh_token } = await obtainTokens(first.base)
+    time += 20 * 86_400_000 // the app, approved 20 days ago, refreshes to this day
+    const refresh = form({ grant_type: 'refresh_token', refresh_token, client_id: CLIENT_ID })
+    assert.equal((await post(`${first.base}/token`, refresh)).status, 200)
+    await first.stop()
+    time -= 2 * 86_400_000 // two days behind, as a machine restored from a snapshot may start
+    try {
+      const behind = await startOn(file)
+      await behind.stop()
+      assert.match(behind.logs.join('\n'), /^warning: the clock says \S+, before the newest entry/m)
+    } finally {
+      time -= 18 * 86_400_000
+    }
+  })
+
   it('keeps live tokens active, revoked ones revoked, used codes used and expired ones expired', async () => {
     const file = join(directory, 'restart', 'data.jsonl')
     const first = await startOn(file)
