@@ -2995,6 +2995,15 @@ describe('POST /token with grant_type=refresh_token (IndieAuth ยง5.5, RFC 6749 ย
     await assertError(await refresh(((await third.json()) as Tokens).refresh_token), 400, 'invalid_grant')
   })
 
+  it('takes a refresh token issued mid-second to the end of its REFRESH_TOKEN_TTL, and not past it', async () => {
+    latch.advance(0.9)
+    const [taken, late] = [await firstTokens(), await firstTokens()] // issued at .900 of a second
+    latch.advance(30 * 86400 - 0.5)
+    assert.equal((await refresh(taken.refresh_token)).status, 200)
+    latch.advance(0.6) // 100 ms past its 30 days
+    await assertError(await refresh(late.refresh_token), 400, 'invalid_grant')
+  })
+
   it('ends refresh tokens issued before a shorter REFRESH_TOKEN_TTL once unused that long, as /apps then says', async () => {
     const store = new MemoryStore()
     const before = await startLatch({}, { store })

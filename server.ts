@@ -1992,8 +1992,9 @@ async function refreshGrant(form: Params, ctx: Context) {
   const clientId = requireParam(form, 'client_id')
   const found = await findLiveToken(hash, 'refresh', ctx)
   const now = ctx.now()
-  // issued (at its last use) for the REFRESH_TOKEN_TTL of then: a shorter one, set since, ends it too
-  if (found === undefined || found.token.issuedAt + ctx.config.refreshTokenTtlSeconds * 1000 <= now)
+  // issued (at its last use) for the REFRESH_TOKEN_TTL of then: a shorter one, set since, ends it
+  // too, counted from the end of the second it was issued in (the store may keep whole seconds)
+  if (found === undefined || found.token.issuedAt + 1000 + ctx.config.refreshTokenTtlSeconds * 1000 <= now)
     throw new OAuthError('invalid_grant', 'The refresh token is unknown, expired or revoked')
   const graceMs = ctx.config.refreshTokenGraceSeconds * 1000
   const retriedSince = now - graceMs
