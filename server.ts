@@ -336,9 +336,9 @@ export interface Store {
    * (if it is unexpired and unused), then saves the grant and the tokens. True for the first
    * caller, and for a retry: a refresh token used at or after `redeemed.retriedSince` that is
    * still the one its grant rotated last (`Grant.lastRotated`, which the first caller sets).
-   * Latch's own stores also take, within the grace, a retry of one whose rotations issued refresh
-   * tokens none of which is used yet: two refreshes sent at once leave two, each a tab may go on
-   * with. Nothing is saved for any other.
+   * Latch's own stores also take, within the grace, a retry of a refresh token none of whose
+   * successors is used yet (two refreshes sent at once leave two successors, one for each tab).
+   * Nothing is saved for any other.
    */
   redeemForTokens(issue: TokenIssue, now: number): Promise<boolean>
   deleteToken(hash: string): Promise<void>
@@ -398,7 +398,7 @@ type Context = {
   /**
    * The clock of what Latch keeps in memory for a while: lockouts, the day of refreshes, the apps
    * it looked up or failed to, the answer remembered for a second press of a consent button, and
-   * passkey challenges; and the time "Revoke all" asks at, if no approval it lists is later.
+   * passkey challenges; and the time "Revoke all" records as asked, unless an approval it lists is later.
    * It follows `now` forward, and stands still while `now` is set back, so that a wall clock set
    * back an hour does not make a two-second lockout last an hour.
    */
@@ -1233,7 +1233,8 @@ async function handleAuthorizationRequest(req: IncomingMessage, res: ServerRespo
   const clientProblem = clientIdProblem(clientId)
   if (clientProblem !== undefined)
     throw new OAuthError('invalid_request', `client_id is not a valid client identifier: ${clientProblem}`)
-  // the client_id of the tokens the owner makes on /apps: an app that took it would be listed as one
+  // the client_id of the tokens the owner makes on /apps for scripts (`ISSUER/apps`, see
+  // `handleScriptToken`): an app that took it would be listed as one
   if (isSameClientId(clientId, scriptClientId(ctx.config)))
     throw new OAuthError('invalid_request', "client_id names this server's own tokens for scripts, not an app")
   const redirectUri = requireParam(query, 'redirect_uri')
@@ -1537,8 +1538,8 @@ ${approve}${passkey}<button name="decision" value="deny" formnovalidate>Deny</bu
  * or as a person types it (`example.com`). The rest is not shown: a link anyone can make with a
  * real app's client_id could put a stranger's words on the owner's page ("this server has moved:
  * sign in at…"), in a path or a user name (`latch-moved.example@evil.example`), or in a host that
- * URLs allow and DNS does not (`moved!sign-in-at(evil.example)`). A hint that names no host of
- * letters, digits and hyphens, or an IP address, or names a user, is not shown at all.
+ * URLs allow and DNS does not (`moved!sign-in-at(evil.example)`). Nothing is shown of a hint that
+ * names a user, or whose host is neither a name of letters, digits and hyphens nor an IP address.
  */
 function shownHint(me: string): string | undefined {
   const typed = me.trim()
@@ -5191,9 +5192,9 @@ function checkAuthenticatorData(data: AuthenticatorData, rpId: string): void {
 // pending request; it is used once, right or wrong, by an answer that names a passkey stored
 // here, within five minutes. Anyone may ask for a challenge, so making one stores nothing: a
 // challenge is 16 random bytes, its expiry, and an HMAC of both and of what it is bound to, under
-// a key this process drew at start. Only a used challenge is remembered, until it expires, and
-// using one takes a sign-in attempt with a passkey stored here (counted per address, as a
-// password is, though not in the total) or the owner's session.
+// a key this process drew at start. Only used challenges are remembered, until they expire; using
+// one costs a sign-in attempt with a passkey stored here (counted per address, as a password is,
+// though not in the total), or needs the owner's session.
 
 /** What a challenge is made for: checked by its HMAC when an answer comes back. */
 export type PasskeyChallenge = {
@@ -7231,7 +7232,7 @@ async function fetchLogo(logoUrl: string, options: FetchRules, until: Deadline):
 //
 // A write the database refused (full, or unreachable) is thrown as `NotStored`, once its cause is
 // logged: the client is told 500 `server_error`, and nothing happened (a `touchGrant` that fails
-// so refuses no token). Any other error is a fault, answered 500 too, with its stack in the log.
+// this way still lets the token through). Any other error is a fault, answered 500 too, with its stack in the log.
 // Every call must settle, the database reachable or not: give its driver a timeout (a few
 // seconds), as Latch waits for the store as long as it takes, and a request waiting on a call that
 // never settles is never answered, and keeps its memory. `findSession` may be asked for up to 300
@@ -7450,8 +7451,8 @@ export class MemoryStore implements Store {
 
   /**
    * Notes the refresh token a rotation issued, and forgets those past any retry's time. A retry's
-   * is noted only beside its first rotation's: without that (after a restart), it would not be all
-   * that the token's rotations issued, and `redeem` must go on knowing that it does not know.
+   * is noted only if its first rotation's is: after a restart the first is unknown, the list would
+   * be incomplete, and `redeem` must fall back on the grant's `lastRotated`.
    */
   #noteRotation(rotated: string, issued: string, at: number, redemption: 'first' | 'again'): void {
     for (const [hash, rotation] of this.#rotatedTo) {
@@ -7488,8 +7489,9 @@ export class MemoryStore implements Store {
     const since = redeemed.retriedSince
     // a retry comes within the grace period (`usedAt` is in whole seconds, rounded down), and while
     // the client has not gone on from the token: none of the refresh tokens its rotations issued is
-    // used yet. Two refreshes sent at once make two, each of which a tab may go on with. Where that
-    // is no longer known, only the token rotated last (any, for a grant saved before Latch kept which)
+    // used yet. Two refreshes sent at once make two, each of which a tab may go on with. When the
+    // successors are not known, only the grant's `lastRotated` may be retried (any token, for a
+    // grant saved before Latch kept `lastRotated`)
     if (since === undefined || (stored.usedAt + 1) * 1000 <= since) return undefined
     const issued = this.#rotatedTo.get(redeemed.hash)?.issued
     const goneOn =
@@ -7587,9 +7589,9 @@ export class MemoryStore implements Store {
   /**
    * The records that rebuild this store's unexpired codes, grants, tokens and sessions, and its passkeys: a
    * snapshot for the journal. Codes and refresh tokens in `unsaved` were marked used by a
-   * redemption whose write has not yet succeeded, and are written as unused, and a grant that
-   * rotated one of them last as rotating what it did before (the map's value): the redemption's
-   * own line follows the snapshot if it succeeds.
+   * redemption whose write has not yet succeeded, and are written as unused, and a grant whose
+   * `lastRotated` is one of them is written with the value it had before (the map's value): the
+   * redemption's own line follows the snapshot if it succeeds.
    */
   *records(now: number, unsaved: ReadonlyMap<string, string | undefined> = new Map()): Iterable<JournalRecord> {
     for (const [key, value] of this.codes) {
@@ -8837,9 +8839,9 @@ function readJournalLine(line: string): JournalRecord[] | string {
 }
 
 /**
- * The first line of a journal: which Latch can read it. Every Latch before this line existed
- * refuses it, having no key, and so changes nothing of a journal a newer one wrote (going back, some
- * dropped what they did not know at the next write). A Latch refuses a format newer than its own.
+ * The first line of a journal: which Latch can read it. A Latch older than this line refuses it
+ * (a record without a key) and stops, instead of dropping at its next write what a newer Latch
+ * wrote, as some did. A Latch refuses a format newer than its own.
  * A journal written before it is compacted at the first start that reads it, and so gets it.
  */
 const JOURNAL_FORMAT = 1
