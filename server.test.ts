@@ -5234,6 +5234,12 @@ describe('Slow clients', () => {
     }
   })
 
+  it('keeps the defaults every Latch in a process shares from being changed by one of them', () => {
+    assert.throws(() => Object.assign(CONNECTION_LIMITS, { perAddress: 1 }), TypeError)
+    assert.throws(() => Object.assign(SETTINGS[0], { default: '80' }), TypeError)
+    assert.equal(loadConfig({}).port, 3000)
+  })
+
   it('counts an IPv6 client by its /64, an IPv4 one by its address, and does not limit loopback', () => {
     const { groupOf } = CONNECTION_LIMITS
     assert.equal(groupOf('2001:db8:1:2::1'), groupOf('2001:db8:1:2:ffff:1:2:3'))

@@ -3696,11 +3696,11 @@ export type ConnectionLimits = {
  * by address keeps one stranger from taking them all; it spares loopback, where a proxy on this
  * machine sends every client's requests from.
  */
-export const CONNECTION_LIMITS: ConnectionLimits = {
+export const CONNECTION_LIMITS: ConnectionLimits = Object.freeze({
   total: 10_000,
   perAddress: 100,
-  groupOf: (address) => (/^(127\.|::1$|::ffff:127\.)/.test(address) ? undefined : addressGroup(address)),
-}
+  groupOf: (address: string) => (/^(127\.|::1$|::ffff:127\.)/.test(address) ? undefined : addressGroup(address)),
+}) // every server's default, and so the same for all: give a server limits of its own instead
 
 /**
  * The most answers one connection may have waiting behind one not yet sent whole. A client may
@@ -9233,8 +9233,11 @@ function detached(text: string): string {
 // Every setting is an environment variable and the same-named flag (`--code-ttl 10m`), but the
 // two secrets, variables only; a flag wins over the variable, and an empty value counts as unset.
 
-/** The settings with their defaults and one line of help each; `--help` prints this table. */
-export const SETTINGS = [
+/**
+ * The settings with their defaults and one line of help each; `--help` prints this table. Frozen:
+ * `loadConfig` reads its defaults here, for every Latch in the process.
+ */
+export const SETTINGS = deepFrozen([
   { name: 'PORT', default: '3000', help: 'Port to listen on (0 = any free port; the real one is printed).' },
   { name: 'HOST', default: '127.0.0.1', help: 'Interface to bind; localhost binds 127.0.0.1.' },
   { name: 'ISSUER', default: 'http://HOST:PORT', help: 'Public base URL; every endpoint URL is built from it.' },
@@ -9299,7 +9302,13 @@ export const SETTINGS = [
     default: 'unset',
     help: 'Your email address, shown to apps granted the profile and email scopes.',
   },
-] as const
+] as const)
+
+/** A list of objects, frozen with each of its objects. */
+function deepFrozen<T extends readonly object[]>(list: T): T {
+  for (const item of list) Object.freeze(item)
+  return Object.freeze(list)
+}
 
 type SettingName = (typeof SETTINGS)[number]['name']
 
