@@ -8488,7 +8488,9 @@ export class FileStore implements Store {
         log(
           `warning: the clock says ${new Date(now).toISOString()}, before the newest entry in ${path} ` +
             `(${new Date(newest).toISOString()}): it is behind. Until it is set right, what Latch issues ends ` +
-            'when it is, and what expired meanwhile counts as live: start Latch once the clock is synced',
+            'when it is, and what expired meanwhile counts as live: start Latch once the clock is synced. ' +
+            'If it is right, that entry was written while it was ahead, and this is said at each start until ' +
+            'the entry expires',
         )
       if ((await file.stat()).size === 0) {
         // a new journal (or one left empty) begins with its format; on a full disk, its first compaction writes it
@@ -8980,16 +8982,16 @@ async function applyRecord(memory: MemoryStore, record: JournalRecord, now: numb
 }
 
 /**
- * When an entry was last written: a code's issue or use, a grant's approval or last refresh, a
- * token's issue or use, a session's start, a passkey's adding or last sign-in; 0 for a deletion.
+ * When an entry that expires was last written: a code's issue or use, a grant's approval or last
+ * refresh, a token's issue or use, a session's start; 0 for a deletion and for a passkey, which
+ * does not expire, and whose times the clock being off changes nothing of.
  */
 function madeAt(record: JournalRecord): number {
   if (!('set' in record)) return 0
   if (record.set === 'code') return Math.max(record.value.issuedAt, record.value.usedAt ?? 0)
   if (record.set === 'grant') return Math.max(record.value.approvedAt, record.value.lastUsedAt)
   if (record.set === 'token') return Math.max(record.value.issuedAt, record.value.usedAt ?? 0)
-  if (record.set === 'session') return record.value.createdAt
-  return Math.max(record.value.addedAt, record.value.lastUsedAt ?? 0)
+  return record.set === 'session' ? record.value.createdAt : 0
 }
 
 /**

@@ -223,6 +223,17 @@ describe('DATA_FILE: restarts', () => {
     }
   })
 
+  it('says nothing of a clock behind a passkey added while it was ahead: a passkey does not expire', async () => {
+    const file = join(directory, 'clock-passkey', 'data.jsonl')
+    const year = 365 * 86_400_000
+    const passkey = { name: 'Phone', publicKey: 'AAAA', algorithm: -7, counter: 0, addedAt: time + year }
+    await mkdir(dirname(file), { recursive: true })
+    await writeFile(file, `${JSON.stringify({ set: 'passkey', key: 'credential-id', value: passkey })}\n`)
+    const running = await startOn(file)
+    await running.stop()
+    assert.doesNotMatch(running.logs.join('\n'), /the clock says/)
+  })
+
   it('keeps live tokens active, revoked ones revoked, used codes used and expired ones expired', async () => {
     const file = join(directory, 'restart', 'data.jsonl')
     const first = await startOn(file)
