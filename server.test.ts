@@ -3437,11 +3437,16 @@ describe('The log', () => {
       throw new Error('EAGAIN: the log cannot be written')
     }
     const lost = () =>
-      errors.mock.calls.filter((call) => /^latch: a line could not be logged: /.test(String(call.arguments[0])))
+      errors.mock.calls.filter((call) => /^latch: a line could not be logged/.test(String(call.arguments[0])))
+    // a log that writes with fs/promises rejects instead; one may throw what cannot even be said
+    const rejecting = async () => throwing()
+    const unsayable = () => {
+      throw Object.create(null)
+    }
     // a stranger's consent form without its cookie: a security event, logged before the answer
-    const server = createServer(createHandler({ config: loadConfig({ DATA_FILE: 'memory' }), log: throwing }))
+    const server = createServer(createHandler({ config: loadConfig({ DATA_FILE: 'memory' }), log: rejecting }))
     // a connection past the limit, closed and logged from the server's own listener
-    const limited = createLatchServer(undefined, { total: 1, perAddress: 100, groupOf: () => undefined }, throwing)
+    const limited = createLatchServer(undefined, { total: 1, perAddress: 100, groupOf: () => undefined }, unsayable)
     for (const listening of [server, limited])
       await new Promise<void>((resolve) => listening.listen(0, '127.0.0.1', resolve))
     try {

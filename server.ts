@@ -2945,16 +2945,25 @@ function renderError(error: unknown, req: IncomingMessage, res: ServerResponse, 
 // a trusted proxy) and the names the owner gives tokens and passkeys are logged.
 
 /**
- * A `log` as Latch calls it: one that throws (an embedding app's, writing to a disk that is full,
- * say) loses its line, and nothing more. Latch logs from timers, from failures it is recovering
- * from, and before it answers: a throw there would end the process, or leave a request unanswered.
+ * A `log` as Latch calls it: one that throws, or returns a promise that rejects (an embedding
+ * app's, writing to a disk that is full, say), loses its line, and nothing more. Latch logs from
+ * timers, from failures it is recovering from, and before it answers: a throw there would end the
+ * process, or leave a request unanswered.
  */
 function neverThrowing(log: (line: string) => void): (line: string) => void {
+  const lost = (err: unknown) => {
+    try {
+      console.error(`latch: a line could not be logged: ${String(err)}`)
+    } catch {
+      console.error('latch: a line could not be logged') // what was thrown cannot even be said
+    }
+  }
   return (line) => {
     try {
-      log(line)
+      const written: unknown = log(line)
+      if (written instanceof Promise) written.catch(lost)
     } catch (err) {
-      console.error(`latch: a line could not be logged: ${String(err)}`)
+      lost(err)
     }
   }
 }
@@ -3696,7 +3705,7 @@ export type ConnectionLimits = {
  * by address keeps one stranger from taking them all; it spares loopback, where a proxy on this
  * machine sends every client's requests from.
  */
-export const CONNECTION_LIMITS: ConnectionLimits = Object.freeze({
+export const CONNECTION_LIMITS: Readonly<ConnectionLimits> = Object.freeze({
   total: 10_000,
   perAddress: 100,
   groupOf: (address: string) => (/^(127\.|::1$|::ffff:127\.)/.test(address) ? undefined : addressGroup(address)),
@@ -6773,9 +6782,12 @@ function withDeadline<T>(promise: Promise<T>, deadline: AbortSignal, timeoutMs: 
     const abort = () =>
       reject(new DiscoveryBusy(`its host name did not resolve within ${timeoutMs} ms, perhaps behind others`))
     deadline.addEventListener('abort', abort, { once: true })
-    promise.then(resolve, (err: NodeJS.ErrnoException) =>
-      reject(new Error(`its host name does not resolve (${err.code ?? err.message})`)),
-    )
+    promise.then(resolve, (err: unknown) => {
+      // what an app's own lookup rejects with may be anything, `null` included
+      const { code, message } = (err ?? {}) as { code?: unknown; message?: unknown }
+      const reason = typeof code === 'string' ? code : typeof message === 'string' ? message : 'no reason given'
+      reject(new Error(`its host name does not resolve (${reason})`))
+    })
   })
 }
 
@@ -8490,7 +8502,7 @@ export class FileStore implements Store {
             `(${new Date(newest).toISOString()}): it is behind. Until it is set right, what Latch issues ends ` +
             'when it is, and what expired meanwhile counts as live: start Latch once the clock is synced. ' +
             'If it is right, that entry was written while it was ahead, and this is said at each start until ' +
-            'the entry expires',
+            "the clock passes that entry's time",
         )
       if ((await file.stat()).size === 0) {
         // a new journal (or one left empty) begins with its format; on a full disk, its first compaction writes it

@@ -701,6 +701,8 @@ describe('Client discovery (IndieAuth §4.2)', () => {
   it("gives a lookup's place back when an app's resolver throws instead of rejecting", async () => {
     const lookup: ClientFetchOptions['lookup'] = (hostname) => {
       if (hostname.startsWith('throws')) throw Object.assign(new Error('no such name'), { code: 'ENOTFOUND' })
+      if (hostname === 'null.example') throw null
+      if (hostname === 'undefined.example') return Promise.reject(undefined)
       return clientFetch.lookup!(hostname)
     }
     const throwing = await startLatch({}, { ...clientFetch, lookup })
@@ -710,6 +712,11 @@ describe('Client discovery (IndieAuth §4.2)', () => {
         const clientId = `http://throws${i}.example/`
         const response = await authorize(throwing, clientId, 'https://other.example/callback')
         await assertNotFetched(throwing, response, clientId, /its host name does not resolve \(ENOTFOUND\)/)
+      }
+      // what it throws or rejects with may not be an Error at all
+      for (const clientId of ['http://null.example/', 'http://undefined.example/']) {
+        const response = await authorize(throwing, clientId, 'https://other.example/callback')
+        await assertNotFetched(throwing, response, clientId, /its host name does not resolve \(no reason given\)/)
       }
       const found = await authorize(throwing, 'http://json.example/', 'https://other.example/callback')
       assert.equal(found.status, 200, await found.text())
