@@ -7244,11 +7244,12 @@ async function fetchLogo(logoUrl: string, options: FetchRules, until: Deadline):
 //
 // A write the database refused (full, or unreachable) is thrown as `NotStored`, once its cause is
 // logged: the client is told 500 `server_error`, and nothing happened (a `touchGrant` that fails
-// this way still lets the token through). Any other error is a fault, answered 500 too, with its stack in the log.
-// Every call must settle, the database reachable or not: give its driver a timeout (a few
-// seconds), as Latch waits for the store as long as it takes, and a request waiting on a call that
-// never settles is never answered, and keeps its memory. `findSession` may be asked for up to 300
-// sessions at once, for the cookies of one request on http, and 4 on https (`findOwnerSession`).
+// this way still lets the token through). Any other error is a fault, answered 500 too, with its
+// stack in the log. Every call must settle, the database reachable or not: give its driver a
+// timeout (a few seconds), as Latch waits for the store as long as it takes, and a request
+// waiting on a call that never settles is never answered, and keeps its memory. `findSession` may
+// be asked for up to 300 sessions at once, for the cookies of one request on http, and 4 on https
+// (`findOwnerSession`).
 // What a store returns has each field a type says may be missing as `undefined`, never `null`:
 // turn a NULL column into `undefined` (Latch reads `usedAt !== undefined` as "used"). Latch sweeps
 // expired entries out of its own two stores; one of your own expires them itself (a TTL, or a
@@ -8995,8 +8996,8 @@ async function applyRecord(memory: MemoryStore, record: JournalRecord, now: numb
 
 /**
  * When an entry that expires was last written: a code's issue or use, a grant's approval or last
- * refresh, a token's issue or use, a session's start; 0 for a deletion and for a passkey, which
- * does not expire, and whose times the clock being off changes nothing of.
+ * refresh, a token's issue or use, a session's start; 0 for a deletion, and for a passkey: it
+ * does not expire, so a clock that is off changes nothing of it.
  */
 function madeAt(record: JournalRecord): number {
   if (!('set' in record)) return 0
